@@ -1,0 +1,1 @@
+"""Built-in runner backends, registered through the ``plugserve_backends`` hook."""

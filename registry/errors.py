@@ -1,0 +1,135 @@
+"""The one error hierarchy of plugserve.
+
+Every error that can reach a client or an operator is a :class:`PlugserveError`
+carrying its HTTP status. The server turns them into JSON in one middleware
+(``server/middleware.py``); nothing else maps exceptions to statuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PlugserveError(Exception):
+    """Base class: a message, an HTTP status and optional extra JSON fields."""
+
+    status: int = 500
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": self.message, **self.fields}
+
+
+class InvalidInput(PlugserveError):
+    """The request is malformed: bad JSON, shapes, datatypes, names."""
+
+    status = 400
+
+
+class Unauthorized(PlugserveError):
+    """An admin call without the bearer token, or with a wrong one."""
+
+    status = 401
+
+
+class Forbidden(PlugserveError):
+    """An admin call from a non-loopback address while no token is configured."""
+
+    status = 403
+
+
+class NotFound(PlugserveError):
+    """An unknown route, version, plugin or path."""
+
+    status = 404
+
+
+class RouteNotFound(NotFound):
+    """No route of that name is served."""
+
+
+class VersionNotFound(NotFound):
+    """The route or plugin has no such version."""
+
+
+class PayloadTooLarge(PlugserveError):
+    """The request body or a tensor exceeds a configured limit."""
+
+    status = 413
+
+
+class TooManyRequests(PlugserveError):
+    """A queue is full or a rate limit applies."""
+
+    status = 429
+
+
+class Unavailable(PlugserveError):
+    """Not ready: a stage of the chain is not loaded, failed, or is draining."""
+
+    status = 503
+
+
+class DeadlineExceeded(PlugserveError):
+    """The request's deadline passed before it could be answered."""
+
+    status = 504
+
+
+class PluginError(PlugserveError):
+    """A plugin raised while serving a request.
+
+    The message names the plugin, the exception type and its message; the
+    traceback is logged by the server and never sent to the client.
+    """
+
+    status = 500
+
+    def __init__(self, plugin: str, exc: BaseException) -> None:
+        super().__init__(
+            f"plugin {plugin} raised {type(exc).__name__}: {exc}",
+            plugin=plugin,
+            exception=type(exc).__name__,
+        )
+        self.plugin = plugin
+        self.exc = exc
+
+
+class PluginLoadError(PlugserveError):
+    """A plugin version could not be loaded (manifest, import, create, warmup).
+
+    Its status is 400 because an admin reload of a broken version answers 400;
+    what was serving keeps serving.
+    """
+
+    status = 400
+
+
+class ManifestError(PluginLoadError):
+    """A ``plugin.toml`` is missing, unparsable or invalid; names file and field."""
+
+    def __init__(self, path: object, message: str, field: str | None = None) -> None:
+        where = f"{path}: {field}: " if field else f"{path}: "
+        super().__init__(where + message, file=str(path), field=field)
+
+
+class RoutesFileError(PlugserveError):
+    """``routes.toml`` is unparsable or invalid; the previous table stays."""
+
+    status = 400
+
+
+class BackendConflict(PlugserveError):
+    """Two providers claim one backend name."""
+
+    status = 500
+
+
+class ConfigError(PlugserveError):
+    """The server's configuration (flags, TOML file, environment) is invalid."""
+
+    status = 500

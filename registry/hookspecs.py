@@ -1,0 +1,118 @@
+"""The plugserve hook contract: the one page a plugin author needs.
+
+A plugin implements hooks with a marker of its own; it needs nothing but pluggy::
+
+    import pluggy
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+Every hook is named ``plugserve_*``. Each docstring below follows one template:
+what the hook is for, its parameters, what its return value means, and a short
+example. ``firstresult`` hooks stop at the first non-``None`` result and are
+synchronous; anything a component returns that is awaitable is awaited by the
+server, so component methods may be plain or ``async`` functions.
+
+Components are plain objects:
+
+- preprocessor: ``process(data, ctx) -> data``
+- runner: ``infer(inputs: dict[str, numpy.ndarray]) -> dict[str, numpy.ndarray]``
+  on a batch whose first axis is the batch, and optionally ``metadata()``
+  returning ``{"inputs": [...], "outputs": [...]}`` tensor specs
+  (``name``, ``datatype``, ``shape``)
+- postprocessor: ``format(data, ctx) -> data``
+- any component: optional ``warmup()`` (run before it takes traffic) and
+  ``close()`` (run after its last request), and optional ``metadata()``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from aiohttp import web
+
+    from registry.types import BackendFactory, PluginInfo
+
+PROJECT_NAME = "plugserve"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""The marker plugin modules use; ``pluggy.HookimplMarker("plugserve")`` is the same."""
+
+
+@hookspec(firstresult=True)
+def plugserve_create_component(plugin: PluginInfo, config: Mapping[str, Any]) -> Any:
+    """Create the component of a plugin package that has a ``module``.
+
+    Required for a module plugin, except a runner whose ``[runner] backend``
+    builds it. Called once per load of the version, off the event loop, before
+    ``warmup()``.
+
+    :param plugin: describes the plugin: ``name``, ``version``, ``type``,
+        ``path`` (its folder) and ``logger`` (structlog, bound to the plugin).
+    :param config: the manifest's ``[config]`` table (read-only).
+    :return: the component object. Stops at first non-``None`` result.
+
+    Example::
+
+        @hookimpl
+        def plugserve_create_component(plugin, config):
+            return Scale(mean=config["mean"], scale=config["scale"])
+    """
+
+
+@hookspec
+def plugserve_backends() -> Mapping[str, BackendFactory]:
+    """Declare runner backends by name.
+
+    A declarative runner (``[runner] backend = "name"``) is built by the
+    factory registered under that name, called as
+    ``factory(plugin, runner, model_path)`` with the manifest's ``[runner]``
+    table and the resolved model file (or ``None``). The built-in
+    ``onnxruntime`` backend is registered through this hook too. Installed
+    packages add backends through the entry-point group ``plugserve``; a name
+    claimed by two providers is an error that lists both.
+
+    :return: a mapping of backend name to factory. All results are merged.
+
+    Example::
+
+        @hookimpl
+        def plugserve_backends():
+            return {"echo": lambda plugin, runner, model_path: EchoRunner()}
+    """
+    return {}
+
+
+@hookspec
+def plugserve_startup(app: web.Application) -> None:
+    """Called once when the server starts, after the initial load of plugins.
+
+    :param app: the aiohttp application (read its state, do not add routes:
+        the router is frozen).
+    :return: nothing; a returned awaitable is awaited.
+
+    Example::
+
+        @hookimpl
+        def plugserve_startup(app):
+            print("serving")
+    """
+
+
+@hookspec
+def plugserve_shutdown(app: web.Application) -> None:
+    """Called once when the server stops, before plugins are closed.
+
+    :param app: the aiohttp application.
+    :return: nothing; a returned awaitable is awaited.
+
+    Example::
+
+        @hookimpl
+        def plugserve_shutdown(app):
+            print("bye")
+    """

@@ -1,0 +1,130 @@
+"""Build a plugin version into a ready instance, and release it without a trace.
+
+Loading is: manifest checked, module imported under its own name, hooks
+registered, component created (by the module's hook or by a backend), then
+``warmup()``. Releasing is the reverse: ``close()``, hooks unregistered, every
+module of the load removed from ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import structlog
+
+from registry.components import LoadedPlugin
+from registry.errors import PluginLoadError, PlugserveError
+from registry.imports import forget, import_plugin, package_name
+from registry.manager import PluginHost
+from registry.manifest import Manifest, load_manifest
+from registry.models import resolve_model
+from registry.types import PluginInfo
+
+log = structlog.get_logger("plugserve.registry")
+
+
+class Loader:
+    """Turns version folders into :class:`LoadedPlugin` instances and back."""
+
+    def __init__(self, host: PluginHost, models_dir: Path) -> None:
+        self.host = host
+        self.models_dir = models_dir
+
+    async def load(self, folder: Path) -> LoadedPlugin:
+        """Load and warm up the version in ``folder``; raise :class:`PluginLoadError`."""
+        manifest = load_manifest(folder)
+        loaded = await asyncio.to_thread(self.build, manifest)
+        try:
+            await loaded.warmup()
+        except Exception as exc:
+            await self.release(loaded)
+            raise PluginLoadError(
+                f"{manifest.label}: warmup failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        return loaded
+
+    def build(self, manifest: Manifest) -> LoadedPlugin:
+        """Import, register and create, synchronously (call it off the event loop)."""
+        info = PluginInfo(
+            name=manifest.name,
+            version=str(manifest.version),
+            type=manifest.type,
+            path=manifest.path,
+            logger=structlog.get_logger("plugserve.plugin").bind(
+                plugin_type=manifest.type, plugin=manifest.name, version=str(manifest.version)
+            ),
+        )
+        module, package = self._import(manifest)
+        try:
+            component = self._create(manifest, info, module)
+            return LoadedPlugin(manifest, info, component, package=package, hook_name=package)
+        except BaseException:
+            self._forget(package)
+            raise
+
+    def _import(self, manifest: Manifest) -> tuple[ModuleType | None, str | None]:
+        if manifest.module is None:
+            return None, None
+        package = package_name(manifest.type, manifest.name, str(manifest.version))
+        try:
+            module = import_plugin(manifest.path, manifest.module, package)
+        except Exception as exc:
+            raise PluginLoadError(
+                f"{manifest.label}: importing {manifest.module} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        try:
+            self.host.register(module, package)
+        except PlugserveError:
+            forget(package)
+            raise
+        return module, package
+
+    def _create(self, manifest: Manifest, info: PluginInfo, module: ModuleType | None) -> Any:
+        runner = manifest.runner
+        try:
+            if runner is not None and runner.backend is not None:
+                return self._create_from_backend(manifest, info, runner.backend)
+            assert module is not None  # the manifest guarantees a module here
+            return self.host.create_component(module, info, manifest.config)
+        except PlugserveError:
+            raise
+        except Exception as exc:
+            raise PluginLoadError(
+                f"{manifest.label}: creating the component failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _create_from_backend(self, manifest: Manifest, info: PluginInfo, backend: str) -> Any:
+        assert manifest.runner is not None
+        factories = self.host.backends()
+        factory = factories.get(backend)
+        if factory is None:
+            known = ", ".join(sorted(factories)) or "none"
+            raise PluginLoadError(f"{manifest.label}: unknown backend {backend!r} (known: {known})")
+        model_path = None
+        if manifest.runner.model is not None:
+            default_file = getattr(factory, "model_filename", None)
+            try:
+                model_path = resolve_model(
+                    manifest.runner.model, manifest.path, self.models_dir, default_file
+                )
+            except PluginLoadError as exc:
+                raise PluginLoadError(f"{manifest.label}: {exc.message}") from None
+        return factory(info, manifest.runner.table, model_path)
+
+    async def release(self, loaded: LoadedPlugin) -> None:
+        """``close()`` the component, unregister its hooks and forget its modules."""
+        try:
+            await loaded.close()
+        except Exception:
+            log.exception("plugin_close_failed", plugin=loaded.label)
+        finally:
+            self._forget(loaded.package)
+            loaded.component = None
+
+    def _forget(self, package: str | None) -> None:
+        if package is not None:
+            self.host.unregister(package)
+            forget(package)

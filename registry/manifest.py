@@ -1,0 +1,255 @@
+"""``plugin.toml``: parsing and validation into typed, immutable records.
+
+Every error names the file and the field, so that an operator reading the admin
+API or the log knows what to fix.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from registry.errors import ManifestError
+from registry.refs import NAME_PATTERN, PLUGIN_TYPES, PluginType, Ref, is_valid_name
+from registry.versions import Version
+
+MANIFEST_NAME = "plugin.toml"
+
+_PLUGIN_KEYS = {"name", "version", "type", "module", "description"}
+_ROUTE_KEYS = {"name", "preprocess", "postprocess"}
+
+
+@dataclass(frozen=True)
+class RunnerSection:
+    """The ``[runner]`` table. ``table`` is the whole table, handed to backend factories."""
+
+    backend: str | None = None
+    model: str | None = None
+    providers: tuple[str, ...] = ()
+    max_batch_size: int = 0
+    max_queue_delay_ms: float = 0.0
+    instances: int = 1
+    table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class RouteSection:
+    """The ``[route]`` table of a runner: the route it serves and the chain around it."""
+
+    name: str | None = None
+    preprocess: tuple[Ref, ...] = ()
+    postprocess: tuple[Ref, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated ``plugin.toml`` and the folder it was read from."""
+
+    path: Path
+    type: PluginType
+    name: str
+    version: Version
+    module: str | None = None
+    description: str = ""
+    config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    runner: RunnerSection | None = None
+    route: RouteSection = field(default_factory=RouteSection)
+
+    @property
+    def key(self) -> tuple[PluginType, str, Version]:
+        return (self.type, self.name, self.version)
+
+    @property
+    def label(self) -> str:
+        """``type/name@version``, the way logs, errors and metrics name a plugin."""
+        return f"{self.type}/{self.name}@{self.version}"
+
+    @property
+    def route_name(self) -> str:
+        return self.route.name or self.name
+
+
+def load_manifest(folder: Path) -> Manifest:
+    """Read and validate ``folder/plugin.toml``.
+
+    ``folder`` must be ``<plugins_dir>/<type>/<name>/<version>``: the manifest's
+    type, name and version must equal those folder names.
+    """
+    path = folder / MANIFEST_NAME
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ManifestError(path, "no plugin.toml in the plugin folder") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(path, f"cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(path, f"invalid TOML: {exc}") from None
+    return parse_manifest(raw, folder)
+
+
+def parse_manifest(raw: Mapping[str, Any], folder: Path) -> Manifest:
+    """Validate a parsed manifest ``raw`` found in ``folder``."""
+    path = folder / MANIFEST_NAME
+    p = _Fields(path)
+    plugin = p.table(raw, "plugin", required=True)
+    p.no_unknown_keys(plugin, "plugin", _PLUGIN_KEYS)
+
+    kind = p.required_string(plugin, "plugin.type")
+    if kind not in PLUGIN_TYPES:
+        raise ManifestError(path, f"must be one of {', '.join(PLUGIN_TYPES)}", "plugin.type")
+    name = p.required_string(plugin, "plugin.name")
+    if not is_valid_name(name):
+        raise ManifestError(path, f"{name!r} must match {NAME_PATTERN}", "plugin.name")
+    version_text = p.required_string(plugin, "plugin.version")
+    try:
+        version = Version.parse(version_text)
+    except ValueError as exc:
+        raise ManifestError(path, str(exc), "plugin.version") from None
+
+    folders = {"plugin.version": folder.name, "plugin.name": folder.parent.name}
+    folders["plugin.type"] = folder.parent.parent.name
+    for key, value in (("plugin.type", kind), ("plugin.name", name)):
+        if value != folders[key]:
+            raise ManifestError(path, f"{value!r} differs from folder {folders[key]!r}", key)
+    if version_text != folder.name:
+        raise ManifestError(
+            path, f"{version_text!r} differs from folder {folder.name!r}", "plugin.version"
+        )
+
+    module = p.string(plugin, "plugin.module")
+    if module is not None:
+        _check_relative(path, folder, module, "plugin.module")
+    runner = _runner_section(p, raw, folder) if kind == "runner" else None
+    if kind != "runner":
+        for table in ("runner", "route"):
+            if table in raw:
+                raise ManifestError(path, f"only runners have a [{table}] table", table)
+    elif runner is not None and runner.backend is None and module is None:
+        raise ManifestError(path, "a runner needs a backend or a module", "runner.backend")
+    if kind != "runner" and module is None:
+        raise ManifestError(path, f"a {kind} needs a module", "plugin.module")
+
+    return Manifest(
+        path=folder,
+        type=kind,
+        name=name,
+        version=version,
+        module=module,
+        description=p.string(plugin, "plugin.description") or "",
+        config=MappingProxyType(dict(p.table(raw, "config"))),
+        runner=runner,
+        route=_route_section(p, raw) if kind == "runner" else RouteSection(),
+    )
+
+
+def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerSection:
+    table = p.table(raw, "runner")
+    model = p.string(table, "runner.model")
+    if model is not None and not model.startswith("models:"):
+        _check_relative(p.path, folder, model, "runner.model")
+    providers = p.string_list(table, "runner.providers")
+    return RunnerSection(
+        backend=p.string(table, "runner.backend"),
+        model=model,
+        providers=tuple(providers),
+        max_batch_size=p.integer(table, "runner.max_batch_size", 0, minimum=0),
+        max_queue_delay_ms=p.number(table, "runner.max_queue_delay_ms", 0.0),
+        instances=p.integer(table, "runner.instances", 1, minimum=1),
+        table=MappingProxyType(dict(table)),
+    )
+
+
+def _route_section(p: _Fields, raw: Mapping[str, Any]) -> RouteSection:
+    table = p.table(raw, "route")
+    p.no_unknown_keys(table, "route", _ROUTE_KEYS)
+    name = p.string(table, "route.name")
+    if name is not None and not is_valid_name(name):
+        raise ManifestError(p.path, f"{name!r} must match {NAME_PATTERN}", "route.name")
+    return RouteSection(
+        name=name,
+        preprocess=p.refs(table, "route.preprocess"),
+        postprocess=p.refs(table, "route.postprocess"),
+    )
+
+
+def _check_relative(path: Path, folder: Path, relative: str, key: str) -> None:
+    target = (folder / relative).resolve()
+    if Path(relative).is_absolute() or not target.is_relative_to(folder.resolve()):
+        raise ManifestError(path, f"{relative!r} must stay inside the plugin folder", key)
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """Typed field access that raises :class:`ManifestError` naming file and field."""
+
+    path: Path
+
+    def _get(self, table: Mapping[str, Any], dotted: str, required: bool) -> Any:
+        key = dotted.rsplit(".", 1)[-1]
+        if key not in table:
+            if required:
+                raise ManifestError(self.path, "is required", dotted)
+            return None
+        return table[key]
+
+    def table(self, raw: Mapping[str, Any], key: str, required: bool = False) -> Mapping[str, Any]:
+        value = self._get(raw, key, required)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ManifestError(self.path, "must be a table", key)
+        return value
+
+    def string(self, table: Mapping[str, Any], key: str, required: bool = False) -> str | None:
+        value = self._get(table, key, required)
+        if value is not None and not isinstance(value, str):
+            raise ManifestError(self.path, f"must be a string, not {type(value).__name__}", key)
+        return value
+
+    def required_string(self, table: Mapping[str, Any], key: str) -> str:
+        value = self.string(table, key, required=True)
+        assert value is not None  # _get raised when it is missing
+        return value
+
+    def string_list(self, table: Mapping[str, Any], key: str) -> list[str]:
+        value = self._get(table, key, False)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ManifestError(self.path, "must be a list of strings", key)
+        return value
+
+    def integer(self, table: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
+        value = self._get(table, key, False)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ManifestError(self.path, f"must be an integer >= {minimum}", key)
+        return value
+
+    def number(self, table: Mapping[str, Any], key: str, default: float) -> float:
+        value = self._get(table, key, False)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ManifestError(self.path, "must be a number >= 0", key)
+        return float(value)
+
+    def refs(self, table: Mapping[str, Any], key: str) -> tuple[Ref, ...]:
+        refs = []
+        for text in self.string_list(table, key):
+            try:
+                refs.append(Ref.parse(text))
+            except ValueError as exc:
+                raise ManifestError(self.path, str(exc), key) from None
+        return tuple(refs)
+
+    def no_unknown_keys(self, table: Mapping[str, Any], name: str, known: set[str]) -> None:
+        unknown = sorted(set(table) - known)
+        if unknown:
+            allowed = ", ".join(sorted(known))
+            raise ManifestError(self.path, f"unknown key(s) {unknown}; known: {allowed}", name)

@@ -1,0 +1,64 @@
+"""The objects plugserve hands to plugins: plain, typed, documented.
+
+Plugins never need to import these (duck typing is enough); they exist so that
+the contract is written down once, in code, and checked by mypy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from structlog.typing import FilteringBoundLogger
+
+from registry.refs import PluginType
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """Describes the plugin being created: handed to ``plugserve_create_component``
+    and to backend factories.
+
+    ``logger`` is a structlog logger bound to the plugin's type, name and version.
+    """
+
+    name: str
+    version: str
+    type: PluginType
+    path: Path
+    logger: FilteringBoundLogger
+
+    @property
+    def label(self) -> str:
+        return f"{self.type}/{self.name}@{self.version}"
+
+
+@dataclass
+class RequestContext:
+    """The ``ctx`` of ``process(data, ctx)`` and ``format(data, ctx)``.
+
+    ``parameters`` are the request's parameters (v2 ``parameters``, or the query
+    string of a ``/predict`` call); ``protocol`` is ``"v2"`` or ``"predict"``;
+    ``state`` is a dict the stages of one request may share.
+    """
+
+    request_id: str
+    route: str
+    parameters: Mapping[str, Any]
+    headers: Mapping[str, str]
+    content_type: str
+    protocol: str = "v2"
+    versions: dict[str, str] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+BackendFactory = Callable[[PluginInfo, Mapping[str, Any], "Path | None"], Any]
+"""``factory(plugin, runner, model_path) -> runner component``.
+
+``runner`` is the manifest's ``[runner]`` table and ``model_path`` the resolved
+model file, or ``None`` when the manifest names none. A factory may carry a
+``model_filename`` attribute: the file a model repository version folder holds
+for this backend (``model.onnx`` for ``onnxruntime``).
+"""

@@ -1,0 +1,52 @@
+"""The aiohttp application: state, middlewares, routes and the registry's lifetime."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import structlog
+from aiohttp import web
+
+from registry.registry import Registry
+from server import admin, predict, v2
+from server.config import Settings
+from server.metrics import Metrics
+from server.middleware import request_middleware
+from server.state import METRICS, REGISTRY, SETTINGS
+
+log = structlog.get_logger("plugserve.server")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = Metrics.content_type
+    return response
+
+
+async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
+    registry = app[REGISTRY]
+    await registry.start()
+    await registry.host.startup(app)
+    yield
+    await registry.host.shutdown(app)
+    await registry.close()
+
+
+def create_app(settings: Settings, registry: Registry | None = None) -> web.Application:
+    """Build the application; plugins load when it starts (``cleanup_ctx``)."""
+    app = web.Application(
+        middlewares=[request_middleware, admin.admin_middleware],
+        client_max_size=settings.max_body_bytes,
+    )
+    app[SETTINGS] = settings
+    app[REGISTRY] = registry or Registry(
+        settings.plugins_dir, settings.models_dir, drain_timeout=settings.drain_timeout_s
+    )
+    app[METRICS] = Metrics()
+    app.cleanup_ctx.append(_registry_lifetime)
+    v2.add_routes(app)
+    predict.add_routes(app)
+    admin.add_routes(app)
+    app.router.add_get("/metrics", metrics)
+    return app

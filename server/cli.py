@@ -1,0 +1,112 @@
+"""The ``plugserve`` command: ``serve`` and ``validate``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from registry.errors import PlugserveError
+from registry.loader import Loader
+from registry.manager import PluginHost
+from server import __version__
+from server.app import create_app
+from server.config import bundled_dir, load_settings
+from server.logs import configure_logging
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plugserve", description="A plugin-based model server.")
+    parser.add_argument("--version", action="version", version=f"plugserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve the plugins directory over HTTP")
+    serve.add_argument("--config", type=Path, help="a TOML settings file")
+    serve.add_argument("--plugins-dir", type=Path, help="default: the bundled plugins/")
+    serve.add_argument("--models-dir", type=Path, help="default: the bundled models/")
+    serve.add_argument("--host", help="default: 127.0.0.1")
+    serve.add_argument("--port", type=int, help="default: 8000")
+    serve.add_argument("--log-format", choices=["console", "json"])
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    validate = commands.add_parser(
+        "validate", help="load one plugin package as the server would, without a server"
+    )
+    validate.add_argument("folder", type=Path, help="<plugins_dir>/<type>/<name>/<version>")
+    validate.add_argument("--models-dir", type=Path, help="default: the bundled models/")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        return _validate(args)
+    except PlugserveError as exc:
+        print(f"plugserve: {exc.message}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    flags = {
+        "plugins_dir": args.plugins_dir,
+        "models_dir": args.models_dir,
+        "host": args.host,
+        "port": args.port,
+        "log_format": args.log_format,
+        "log_level": args.log_level,
+    }
+    settings = load_settings(args.config, flags)
+    configure_logging(settings.log_format, settings.log_level)
+    log = structlog.get_logger("plugserve.server")
+    log.info(
+        "serving",
+        url=f"http://{settings.host}:{settings.port}",
+        plugins_dir=str(settings.plugins_dir),
+        models_dir=str(settings.models_dir),
+        admin_token=settings.admin_token is not None,
+    )
+    web.run_app(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        access_log=None,
+        print=None,
+    )
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    configure_logging("console", "warning")
+    models_dir = (args.models_dir or bundled_dir("models")).resolve()
+    report = asyncio.run(validate(args.folder.resolve(), models_dir))
+    print(json.dumps(report, indent=2))
+    return 0 if report["valid"] else 1
+
+
+async def validate(folder: Path, models_dir: Path) -> dict[str, object]:
+    """Load, warm up and release one plugin version; report what the server would see."""
+    host = PluginHost()
+    host.load_builtins()
+    host.load_entry_points()
+    loader = Loader(host, models_dir)
+    try:
+        loaded = await loader.load(folder)
+    except PlugserveError as exc:
+        return {"valid": False, "folder": str(folder), "error": exc.message}
+    try:
+        return {
+            "valid": True,
+            "plugin": loaded.label,
+            "route": loaded.manifest.route_name if loaded.manifest.type == "runner" else None,
+            "metadata": loaded.metadata(),
+        }
+    finally:
+        await loader.release(loaded)

@@ -1,0 +1,275 @@
+"""KServe v2 inference requests and responses: JSON tensors and Triton's binary tensor extension.
+
+Binary tensor data (``Inference-Header-Content-Length``): the body is a JSON
+header of that many bytes followed by the raw data of every input whose
+``parameters.binary_data_size`` is set, in input order. Numeric tensors are
+little-endian row-major; ``BYTES`` elements are each a 4-byte little-endian
+length followed by the bytes. Binary inputs are decoded without a copy
+(``numpy.frombuffer``), so they arrive read-only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from registry.datatypes import V2_TO_NUMPY, v2_datatype
+from registry.errors import InvalidInput
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_U32 = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    name: str
+    binary: bool | None = None
+
+
+@dataclass
+class InferRequest:
+    """A decoded v2 request: named input arrays, parameters and the outputs asked for."""
+
+    inputs: dict[str, np.ndarray]
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    outputs: list[RequestedOutput] | None = None
+
+    @property
+    def binary_output(self) -> bool:
+        return bool(self.parameters.get("binary_data_output", False))
+
+
+def decode_request(body: bytes, header_length: str | None) -> InferRequest:
+    """Parse a v2 infer request body; raise :class:`InvalidInput` for anything malformed."""
+    if header_length is None:
+        header, binary = body, memoryview(b"")
+    else:
+        try:
+            size = int(header_length)
+        except ValueError:
+            raise InvalidInput(f"{HEADER_LENGTH} must be an integer") from None
+        if not 0 <= size <= len(body):
+            raise InvalidInput(f"{HEADER_LENGTH} {size} is outside the body ({len(body)} bytes)")
+        header, binary = body[:size], memoryview(body)[size:]
+    try:
+        doc = json.loads(header)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"the request is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("the request must be a JSON object")
+    return _request(doc, binary)
+
+
+def _request(doc: dict[str, Any], binary: memoryview) -> InferRequest:
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidInput("'inputs' must be a non-empty list")
+    parameters = _parameters(doc, "request")
+    inputs: dict[str, np.ndarray] = {}
+    offset = 0
+    for raw in raw_inputs:
+        name, array, used = _input(raw, binary, offset)
+        if name in inputs:
+            raise InvalidInput(f"input {name!r} appears twice")
+        inputs[name] = array
+        offset += used
+    if offset != len(binary):
+        raise InvalidInput(f"{len(binary) - offset} bytes of binary data belong to no input")
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInput("'id' must be a string")
+    return InferRequest(inputs, request_id, parameters, _requested_outputs(doc.get("outputs")))
+
+
+def _parameters(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
+    value = doc.get("parameters", {})
+    if not isinstance(value, dict):
+        raise InvalidInput(f"'parameters' of the {where} must be an object")
+    return value
+
+
+def _input(raw: Any, binary: memoryview, offset: int) -> tuple[str, np.ndarray, int]:
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise InvalidInput("each input must be an object with a string 'name'")
+    name = raw["name"]
+    datatype = raw.get("datatype")
+    if datatype not in V2_TO_NUMPY:
+        known = ", ".join(V2_TO_NUMPY)
+        raise InvalidInput(f"input {name!r}: datatype {datatype!r} is not supported ({known})")
+    shape = raw.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    count = math.prod(shape)
+    size = _parameters(raw, f"input {name!r}").get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidInput(f"input {name!r}: binary_data_size must be a non-negative integer")
+        if offset + size > len(binary):
+            raise InvalidInput(f"input {name!r}: binary_data_size {size} runs past the body")
+        chunk = binary[offset : offset + size]
+        return name, _from_binary(name, datatype, shape, count, chunk), size
+    if "data" not in raw:
+        raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
+    return name, _from_json(name, datatype, shape, count, raw["data"]), 0
+
+
+def _from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
+    if not isinstance(data, list):
+        data = [data]
+    try:
+        if datatype == "BYTES":
+            array = np.asarray(data, dtype=object).reshape(-1)
+            array = np.fromiter((_to_bytes(name, v) for v in array), dtype=object, count=array.size)
+        else:
+            array = np.asarray(data, dtype=V2_TO_NUMPY[datatype])
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidInput(f"input {name!r}: data does not fit {datatype}: {exc}") from None
+    if array.size != count:
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} needs {count} elements, the data has {array.size}"
+        )
+    return array.reshape(shape)
+
+
+def _to_bytes(name: str, value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, bytes):
+        return value
+    raise InvalidInput(
+        f"input {name!r}: BYTES elements must be strings, not {type(value).__name__}"
+    )
+
+
+def _from_binary(
+    name: str, datatype: str, shape: list[int], count: int, chunk: memoryview
+) -> np.ndarray:
+    if datatype == "BYTES":
+        return _bytes_elements(name, chunk, count).reshape(shape)
+    dtype = V2_TO_NUMPY[datatype].newbyteorder("<")
+    if len(chunk) != count * dtype.itemsize:
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
+            f"binary_data_size is {len(chunk)}"
+        )
+    return np.frombuffer(chunk, dtype=dtype).reshape(shape)
+
+
+def _bytes_elements(name: str, chunk: memoryview, count: int) -> np.ndarray:
+    out = np.empty(count, dtype=object)
+    pos = 0
+    for i in range(count):
+        if pos + 4 > len(chunk):
+            raise InvalidInput(f"input {name!r}: BYTES data ends before element {i}")
+        (length,) = _U32.unpack_from(chunk, pos)
+        pos += 4
+        if pos + length > len(chunk):
+            raise InvalidInput(f"input {name!r}: BYTES element {i} runs past its data")
+        out[i] = bytes(chunk[pos : pos + length])
+        pos += length
+    if pos != len(chunk):
+        raise InvalidInput(f"input {name!r}: {len(chunk) - pos} bytes after the last element")
+    return out
+
+
+def _requested_outputs(raw: Any) -> list[RequestedOutput] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise InvalidInput("'outputs' must be a list")
+    outputs = []
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidInput("each requested output must be an object with a string 'name'")
+        binary = _parameters(item, f"output {item['name']!r}").get("binary_data")
+        outputs.append(RequestedOutput(item["name"], None if binary is None else bool(binary)))
+    return outputs
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+def as_tensor(name: str, value: Any) -> np.ndarray:
+    """What a chain returns for one output, as an array v2 can carry."""
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if array.dtype.kind in "SU":
+        array = array.astype(object)
+    try:
+        v2_datatype(array.dtype)
+    except KeyError:
+        raise TypeError(f"output {name!r} has dtype {array.dtype}, which v2 cannot carry") from None
+    return array
+
+
+def encode_response(
+    request: InferRequest,
+    model_name: str,
+    model_version: str,
+    outputs: Mapping[str, np.ndarray],
+) -> tuple[bytes, dict[str, str]]:
+    """Build the response body and headers; binary where the request asked for it."""
+    selected = _select(request, outputs)
+    header_outputs = []
+    chunks: list[bytes] = []
+    for name, binary in selected:
+        array = outputs[name]
+        datatype = v2_datatype(array.dtype)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if binary:
+            raw = _to_binary(array, datatype)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = _to_json(name, array, datatype)
+        header_outputs.append(entry)
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if request.id is not None:
+        doc["id"] = request.id
+    doc["outputs"] = header_outputs
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    if not chunks:
+        return header, {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+    return b"".join([header, *chunks]), headers
+
+
+def _select(request: InferRequest, outputs: Mapping[str, np.ndarray]) -> list[tuple[str, bool]]:
+    default = request.binary_output
+    if request.outputs is None:
+        return [(name, default) for name in outputs]
+    missing = [o.name for o in request.outputs if o.name not in outputs]
+    if missing:
+        raise InvalidInput(f"unknown output(s) {missing}; the route returns {sorted(outputs)}")
+    return [(o.name, default if o.binary is None else o.binary) for o in request.outputs]
+
+
+def _to_json(name: str, array: np.ndarray, datatype: str) -> list[Any]:
+    flat = array.reshape(-1)
+    if datatype != "BYTES":
+        return list(flat.tolist())
+    try:
+        return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in flat]
+    except UnicodeDecodeError:
+        raise InvalidInput(
+            f"output {name!r} holds bytes that are not UTF-8; ask for it as binary_data"
+        ) from None
+
+
+def _to_binary(array: np.ndarray, datatype: str) -> bytes:
+    if datatype != "BYTES":
+        return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    parts = []
+    for value in array.reshape(-1):
+        raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
+        parts.append(_U32.pack(len(raw)))
+        parts.append(raw)
+    return b"".join(parts)

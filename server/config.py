@@ -1,0 +1,105 @@
+"""Server settings: defaults, then a TOML config file, then the environment, then flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from registry.errors import ConfigError
+
+ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
+_PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def bundled_dir(name: str) -> Path:
+    """The bundled ``plugins/`` or ``models/`` of a source checkout, else ``./<name>``."""
+    bundled = _PROJECT_ROOT / name
+    return bundled if bundled.is_dir() else Path.cwd() / name
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the server is configured with. Paths are absolute."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    plugins_dir: Path = dataclasses.field(default_factory=lambda: bundled_dir("plugins"))
+    models_dir: Path = dataclasses.field(default_factory=lambda: bundled_dir("models"))
+    admin_token: str | None = dataclasses.field(default=None, repr=False)
+    log_format: str = "console"
+    log_level: str = "info"
+    drain_timeout_s: float = 30.0
+    max_body_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.log_format not in ("console", "json"):
+            raise ConfigError(f"log_format must be 'console' or 'json', not {self.log_format!r}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(
+                f"log_level must be debug, info, warning or error: {self.log_level!r}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be 0..65535, not {self.port}")
+        if self.max_body_bytes < 1 or self.drain_timeout_s < 0:
+            raise ConfigError("max_body_bytes must be >= 1 and drain_timeout_s >= 0")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+_PATHS = {"plugins_dir", "models_dir"}
+
+
+def load_settings(
+    config_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge the config file (relative paths are relative to it), the environment and flags.
+
+    ``overrides`` holds command-line values; ``None`` values are ignored.
+    """
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        values.update(_read_config(config_file))
+    env = os.environ if environ is None else environ
+    if env.get(ADMIN_TOKEN_ENV):
+        values["admin_token"] = env[ADMIN_TOKEN_ENV]
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for key in _PATHS & values.keys():
+        values[key] = Path(values[key]).expanduser().resolve()
+    try:
+        return Settings(**values)
+    except TypeError as exc:
+        raise ConfigError(f"invalid settings: {exc}") from None
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting(s) {unknown}; known: {', '.join(_FIELDS)}")
+    for key in _PATHS & raw.keys():
+        raw[key] = path.parent / str(raw[key])
+    for key, value in raw.items():
+        expected = _expected_type(key)
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise ConfigError(f"{path}: {key} must be {expected}, not {type(value).__name__}")
+    return raw
+
+
+def _expected_type(key: str) -> type | tuple[type, ...]:
+    if key in _PATHS:
+        return Path
+    types: dict[str, type | tuple[type, ...]] = {
+        "port": int,
+        "max_body_bytes": int,
+        "drain_timeout_s": (int, float),
+    }
+    return types.get(key, str)

@@ -1,0 +1,51 @@
+"""The request middleware: request ids, and the one place errors become HTTP responses."""
+
+from __future__ import annotations
+
+import uuid
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from registry.errors import PluginError, PlugserveError
+
+REQUEST_ID_HEADER = "X-Request-ID"
+
+log = structlog.get_logger("plugserve.server")
+
+
+def error_response(exc: PlugserveError) -> web.Response:
+    return web.json_response(exc.to_json(), status=exc.status)
+
+
+@web.middleware
+async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Bind a request id to the log context, answer every error as ``{"error": ...}`` JSON.
+
+    :class:`PlugserveError` carries its status; aiohttp's own HTTP errors (unknown
+    path, wrong method, body too large) keep theirs; anything else is a 500
+    whose details go to the log only.
+    """
+    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        response = await handler(request)
+    except PlugserveError as exc:
+        if isinstance(exc, PluginError):
+            log.error("plugin_raised", error=exc.message, exc_info=exc.exc)
+        elif exc.status >= 500:
+            log.error("request_failed", error=exc.message, status=exc.status)
+        response = error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = web.json_response({"error": exc.reason}, status=exc.status)
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+    except Exception:
+        log.exception("internal_error", path=request.path)
+        response = web.json_response({"error": "internal server error"}, status=500)
+    response.headers[REQUEST_ID_HEADER] = request_id
+    return response

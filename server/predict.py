@@ -1,0 +1,67 @@
+"""``POST /predict/{route}``: the chain with its own input and output formats.
+
+A JSON body (``application/json`` or ``*+json``) reaches the first stage
+parsed, any other body as ``bytes``. The last stage's result is sent back:
+``bytes`` as is, ``str`` as text, anything else (dicts, lists, numpy arrays
+and scalars) as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from registry.chain import Chain
+from registry.errors import InvalidInput, PluginError
+from server.serving import request_context, serve
+
+
+def is_json(content_type: str) -> bool:
+    return content_type == "application/json" or content_type.endswith("+json")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def encode_result(chain: Chain, result: Any) -> web.Response:
+    if isinstance(result, bytes | bytearray | memoryview):
+        return web.Response(body=bytes(result), content_type="application/octet-stream")
+    if isinstance(result, str):
+        return web.Response(text=result, content_type="text/plain")
+    try:
+        text = json.dumps(result, default=_json_default, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise PluginError(chain.stages[-1].label, exc) from None
+    return web.Response(text=text, content_type="application/json")
+
+
+async def predict(request: web.Request) -> web.Response:
+    route = request.match_info["route"]
+    body = await request.read()
+    data: Any = body
+    if is_json(request.content_type):
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidInput(f"the body is not valid JSON: {exc}") from None
+
+    async def run(chain: Chain) -> web.Response:
+        ctx = request_context(request, route, "predict", dict(request.query))
+        ctx.versions = dict(chain.versions)
+        return encode_result(chain, await chain.run(data, ctx))
+
+    return await serve(request, route, None, "predict", run)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/predict/{route}", predict)

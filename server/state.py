@@ -1,0 +1,13 @@
+"""Typed application state: the keys under which the app holds its parts."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from registry.registry import Registry
+from server.config import Settings
+from server.metrics import Metrics
+
+SETTINGS = web.AppKey("settings", Settings)
+REGISTRY = web.AppKey("registry", Registry)
+METRICS = web.AppKey("metrics", Metrics)

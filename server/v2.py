@@ -1,0 +1,102 @@
+"""The KServe v2 / Open Inference Protocol data plane, with a route as the model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from registry.chain import Chain
+from registry.errors import PluginError, Unavailable
+from server import __version__
+from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
+from server.serving import request_context, serve
+from server.state import REGISTRY
+
+EXTENSIONS = ["binary_tensor_data"]
+
+
+async def server_metadata(request: web.Request) -> web.Response:
+    return web.json_response(
+        {"name": "plugserve", "version": __version__, "extensions": EXTENSIONS}
+    )
+
+
+async def live(request: web.Request) -> web.Response:
+    return web.json_response({"live": True})
+
+
+async def ready(request: web.Request) -> web.Response:
+    if not request.app[REGISTRY].started:
+        raise Unavailable("the server is starting: plugins are still loading")
+    return web.json_response({"ready": True})
+
+
+def _resolve(request: web.Request) -> Chain:
+    route = request.match_info["route"]
+    return request.app[REGISTRY].routes.resolve(route, request.match_info.get("version"))
+
+
+async def model_metadata(request: web.Request) -> web.Response:
+    chain = _resolve(request)
+    registry = request.app[REGISTRY]
+    entry = registry.routes.entries[chain.route]
+    backend = chain.runner.manifest.runner.backend if chain.runner.manifest.runner else None
+    return web.json_response(
+        {
+            "name": chain.route,
+            "versions": entry.versions,
+            "platform": backend or "python",
+            "chain": chain.describe(),
+            **chain.metadata(),
+        }
+    )
+
+
+async def model_ready(request: web.Request) -> web.Response:
+    chain = _resolve(request)
+    return web.json_response({"name": chain.route, "ready": True})
+
+
+async def infer(request: web.Request) -> web.Response:
+    route = request.match_info["route"]
+    version = request.match_info.get("version")
+    body = await request.read()
+    decoded = decode_request(body, request.headers.get(HEADER_LENGTH))
+
+    async def run(chain: Chain) -> web.Response:
+        ctx = request_context(request, route, "v2", decoded.parameters)
+        ctx.versions = dict(chain.versions)
+        result = await chain.run(decoded.inputs, ctx)
+        outputs = _outputs(chain, result)
+        payload, headers = encode_response(decoded, route, chain.runner_version, outputs)
+        return web.Response(body=payload, headers=headers)
+
+    return await serve(request, route, version, "v2", run)
+
+
+def _outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:
+    """The chain's result as named tensors; anything else is the last stage's fault."""
+    last = chain.stages[-1]
+    if not isinstance(result, Mapping):
+        raise PluginError(
+            last.label,
+            TypeError(f"returned {type(result).__name__}; v2 needs a dict of named tensors"),
+        )
+    try:
+        return {str(name): as_tensor(str(name), value) for name, value in result.items()}
+    except (TypeError, ValueError) as exc:
+        raise PluginError(last.label, exc) from None
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/v2", server_metadata)
+    r.add_get("/v2/health/live", live)
+    r.add_get("/v2/health/ready", ready)
+    for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
+        r.add_get(prefix, model_metadata)
+        r.add_get(prefix + "/ready", model_ready)
+        r.add_post(prefix + "/infer", infer)
