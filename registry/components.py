@@ -67,6 +67,12 @@ class LoadedPlugin:
         return self.manifest.label
 
     @property
+    def max_queue_size(self) -> int:
+        """Requests a runner takes in flight before answering 429; 0 is unbounded."""
+        runner = self.manifest.runner
+        return runner.max_queue_size if runner else 0
+
+    @property
     def version(self) -> str:
         return str(self.manifest.version)
 

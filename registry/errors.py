@@ -23,6 +23,10 @@ class PlugserveError(Exception):
     def to_json(self) -> dict[str, Any]:
         return {"error": self.message, **self.fields}
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the response carries besides the JSON body."""
+        return {}
+
 
 class InvalidInput(PlugserveError):
     """The request is malformed: bad JSON, shapes, datatypes, names."""
@@ -63,9 +67,12 @@ class PayloadTooLarge(PlugserveError):
 
 
 class TooManyRequests(PlugserveError):
-    """A queue is full or a rate limit applies."""
+    """A queue is full or a rate limit applies; ``retry_after_s`` becomes ``Retry-After``."""
 
     status = 429
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.fields.get("retry_after_s", 1))}
 
 
 class Unavailable(PlugserveError):

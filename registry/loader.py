@@ -77,9 +77,10 @@ class Loader:
             ) from exc
         try:
             self.host.register(module, package)
-        except PlugserveError:
+        except PlugserveError as exc:
             forget(package)
-            raise
+            detail = exc.message.replace(f"{package}: ", "", 1).replace(package, manifest.label)
+            raise PluginLoadError(f"{manifest.label}: invalid hooks: {detail}") from None
         return module, package
 
     def _create(self, manifest: Manifest, info: PluginInfo, module: ModuleType | None) -> Any:

@@ -33,6 +33,7 @@ class RunnerSection:
     max_batch_size: int = 0
     max_queue_delay_ms: float = 0.0
     instances: int = 1
+    max_queue_size: int = 0
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
@@ -159,6 +160,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         max_batch_size=p.integer(table, "runner.max_batch_size", 0, minimum=0),
         max_queue_delay_ms=p.number(table, "runner.max_queue_delay_ms", 0.0),
         instances=p.integer(table, "runner.instances", 1, minimum=1),
+        max_queue_size=p.integer(table, "runner.max_queue_size", 0, minimum=0),
         table=MappingProxyType(dict(table)),
     )
 

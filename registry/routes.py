@@ -212,7 +212,10 @@ class _Index:
             return _Failure(Unavailable, _not_ready(known[str(ref.version)]))
         if not known:
             return _Failure(Unavailable, f"{kind} {ref} is not installed")
-        states = ", ".join(f"{v} {r.state}" for v, r in sorted(known.items()))
+        states = "; ".join(
+            f"{v} {r.state}" + (f": {r.last_error}" if r.last_error else "")
+            for v, r in sorted(known.items())
+        )
         wanted = f"version {ref.version}" if ref.version else "ready version"
         return _Failure(Unavailable, f"{kind} {ref.name} has no {wanted} ({states})")
 

@@ -16,7 +16,7 @@ log = structlog.get_logger("plugserve.server")
 
 
 def error_response(exc: PlugserveError) -> web.Response:
-    return web.json_response(exc.to_json(), status=exc.status)
+    return web.json_response(exc.to_json(), status=exc.status, headers=exc.headers())
 
 
 @web.middleware

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from registry.chain import Chain
 from registry.errors import InvalidInput, PluginError
-from server.serving import request_context, serve
+from server.serving import deadline_seconds, request_context, serve
 
 
 def is_json(content_type: str) -> bool:
@@ -60,7 +60,8 @@ async def predict(request: web.Request) -> web.Response:
         ctx.versions = dict(chain.versions)
         return encode_result(chain, await chain.run(data, ctx))
 
-    return await serve(request, route, None, "predict", run)
+    deadline = deadline_seconds(request, {})
+    return await serve(request, route, None, "predict", run, deadline)
 
 
 def add_routes(app: web.Application) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -9,7 +10,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from registry.chain import Chain
-from registry.errors import PlugserveError
+from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError, TooManyRequests
 from registry.types import RequestContext
 from server.middleware import REQUEST_ID_HEADER
 from server.state import METRICS, REGISTRY
@@ -17,6 +18,29 @@ from server.state import METRICS, REGISTRY
 T = TypeVar("T")
 
 UNKNOWN_ROUTE = "_unknown"
+TIMEOUT_HEADER = "X-Request-Timeout"
+RETRY_AFTER_S = 1
+
+
+def deadline_seconds(request: web.Request, parameters: dict[str, Any]) -> float | None:
+    """The request's time budget: v2 ``timeout`` (microseconds, as tritonclient sends it)
+    or the ``X-Request-Timeout`` header (seconds); the smaller when both are given."""
+    budgets = []
+    if "timeout" in parameters:
+        value = parameters["timeout"]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise InvalidInput("parameter 'timeout' must be a positive number of microseconds")
+        budgets.append(value / 1e6)
+    header = request.headers.get(TIMEOUT_HEADER)
+    if header is not None:
+        try:
+            seconds = float(header)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0:
+            raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of seconds")
+        budgets.append(seconds)
+    return min(budgets) if budgets else None
 
 
 def request_context(
@@ -38,11 +62,15 @@ async def serve(
     version: str | None,
     protocol: str,
     handle: Callable[[Chain], Awaitable[T]],
+    deadline_s: float | None = None,
 ) -> T:
     """Resolve ``route`` and call ``handle(chain)`` with the request counted in on every stage.
 
     The chain is resolved and entered in one event-loop step (no ``await``
     between), so a reload can never release an instance a request is about to use.
+    A runner whose ``max_queue_size`` requests are already in flight answers 429;
+    a request still running at its deadline answers 504 (a runner call already
+    on a thread finishes there, unobserved).
     """
     registry = request.app[REGISTRY]
     started = time.perf_counter()
@@ -50,9 +78,24 @@ async def serve(
     status = 200
     try:
         chain = registry.routes.resolve(route, version)
+        limit = chain.runner.max_queue_size
+        if limit and chain.runner.in_flight >= limit:
+            raise TooManyRequests(
+                f"runner {chain.runner.label} has {limit} requests in flight, its max_queue_size",
+                retry_after_s=RETRY_AFTER_S,
+            )
         chain.enter()
         try:
-            return await handle(chain)
+            if deadline_s is None:
+                return await handle(chain)
+            try:
+                async with asyncio.timeout(deadline_s):
+                    return await handle(chain)
+            except TimeoutError:
+                # Stage errors arrive wrapped (PluginError): this can only be the deadline.
+                raise DeadlineExceeded(
+                    f"the request's deadline of {deadline_s:g} s passed"
+                ) from None
         finally:
             chain.leave()
     except PlugserveError as exc:

@@ -12,7 +12,7 @@ from registry.chain import Chain
 from registry.errors import PluginError, Unavailable
 from server import __version__
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
-from server.serving import request_context, serve
+from server.serving import deadline_seconds, request_context, serve
 from server.state import REGISTRY
 
 EXTENSIONS = ["binary_tensor_data"]
@@ -74,7 +74,8 @@ async def infer(request: web.Request) -> web.Response:
         payload, headers = encode_response(decoded, route, chain.runner_version, outputs)
         return web.Response(body=payload, headers=headers)
 
-    return await serve(request, route, version, "v2", run)
+    deadline = deadline_seconds(request, decoded.parameters)
+    return await serve(request, route, version, "v2", run, deadline)
 
 
 def _outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:

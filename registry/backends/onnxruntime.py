@@ -105,10 +105,11 @@ class OnnxRuntimeRunner:
                 f"{self._label}: input {spec.name!r} has shape {list(array.shape)}, "
                 f"the model takes {spec.shape} (-1: any)"
             )
+        if spec.datatype == "BYTES":
+            # ONNX Runtime wants str elements; v2 BYTES arrive as bytes.
+            return np.vectorize(_as_text, otypes=[object])(array) if array.size else array
         if spec.dtype is None or array.dtype == spec.dtype:
             return array
-        if spec.datatype == "BYTES":
-            return np.vectorize(_as_text, otypes=[object])(array) if array.size else array
         if not np.can_cast(array.dtype, spec.dtype, casting="same_kind"):
             raise InvalidInput(
                 f"{self._label}: input {spec.name!r} is {array.dtype}, "

@@ -1,0 +1,196 @@
+"""Test helpers: plugin folders and ONNX models written to real files, and real servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import onnx
+from onnx import TensorProto, helper
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_plugin(
+    plugins_dir: Path,
+    kind: str,
+    name: str,
+    version: str,
+    manifest: str = "",
+    files: dict[str, str] | None = None,
+    module: str | None = "plugin.py",
+) -> Path:
+    """Write ``<plugins_dir>/<kind>/<name>/<version>/`` with a manifest and source files.
+
+    ``manifest`` is TOML appended after the ``[plugin]`` table (``[config]``,
+    ``[runner]``, ``[route]``); ``files`` maps relative paths to (dedented) text.
+    """
+    folder = plugins_dir / kind / name / version
+    folder.mkdir(parents=True, exist_ok=True)
+    head = f'[plugin]\nname = "{name}"\nversion = "{version}"\ntype = "{kind}"\n'
+    if module is not None:
+        head += f'module = "{module}"\n'
+    (folder / "plugin.toml").write_text(head + textwrap.dedent(manifest))
+    for rel, text in (files or {}).items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return folder
+
+
+# Processor sources used across tests: pluggy and numpy only, as a plugin author writes them.
+ADD_PROCESSOR = """
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Add:
+        def __init__(self, amount):
+            self.amount = amount
+
+        def {method}(self, data, ctx):
+            return {{k: np.asarray(v) + self.amount for k, v in data.items()}}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Add(config.get("amount", 0))
+"""
+
+
+def processor_source(kind: str) -> str:
+    return ADD_PROCESSOR.format(method="process" if kind == "preprocessor" else "format")
+
+
+def write_processor(plugins_dir: Path, kind: str, name: str, version: str, amount: float) -> Path:
+    """A processor that adds ``amount`` to every named tensor."""
+    return write_plugin(
+        plugins_dir,
+        kind,
+        name,
+        version,
+        f"[config]\namount = {amount}\n",
+        {"plugin.py": processor_source(kind)},
+    )
+
+
+def add_model(path: Path, amount: float = 1.0, features: int = 4) -> Path:
+    """An ONNX model ``y = x + amount`` on FP32 ``[N, features]``."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", features])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", features])
+    const = helper.make_tensor("amount", TensorProto.FLOAT, [1], [amount])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "amount"], ["y"])], "add", [x], [y])
+    graph.initializer.append(const)
+    return _save(graph, path)
+
+
+def identity_model(path: Path, types: dict[str, int], shape: list[Any] | None = None) -> Path:
+    """An ONNX model passing each input ``in_<name>`` through to ``out_<name>``."""
+    dims = shape if shape is not None else ["N", 2]
+    inputs = [helper.make_tensor_value_info(f"in_{n}", t, dims) for n, t in types.items()]
+    outputs = [helper.make_tensor_value_info(f"out_{n}", t, dims) for n, t in types.items()]
+    nodes = [helper.make_node("Identity", [f"in_{n}"], [f"out_{n}"]) for n in types]
+    return _save(helper.make_graph(nodes, "identity", inputs, outputs), path)
+
+
+def _save(graph: onnx.GraphProto, path: Path) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def write_add_runner(
+    plugins_dir: Path,
+    name: str,
+    version: str,
+    amount: float = 1.0,
+    route: str = "",
+    runner: str = "",
+) -> Path:
+    """A declarative ONNX runner with its own ``model.onnx`` computing ``x + amount``."""
+    folder = write_plugin(
+        plugins_dir,
+        "runner",
+        name,
+        version,
+        f'[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\n{runner}\n{route}',
+        module=None,
+    )
+    add_model(folder / "model.onnx", amount)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """``plugserve serve`` as a real subprocess on a free loopback port."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        command = [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args]
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            command, cwd=ROOT, env=environ, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = 30.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.1)
+        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        hdrs = {"Content-Type": "application/json"} if isinstance(body, dict) else {}
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={**hdrs, **(headers or {})}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            code = self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._log.close()
+        return code

@@ -1,0 +1,108 @@
+"""The built-in ONNX Runtime backend on real models written by the onnx package."""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import structlog
+from onnx import TensorProto
+
+from registry.backends.onnxruntime import OnnxRuntimeRunner, create_runner
+from registry.errors import InvalidInput, PluginLoadError
+from registry.types import PluginInfo
+from tests.helpers import add_model, identity_model
+
+
+def info(tmp_path: Path) -> PluginInfo:
+    return PluginInfo("m", "1.0.0", "runner", tmp_path, structlog.get_logger())
+
+
+def runner(tmp_path: Path, model: Path, **table: Any) -> OnnxRuntimeRunner:
+    return create_runner(info(tmp_path), table, model)
+
+
+ALL_TYPES = {
+    "bool": TensorProto.BOOL, "u8": TensorProto.UINT8, "u16": TensorProto.UINT16,
+    "u32": TensorProto.UINT32, "u64": TensorProto.UINT64, "i8": TensorProto.INT8,
+    "i16": TensorProto.INT16, "i32": TensorProto.INT32, "i64": TensorProto.INT64,
+    "f16": TensorProto.FLOAT16, "f32": TensorProto.FLOAT, "f64": TensorProto.DOUBLE,
+    "str": TensorProto.STRING,
+}  # fmt: skip
+V2 = {
+    "bool": "BOOL", "u8": "UINT8", "u16": "UINT16", "u32": "UINT32", "u64": "UINT64",
+    "i8": "INT8", "i16": "INT16", "i32": "INT32", "i64": "INT64", "f16": "FP16", "f32": "FP32",
+    "f64": "FP64", "str": "BYTES",
+}  # fmt: skip
+
+
+def test_every_onnx_type_maps_to_its_v2_datatype_and_runs(tmp_path: Path) -> None:
+    r = runner(tmp_path, identity_model(tmp_path / "id.onnx", ALL_TYPES))
+    meta = r.metadata()
+    assert {i["name"]: i["datatype"] for i in meta["inputs"]} == {f"in_{k}": v for k, v in V2.items()}
+    assert {o["name"]: o["datatype"] for o in meta["outputs"]} == {f"out_{k}": v for k, v in V2.items()}
+    from registry.datatypes import numpy_dtype
+
+    inputs = {}
+    for key, datatype in V2.items():
+        if datatype == "BYTES":
+            inputs[f"in_{key}"] = np.array([[b"a", b"b"]], dtype=object)
+        else:
+            inputs[f"in_{key}"] = np.ones((1, 2), dtype=numpy_dtype(datatype))
+    out = r.infer(inputs)
+    for key, datatype in V2.items():
+        if datatype == "BYTES":
+            assert out[f"out_{key}"].tolist() == [["a", "b"]]
+        else:
+            assert out[f"out_{key}"].dtype == numpy_dtype(datatype)
+            np.testing.assert_array_equal(out[f"out_{key}"], inputs[f"in_{key}"])
+
+
+def test_dynamic_and_fixed_dimensions_in_metadata(tmp_path: Path) -> None:
+    dynamic = runner(tmp_path, add_model(tmp_path / "a.onnx"))
+    assert dynamic.metadata()["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    fixed = runner(tmp_path, identity_model(tmp_path / "f.onnx", {"a": TensorProto.FLOAT}, [2, 3]))
+    assert fixed.metadata()["inputs"] == [{"name": "in_a", "datatype": "FP32", "shape": [2, 3]}]
+    with pytest.raises(InvalidInput, match=r"has shape \[1, 3\], the model takes \[2, 3\]"):
+        fixed.infer({"in_a": np.zeros((1, 3), np.float32)})
+
+
+def test_inputs_are_converted_within_their_kind(tmp_path: Path) -> None:
+    r = runner(tmp_path, add_model(tmp_path / "a.onnx", amount=0.5))
+    out = r.infer({"x": np.ones((2, 4), np.float64)})
+    assert out["y"].dtype == np.float32
+    np.testing.assert_allclose(out["y"], 1.5)
+    out = r.infer({"x": np.ones((2, 4), np.int64)})
+    np.testing.assert_allclose(out["y"], 1.5)
+    with pytest.raises(InvalidInput, match="cannot be converted"):
+        r.infer({"x": np.array([["a"] * 4], dtype=object)})
+
+
+def test_missing_unknown_and_misshaped_inputs(tmp_path: Path) -> None:
+    r = runner(tmp_path, add_model(tmp_path / "a.onnx"))
+    with pytest.raises(InvalidInput, match="missing input 'x'"):
+        r.infer({})
+    with pytest.raises(InvalidInput, match=r"unknown input\(s\) \['z'\]"):
+        r.infer({"x": np.zeros((1, 4), np.float32), "z": np.zeros(1)})
+    with pytest.raises(InvalidInput, match=r"has shape \[1, 3\]"):
+        r.infer({"x": np.zeros((1, 3), np.float32)})
+
+
+def test_unavailable_providers_fall_back_with_a_warning(tmp_path: Path) -> None:
+    r = runner(tmp_path, add_model(tmp_path / "a.onnx"), providers=["NoSuchExecutionProvider"])
+    assert r.metadata()["providers"] == ["CPUExecutionProvider"]
+
+
+def test_needs_a_model_and_a_valid_file(tmp_path: Path) -> None:
+    with pytest.raises(PluginLoadError, match="needs \\[runner\\] model"):
+        create_runner(info(tmp_path), {}, None)
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(Exception, match="(?i)protobuf|invalid|load"):
+        create_runner(info(tmp_path), {}, bad)
+
+
+def test_session_threads_are_configurable(tmp_path: Path) -> None:
+    r = runner(tmp_path, add_model(tmp_path / "a.onnx"), intra_op_threads=1, inter_op_threads=1)
+    np.testing.assert_allclose(r.infer({"x": np.zeros((3, 4), np.float32)})["y"], 1.0)
+    r.close()

@@ -1,0 +1,202 @@
+"""Loading plugin folders: module isolation, sibling imports, failures, and leaving nothing behind."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from registry.errors import PluginLoadError
+from registry.loader import Loader
+from registry.manager import PluginHost
+from tests.helpers import write_plugin
+
+SIBLING_PLUGIN = """
+    import pluggy
+    from . import helper
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Echo:
+        def process(self, data, ctx):
+            return helper.VALUE
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Echo()
+"""
+
+
+@pytest.fixture
+def loader(models_dir: Path) -> Loader:
+    host = PluginHost()
+    host.load_builtins()
+    return Loader(host, models_dir)
+
+
+def _write_sibling_version(plugins_dir: Path, version: str, value: str) -> Path:
+    return write_plugin(
+        plugins_dir,
+        "preprocessor",
+        "iso",
+        version,
+        files={"plugin.py": SIBLING_PLUGIN, "helper.py": f"VALUE = {value!r}\n"},
+    )
+
+
+async def test_two_versions_with_same_named_siblings_never_share_modules(
+    plugins_dir: Path, loader: Loader
+) -> None:
+    one = await loader.load(_write_sibling_version(plugins_dir, "1.0.0", "one"))
+    two = await loader.load(_write_sibling_version(plugins_dir, "2.0.0", "two"))
+    assert one.component.process(None, None) == "one"
+    assert two.component.process(None, None) == "two"
+    assert one.package != two.package
+    helper_one = sys.modules[f"{one.package}.helper"]
+    helper_two = sys.modules[f"{two.package}.helper"]
+    assert helper_one is not helper_two
+    assert "helper" not in sys.modules  # nothing leaked under a bare name
+    await loader.release(one)
+    await loader.release(two)
+
+
+async def test_two_loads_of_one_version_are_separate_and_see_edits(
+    plugins_dir: Path, loader: Loader
+) -> None:
+    folder = _write_sibling_version(plugins_dir, "1.0.0", "old")
+    first = await loader.load(folder)
+    # Same size, same second: bytecode caches keyed on mtime and size would serve "old".
+    (folder / "helper.py").write_text("VALUE = 'new'\n")
+    second = await loader.load(folder)
+    assert first.component.process(None, None) == "old"
+    assert second.component.process(None, None) == "new"
+    assert first.package != second.package
+    await loader.release(first)
+    await loader.release(second)
+
+
+async def test_release_forgets_every_module_and_hook(plugins_dir: Path, loader: Loader) -> None:
+    loaded = await loader.load(_write_sibling_version(plugins_dir, "1.0.0", "x"))
+    package = loaded.package
+    assert package is not None
+    assert package in loader.host.names()
+    await loader.release(loaded)
+    assert [m for m in sys.modules if m == package or m.startswith(package + ".")] == []
+    assert package not in loader.host.names()
+    assert loaded.component is None
+
+
+async def test_plugin_imports_write_no_bytecode_into_the_folder(
+    plugins_dir: Path, loader: Loader
+) -> None:
+    folder = _write_sibling_version(plugins_dir, "1.0.0", "x")
+    await loader.release(await loader.load(folder))
+    assert not (folder / "__pycache__").exists()
+
+
+async def test_module_may_be_a_package_folder(plugins_dir: Path, loader: Loader) -> None:
+    folder = write_plugin(
+        plugins_dir,
+        "postprocessor",
+        "pkg",
+        "1.0.0",
+        module="impl",
+        files={
+            "impl/__init__.py": "from .hooks import plugserve_create_component\n",
+            "impl/hooks.py": """
+                import pluggy
+                from .util import shout
+                hookimpl = pluggy.HookimplMarker("plugserve")
+
+                class Shout:
+                    def format(self, data, ctx):
+                        return shout(data)
+
+                @hookimpl
+                def plugserve_create_component(plugin, config):
+                    return Shout()
+            """,
+            "impl/util.py": "def shout(s):\n    return s.upper()\n",
+        },
+    )
+    loaded = await loader.load(folder)
+    assert loaded.component.format("hi", None) == "HI"
+    await loader.release(loaded)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("raise RuntimeError('boom at import')", "importing plugin.py failed: RuntimeError: boom"),
+        ("x = (", "importing plugin.py failed: SyntaxError"),
+        ("import pluggy\n", "implements no plugserve_create_component"),
+        (
+            "import pluggy\nh = pluggy.HookimplMarker('plugserve')\n"
+            "@h\ndef plugserve_create_component(plugin, config):\n    raise ValueError('bad config')\n",
+            "creating the component failed: ValueError: bad config",
+        ),
+        (
+            "import pluggy\nh = pluggy.HookimplMarker('plugserve')\n"
+            "@h\ndef plugserve_create_component(plugin, config):\n    return object()\n",
+            "has no process",
+        ),
+        (
+            "import pluggy\nh = pluggy.HookimplMarker('plugserve')\n"
+            "@h\ndef plugserve_no_such_hook():\n    pass\n",
+            "unknown hook",
+        ),
+        (
+            "import pluggy\nh = pluggy.HookimplMarker('plugserve')\n"
+            "@h\ndef plugserve_create_component(plugin, config, extra):\n    pass\n",
+            "extra",
+        ),
+        (
+            "import pluggy\nh = pluggy.HookimplMarker('plugserve')\n"
+            "class C:\n    def process(self, d, c):\n        return d\n"
+            "    def warmup(self):\n        raise OSError('no device')\n"
+            "@h\ndef plugserve_create_component(plugin, config):\n    return C()\n",
+            "warmup failed: OSError: no device",
+        ),
+    ],
+)
+async def test_load_failures_are_clear_and_leave_nothing_behind(
+    plugins_dir: Path, loader: Loader, source: str, message: str
+) -> None:
+    folder = write_plugin(plugins_dir, "preprocessor", "bad", "1.0.0", files={"plugin.py": source})
+    before = {m for m in sys.modules if m.startswith("_plugserve_")}
+    names_before = set(loader.host.names())
+    with pytest.raises(PluginLoadError, match=message) as info:
+        await loader.load(folder)
+    assert "preprocessor/bad@1.0.0" in info.value.message
+    assert {m for m in sys.modules if m.startswith("_plugserve_")} == before
+    assert set(loader.host.names()) == names_before
+
+
+async def test_components_get_plugin_info_and_config(plugins_dir: Path, loader: Loader) -> None:
+    folder = write_plugin(
+        plugins_dir,
+        "preprocessor",
+        "info",
+        "0.1.0",
+        "[config]\nfactor = 3\n",
+        files={
+            "plugin.py": """
+                import pluggy
+                hookimpl = pluggy.HookimplMarker("plugserve")
+
+                class C:
+                    def __init__(self, plugin, config):
+                        self.seen = (plugin.name, plugin.version, plugin.type, plugin.path,
+                                     config["factor"])
+                        plugin.logger.info("created")
+                    def process(self, d, c):
+                        return d
+
+                @hookimpl
+                def plugserve_create_component(plugin, config):
+                    return C(plugin, config)
+            """
+        },
+    )
+    loaded = await loader.load(folder)
+    assert loaded.component.seen == ("info", "0.1.0", "preprocessor", folder, 3)
+    await loader.release(loaded)

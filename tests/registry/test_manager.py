@@ -1,0 +1,138 @@
+"""The typed facade over pluggy: built-ins, entry points (through a fake .dist-info), conflicts."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from registry.errors import BackendConflict
+from registry.manager import PluginHost
+
+
+def fake_distribution(site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:  # fmt: skip
+    """An installed package as importlib.metadata sees it, without installing anything."""
+    info = site / f"{dist}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[plugserve]\n{lines}\n")
+    for name, source in modules.items():
+        (site / f"{name}.py").write_text(textwrap.dedent(source))
+
+
+ECHO_BACKEND = """
+    import pluggy
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Echo:
+        def __init__(self, runner):
+            self.runner = dict(runner)
+        def infer(self, inputs):
+            return dict(inputs)
+
+    def factory(plugin, runner, model_path):
+        return Echo(runner)
+
+    @hookimpl
+    def plugserve_backends():
+        return {"echo": factory}
+
+    STARTED = []
+
+    @hookimpl
+    async def plugserve_startup(app):
+        STARTED.append(app)
+"""
+
+
+def test_builtin_onnxruntime_backend_is_registered_through_the_hook() -> None:
+    host = PluginHost()
+    assert host.backends() == {}
+    host.load_builtins()
+    assert set(host.backends()) == {"onnxruntime"}
+    assert host.backends()["onnxruntime"].model_filename == "model.onnx"  # type: ignore[attr-defined]
+
+
+def test_entry_point_package_adds_a_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_distribution(tmp_path, "plugserve_echo", {"echo": "echo_backend"},
+                      {"echo_backend": ECHO_BACKEND})  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    host = PluginHost()
+    host.load_builtins()
+    assert host.load_entry_points() == ["entrypoint:echo"]
+    assert set(host.backends()) == {"onnxruntime", "echo"}
+    assert host.load_entry_points() == []  # idempotent
+
+
+def test_broken_entry_point_is_logged_and_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_distribution(
+        tmp_path,
+        "plugserve_mixed",
+        {"good": "good_backend", "broken": "missing_module_xyz"},
+        {"good_backend": ECHO_BACKEND},
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    host = PluginHost()
+    assert host.load_entry_points() == ["entrypoint:good"]
+    assert "echo" in host.backends()
+
+
+def test_two_providers_of_one_backend_name_is_an_error_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clash = "import pluggy\nh = pluggy.HookimplMarker('plugserve')\n" \
+            "@h\ndef plugserve_backends():\n    return {'onnxruntime': lambda *a: None}\n"  # fmt: skip
+    fake_distribution(tmp_path, "plugserve_clash", {"clash": "clash_backend"},
+                      {"clash_backend": clash})  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    host = PluginHost()
+    host.load_builtins()
+    host.load_entry_points()
+    with pytest.raises(BackendConflict) as info:
+        host.backends()
+    assert "'onnxruntime'" in info.value.message
+    assert "builtin:onnxruntime" in info.value.message
+    assert "entrypoint:clash" in info.value.message
+
+
+async def test_lifecycle_hooks_are_called_and_awaited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_distribution(tmp_path, "plugserve_life", {"life": "life_backend"},
+                      {"life_backend": ECHO_BACKEND})  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    host = PluginHost()
+    host.load_entry_points()
+    app = web.Application()
+    await host.startup(app)
+    import life_backend  # type: ignore[import-not-found]
+
+    assert life_backend.STARTED == [app]
+
+
+async def test_a_failing_lifecycle_hook_does_not_stop_the_others() -> None:
+    calls = []
+
+    class Bad:
+        from registry.hookspecs import hookimpl
+
+        @hookimpl
+        def plugserve_shutdown(self, app: web.Application) -> None:
+            raise RuntimeError("bad")
+
+    class Good:
+        from registry.hookspecs import hookimpl
+
+        @hookimpl
+        def plugserve_shutdown(self, app: web.Application) -> None:
+            calls.append(app)
+
+    host = PluginHost()
+    host.register(Bad(), "bad")
+    host.register(Good(), "good")
+    app = web.Application()
+    await host.shutdown(app)
+    assert calls == [app]

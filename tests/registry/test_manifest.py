@@ -1,0 +1,109 @@
+from pathlib import Path
+
+import pytest
+
+from registry.errors import ManifestError
+from registry.manifest import load_manifest
+from registry.refs import Ref
+from registry.versions import Version
+from tests.helpers import write_plugin
+
+
+def _folder(plugins_dir: Path, text: str, kind: str = "runner", name: str = "iris",
+            version: str = "1.0.0") -> Path:  # fmt: skip
+    folder = plugins_dir / kind / name / version
+    folder.mkdir(parents=True)
+    (folder / "plugin.toml").write_text(text)
+    return folder
+
+
+def test_full_runner_manifest_is_parsed(plugins_dir: Path) -> None:
+    folder = write_plugin(
+        plugins_dir,
+        "runner",
+        "iris",
+        "1.2.3-rc.1",
+        """
+        description = "d"
+        [config]
+        labels = ["a", "b"]
+        [runner]
+        backend = "onnxruntime"
+        model = "models:iris/2"
+        providers = ["CPUExecutionProvider"]
+        max_batch_size = 8
+        max_queue_delay_ms = 1.5
+        instances = 2
+        [route]
+        name = "flowers"
+        preprocess = ["scale@1.0.0", "clip"]
+        postprocess = ["label"]
+        """,
+        module=None,
+    )
+    m = load_manifest(folder)
+    assert (m.type, m.name, m.version) == ("runner", "iris", Version.parse("1.2.3-rc.1"))
+    assert m.module is None
+    assert m.config["labels"] == ["a", "b"]
+    assert m.runner is not None
+    assert m.runner.backend == "onnxruntime" and m.runner.model == "models:iris/2"
+    assert (m.runner.max_batch_size, m.runner.max_queue_delay_ms, m.runner.instances) == (8, 1.5, 2)
+    assert m.route_name == "flowers"
+    assert m.route.preprocess == (Ref("scale", Version.parse("1.0.0")), Ref("clip"))
+    assert m.label == "runner/iris@1.2.3-rc.1"
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "message"),
+    [
+        ("", "plugin", "is required"),
+        ("[plugin]\nname='iris'\ntype='runner'\n", "plugin.version", "is required"),
+        ("[plugin\n", None, "invalid TOML"),
+        ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='model'\n", "plugin.type", "one of"),
+        ("[plugin]\nname='other'\nversion='1.0.0'\ntype='runner'\n", "plugin.name", "differs"),
+        ("[plugin]\nname='iris'\nversion='1.0.1'\ntype='runner'\n", "plugin.version", "differs"),
+        ("[plugin]\nname='iris'\nversion=1\ntype='runner'\n", "plugin.version", "must be a string"),
+        ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\nmodul='x.py'\n", "plugin",
+         "unknown key"),
+        ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n", "runner.backend",
+         "needs a backend or a module"),
+        ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n[runner]\nbackend='onnxruntime'\n"
+         "max_batch_size=-1\n", "runner.max_batch_size", "integer >= 0"),
+        ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n[runner]\nbackend='onnxruntime'\n"
+         "model='../../x.onnx'\n", "runner.model", "inside the plugin folder"),
+        ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n[runner]\nbackend='onnxruntime'\n"
+         "[route]\npreprocess=['Bad Name']\n", "route.preprocess", "must match"),
+        ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n[runner]\nbackend='onnxruntime'\n"
+         "[route]\npreprocess=['scale@1.0']\n", "route.preprocess", "semantic version"),
+    ],
+)  # fmt: skip
+def test_manifest_errors_name_file_and_field(
+    plugins_dir: Path, text: str, field: str | None, message: str
+) -> None:
+    folder = _folder(plugins_dir, text)
+    with pytest.raises(ManifestError, match=message) as info:
+        load_manifest(folder)
+    assert info.value.fields["file"] == str(folder / "plugin.toml")
+    assert info.value.fields["field"] == field
+    assert str(folder / "plugin.toml") in info.value.message
+
+
+def test_missing_manifest(plugins_dir: Path) -> None:
+    folder = plugins_dir / "runner" / "iris" / "1.0.0"
+    folder.mkdir(parents=True)
+    with pytest.raises(ManifestError, match="no plugin.toml"):
+        load_manifest(folder)
+
+
+def test_processor_needs_module_and_no_runner_table(plugins_dir: Path) -> None:
+    folder = _folder(
+        plugins_dir, "[plugin]\nname='s'\nversion='1.0.0'\ntype='preprocessor'\n", "preprocessor",
+        "s",
+    )  # fmt: skip
+    with pytest.raises(ManifestError, match="needs a module"):
+        load_manifest(folder)
+    (folder / "plugin.toml").write_text(
+        "[plugin]\nname='s'\nversion='1.0.0'\ntype='preprocessor'\nmodule='p.py'\n[runner]\n"
+    )
+    with pytest.raises(ManifestError, match=r"only runners have a \[runner\]"):
+        load_manifest(folder)

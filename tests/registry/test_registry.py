@@ -1,0 +1,222 @@
+"""Discovery, lifecycle and route resolution over real plugin folders on disk."""
+
+import asyncio
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from registry.errors import RouteNotFound, Unavailable, VersionNotFound
+from registry.registry import Registry
+from registry.types import RequestContext
+from tests.helpers import processor_source, write_add_runner, write_plugin, write_processor
+
+
+def ctx(route: str = "r") -> RequestContext:
+    return RequestContext("id", route, {}, {}, "application/json")
+
+
+@pytest.fixture
+async def registry(plugins_dir: Path, models_dir: Path):  # type: ignore[no-untyped-def]
+    reg = Registry(plugins_dir, models_dir, drain_timeout=2)
+    yield reg
+    await reg.close()
+
+
+async def run(registry: Registry, route: str, x: float, version: str | None = None) -> float:
+    chain = registry.routes.resolve(route, version)
+    out = await chain.run({"x": np.full((1, 4), x, np.float32)}, ctx(route))
+    return float(out["y"][0, 0])
+
+
+async def test_discovery_skips_ignored_names_and_unknown_types(
+    plugins_dir: Path, registry: Registry
+) -> None:
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    (plugins_dir / "runner" / "add" / ".2.0.0.tmp").mkdir()
+    (plugins_dir / "runner" / "add" / "1.1.0~").mkdir()
+    (plugins_dir / "runner" / "add" / "__pycache__").mkdir()
+    (plugins_dir / "models").mkdir()
+    (plugins_dir / "runner" / "add" / "README.md").write_text("not a version")
+    assert registry.discover() == [plugins_dir / "runner" / "add" / "1.0.0"]
+
+
+async def test_every_runner_is_a_route_floating_to_its_highest_ready_version(
+    plugins_dir: Path, registry: Registry
+) -> None:
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
+    write_add_runner(plugins_dir, "add", "1.10.0", amount=10)
+    write_add_runner(plugins_dir, "add", "1.9.0", amount=9)
+    await registry.start()
+    assert await run(registry, "add", 0) == 10  # 1.10.0 > 1.9.0: numbers, not strings
+    assert registry.routes.entries["add"].versions == ["1.10.0", "1.9.0", "1.0.0"]
+
+
+async def test_prerelease_sorts_below_release_but_above_older(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
+    write_add_runner(plugins_dir, "add", "2.0.0-rc.1", amount=2)
+    await registry.start()
+    assert await run(registry, "add", 0) == 2
+    write_add_runner(plugins_dir, "add", "2.0.0", amount=3)
+    await registry.load(plugins_dir / "runner" / "add" / "2.0.0")
+    assert await run(registry, "add", 0) == 3
+
+
+async def test_chain_with_floating_and_pinned_processors(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+    write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 100)
+    write_processor(plugins_dir, "preprocessor", "pre", "2.0.0", 200)
+    write_processor(plugins_dir, "postprocessor", "post", "1.0.0", 1000)
+    write_add_runner(
+        plugins_dir, "add", "1.0.0", amount=1,
+        route='[route]\nname = "sum"\npreprocess = ["pre@1.0.0", "pre"]\npostprocess = ["post"]\n',
+    )  # fmt: skip
+    await registry.start()
+    assert await run(registry, "sum", 0) == 100 + 200 + 1 + 1000
+    chain = registry.routes.resolve("sum")
+    assert [s.label for s in chain.stages] == [
+        "preprocessor/pre@1.0.0", "preprocessor/pre@2.0.0", "runner/add@1.0.0",
+        "postprocessor/post@1.0.0",
+    ]  # fmt: skip
+    with pytest.raises(RouteNotFound):
+        registry.routes.resolve("add")
+
+
+async def test_version_selects_the_runner_and_errors_say_why(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
+    write_add_runner(plugins_dir, "add", "2.0.0", amount=2)
+    broken = write_add_runner(plugins_dir, "add", "3.0.0", amount=3)
+    (broken / "model.onnx").write_bytes(b"not onnx")
+    await registry.start()
+    assert await run(registry, "add", 0, "1.0.0") == 1
+    assert await run(registry, "add", 0) == 2
+    with pytest.raises(VersionNotFound, match="no runner version '9.0.0'"):
+        registry.routes.resolve("add", "9.0.0")
+    with pytest.raises(Unavailable, match="runner/add@3.0.0 is failed"):
+        registry.routes.resolve("add", "3.0.0")
+    with pytest.raises(RouteNotFound, match="unknown route 'nope'"):
+        registry.routes.resolve("nope")
+
+
+async def test_failed_load_is_recorded_and_the_rest_serves(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+    write_add_runner(plugins_dir, "good", "1.0.0")
+    write_plugin(plugins_dir, "runner", "bad", "1.0.0", '[runner]\nbackend = "nope"\n', module=None)
+    write_plugin(plugins_dir, "runner", "Bad_Name", "1.0.0", '[runner]\nbackend = "x"\n', module=None)
+    await registry.start()
+    states = {(r.name, r.state) for r in registry.plugins()}
+    assert states == {("good", "ready"), ("bad", "failed"), ("Bad_Name", "failed")}
+    bad = registry.records[("runner", "bad", "1.0.0")]
+    assert "unknown backend 'nope' (known: onnxruntime)" in (bad.last_error or "")
+    assert await run(registry, "good", 1) == 2
+    with pytest.raises(Unavailable, match="has no ready version"):
+        registry.routes.resolve("bad")
+
+
+async def test_missing_processor_makes_the_route_unavailable(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+    write_add_runner(plugins_dir, "add", "1.0.0", route='[route]\npreprocess = ["ghost"]\n')
+    await registry.start()
+    with pytest.raises(Unavailable, match="preprocessor ghost is not installed"):
+        registry.routes.resolve("add")
+    assert registry.routes.describe()[0]["ready"] is False
+
+
+async def test_routes_file_adds_and_overrides_routes(plugins_dir: Path, registry: Registry) -> None:
+    write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 100)
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=1, route='[route]\npreprocess = ["pre"]\n')
+    write_add_runner(plugins_dir, "add", "2.0.0", amount=2, route='[route]\npreprocess = ["pre"]\n')
+    (plugins_dir / "routes.toml").write_text(
+        '[routes.stable]\nrunner = "add@1.0.0"\n'
+        '[routes.add]\nrunner = "add"\npreprocess = []\n'
+    )
+    await registry.start()
+    assert await run(registry, "stable", 0) == 101  # keeps the manifest's preprocess
+    assert await run(registry, "add", 0) == 2  # the file emptied the chain
+    assert registry.routes.entries["stable"].versions == ["1.0.0"]
+    with pytest.raises(VersionNotFound, match="pinned to add@1.0.0"):
+        registry.routes.resolve("stable", "2.0.0")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[routes.x\n", "routes.toml"),
+        ('[routes.x]\nrunner = { "a@1.0.0" = 90, "a@2.0.0" = 10 }\n', "weighted runners are not supported yet"),
+        ("[routes.x]\npreprocess = []\n", "runner: is required"),
+        ('[routes.x]\nrunner = "a"\nextra = 1\n', "unknown key"),
+        ('[routes.X]\nrunner = "a"\n', "route name must match"),
+        ('[other]\n', "unknown table"),
+    ],
+)  # fmt: skip
+async def test_invalid_routes_file_keeps_the_previous_routes(
+    plugins_dir: Path, registry: Registry, text: str, message: str
+) -> None:
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    (plugins_dir / "routes.toml").write_text('[routes.alias]\nrunner = "add"\n')
+    await registry.start()
+    assert "alias" in registry.routes.entries
+    (plugins_dir / "routes.toml").write_text(text)
+    assert registry.reload_routes_file() is False
+    assert message in (registry.routes_file_error or "")
+    assert "alias" in registry.routes.entries
+
+
+async def test_two_runners_claiming_one_route_is_reported(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+    write_add_runner(plugins_dir, "a", "1.0.0", amount=1, route='[route]\nname = "shared"\n')
+    write_add_runner(plugins_dir, "b", "1.0.0", amount=2, route='[route]\nname = "shared"\n')
+    await registry.start()
+    assert await run(registry, "shared", 0) == 1
+    assert any("declared by runner b and by runner a" in e for e in registry.routes.errors)
+
+
+async def test_reload_swaps_and_unload_releases_everything(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+    folder = write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 1)
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=0, route='[route]\npreprocess = ["pre"]\n')
+    await registry.start()
+    first = registry.records[("preprocessor", "pre", "1.0.0")].current
+    assert first is not None and await run(registry, "add", 0) == 1
+    (folder / "plugin.toml").write_text((folder / "plugin.toml").read_text().replace("= 1", "= 5"))
+    await registry.load(folder)
+    assert await run(registry, "add", 0) == 5
+    assert first.component is None  # the old instance was released
+    assert not [m for m in sys.modules if first.package and m.startswith(first.package)]
+    record = await registry.unload(("preprocessor", "pre", "1.0.0"))
+    assert record.state == "unloaded"
+    assert ("preprocessor", "pre", "1.0.0") not in registry.records
+    with pytest.raises(Unavailable, match="preprocessor pre is not installed"):
+        registry.routes.resolve("add")
+
+
+async def test_failed_reload_keeps_the_serving_instance(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+    folder = write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 1)
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=0, route='[route]\npreprocess = ["pre"]\n')
+    await registry.start()
+    (folder / "plugin.py").write_text("raise ImportError('half written')\n")
+    record = await registry.load(folder)
+    assert record.state == "ready"
+    assert "half written" in (record.last_error or "")
+    assert await run(registry, "add", 0) == 1
+    (folder / "plugin.py").write_text(textwrap.dedent(processor_source("preprocessor")))
+    record = await registry.load(folder)
+    assert (record.state, record.last_error) == ("ready", None)
+
+
+async def test_in_flight_request_finishes_on_the_instance_it_started_on(
+    plugins_dir: Path, registry: Registry
+) -> None:
+    folder = write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 1)
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=0, route='[route]\npreprocess = ["pre"]\n')
+    await registry.start()
+    chain = registry.routes.resolve("add")
+    chain.enter()
+    old = chain.preprocess[0]
+    assert registry.records[old.manifest.key[:2] + ("1.0.0",)].as_json()["in_flight"] == 1  # type: ignore[index]
+    reload = asyncio.create_task(registry.load(folder))
+    await asyncio.sleep(0.3)
+    assert not reload.done()  # draining: the old instance still has a request
+    assert old.component is not None
+    out = await chain.run({"x": np.zeros((1, 4), np.float32)}, ctx("add"))
+    assert float(out["y"][0, 0]) == 1
+    chain.leave()
+    await asyncio.wait_for(reload, 5)
+    assert old.component is None

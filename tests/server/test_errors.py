@@ -1,0 +1,162 @@
+"""Every error status of the contract, as JSON from the one middleware."""
+
+import asyncio
+from pathlib import Path
+
+from tests.helpers import write_add_runner, write_plugin
+
+X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}
+
+RAISING = """
+    import pluggy
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Flaky:
+        def __init__(self):
+            self.calls = 0
+        def process(self, data, ctx):
+            self.calls += 1
+            if self.calls == 1:
+                raise KeyError("secret-detail")
+            return data
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Flaky()
+"""
+
+SLOW = """
+    import asyncio, time
+    import pluggy
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Slow:
+        def __init__(self, delay, blocking):
+            self.delay, self.blocking = delay, blocking
+        def infer(self, inputs):
+            time.sleep(self.delay)
+            return {"y": inputs["x"]}
+
+    class AsyncSlow(Slow):
+        async def infer(self, inputs):
+            await asyncio.sleep(self.delay)
+            return {"y": inputs["x"]}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        cls = Slow if config.get("blocking") else AsyncSlow
+        return cls(config["delay"], config.get("blocking"))
+"""
+
+
+def write_slow(plugins_dir: Path, delay: float, blocking: bool = False, runner: str = "") -> None:
+    write_plugin(
+        plugins_dir, "runner", "slow", "1.0.0",
+        f"[config]\ndelay = {delay}\nblocking = {str(blocking).lower()}\n{runner}",
+        {"plugin.py": SLOW},
+    )  # fmt: skip
+
+
+async def test_plugin_that_raises_is_500_naming_it_without_traceback(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    write_plugin(plugins_dir, "preprocessor", "flaky", "1.0.0", files={"plugin.py": RAISING})
+    write_add_runner(plugins_dir, "add", "1.0.0", route='[route]\npreprocess = ["flaky"]\n')
+    cli = await client()
+    resp = await cli.post("/v2/models/add/infer", json=X)
+    assert resp.status == 500
+    doc = await resp.json()
+    assert doc["error"] == "plugin preprocessor/flaky@1.0.0 raised KeyError: 'secret-detail'"
+    assert doc["plugin"] == "preprocessor/flaky@1.0.0"
+    assert "Traceback" not in await resp.text()
+    again = await cli.post("/v2/models/add/infer", json=X)
+    assert again.status == 200  # the server and the plugin keep serving
+
+
+async def test_unknown_route_version_and_path_are_404_json(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    cli = await client()
+    for path, message in [
+        ("/v2/models/nope/infer", "unknown route 'nope'"),
+        ("/v2/models/add/versions/3.0.0/infer", "no runner version '3.0.0'"),
+        ("/predict/nope", "unknown route 'nope'"),
+    ]:
+        resp = await cli.post(path, json=X)
+        assert resp.status == 404
+        assert message in (await resp.json())["error"]
+    resp = await cli.get("/no/such/path")
+    assert resp.status == 404 and (await resp.json()) == {"error": "Not Found"}
+    resp = await cli.get("/v2/models/add/infer")
+    assert resp.status == 405 and "POST" in resp.headers["Allow"]
+    assert (await resp.json()) == {"error": "Method Not Allowed"}
+
+
+async def test_body_over_the_limit_is_413(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    cli = await client(max_body_bytes=1024)
+    resp = await cli.post("/v2/models/add/infer", data=b"x" * 2048)
+    assert resp.status == 413
+    assert "error" in await resp.json()
+    assert (await cli.post("/v2/models/add/infer", json=X)).status == 200
+
+
+async def test_full_runner_queue_is_429_with_retry_after(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_slow(plugins_dir, 0.5, runner="[runner]\nmax_queue_size = 2\n")
+    cli = await client()
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]}
+    first = [asyncio.create_task(cli.post("/v2/models/slow/infer", json=body)) for _ in range(2)]
+    await asyncio.sleep(0.1)
+    resp = await cli.post("/v2/models/slow/infer", json=body)
+    assert resp.status == 429
+    assert resp.headers["Retry-After"] == "1"
+    assert "max_queue_size" in (await resp.json())["error"]
+    assert [r.status for r in await asyncio.gather(*first)] == [200, 200]
+
+
+async def test_route_whose_stage_failed_is_503(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_plugin(plugins_dir, "preprocessor", "broken", "1.0.0", files={"plugin.py": "raise SystemError('x')"})  # fmt: skip
+    write_add_runner(plugins_dir, "add", "1.0.0", route='[route]\npreprocess = ["broken"]\n')
+    cli = await client()
+    resp = await cli.post("/v2/models/add/infer", json=X)
+    assert resp.status == 503
+    error = (await resp.json())["error"]
+    assert "preprocessor broken has no ready version (1.0.0 failed:" in error
+    assert "SystemError: x" in error
+    assert (await cli.get("/v2/models/add/ready")).status == 503
+
+
+async def test_deadline_passed_is_504_from_parameter_or_header(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_slow(plugins_dir, 0.5)
+    cli = await client()
+    x = {"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}
+    resp = await cli.post(
+        "/v2/models/slow/infer", json={"inputs": [x], "parameters": {"timeout": 50_000}}
+    )
+    assert resp.status == 504
+    assert "deadline of 0.05 s passed" in (await resp.json())["error"]
+    resp = await cli.post("/v2/models/slow/infer", json={"inputs": [x]},
+                          headers={"X-Request-Timeout": "0.05"})  # fmt: skip
+    assert resp.status == 504
+    resp = await cli.post("/v2/models/slow/infer", json={"inputs": [x]},
+                          headers={"X-Request-Timeout": "soon"})  # fmt: skip
+    assert resp.status == 400
+    resp = await cli.post("/v2/models/slow/infer", json={"inputs": [x]},
+                          headers={"X-Request-Timeout": "5"})  # fmt: skip
+    assert resp.status == 200
+
+
+async def test_deadline_on_a_blocking_runner_thread_is_504(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_slow(plugins_dir, 0.3, blocking=True)
+    cli = await client()
+    x = {"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}
+    resp = await cli.post("/v2/models/slow/infer", json={"inputs": [x]},
+                          headers={"X-Request-Timeout": "0.05"})  # fmt: skip
+    assert resp.status == 504
+    await asyncio.sleep(0.4)
+    assert (await cli.post("/v2/models/slow/infer", json={"inputs": [x]})).status == 200
+
+
+async def test_every_response_carries_a_request_id(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    cli = await client()
+    resp = await cli.get("/v2/models/nope", headers={"X-Request-ID": "abc-123"})
+    assert resp.headers["X-Request-ID"] == "abc-123"
+    resp = await cli.get("/v2/health/live")
+    assert len(resp.headers["X-Request-ID"]) == 32
