@@ -16,7 +16,7 @@ from aiohttp import web
 
 from registry.chain import Chain
 from registry.errors import InvalidInput, PluginError
-from server.serving import deadline_seconds, request_context, serve
+from server.serving import deadline_seconds, measured, request_context, serve
 
 
 def is_json(content_type: str) -> bool:
@@ -47,6 +47,10 @@ def encode_result(chain: Chain, result: Any) -> web.Response:
 
 async def predict(request: web.Request) -> web.Response:
     route = request.match_info["route"]
+    return await measured(request, route, "predict", _predict(request, route))
+
+
+async def _predict(request: web.Request, route: str) -> web.Response:
     body = await request.read()
     data: Any = body
     if is_json(request.content_type):
@@ -60,8 +64,7 @@ async def predict(request: web.Request) -> web.Response:
         ctx.versions = dict(chain.versions)
         return encode_result(chain, await chain.run(data, ctx))
 
-    deadline = deadline_seconds(request, {})
-    return await serve(request, route, None, "predict", run, deadline)
+    return await serve(request, route, None, run, deadline_seconds(request, {}))
 
 
 def add_routes(app: web.Application) -> None:

@@ -56,11 +56,36 @@ def request_context(
     )
 
 
+async def measured(request: web.Request, route: str, protocol: str, work: Awaitable[T]) -> T:
+    """Await ``work`` (decode, chain, encode) and record its status and duration.
+
+    A route not in the table is labelled ``_unknown``, so clients cannot grow
+    the metric series by asking for made-up routes.
+    """
+    started = time.perf_counter()
+    status = 200
+    try:
+        return await work
+    except PlugserveError as exc:
+        status = exc.status
+        raise
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except BaseException:
+        status = 500
+        raise
+    finally:
+        known = route in request.app[REGISTRY].routes.entries
+        request.app[METRICS].observe(
+            route if known else UNKNOWN_ROUTE, protocol, status, time.perf_counter() - started
+        )
+
+
 async def serve(
     request: web.Request,
     route: str,
     version: str | None,
-    protocol: str,
     handle: Callable[[Chain], Awaitable[T]],
     deadline_s: float | None = None,
 ) -> T:
@@ -72,37 +97,22 @@ async def serve(
     a request still running at its deadline answers 504 (a runner call already
     on a thread finishes there, unobserved).
     """
-    registry = request.app[REGISTRY]
-    started = time.perf_counter()
-    label = route if route in registry.routes.entries else UNKNOWN_ROUTE
-    status = 200
+    chain = request.app[REGISTRY].routes.resolve(route, version)
+    limit = chain.runner.max_queue_size
+    if limit and chain.runner.in_flight >= limit:
+        raise TooManyRequests(
+            f"runner {chain.runner.label} has {limit} requests in flight, its max_queue_size",
+            retry_after_s=RETRY_AFTER_S,
+        )
+    chain.enter()
     try:
-        chain = registry.routes.resolve(route, version)
-        limit = chain.runner.max_queue_size
-        if limit and chain.runner.in_flight >= limit:
-            raise TooManyRequests(
-                f"runner {chain.runner.label} has {limit} requests in flight, its max_queue_size",
-                retry_after_s=RETRY_AFTER_S,
-            )
-        chain.enter()
+        if deadline_s is None:
+            return await handle(chain)
         try:
-            if deadline_s is None:
+            async with asyncio.timeout(deadline_s):
                 return await handle(chain)
-            try:
-                async with asyncio.timeout(deadline_s):
-                    return await handle(chain)
-            except TimeoutError:
-                # Stage errors arrive wrapped (PluginError): this can only be the deadline.
-                raise DeadlineExceeded(
-                    f"the request's deadline of {deadline_s:g} s passed"
-                ) from None
-        finally:
-            chain.leave()
-    except PlugserveError as exc:
-        status = exc.status
-        raise
-    except BaseException:
-        status = 500
-        raise
+        except TimeoutError:
+            # Stage errors arrive wrapped (PluginError): this can only be the deadline.
+            raise DeadlineExceeded(f"the request's deadline of {deadline_s:g} s passed") from None
     finally:
-        request.app[METRICS].observe(label, protocol, status, time.perf_counter() - started)
+        chain.leave()

@@ -12,7 +12,7 @@ from registry.chain import Chain
 from registry.errors import PluginError, Unavailable
 from server import __version__
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
-from server.serving import deadline_seconds, request_context, serve
+from server.serving import deadline_seconds, measured, request_context, serve
 from server.state import REGISTRY
 
 EXTENSIONS = ["binary_tensor_data"]
@@ -62,7 +62,10 @@ async def model_ready(request: web.Request) -> web.Response:
 
 async def infer(request: web.Request) -> web.Response:
     route = request.match_info["route"]
-    version = request.match_info.get("version")
+    return await measured(request, route, "v2", _infer(request, route))
+
+
+async def _infer(request: web.Request, route: str) -> web.Response:
     body = await request.read()
     decoded = decode_request(body, request.headers.get(HEADER_LENGTH))
 
@@ -75,7 +78,7 @@ async def infer(request: web.Request) -> web.Response:
         return web.Response(body=payload, headers=headers)
 
     deadline = deadline_seconds(request, decoded.parameters)
-    return await serve(request, route, version, "v2", run, deadline)
+    return await serve(request, route, request.match_info.get("version"), run, deadline)
 
 
 def _outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:

@@ -33,8 +33,6 @@ def settings(plugins_dir: Path, models_dir: Path) -> Settings:
     return Settings(plugins_dir=plugins_dir, models_dir=models_dir)
 
 
-
-
 @pytest.fixture
 async def client(
     aiohttp_client: Callable[..., object], settings: Settings

@@ -10,7 +10,9 @@ from registry.errors import BackendConflict
 from registry.manager import PluginHost
 
 
-def fake_distribution(site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:  # fmt: skip
+def fake_distribution(
+    site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]
+) -> None:
     """An installed package as importlib.metadata sees it, without installing anything."""
     info = site / f"{dist}-1.0.dist-info"
     info.mkdir(parents=True)
@@ -54,7 +56,9 @@ def test_builtin_onnxruntime_backend_is_registered_through_the_hook() -> None:
     assert host.backends()["onnxruntime"].model_filename == "model.onnx"  # type: ignore[attr-defined]
 
 
-def test_entry_point_package_adds_a_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_entry_point_package_adds_a_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake_distribution(tmp_path, "plugserve_echo", {"echo": "echo_backend"},
                       {"echo_backend": ECHO_BACKEND})  # fmt: skip
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -110,7 +114,7 @@ async def test_lifecycle_hooks_are_called_and_awaited(
     await host.startup(app)
     import life_backend  # type: ignore[import-not-found]
 
-    assert life_backend.STARTED == [app]
+    assert [app] == life_backend.STARTED
 
 
 async def test_a_failing_lifecycle_hook_does_not_stop_the_others() -> None:

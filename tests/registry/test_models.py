@@ -26,9 +26,17 @@ def test_resolution_forms(models_dir: Path, tmp_path: Path) -> None:
     plugin = tmp_path / "plugin"
     plugin.mkdir()
     (plugin / "local.onnx").write_bytes(b"x")
-    assert resolve_model("models:m", plugin, models_dir, "model.onnx") == models_dir / "m/2/model.onnx"
-    assert resolve_model("models:m/1", plugin, models_dir, "model.onnx") == models_dir / "m/1/model.onnx"
-    assert resolve_model("models:m/1/other.onnx", plugin, models_dir, None) == models_dir / "m/1/other.onnx"
+    assert (
+        resolve_model("models:m", plugin, models_dir, "model.onnx") == models_dir / "m/2/model.onnx"
+    )
+    assert (
+        resolve_model("models:m/1", plugin, models_dir, "model.onnx")
+        == models_dir / "m/1/model.onnx"
+    )
+    assert (
+        resolve_model("models:m/1/other.onnx", plugin, models_dir, None)
+        == models_dir / "m/1/other.onnx"
+    )
     assert resolve_model("models:m/2", plugin, models_dir, None) == models_dir / "m/2/model.onnx"
     assert resolve_model("local.onnx", plugin, models_dir, None) == plugin / "local.onnx"
 

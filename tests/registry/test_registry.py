@@ -54,7 +54,9 @@ async def test_every_runner_is_a_route_floating_to_its_highest_ready_version(
     assert registry.routes.entries["add"].versions == ["1.10.0", "1.9.0", "1.0.0"]
 
 
-async def test_prerelease_sorts_below_release_but_above_older(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+async def test_prerelease_sorts_below_release_but_above_older(
+    plugins_dir: Path, registry: Registry
+) -> None:
     write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
     write_add_runner(plugins_dir, "add", "2.0.0-rc.1", amount=2)
     await registry.start()
@@ -64,7 +66,9 @@ async def test_prerelease_sorts_below_release_but_above_older(plugins_dir: Path,
     assert await run(registry, "add", 0) == 3
 
 
-async def test_chain_with_floating_and_pinned_processors(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+async def test_chain_with_floating_and_pinned_processors(
+    plugins_dir: Path, registry: Registry
+) -> None:
     write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 100)
     write_processor(plugins_dir, "preprocessor", "pre", "2.0.0", 200)
     write_processor(plugins_dir, "postprocessor", "post", "1.0.0", 1000)
@@ -83,7 +87,9 @@ async def test_chain_with_floating_and_pinned_processors(plugins_dir: Path, regi
         registry.routes.resolve("add")
 
 
-async def test_version_selects_the_runner_and_errors_say_why(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+async def test_version_selects_the_runner_and_errors_say_why(
+    plugins_dir: Path, registry: Registry
+) -> None:
     write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
     write_add_runner(plugins_dir, "add", "2.0.0", amount=2)
     broken = write_add_runner(plugins_dir, "add", "3.0.0", amount=3)
@@ -99,10 +105,14 @@ async def test_version_selects_the_runner_and_errors_say_why(plugins_dir: Path, 
         registry.routes.resolve("nope")
 
 
-async def test_failed_load_is_recorded_and_the_rest_serves(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+async def test_failed_load_is_recorded_and_the_rest_serves(
+    plugins_dir: Path, registry: Registry
+) -> None:
     write_add_runner(plugins_dir, "good", "1.0.0")
     write_plugin(plugins_dir, "runner", "bad", "1.0.0", '[runner]\nbackend = "nope"\n', module=None)
-    write_plugin(plugins_dir, "runner", "Bad_Name", "1.0.0", '[runner]\nbackend = "x"\n', module=None)
+    write_plugin(
+        plugins_dir, "runner", "Bad_Name", "1.0.0", '[runner]\nbackend = "x"\n', module=None
+    )
     await registry.start()
     states = {(r.name, r.state) for r in registry.plugins()}
     assert states == {("good", "ready"), ("bad", "failed"), ("Bad_Name", "failed")}
@@ -113,7 +123,9 @@ async def test_failed_load_is_recorded_and_the_rest_serves(plugins_dir: Path, re
         registry.routes.resolve("bad")
 
 
-async def test_missing_processor_makes_the_route_unavailable(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+async def test_missing_processor_makes_the_route_unavailable(
+    plugins_dir: Path, registry: Registry
+) -> None:
     write_add_runner(plugins_dir, "add", "1.0.0", route='[route]\npreprocess = ["ghost"]\n')
     await registry.start()
     with pytest.raises(Unavailable, match="preprocessor ghost is not installed"):
@@ -126,8 +138,7 @@ async def test_routes_file_adds_and_overrides_routes(plugins_dir: Path, registry
     write_add_runner(plugins_dir, "add", "1.0.0", amount=1, route='[route]\npreprocess = ["pre"]\n')
     write_add_runner(plugins_dir, "add", "2.0.0", amount=2, route='[route]\npreprocess = ["pre"]\n')
     (plugins_dir / "routes.toml").write_text(
-        '[routes.stable]\nrunner = "add@1.0.0"\n'
-        '[routes.add]\nrunner = "add"\npreprocess = []\n'
+        '[routes.stable]\nrunner = "add@1.0.0"\n[routes.add]\nrunner = "add"\npreprocess = []\n'
     )
     await registry.start()
     assert await run(registry, "stable", 0) == 101  # keeps the manifest's preprocess
@@ -161,7 +172,9 @@ async def test_invalid_routes_file_keeps_the_previous_routes(
     assert "alias" in registry.routes.entries
 
 
-async def test_two_runners_claiming_one_route_is_reported(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+async def test_two_runners_claiming_one_route_is_reported(
+    plugins_dir: Path, registry: Registry
+) -> None:
     write_add_runner(plugins_dir, "a", "1.0.0", amount=1, route='[route]\nname = "shared"\n')
     write_add_runner(plugins_dir, "b", "1.0.0", amount=2, route='[route]\nname = "shared"\n')
     await registry.start()
@@ -169,7 +182,9 @@ async def test_two_runners_claiming_one_route_is_reported(plugins_dir: Path, reg
     assert any("declared by runner b and by runner a" in e for e in registry.routes.errors)
 
 
-async def test_reload_swaps_and_unload_releases_everything(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+async def test_reload_swaps_and_unload_releases_everything(
+    plugins_dir: Path, registry: Registry
+) -> None:
     folder = write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 1)
     write_add_runner(plugins_dir, "add", "1.0.0", amount=0, route='[route]\npreprocess = ["pre"]\n')
     await registry.start()
@@ -187,7 +202,9 @@ async def test_reload_swaps_and_unload_releases_everything(plugins_dir: Path, re
         registry.routes.resolve("add")
 
 
-async def test_failed_reload_keeps_the_serving_instance(plugins_dir: Path, registry: Registry) -> None:  # fmt: skip
+async def test_failed_reload_keeps_the_serving_instance(
+    plugins_dir: Path, registry: Registry
+) -> None:
     folder = write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 1)
     write_add_runner(plugins_dir, "add", "1.0.0", amount=0, route='[route]\npreprocess = ["pre"]\n')
     await registry.start()
@@ -210,7 +227,7 @@ async def test_in_flight_request_finishes_on_the_instance_it_started_on(
     chain = registry.routes.resolve("add")
     chain.enter()
     old = chain.preprocess[0]
-    assert registry.records[old.manifest.key[:2] + ("1.0.0",)].as_json()["in_flight"] == 1  # type: ignore[index]
+    assert registry.records[("preprocessor", "pre", "1.0.0")].as_json()["in_flight"] == 1
     reload = asyncio.create_task(registry.load(folder))
     await asyncio.sleep(0.3)
     assert not reload.done()  # draining: the old instance still has a request

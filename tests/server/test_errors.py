@@ -57,7 +57,9 @@ def write_slow(plugins_dir: Path, delay: float, blocking: bool = False, runner: 
     )  # fmt: skip
 
 
-async def test_plugin_that_raises_is_500_naming_it_without_traceback(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+async def test_plugin_that_raises_is_500_naming_it_without_traceback(
+    plugins_dir: Path, client
+) -> None:  # type: ignore[no-untyped-def]
     write_plugin(plugins_dir, "preprocessor", "flaky", "1.0.0", files={"plugin.py": RAISING})
     write_add_runner(plugins_dir, "add", "1.0.0", route='[route]\npreprocess = ["flaky"]\n')
     cli = await client()

@@ -90,7 +90,12 @@ async def test_bare_list_goes_to_a_single_input_runner(plugins_dir: Path, client
 async def test_invalid_json_is_400(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
     write_add_runner(plugins_dir, "add", "1.0.0")
     cli = await client()
-    resp = await cli.post("/predict/add", data=b"{oops", headers={"Content-Type": "application/json"})
+    resp = await cli.post(
+        "/predict/add", data=b"{oops", headers={"Content-Type": "application/json"}
+    )
     assert resp.status == 400 and "not valid JSON" in (await resp.json())["error"]
     resp = await cli.post("/predict/add", json={"x": [["a", "b", "c", "d"]]})
-    assert resp.status == 400 and "input 'x' of runner runner/add@1.0.0" in (await resp.json())["error"]
+    assert (
+        resp.status == 400
+        and "input 'x' of runner runner/add@1.0.0" in (await resp.json())["error"]
+    )

@@ -36,7 +36,9 @@ def write_identity_runner(plugins_dir: Path) -> None:
     identity_model(folder / "model.onnx", TYPES)
 
 
-def v2_input(name: str, datatype: str, data: list[Any], shape: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
+def v2_input(
+    name: str, datatype: str, data: list[Any], shape: list[int] | None = None
+) -> dict[str, Any]:
     return {"name": name, "datatype": datatype, "shape": shape or [1, len(data)], "data": data}
 
 
@@ -226,7 +228,10 @@ async def test_async_module_runner(plugins_dir: Path, client) -> None:  # type: 
     ],
 )  # fmt: skip
 async def test_malformed_requests_are_400_with_a_clear_error(
-    plugins_dir: Path, client, body: bytes, message: str  # type: ignore[no-untyped-def]
+    plugins_dir: Path,
+    client,
+    body: bytes,
+    message: str,  # type: ignore[no-untyped-def]
 ) -> None:
     write_add_runner(plugins_dir, "add", "1.0.0")
     cli = await client()
@@ -246,7 +251,11 @@ async def test_malformed_requests_are_400_with_a_clear_error(
     ],
 )
 async def test_malformed_binary_requests_are_400(
-    plugins_dir: Path, client, header: str | None, chunk: bytes, message: str  # type: ignore[no-untyped-def]
+    plugins_dir: Path,
+    client,
+    header: str | None,
+    chunk: bytes,
+    message: str,  # type: ignore[no-untyped-def]
 ) -> None:
     write_add_runner(plugins_dir, "add", "1.0.0")
     cli = await client()

@@ -39,8 +39,12 @@ V2 = {
 def test_every_onnx_type_maps_to_its_v2_datatype_and_runs(tmp_path: Path) -> None:
     r = runner(tmp_path, identity_model(tmp_path / "id.onnx", ALL_TYPES))
     meta = r.metadata()
-    assert {i["name"]: i["datatype"] for i in meta["inputs"]} == {f"in_{k}": v for k, v in V2.items()}
-    assert {o["name"]: o["datatype"] for o in meta["outputs"]} == {f"out_{k}": v for k, v in V2.items()}
+    assert {i["name"]: i["datatype"] for i in meta["inputs"]} == {
+        f"in_{k}": v for k, v in V2.items()
+    }
+    assert {o["name"]: o["datatype"] for o in meta["outputs"]} == {
+        f"out_{k}": v for k, v in V2.items()
+    }
     from registry.datatypes import numpy_dtype
 
     inputs = {}

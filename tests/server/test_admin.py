@@ -1,0 +1,91 @@
+"""The control plane: token rules, plugin and route listings."""
+
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from registry.errors import Forbidden, Unauthorized
+from server.admin import check_admin, is_loopback
+from server.config import Settings
+from tests.helpers import write_add_runner, write_plugin
+
+
+def mocked(remote: str, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda key, default=None: (
+        (remote, 12345) if key == "peername" else default
+    )
+    return make_mocked_request("GET", "/admin/plugins", headers=headers or {}, transport=transport)
+
+
+@pytest.mark.parametrize(
+    ("remote", "expected"),
+    [("127.0.0.1", True), ("127.8.9.1", True), ("::1", True), ("10.0.0.1", False),
+     ("192.168.1.2", False), ("::ffff:8.8.8.8", False), ("", False), ("junk", False)],
+)  # fmt: skip
+def test_loopback_detection(remote: str, expected: bool) -> None:
+    assert is_loopback(remote) is expected
+
+
+def test_without_a_token_only_loopback_is_let_in() -> None:
+    settings = Settings(admin_token=None)
+    check_admin(mocked("127.0.0.1"), settings)
+    with pytest.raises(Forbidden):
+        check_admin(mocked("10.1.2.3"), settings)
+
+
+def test_with_a_token_it_is_required_from_everywhere() -> None:
+    settings = Settings(admin_token="s3cret")
+    for remote in ("127.0.0.1", "10.1.2.3"):
+        with pytest.raises(Unauthorized):
+            check_admin(mocked(remote), settings)
+        with pytest.raises(Unauthorized):
+            check_admin(mocked(remote, {"Authorization": "Bearer wrong"}), settings)
+        with pytest.raises(Unauthorized):
+            check_admin(mocked(remote, {"Authorization": "Basic s3cret"}), settings)
+        check_admin(mocked(remote, {"Authorization": "Bearer s3cret"}), settings)
+
+
+async def test_admin_endpoints_answer_401_without_the_token(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    cli = await client(admin_token="tok")
+    for path in ("/admin/plugins", "/admin/routes"):
+        resp = await cli.get(path)
+        assert resp.status == 401 and "Bearer" in (await resp.json())["error"]
+        resp = await cli.get(path, headers={"Authorization": "Bearer nope"})
+        assert resp.status == 401
+        resp = await cli.get(path, headers={"Authorization": "Bearer tok"})
+        assert resp.status == 200
+    assert (await cli.get("/v2/health/live")).status == 200  # the data plane needs no token
+
+
+async def test_plugins_listing_shows_states_and_errors(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    write_plugin(plugins_dir, "preprocessor", "bad", "0.1.0", files={"plugin.py": "1/0"})
+    cli = await client()
+    doc = await (await cli.get("/admin/plugins")).json()
+    rows = {(p["type"], p["name"], p["version"]): p for p in doc["plugins"]}
+    assert set(rows) == {("runner", "add", "1.0.0"), ("preprocessor", "bad", "0.1.0")}
+    good, bad = rows[("runner", "add", "1.0.0")], rows[("preprocessor", "bad", "0.1.0")]
+    assert good["state"] == "ready" and good["last_error"] is None and good["in_flight"] == 0
+    assert good["loaded_at"].endswith("+00:00") and good["backend"] == "onnxruntime"
+    assert bad["state"] == "failed" and "ZeroDivisionError" in bad["last_error"]
+    assert bad["loaded_at"] is None
+
+
+async def test_routes_listing_shows_what_serves(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    write_add_runner(plugins_dir, "add", "1.1.0")
+    (plugins_dir / "routes.toml").write_text('[routes.old]\nrunner = "add@1.0.0"\n')
+    cli = await client()
+    doc = await (await cli.get("/admin/routes")).json()
+    routes = {r["name"]: r for r in doc["routes"]}
+    assert routes["add"]["serving"]["runner"] == "runner/add@1.1.0"
+    assert routes["add"]["source"] == "runner/add" and routes["add"]["versions"] == [
+        "1.1.0",
+        "1.0.0",
+    ]
+    assert routes["old"]["serving"]["runner"] == "runner/add@1.0.0"
+    assert routes["old"]["source"] == "routes.toml"
+    assert doc["routes_file"]["error"] is None
