@@ -1,0 +1,125 @@
+"""The command line: serving the bundled example with no flags, validate, logs."""
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, ServerProcess, write_plugin
+
+pytestmark = pytest.mark.slow
+
+
+def plugserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_serve_without_flags_serves_the_bundled_iris_chain(
+    server: Callable[..., ServerProcess],
+) -> None:
+    srv = server()
+    # The README's curl call.
+    status, _, body = srv.request(
+        "POST", "/predict/iris", {"input": [[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]]}
+    )
+    assert status == 200
+    doc = json.loads(body)
+    assert doc["label"] == ["setosa", "virginica"]
+    assert len(doc["probabilities"]) == 2
+    assert all(abs(sum(row) - 1) < 1e-5 for row in doc["probabilities"])
+    status, _, body = srv.request(
+        "POST",
+        "/v2/models/iris/infer",
+        {
+            "inputs": [
+                {"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [5.9, 3.0, 4.2, 1.5]}
+            ]
+        },
+    )
+    assert status == 200
+    outputs = {o["name"]: o for o in json.loads(body)["outputs"]}
+    assert outputs["label"]["data"] == ["versicolor"]
+
+
+def test_validate_accepts_the_bundled_plugins() -> None:
+    for folder in ("runner/iris/1.0.0", "preprocessor/scale/1.0.0", "postprocessor/label/1.0.0"):
+        result = plugserve("validate", str(ROOT / "plugins" / folder))
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert report["valid"] is True
+    report = json.loads(plugserve("validate", str(ROOT / "plugins/runner/iris/1.0.0")).stdout)
+    assert report["route"] == "iris"
+    assert report["metadata"]["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+
+
+def test_validate_reports_a_broken_plugin(plugins_dir: Path) -> None:
+    folder = write_plugin(
+        plugins_dir, "preprocessor", "bad", "1.0.0", files={"plugin.py": "import not_a_module_xyz"}
+    )
+    result = plugserve("validate", str(folder))
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["valid"] is False
+    assert "ModuleNotFoundError" in report["error"]
+    assert "preprocessor/bad@1.0.0" in report["error"]
+
+
+def test_bad_config_exits_2_with_a_message(tmp_path: Path) -> None:
+    config = tmp_path / "plugserve.toml"
+    config.write_text("port = 'eighty'\n")
+    result = plugserve("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "port must be" in result.stderr
+
+
+def test_json_logs_carry_request_id_and_tracebacks_stay_in_the_log(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_plugin(
+        plugins_dir,
+        "runner",
+        "boom",
+        "1.0.0",
+        files={
+            "plugin.py": """
+                import pluggy
+                hookimpl = pluggy.HookimplMarker("plugserve")
+
+                class Boom:
+                    def infer(self, inputs):
+                        raise RuntimeError("kaput")
+
+                @hookimpl
+                def plugserve_create_component(plugin, config):
+                    return Boom()
+            """
+        },
+    )
+    srv = server(
+        "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir), "--log-format", "json"
+    )
+    status, headers, body = srv.request(
+        "POST", "/predict/boom", {"x": [1]}, headers={"X-Request-ID": "trace-me-42"}
+    )
+    assert status == 500
+    assert headers["X-Request-ID"] == "trace-me-42"
+    assert b"Traceback" not in body
+    assert json.loads(body)["error"] == "plugin runner/boom@1.0.0 raised RuntimeError: kaput"
+    srv.stop()
+    events = [json.loads(line) for line in srv.log().splitlines() if line.startswith("{")]
+    raised = [e for e in events if e.get("event") == "plugin_raised"]
+    assert raised, srv.log()
+    assert raised[0]["request_id"] == "trace-me-42"
+    assert "Traceback" in raised[0]["exception"]
+    assert "kaput" in raised[0]["exception"]
+    ready = [e for e in events if e.get("event") == "plugin_ready"]
+    assert ready[0]["plugin"] == "runner/boom@1.0.0"

@@ -1,0 +1,50 @@
+from pathlib import Path
+
+import pytest
+
+from registry.errors import ConfigError
+from server.config import ADMIN_TOKEN_ENV, Settings, load_settings
+
+
+def test_defaults_serve_the_bundled_folders() -> None:
+    settings = load_settings(environ={})
+    assert settings.plugins_dir.name == "plugins"
+    assert (settings.plugins_dir / "runner" / "iris").is_dir()
+    assert (settings.host, settings.port, settings.admin_token) == ("127.0.0.1", 8000, None)
+
+
+def test_file_then_environment_then_flags(tmp_path: Path) -> None:
+    config = tmp_path / "conf" / "plugserve.toml"
+    config.parent.mkdir()
+    config.write_text(
+        'port = 9000\nplugins_dir = "p"\nadmin_token = "from-file"\nlog_format = "json"\n'
+    )
+    settings = load_settings(config, environ={})
+    assert settings.port == 9000
+    assert settings.plugins_dir == (tmp_path / "conf" / "p").resolve()
+    assert settings.admin_token == "from-file"
+    settings = load_settings(config, {"port": 9100, "host": None}, environ={ADMIN_TOKEN_ENV: "env"})
+    assert settings.port == 9100
+    assert settings.host == "127.0.0.1"
+    assert settings.admin_token == "env"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("prot = 1\n", "unknown setting"),
+        ("port = 'x'\n", "port must be"),
+        ("port = 70000\n", "port must be 0..65535"),
+        ("log_format = 'xml'\n", "log_format"),
+        ("port = \n", "plugserve.toml"),
+    ],
+)
+def test_invalid_config_files(tmp_path: Path, text: str, message: str) -> None:
+    config = tmp_path / "plugserve.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_settings(config, environ={})
+
+
+def test_token_is_not_in_the_repr() -> None:
+    assert "hunter2" not in repr(Settings(admin_token="hunter2"))

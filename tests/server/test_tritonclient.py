@@ -1,0 +1,105 @@
+"""The unchanged tritonclient[http] package against a real plugserve subprocess."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from onnx import TensorProto
+from tritonclient.utils import InferenceServerException
+
+from tests.helpers import ServerProcess, identity_model, write_add_runner, write_plugin
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def triton(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> httpclient.InferenceServerClient:
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
+    write_add_runner(plugins_dir, "add", "2.0.0", amount=2)
+    folder = write_plugin(
+        plugins_dir,
+        "runner",
+        "ident",
+        "1.0.0",
+        '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\n',
+        module=None,
+    )
+    identity_model(
+        folder / "model.onnx",
+        {"s": TensorProto.STRING, "h": TensorProto.FLOAT16, "b": TensorProto.BOOL},
+    )
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    client = httpclient.InferenceServerClient(url=f"127.0.0.1:{srv.port}")
+    yield client
+    client.close()
+
+
+def test_health_and_metadata(triton: httpclient.InferenceServerClient) -> None:
+    assert triton.is_server_live()
+    assert triton.is_server_ready()
+    assert triton.is_model_ready("add")
+    assert triton.is_model_ready("add", model_version="1.0.0")
+    assert not triton.is_model_ready("nope")
+    meta = triton.get_model_metadata("add")
+    assert meta["versions"] == ["2.0.0", "1.0.0"]
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    assert triton.get_server_metadata()["name"] == "plugserve"
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_infer_json_and_binary(triton: httpclient.InferenceServerClient, binary: bool) -> None:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    inp = httpclient.InferInput("x", [2, 4], "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    out = httpclient.InferRequestedOutput("y", binary_data=binary)
+    result = triton.infer("add", [inp], outputs=[out], request_id="req-1")
+    np.testing.assert_array_equal(result.as_numpy("y"), x + 2)
+    assert result.get_response()["id"] == "req-1"
+    assert result.get_response()["model_version"] == "2.0.0"
+    pinned = triton.infer("add", [inp], model_version="1.0.0")
+    np.testing.assert_array_equal(pinned.as_numpy("y"), x + 1)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_bytes_fp16_and_bool(triton: httpclient.InferenceServerClient, binary: bool) -> None:
+    data = {
+        "s": np.array([[b"alpha", b"\xce\xb2"], [b"", b"d"]], dtype=object),
+        "h": np.array([[0.5, -1.25], [3.0, 65504.0]], dtype=np.float16),
+        "b": np.array([[True, False], [False, True]]),
+    }
+    types = {"s": "BYTES", "h": "FP16", "b": "BOOL"}
+    inputs = []
+    for name, array in data.items():
+        inp = httpclient.InferInput(f"in_{name}", list(array.shape), types[name])
+        inp.set_data_from_numpy(array, binary_data=binary)
+        inputs.append(inp)
+    outputs = [httpclient.InferRequestedOutput(f"out_{n}", binary_data=binary) for n in data]
+    result = triton.infer("ident", inputs, outputs=outputs)
+    for name, array in data.items():
+        got = result.as_numpy(f"out_{name}")
+        if name == "s":
+            # JSON carries BYTES as strings (as Triton does); binary keeps the bytes.
+            want = array if binary else np.vectorize(bytes.decode, otypes=[object])(array)
+            assert got.tolist() == want.tolist()
+        else:
+            assert got.dtype == array.dtype
+            np.testing.assert_array_equal(got, array)
+
+
+def test_errors_reach_the_client_with_status(triton: httpclient.InferenceServerClient) -> None:
+    inp = httpclient.InferInput("x", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 4), np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        triton.infer("nope", [inp])
+    assert info.value.status() == "404"
+    assert "unknown route 'nope'" in info.value.message()
+    bad = httpclient.InferInput("x", [1, 3], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 3), np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        triton.infer("add", [bad])
+    assert info.value.status() == "400"
+    assert "has shape [1, 3]" in info.value.message()
