@@ -103,3 +103,39 @@ def test_errors_reach_the_client_with_status(triton: httpclient.InferenceServerC
         triton.infer("add", [bad])
     assert info.value.status() == "400"
     assert "has shape [1, 3]" in info.value.message()
+
+
+def test_declarative_runner_on_a_backend_from_an_installed_package(
+    tmp_path: Path, plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """A fake .dist-info on PYTHONPATH adds the "scaled" backend through the entry-point group."""
+    site = tmp_path / "site"
+    info = site / "plugserve_scaled-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plugserve_scaled\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[plugserve]\nscaled = plugserve_scaled\n")
+    (site / "plugserve_scaled.py").write_text(
+        "import pluggy\n"
+        "hookimpl = pluggy.HookimplMarker('plugserve')\n"
+        "class Scaled:\n"
+        "    def __init__(self, factor):\n"
+        "        self.factor = factor\n"
+        "    def infer(self, inputs):\n"
+        "        return {'y': inputs['x'] * self.factor}\n"
+        "@hookimpl\n"
+        "def plugserve_backends():\n"
+        "    return {'scaled': lambda plugin, runner, model_path: Scaled(runner['factor'])}\n"
+    )
+    write_plugin(
+        plugins_dir, "runner", "times", "1.0.0", '[runner]\nbackend = "scaled"\nfactor = 3\n',
+        module=None,
+    )  # fmt: skip
+    srv = server(
+        "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+        env={"PYTHONPATH": str(site)},
+    )  # fmt: skip
+    client = httpclient.InferenceServerClient(url=f"127.0.0.1:{srv.port}")
+    inp = httpclient.InferInput("x", [2], "INT32")
+    inp.set_data_from_numpy(np.array([1, 2], np.int32))
+    assert client.infer("times", [inp]).as_numpy("y").tolist() == [3, 6]
+    client.close()
