@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ class LoadedPlugin:
     component: Any
     package: str | None = None
     hook_name: str | None = None
+    model_path: Path | None = None
     loaded_at: float = field(default_factory=time.time)
     in_flight: int = 0
     _method: Callable[..., Any] = field(init=False, repr=False)

@@ -17,10 +17,12 @@ import structlog
 
 from registry.components import LoadedPlugin
 from registry.errors import PluginLoadError, PlugserveError
+from registry.fingerprint import Fingerprinter
 from registry.imports import forget, import_plugin, package_name
+from registry.integrity import verify_checksums
 from registry.manager import PluginHost
 from registry.manifest import Manifest, load_manifest
-from registry.models import resolve_model
+from registry.models import MODELS_SCHEME, resolve_model
 from registry.types import PluginInfo
 
 log = structlog.get_logger("plugserve.registry")
@@ -29,13 +31,17 @@ log = structlog.get_logger("plugserve.registry")
 class Loader:
     """Turns version folders into :class:`LoadedPlugin` instances and back."""
 
-    def __init__(self, host: PluginHost, models_dir: Path) -> None:
+    def __init__(
+        self, host: PluginHost, models_dir: Path, fingerprinter: Fingerprinter | None = None
+    ) -> None:
         self.host = host
         self.models_dir = models_dir
+        self.fingerprinter = fingerprinter or Fingerprinter()
 
     async def load(self, folder: Path) -> LoadedPlugin:
         """Load and warm up the version in ``folder``; raise :class:`PluginLoadError`."""
         manifest = load_manifest(folder)
+        await asyncio.to_thread(verify_checksums, folder, self.fingerprinter, manifest.label)
         loaded = await asyncio.to_thread(self.build, manifest)
         try:
             await loaded.warmup()
@@ -59,8 +65,11 @@ class Loader:
         )
         module, package = self._import(manifest)
         try:
-            component = self._create(manifest, info, module)
-            return LoadedPlugin(manifest, info, component, package=package, hook_name=package)
+            model_path = self.model_path(manifest)
+            component = self._create(manifest, info, module, model_path)
+            return LoadedPlugin(
+                manifest, info, component, package=package, hook_name=package, model_path=model_path
+            )
         except BaseException:
             self._forget(package)
             raise
@@ -83,11 +92,32 @@ class Loader:
             raise PluginLoadError(f"{manifest.label}: invalid hooks: {detail}") from None
         return module, package
 
-    def _create(self, manifest: Manifest, info: PluginInfo, module: ModuleType | None) -> Any:
+    def model_path(self, manifest: Manifest) -> Path | None:
+        """The model file a runner's manifest resolves to now; raises :class:`PluginLoadError`."""
+        runner = manifest.runner
+        if runner is None or runner.model is None:
+            return None
+        factory = self.host.backends().get(runner.backend or "")
+        default_file = getattr(factory, "model_filename", None)
+        try:
+            return resolve_model(runner.model, manifest.path, self.models_dir, default_file)
+        except PluginLoadError as exc:
+            raise PluginLoadError(f"{manifest.label}: {exc.message}") from None
+
+    def model_name(self, manifest: Manifest) -> str | None:
+        """The model repository name a runner uses (``models:<name>...``), if any."""
+        model = manifest.runner.model if manifest.runner else None
+        if model is None or not model.startswith(MODELS_SCHEME):
+            return None
+        return model[len(MODELS_SCHEME) :].split("/", 1)[0]
+
+    def _create(
+        self, manifest: Manifest, info: PluginInfo, module: ModuleType | None, model: Path | None
+    ) -> Any:
         runner = manifest.runner
         try:
             if runner is not None and runner.backend is not None:
-                return self._create_from_backend(manifest, info, runner.backend)
+                return self._create_from_backend(manifest, info, runner.backend, model)
             assert module is not None  # the manifest guarantees a module here
             return self.host.create_component(module, info, manifest.config)
         except PlugserveError:
@@ -97,23 +127,16 @@ class Loader:
                 f"{manifest.label}: creating the component failed: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _create_from_backend(self, manifest: Manifest, info: PluginInfo, backend: str) -> Any:
+    def _create_from_backend(
+        self, manifest: Manifest, info: PluginInfo, backend: str, model: Path | None
+    ) -> Any:
         assert manifest.runner is not None
         factories = self.host.backends()
         factory = factories.get(backend)
         if factory is None:
             known = ", ".join(sorted(factories)) or "none"
             raise PluginLoadError(f"{manifest.label}: unknown backend {backend!r} (known: {known})")
-        model_path = None
-        if manifest.runner.model is not None:
-            default_file = getattr(factory, "model_filename", None)
-            try:
-                model_path = resolve_model(
-                    manifest.runner.model, manifest.path, self.models_dir, default_file
-                )
-            except PluginLoadError as exc:
-                raise PluginLoadError(f"{manifest.label}: {exc.message}") from None
-        return factory(info, manifest.runner.table, model_path)
+        return factory(info, manifest.runner.table, model)
 
     async def release(self, loaded: LoadedPlugin) -> None:
         """``close()`` the component, unregister its hooks and forget its modules."""

@@ -32,6 +32,7 @@ class VersionRecord:
     state: State = "loading"
     current: LoadedPlugin | None = None
     last_error: str | None = None
+    fingerprint: str | None = field(default=None, repr=False)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     draining: list[LoadedPlugin] = field(default_factory=list, repr=False)
 

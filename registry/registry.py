@@ -1,22 +1,27 @@
 """The registry: every plugin version's record, its lifecycle, and the route table built from them.
 
-Lifecycle of a version (one lock each, so concurrent triggers cannot race):
-load the new instance beside the old one, swap it in with one route-table
-rebuild, let the old instance drain, then release it. A failed load leaves
-whatever was serving untouched.
+Lifecycle of a version (one lock each, so the watcher, admin calls and startup
+cannot race): load the new instance beside the old one, swap it in with one
+route-table rebuild, let the old instance drain, then release it. A failed load
+leaves whatever was serving untouched. Whether a folder needs loading at all is
+decided by its content fingerprint, never by the event that pointed at it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import structlog
 
 from registry.components import LoadedPlugin
 from registry.errors import NotFound, PlugserveError, RoutesFileError
+from registry.fingerprint import Fingerprinter
 from registry.loader import Loader
 from registry.manager import PluginHost
 from registry.manifest import load_manifest
@@ -28,6 +33,47 @@ from registry.versions import Version
 log = structlog.get_logger("plugserve.registry")
 
 Key = tuple[str, str, str]
+Outcome = Literal["loaded", "reloaded", "unchanged", "failed", "unloaded", "held"]
+
+
+@dataclass(frozen=True)
+class LifecycleEvent:
+    """What listeners (metrics) hear after every load, reload or unload."""
+
+    record: VersionRecord
+    outcome: Outcome
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class SyncReport:
+    """What a rescan did: the answer of ``POST /admin/reload``."""
+
+    loaded: list[str] = field(default_factory=list)
+    reloaded: list[str] = field(default_factory=list)
+    unloaded: list[str] = field(default_factory=list)
+    failed: list[dict[str, str]] = field(default_factory=list)
+    unchanged: int = 0
+    routes_file: str = "unchanged"
+
+    def add(self, record: VersionRecord, outcome: Outcome) -> None:
+        if outcome == "failed":
+            self.failed.append({"plugin": record.label, "error": record.last_error or ""})
+        elif outcome in ("loaded", "reloaded", "unloaded"):
+            getattr(self, outcome).append(record.label)
+        else:
+            self.unchanged += 1
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "loaded": self.loaded,
+            "reloaded": self.reloaded,
+            "unloaded": self.unloaded,
+            "failed": self.failed,
+            "unchanged": self.unchanged,
+            "routes_file": self.routes_file,
+        }
 
 
 class Registry:
@@ -43,12 +89,15 @@ class Registry:
         self.plugins_dir = plugins_dir
         self.models_dir = models_dir
         self.host = host or PluginHost()
-        self.loader = Loader(self.host, models_dir)
+        self.fingerprinter = Fingerprinter()
+        self.loader = Loader(self.host, models_dir, self.fingerprinter)
         self.drain_timeout = drain_timeout
         self.records: dict[Key, VersionRecord] = {}
         self.routes = RouteTable()
         self.file_routes: dict[str, RouteSpec] = {}
         self.routes_file_error: str | None = None
+        self._routes_fingerprint: str | None = None
+        self.listeners: list[Callable[[LifecycleEvent], None]] = []
         self.started = False
 
     @property
@@ -65,7 +114,11 @@ class Registry:
                 found.extend(_subdirs(name))
         return found
 
-    def key_of(self, folder: Path) -> Key:
+    def folder_of(self, key: Key) -> Path:
+        return self.plugins_dir.joinpath(*key)
+
+    @staticmethod
+    def key_of(folder: Path) -> Key:
         return (folder.parent.parent.name, folder.parent.name, folder.name)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -74,54 +127,122 @@ class Registry:
         """Register built-ins and entry points, read ``routes.toml``, load every version."""
         self.host.load_builtins()
         self.host.load_entry_points()
-        self.reload_routes_file()
-        folders = self.discover()
-        # Module plugins first: one of them may provide a backend a declarative runner uses.
-        with_module: list[Path] = []
-        declarative: list[Path] = []
-        for folder in folders:
-            (declarative if _is_declarative(folder) else with_module).append(folder)
-        for batch in (with_module, declarative):
-            await asyncio.gather(*(self.load(folder) for folder in batch))
+        await self.sync()
         self.started = True
         log.info("registry_started", versions=len(self.records), routes=len(self.routes.entries))
 
-    async def load(self, folder: Path) -> VersionRecord:
-        """Load (or reload) the version in ``folder``; a failure keeps what was serving."""
+    async def sync(self, force: bool = False) -> SyncReport:
+        """Make the registry match the disk: load new, reload changed, unload deleted.
+
+        Plugins with a module load first: one may provide a backend that a
+        declarative runner uses. ``force`` reloads unchanged versions too
+        (versions unloaded through the admin API stay unloaded).
+        """
+        report = SyncReport()
+        report.routes_file = self.sync_routes_file()
+        folders = self.discover()
+        with_module = [f for f in folders if not _is_declarative(f)]
+        declarative = [f for f in folders if f not in with_module]
+        for batch in (with_module, declarative):
+            outcomes = await asyncio.gather(*(self.load(f, force=force) for f in batch))
+            for folder, outcome in zip(batch, outcomes, strict=True):
+                report.add(self.records[self.key_of(folder)], outcome)
+        on_disk = {self.key_of(f) for f in folders}
+        for key in [k for k in self.records if k not in on_disk]:
+            record = self.records[key]
+            report.add(record, await self.unload(key, forget=True))
+        return report
+
+    async def sync_version(self, key: Key) -> Outcome:
+        """Bring one version in line with its folder (the watcher calls this)."""
+        folder = self.folder_of(key)
+        if folder.is_dir():
+            return await self.load(folder)
+        if key in self.records:
+            return await self.unload(key, forget=True)
+        return "unchanged"
+
+    async def sync_model(self, name: str) -> list[tuple[str, Outcome]]:
+        """Reload every runner using model ``name`` whose resolved model changed."""
+        users = [
+            r
+            for r in list(self.records.values())
+            if r.current is not None and self.loader.model_name(r.current.manifest) == name
+        ]
+        outcomes = await asyncio.gather(*(self.load(r.folder) for r in users))
+        return [(r.label, o) for r, o in zip(users, outcomes, strict=True)]
+
+    def fingerprint(self, folder: Path) -> str:
+        """The folder's files and, for a runner, the model file it resolves to now."""
+        extra: list[Path] = []
+        try:
+            model = self.loader.model_path(load_manifest(folder))
+        except PlugserveError:
+            model = None
+        if model is not None and not model.is_relative_to(folder):
+            extra.append(model)
+        return self.fingerprinter.folder(folder, extra)
+
+    async def load(self, folder: Path, force: bool = False, explicit: bool = False) -> Outcome:
+        """Load, or reload, the version in ``folder`` if its content changed.
+
+        A failure keeps what was serving; the next change to the folder is tried
+        again. ``force`` reloads unchanged content; ``explicit`` (an admin call
+        for this version) also brings back a version unloaded through the API.
+        """
         key = self.key_of(folder)
         record = self.records.get(key)
         if record is None:
-            kind: PluginType = key[0]  # type: ignore[assignment]  # discover() yields only PLUGIN_TYPES
+            kind: PluginType = key[0]  # type: ignore[assignment]  # discover() yields PLUGIN_TYPES
             record = self.records[key] = VersionRecord(kind, key[1], key[2], folder)
             self._rebuild()
         async with record.lock:
-            bound = log.bind(plugin=record.label)
-            try:
-                new = await self.loader.load(folder)
-            except PlugserveError as exc:
-                record.last_error = exc.message
-                if record.current is None:
-                    record.state = "failed"
-                bound.error(
-                    "plugin_load_failed",
-                    error=exc.message,
-                    keeps_serving=record.current is not None,
-                )
-                self._rebuild()
-                return record
-            old = record.current
-            record.current, record.state, record.last_error = new, "ready", None
-            self._rebuild()
-            bound.info("plugin_ready", reloaded=old is not None)
-            if old is not None:
-                await self._retire(record, old)
-        return record
+            fingerprint = await asyncio.to_thread(self.fingerprint, folder)
+            if record.state == "unloaded" and not explicit and fingerprint == record.fingerprint:
+                return "held"
+            if not (force or explicit) and fingerprint == record.fingerprint:
+                return "unchanged"
+            record.fingerprint = fingerprint
+            return await self._load_locked(record, folder)
 
-    async def unload(self, key: Key) -> VersionRecord:
-        """Stop routing to a version, drain it, release it and forget its record."""
+    async def _load_locked(self, record: VersionRecord, folder: Path) -> Outcome:
+        bound = log.bind(plugin=record.label)
+        started = time.perf_counter()
+        if record.current is None:
+            record.state = "loading"
+        try:
+            new = await self.loader.load(folder)
+        except PlugserveError as exc:
+            record.last_error = exc.message
+            if record.current is None:
+                record.state = "failed"
+            bound.error(
+                "plugin_load_failed", error=exc.message, keeps_serving=record.current is not None
+            )
+            self._rebuild()
+            self._emit(record, "failed", started, exc.message)
+            return "failed"
+        old = record.current
+        record.current, record.state, record.last_error = new, "ready", None
+        self._rebuild()
+        outcome: Outcome = "reloaded" if old is not None else "loaded"
+        bound.info("plugin_ready", outcome=outcome, seconds=round(time.perf_counter() - started, 4))
+        self._emit(record, outcome, started)
+        if old is not None:
+            await self._retire(record, old)
+        return outcome
+
+    async def unload(self, key: Key, forget: bool = False) -> Outcome:
+        """Stop routing to a version, drain it, release it.
+
+        ``forget`` (its folder is gone) drops the record; otherwise it stays as
+        ``unloaded`` and rescans leave it so until its content changes or an
+        admin reload brings it back.
+        """
         record = self.records.get(key)
         if record is None:
             raise NotFound(f"no plugin {key[0]}/{key[1]}@{key[2]}")
+        started = time.perf_counter()
         async with record.lock:
             old, record.current = record.current, None
             record.state = "draining"
@@ -129,15 +250,17 @@ class Registry:
             if old is not None:
                 await self._retire(record, old)
             record.state = "unloaded"
-            if self.records.get(key) is record:
+            if forget and self.records.get(key) is record:
                 del self.records[key]
+                self.fingerprinter.forget(record.folder)
             self._rebuild()
         log.info("plugin_unloaded", plugin=record.label)
-        return record
+        self._emit(record, "unloaded", started)
+        return "unloaded"
 
     async def close(self) -> None:
         """Unload everything (at shutdown)."""
-        await asyncio.gather(*(self.unload(key) for key in list(self.records)))
+        await asyncio.gather(*(self.unload(key, forget=True) for key in list(self.records)))
 
     async def _retire(self, record: VersionRecord, old: LoadedPlugin) -> None:
         record.draining.append(old)
@@ -155,7 +278,22 @@ class Registry:
         del old
         gc.collect()
 
+    def _emit(
+        self, record: VersionRecord, outcome: Outcome, started: float, error: str | None = None
+    ) -> None:
+        event = LifecycleEvent(record, outcome, time.perf_counter() - started, error)
+        for listener in self.listeners:
+            listener(event)
+
     # -- routes ------------------------------------------------------------------------
+
+    def sync_routes_file(self) -> str:
+        """Re-read ``routes.toml`` if its content changed: unchanged, applied or invalid."""
+        fingerprint = self.fingerprinter.file(self.routes_file)
+        if fingerprint == self._routes_fingerprint:
+            return "unchanged"
+        self._routes_fingerprint = fingerprint
+        return "applied" if self.reload_routes_file() else "invalid"
 
     def reload_routes_file(self) -> bool:
         """Re-read ``routes.toml``; an invalid file keeps the previous routes and says why."""
@@ -167,6 +305,7 @@ class Registry:
             return False
         self.routes_file_error = None
         self._rebuild()
+        log.info("routes_file_applied", routes=sorted(self.file_routes))
         return True
 
     def _rebuild(self) -> None:

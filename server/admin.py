@@ -8,8 +8,10 @@ import ipaddress
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from registry.errors import Forbidden, Unauthorized
+from registry.errors import Forbidden, InvalidInput, NotFound, PluginLoadError, Unauthorized
+from registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
 from registry.registry import Registry
+from registry.versions import Version
 from server.config import Settings
 from server.state import REGISTRY, SETTINGS
 
@@ -67,6 +69,52 @@ async def list_routes(request: web.Request) -> web.Response:
     )
 
 
+async def reload_all(request: web.Request) -> web.Response:
+    """Rescan everything now; 200 whatever failed, listing the failures."""
+    force = request.query.get("force", "false").lower() in ("1", "true", "yes")
+    report = await request.app[REGISTRY].sync(force=force)
+    return web.json_response(report.as_json())
+
+
+def _version_key(request: web.Request) -> tuple[str, str, str]:
+    """The ``{type}/{name}/{version}`` of the path, validated so it cannot leave the plugins dir."""
+    kind, name, version = (request.match_info[k] for k in ("type", "name", "version"))
+    if kind not in PLUGIN_TYPES:
+        raise NotFound(f"unknown plugin type {kind!r}; types: {', '.join(PLUGIN_TYPES)}")
+    if not is_valid_name(name):
+        raise InvalidInput(f"plugin name {name!r} must match {NAME_PATTERN}")
+    try:
+        Version.parse(version)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    return kind, name, version
+
+
+async def reload_version(request: web.Request) -> web.Response:
+    """Reload one version, changed or not; 400 with the error when its load failed."""
+    registry = request.app[REGISTRY]
+    key = _version_key(request)
+    folder = registry.folder_of(key)
+    if not folder.is_dir():
+        raise NotFound(f"no folder {folder.relative_to(registry.plugins_dir)} in the plugins dir")
+    outcome = await registry.load(folder, explicit=True)
+    record = registry.records[key]
+    if outcome == "failed":
+        raise PluginLoadError(record.last_error or "load failed", plugin=record.as_json())
+    return web.json_response({"outcome": outcome, "plugin": record.as_json()})
+
+
+async def unload_version(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY]
+    key = _version_key(request)
+    outcome = await registry.unload(key)
+    return web.json_response({"outcome": outcome, "plugin": registry.records[key].as_json()})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get(ADMIN_PREFIX + "/plugins", list_plugins)
     app.router.add_get(ADMIN_PREFIX + "/routes", list_routes)
+    app.router.add_post(ADMIN_PREFIX + "/reload", reload_all)
+    version = ADMIN_PREFIX + "/plugins/{type}/{name}/{version}"
+    app.router.add_post(version + "/reload", reload_version)
+    app.router.add_post(version + "/unload", unload_version)

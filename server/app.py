@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import structlog
 from aiohttp import web
 
 from registry.registry import Registry
+from registry.watcher import Watcher
 from server import admin, predict, v2
 from server.config import Settings
 from server.metrics import Metrics
@@ -25,10 +27,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
-    registry = app[REGISTRY]
+    registry, settings = app[REGISTRY], app[SETTINGS]
     await registry.start()
     await registry.host.startup(app)
+    watcher = Watcher(registry, settings.reload_debounce_ms / 1000) if settings.watch else None
+    task = asyncio.create_task(watcher.run()) if watcher else None
     yield
+    if watcher is not None and task is not None:
+        watcher.stop.set()
+        await task
     await registry.host.shutdown(app)
     await registry.close()
 
@@ -44,6 +51,7 @@ def create_app(settings: Settings, registry: Registry | None = None) -> web.Appl
         settings.plugins_dir, settings.models_dir, drain_timeout=settings.drain_timeout_s
     )
     app[METRICS] = Metrics()
+    app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
     app.cleanup_ctx.append(_registry_lifetime)
     v2.add_routes(app)
     predict.add_routes(app)

@@ -35,6 +35,8 @@ class Settings:
     log_level: str = "info"
     drain_timeout_s: float = 30.0
     max_body_bytes: int = 64 * 1024 * 1024
+    watch: bool = True
+    reload_debounce_ms: int = 200
 
     def __post_init__(self) -> None:
         if self.log_format not in ("console", "json"):
@@ -45,8 +47,10 @@ class Settings:
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0..65535, not {self.port}")
-        if self.max_body_bytes < 1 or self.drain_timeout_s < 0:
-            raise ConfigError("max_body_bytes must be >= 1 and drain_timeout_s >= 0")
+        if self.max_body_bytes < 1 or self.drain_timeout_s < 0 or self.reload_debounce_ms < 0:
+            raise ConfigError(
+                "max_body_bytes must be >= 1, drain_timeout_s and reload_debounce_ms >= 0"
+            )
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -89,7 +93,7 @@ def _read_config(path: Path) -> dict[str, Any]:
         raw[key] = path.parent / str(raw[key])
     for key, value in raw.items():
         expected = _expected_type(key)
-        if not isinstance(value, expected) or isinstance(value, bool):
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             raise ConfigError(f"{path}: {key} must be {expected}, not {type(value).__name__}")
     return raw
 
@@ -100,6 +104,8 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
     types: dict[str, type | tuple[type, ...]] = {
         "port": int,
         "max_body_bytes": int,
+        "reload_debounce_ms": int,
+        "watch": bool,
         "drain_timeout_s": (int, float),
     }
     return types.get(key, str)

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections.abc import Callable
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from registry.refs import PLUGIN_TYPES
+from registry.registry import LifecycleEvent, Registry
+
+STATES = ("loading", "ready", "failed", "draining", "unloaded")
 
 # Inference latencies from tens of microseconds to tens of seconds.
 LATENCY_BUCKETS = (
@@ -40,6 +49,42 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+        self.lifecycle = Counter(
+            "plugserve_plugin_lifecycle",
+            "Plugin version loads, reloads, failed loads and unloads, by plugin.",
+            ["type", "name", "outcome"],
+            registry=self.registry,
+        )
+        self.lifecycle_seconds = Histogram(
+            "plugserve_plugin_lifecycle_duration_seconds",
+            "Time to load (import, create, warm up) or unload (drain, close) a version.",
+            ["outcome"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.versions = Gauge(
+            "plugserve_plugin_versions",
+            "Plugin versions known to the registry, by type and state.",
+            ["type", "state"],
+            registry=self.registry,
+        )
+
+    def lifecycle_listener(self, registry: Registry) -> Callable[[LifecycleEvent], None]:
+        """A registry listener that counts lifecycle events and refreshes the state gauge."""
+
+        def listen(event: LifecycleEvent) -> None:
+            record = event.record
+            self.lifecycle.labels(record.type, record.name, event.outcome).inc()
+            self.lifecycle_seconds.labels(event.outcome).observe(event.seconds)
+            states: Tally[tuple[str, str]] = Tally(
+                (r.type, r.state) for r in registry.records.values()
+            )
+            for kind in PLUGIN_TYPES:
+                for state in STATES:
+                    self.versions.labels(kind, state).set(states[(kind, state)])
+
+        return listen
 
     def observe(self, route: str, protocol: str, status: int, seconds: float) -> None:
         self.requests.labels(route, protocol, str(status)).inc()

@@ -30,7 +30,8 @@ def models_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def settings(plugins_dir: Path, models_dir: Path) -> Settings:
-    return Settings(plugins_dir=plugins_dir, models_dir=models_dir)
+    # In-process apps do not watch; hot reload is tested against real server subprocesses.
+    return Settings(plugins_dir=plugins_dir, models_dir=models_dir, watch=False)
 
 
 @pytest.fixture

@@ -195,10 +195,11 @@ async def test_reload_swaps_and_unload_releases_everything(
     assert await run(registry, "add", 0) == 5
     assert first.component is None  # the old instance was released
     assert not [m for m in sys.modules if first.package and m.startswith(first.package)]
-    record = await registry.unload(("preprocessor", "pre", "1.0.0"))
-    assert record.state == "unloaded"
-    assert ("preprocessor", "pre", "1.0.0") not in registry.records
-    with pytest.raises(Unavailable, match="preprocessor pre is not installed"):
+    assert await registry.unload(("preprocessor", "pre", "1.0.0")) == "unloaded"
+    assert registry.records[("preprocessor", "pre", "1.0.0")].state == "unloaded"
+    with pytest.raises(
+        Unavailable, match=r"preprocessor pre has no ready version \(1.0.0 unloaded\)"
+    ):
         registry.routes.resolve("add")
 
 
@@ -209,12 +210,13 @@ async def test_failed_reload_keeps_the_serving_instance(
     write_add_runner(plugins_dir, "add", "1.0.0", amount=0, route='[route]\npreprocess = ["pre"]\n')
     await registry.start()
     (folder / "plugin.py").write_text("raise ImportError('half written')\n")
-    record = await registry.load(folder)
+    assert await registry.load(folder) == "failed"
+    record = registry.records[("preprocessor", "pre", "1.0.0")]
     assert record.state == "ready"
     assert "half written" in (record.last_error or "")
     assert await run(registry, "add", 0) == 1
     (folder / "plugin.py").write_text(textwrap.dedent(processor_source("preprocessor")))
-    record = await registry.load(folder)
+    assert await registry.load(folder) == "reloaded"
     assert (record.state, record.last_error) == ("ready", None)
 
 
@@ -228,7 +230,7 @@ async def test_in_flight_request_finishes_on_the_instance_it_started_on(
     chain.enter()
     old = chain.preprocess[0]
     assert registry.records[("preprocessor", "pre", "1.0.0")].as_json()["in_flight"] == 1
-    reload = asyncio.create_task(registry.load(folder))
+    reload = asyncio.create_task(registry.load(folder, force=True))
     await asyncio.sleep(0.3)
     assert not reload.done()  # draining: the old instance still has a request
     assert old.component is not None
