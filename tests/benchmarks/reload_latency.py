@@ -1,0 +1,96 @@
+"""Reload latency: from the atomic rename of a new version to the first request it answers.
+
+    python -m tests.benchmarks.reload_latency [--rounds 30] [--debounce-ms 200]
+
+Starts ``plugserve serve`` as a subprocess on a temporary plugins folder holding
+a small runner, then, round after round, writes a new version under a dot name,
+renames it into place and polls ``/predict`` over one keep-alive connection
+until the new version answers. Prints the median, p90 and max. Not run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from tests.helpers import ServerProcess, write_plugin
+
+RUNNER = """
+import numpy as np
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("plugserve")
+
+class Tag:
+    def __init__(self, tag):
+        self.tag = tag
+    def infer(self, inputs):
+        return {"tag": np.array([self.tag], dtype=object)}
+
+@hookimpl
+def plugserve_create_component(plugin, config):
+    return Tag(config["tag"])
+"""
+
+
+def drop(plugins: Path, version: str) -> float:
+    folder = write_plugin(plugins, "runner", "tag", f".{version}.tmp", f'[config]\ntag = "{version}"\n',
+                          {"plugin.py": RUNNER})  # fmt: skip
+    manifest = folder / "plugin.toml"
+    manifest.write_text(manifest.read_text().replace(f'"{folder.name}"', f'"{version}"'))
+    started = time.perf_counter()
+    folder.rename(folder.with_name(version))
+    return started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--debounce-ms", type=int, default=200)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        plugins, models = root / "plugins", root / "models"
+        models.mkdir()
+        write_plugin(
+            plugins, "runner", "tag", "1.0.0", '[config]\ntag = "1.0.0"\n', {"plugin.py": RUNNER}
+        )
+        (root / "plugserve.toml").write_text(
+            f"reload_debounce_ms = {args.debounce_ms}\nlog_level = 'warning'\n"
+        )
+        server = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models),
+                               "--config", str(root / "plugserve.toml"), log=root / "server.log")  # fmt: skip
+        server.wait_ready()
+        conn = http.client.HTTPConnection("127.0.0.1", server.port)
+        body = json.dumps({"x": [1]})
+        latencies = []
+        try:
+            for i in range(args.rounds):
+                version = f"1.{i + 1}.0"
+                started = drop(plugins, version)
+                while True:
+                    conn.request("POST", "/predict/tag", body, {"Content-Type": "application/json"})
+                    answer = json.loads(conn.getresponse().read())
+                    if answer["tag"] == [version]:
+                        latencies.append(time.perf_counter() - started)
+                        break
+                    if time.perf_counter() - started > 10:
+                        raise SystemExit(f"version {version} never answered:\n{server.log()}")
+        finally:
+            server.stop()
+    ms = sorted(x * 1000 for x in latencies)
+    p90 = ms[int(0.9 * (len(ms) - 1))]
+    print(f"reload latency, rename -> first answer by the new version ({len(ms)} rounds, "
+          f"debounce {args.debounce_ms} ms)")  # fmt: skip
+    print(
+        f"  p50 {statistics.median(ms):7.1f} ms   p90 {p90:7.1f} ms   min {ms[0]:7.1f} ms   max {ms[-1]:7.1f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
