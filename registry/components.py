@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from registry.batching import BatchPolicy, Scheduler
 from registry.datatypes import numpy_dtype
 from registry.errors import InvalidInput, PluginError, PluginLoadError, PlugserveError
-from registry.manifest import Manifest
+from registry.manifest import Manifest, RunnerSection
 from registry.types import PluginInfo, RequestContext
 
 STAGE_METHOD = {"preprocessor": "process", "runner": "infer", "postprocessor": "format"}
@@ -50,6 +51,7 @@ class LoadedPlugin:
     _is_async: bool = field(init=False, repr=False)
     _executor: ThreadPoolExecutor | None = field(init=False, default=None, repr=False)
     _idle: asyncio.Event | None = field(init=False, default=None, repr=False)
+    scheduler: Scheduler | None = field(init=False, default=None, repr=False)
     _metadata: dict[str, Any] | None = field(init=False, default=None, repr=False)
     _input_dtypes: dict[str, np.dtype[Any]] = field(init=False, default_factory=dict, repr=False)
 
@@ -60,19 +62,15 @@ class LoadedPlugin:
             raise PluginLoadError(f"{self.label}: its component has no {name}() method")
         self._method = method
         self._is_async = inspect.iscoroutinefunction(method)
-        if self.manifest.type == "runner" and not self._is_async:
-            instances = self.manifest.runner.instances if self.manifest.runner else 1
-            self._executor = ThreadPoolExecutor(instances, thread_name_prefix=self.label)
+        runner = self.manifest.runner
+        if runner is not None:
+            if not self._is_async:
+                self._executor = ThreadPoolExecutor(runner.instances, thread_name_prefix=self.label)
+            self.scheduler = Scheduler(self._execute, batch_policy(runner), self.label)
 
     @property
     def label(self) -> str:
         return self.manifest.label
-
-    @property
-    def max_queue_size(self) -> int:
-        """Requests a runner takes in flight before answering 429; 0 is unbounded."""
-        runner = self.manifest.runner
-        return runner.max_queue_size if runner else 0
 
     @property
     def version(self) -> str:
@@ -97,6 +95,8 @@ class LoadedPlugin:
 
     async def close(self) -> None:
         """Run the component's ``close()``; then its thread pool is shut down."""
+        if self.scheduler is not None:
+            self.scheduler.close()
         try:
             await self._call_optional("close")
         finally:
@@ -142,20 +142,37 @@ class LoadedPlugin:
     # -- the request path --------------------------------------------------------------
 
     async def call(self, data: Any, ctx: RequestContext) -> Any:
-        """Run this stage on ``data``; a plugin's exception becomes :class:`PluginError`."""
+        """Run this stage on ``data``; a plugin's exception becomes :class:`PluginError`.
+
+        A runner's call goes through its scheduler (batching, queue, priorities).
+        """
+        if self.scheduler is not None:
+            inputs = self.runner_inputs(data)
+            return await self.scheduler.submit(inputs, ctx.deadline, ctx.priority, ctx.tenant)
         try:
-            if self.manifest.type == "runner":
-                inputs = self.runner_inputs(data)
-                if self._is_async:
-                    return await self._method(inputs)
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._executor, self._method, inputs)
             result = self._method(data, ctx)
             return (await result) if self._is_async else result
         except PlugserveError:
             raise
         except Exception as exc:
             raise PluginError(self.label, exc) from exc
+
+    async def _execute(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """One runner execution on a (batched) input; what the scheduler calls."""
+        try:
+            if self._is_async:
+                result = await self._method(inputs)
+            else:
+                loop = asyncio.get_running_loop()
+                result = await loop.run_in_executor(self._executor, self._method, inputs)
+        except PlugserveError:
+            raise
+        except Exception as exc:
+            raise PluginError(self.label, exc) from exc
+        if not isinstance(result, Mapping):
+            problem = TypeError(f"infer() returned {type(result).__name__}, not a dict of arrays")
+            raise PluginError(self.label, problem)
+        return result
 
     def runner_inputs(self, data: Any) -> Mapping[str, np.ndarray]:
         """Turn what reaches a runner into named arrays of its input dtypes.
@@ -183,3 +200,17 @@ class LoadedPlugin:
             return np.asarray(value, dtype=self._input_dtypes.get(name))
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"input {name!r} of runner {self.label}: {exc}") from None
+
+
+def batch_policy(runner: RunnerSection) -> BatchPolicy:
+    """The scheduler settings of a manifest's ``[runner]`` table."""
+    return BatchPolicy(
+        max_batch_size=runner.max_batch_size,
+        max_queue_delay_s=runner.max_queue_delay_ms / 1000,
+        preferred_batch_sizes=runner.preferred_batch_sizes,
+        instances=runner.instances,
+        max_queue_size=runner.max_queue_size,
+        priority_levels=runner.priority_levels,
+        default_priority=runner.default_priority_level,
+        tenant_weights=runner.tenant_weights,
+    )

@@ -34,6 +34,10 @@ class RunnerSection:
     max_queue_delay_ms: float = 0.0
     instances: int = 1
     max_queue_size: int = 0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    priority_levels: int = 1
+    default_priority_level: int | None = None
+    tenant_weights: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
@@ -153,6 +157,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
     if model is not None and not model.startswith("models:"):
         _check_relative(p.path, folder, model, "runner.model")
     providers = p.string_list(table, "runner.providers")
+    levels = p.integer(table, "runner.priority_levels", 1, minimum=1)
     return RunnerSection(
         backend=p.string(table, "runner.backend"),
         model=model,
@@ -161,8 +166,41 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         max_queue_delay_ms=p.number(table, "runner.max_queue_delay_ms", 0.0),
         instances=p.integer(table, "runner.instances", 1, minimum=1),
         max_queue_size=p.integer(table, "runner.max_queue_size", 0, minimum=0),
+        preferred_batch_sizes=_preferred_sizes(p, table),
+        priority_levels=levels,
+        default_priority_level=_default_level(p, table, levels),
+        tenant_weights=_tenant_weights(p, table),
         table=MappingProxyType(dict(table)),
     )
+
+
+def _preferred_sizes(p: _Fields, table: Mapping[str, Any]) -> tuple[int, ...]:
+    sizes = table.get("preferred_batch_sizes", [])
+    if not isinstance(sizes, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes
+    ):
+        raise ManifestError(
+            p.path, "must be a list of positive integers", "runner.preferred_batch_sizes"
+        )
+    return tuple(sorted(set(sizes)))
+
+
+def _default_level(p: _Fields, table: Mapping[str, Any], levels: int) -> int | None:
+    if "default_priority_level" not in table:
+        return None
+    level = p.integer(table, "runner.default_priority_level", levels, minimum=1)
+    if level > levels:
+        raise ManifestError(p.path, f"must be in 1..{levels}", "runner.default_priority_level")
+    return level
+
+
+def _tenant_weights(p: _Fields, table: Mapping[str, Any]) -> Mapping[str, float]:
+    weights = table.get("tenant_weights", {})
+    if not isinstance(weights, dict) or not all(
+        isinstance(w, int | float) and not isinstance(w, bool) and w > 0 for w in weights.values()
+    ):
+        raise ManifestError(p.path, "must be a table of positive numbers", "runner.tenant_weights")
+    return MappingProxyType({str(k): float(v) for k, v in weights.items()})
 
 
 def _route_section(p: _Fields, raw: Mapping[str, Any]) -> RouteSection:

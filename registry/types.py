@@ -41,7 +41,9 @@ class RequestContext:
 
     ``parameters`` are the request's parameters (v2 ``parameters``, or the query
     string of a ``/predict`` call); ``protocol`` is ``"v2"`` or ``"predict"``;
-    ``state`` is a dict the stages of one request may share.
+    ``state`` is a dict the stages of one request may share. ``deadline``
+    (``time.monotonic()`` seconds), ``priority`` and ``tenant`` steer the
+    runner's scheduler.
     """
 
     request_id: str
@@ -52,6 +54,9 @@ class RequestContext:
     protocol: str = "v2"
     versions: dict[str, str] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
+    deadline: float | None = None
+    priority: int | None = None
+    tenant: str | None = None
 
 
 BackendFactory = Callable[[PluginInfo, Mapping[str, Any], "Path | None"], Any]

@@ -59,12 +59,14 @@ async def _predict(request: web.Request, route: str) -> web.Response:
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidInput(f"the body is not valid JSON: {exc}") from None
 
+    deadline = deadline_seconds(request, {})
+    ctx = request_context(request, route, "predict", dict(request.query), deadline)
+
     async def run(chain: Chain) -> web.Response:
-        ctx = request_context(request, route, "predict", dict(request.query))
         ctx.versions = dict(chain.versions)
         return encode_result(chain, await chain.run(data, ctx))
 
-    return await serve(request, route, None, run, deadline_seconds(request, {}))
+    return await serve(request, route, None, run, deadline)
 
 
 def add_routes(app: web.Application) -> None:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from registry.chain import Chain
-from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError, TooManyRequests
+from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError
 from registry.types import RequestContext
 from server.middleware import REQUEST_ID_HEADER
 from server.state import METRICS, REGISTRY
@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 UNKNOWN_ROUTE = "_unknown"
 TIMEOUT_HEADER = "X-Request-Timeout"
-RETRY_AFTER_S = 1
+TENANT_HEADER = "X-Tenant-ID"
 
 
 def deadline_seconds(request: web.Request, parameters: dict[str, Any]) -> float | None:
@@ -44,8 +44,20 @@ def deadline_seconds(request: web.Request, parameters: dict[str, Any]) -> float 
 
 
 def request_context(
-    request: web.Request, route: str, protocol: str, parameters: dict[str, Any]
+    request: web.Request,
+    route: str,
+    protocol: str,
+    parameters: dict[str, Any],
+    deadline_s: float | None = None,
 ) -> RequestContext:
+    """The ``ctx`` stages see; deadline, priority and tenant steer the runner's scheduler."""
+    priority = parameters.get("priority")
+    if isinstance(priority, str) and priority.isdigit():  # a /predict query string
+        priority = int(priority)
+    if priority is not None and (
+        isinstance(priority, bool) or not isinstance(priority, int) or priority < 0
+    ):
+        raise InvalidInput("parameter 'priority' must be a non-negative integer (1 is highest)")
     return RequestContext(
         request_id=request.headers.get(REQUEST_ID_HEADER, ""),
         route=route,
@@ -53,6 +65,9 @@ def request_context(
         headers=request.headers,
         content_type=request.content_type,
         protocol=protocol,
+        deadline=None if deadline_s is None else time.monotonic() + deadline_s,
+        priority=priority,
+        tenant=request.headers.get(TENANT_HEADER),
     )
 
 
@@ -93,17 +108,10 @@ async def serve(
 
     The chain is resolved and entered in one event-loop step (no ``await``
     between), so a reload can never release an instance a request is about to use.
-    A runner whose ``max_queue_size`` requests are already in flight answers 429;
-    a request still running at its deadline answers 504 (a runner call already
-    on a thread finishes there, unobserved).
+    A request still running at its deadline answers 504 (a runner call already
+    on a thread finishes there, unobserved; a queued one never starts).
     """
     chain = request.app[REGISTRY].routes.resolve(route, version)
-    limit = chain.runner.max_queue_size
-    if limit and chain.runner.in_flight >= limit:
-        raise TooManyRequests(
-            f"runner {chain.runner.label} has {limit} requests in flight, its max_queue_size",
-            retry_after_s=RETRY_AFTER_S,
-        )
     chain.enter()
     try:
         if deadline_s is None:

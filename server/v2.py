@@ -69,15 +69,16 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     body = await request.read()
     decoded = decode_request(body, request.headers.get(HEADER_LENGTH))
 
+    deadline = deadline_seconds(request, decoded.parameters)
+    ctx = request_context(request, route, "v2", decoded.parameters, deadline)
+
     async def run(chain: Chain) -> web.Response:
-        ctx = request_context(request, route, "v2", decoded.parameters)
         ctx.versions = dict(chain.versions)
         result = await chain.run(decoded.inputs, ctx)
         outputs = _outputs(chain, result)
         payload, headers = encode_response(decoded, route, chain.runner_version, outputs)
         return web.Response(body=payload, headers=headers)
 
-    deadline = deadline_seconds(request, decoded.parameters)
     return await serve(request, route, request.match_info.get("version"), run, deadline)
 
 

@@ -55,7 +55,7 @@ def write_tagger(
         "runner",
         "tagger",
         folder_name or version,
-        f'[config]\ntag = "{tag}"\n',
+        f'[config]\ntag = "{tag}"\n[runner]\ninstances = 4\n',
         {"plugin.py": TAGGER, "suffix.py": f"SUFFIX = {suffix!r}\n"},
     )
     if folder_name:
@@ -263,7 +263,7 @@ def test_a_slow_multi_file_copy_is_never_loaded_half_written(
     pieces = [
         ("plugin.toml", '[plugin]\nname = "tagger"\nversion = "1.5.0"\ntype = "runner"\n'),
         ("plugin.toml", 'module = "plugin.py"\n'),
-        ("plugin.toml", '[config]\ntag = "complete"\n'),
+        ("plugin.toml", '[config]\ntag = "complete"\n[runner]\ninstances = 4\n'),
         ("suffix.py", "SUFFIX = ''\n"),
         *[("plugin.py", line + "\n") for line in TAGGER_SOURCE().splitlines()[:12]],
         ("plugin.py", "\n".join(TAGGER_SOURCE().splitlines()[12:]) + "\n"),
@@ -289,7 +289,7 @@ def test_an_in_flight_request_finishes_on_its_version_while_new_ones_reach_the_n
     manifest = folder / "plugin.toml"
     manifest.write_text(manifest.read_text().replace('"old"', '"new"'))
     until(lambda: tag(srv) == (200, "new"))
-    assert thread.is_alive()  # the slow request is still running, on the old instance
+    assert thread.is_alive(), slow  # the slow request is still running, on the old instance
     assert plugins(srv)["runner/tagger@1.0.0"]["in_flight"] == 1
     thread.join(10)
     assert slow["r"] == (200, "old")
@@ -459,5 +459,6 @@ def test_memory_stays_flat_over_many_reloads_of_a_big_plugin(
         reload()
     after = rss_mib(srv.proc.pid)
     growth_per_reload = (after - before) / reloads
+    print(f"RSS {before:.1f} MiB -> {after:.1f} MiB over {reloads} reloads of a 40 MiB plugin")
     assert growth_per_reload < 1.0, (before, after)
     assert before < 400  # one copy of the 40 MiB plugin, not several

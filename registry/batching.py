@@ -1,0 +1,322 @@
+"""Dynamic batching and request scheduling for one runner instance.
+
+Requests queue per runner instance and leave it in batches:
+
+- A batch is sent to a free execution slot (``instances`` of them) when it is
+  full (``max_batch_size`` rows), when the oldest queued request has waited
+  ``max_queue_delay`` since its arrival, or at once when the runner is idle (no
+  execution in flight): a lone request never waits for company. So with one
+  instance batches form while the runner is busy, and the delay only matters
+  when spare instances could start a small batch early.
+- Requests join a batch only when their inputs agree on names, dtypes and
+  every dimension after the first; a request larger than ``max_batch_size``
+  runs alone. Each response is exactly its own slice of the batch's outputs.
+- With ``preferred_batch_sizes``, a batch is cut to the largest preferred size
+  it can fill.
+- Order: priority level first (v2 ``priority``, 1 highest), then start-time
+  fair queueing between tenants (weighted by ``tenant_weights``), so one
+  tenant's burst cannot starve another; arrival breaks ties.
+- The queue is bounded (``max_queue_size``: 429 when full), and a request whose
+  deadline passed before it reached execution gets 504 without running.
+
+The clock and the timer are injectable, so the policy is tested with a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from registry.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    PluginError,
+    TooManyRequests,
+    Unavailable,
+)
+
+Arrays = Mapping[str, np.ndarray]
+Execute = Callable[[Arrays], Awaitable[Arrays]]
+Timer = Callable[[float, Callable[[], None]], Any]
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """A runner's scheduling settings, from its manifest's ``[runner]`` table."""
+
+    max_batch_size: int = 0
+    max_queue_delay_s: float = 0.0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    instances: int = 1
+    max_queue_size: int = 0
+    priority_levels: int = 1
+    default_priority: int | None = None
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def default_level(self) -> int:
+        return self.default_priority or self.priority_levels
+
+
+@dataclass(eq=False)
+class Pending:
+    """One queued request."""
+
+    inputs: Arrays
+    rows: int
+    signature: tuple[Any, ...] | None
+    arrival: float
+    deadline: float | None
+    level: int
+    tag: float
+    seq: int
+    future: asyncio.Future[Arrays]
+
+    def key(self) -> tuple[int, float, int]:
+        return (self.level, self.tag, self.seq)
+
+
+def signature(inputs: Arrays) -> tuple[int, tuple[Any, ...] | None]:
+    """Rows and batching signature of ``inputs``; ``None``: it cannot join a batch."""
+    arrays = list(inputs.values())
+    if not arrays or any(a.ndim == 0 for a in arrays):
+        return 1, None
+    rows = arrays[0].shape[0]
+    if any(a.shape[0] != rows for a in arrays):
+        return rows, None
+    return rows, tuple(sorted((n, a.dtype.str, a.shape[1:]) for n, a in inputs.items()))
+
+
+class Scheduler:
+    """Queues, batches and executes the requests of one runner instance."""
+
+    def __init__(
+        self,
+        execute: Execute,
+        policy: BatchPolicy,
+        label: str,
+        clock: Callable[[], float] = time.monotonic,
+        timer: Timer | None = None,
+    ) -> None:
+        self.execute = execute
+        self.policy = policy
+        self.label = label
+        self.clock = clock
+        self._timer = timer
+        self._queue: list[Pending] = []
+        self._running = 0
+        self._armed: Any = None
+        self._armed_at: float | None = None
+        self._seq = itertools.count()
+        self._vtime = 0.0
+        self._tenant_finish: dict[str, float] = {}
+        self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.executions = 0
+        self.rows = 0
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # -- submitting ------------------------------------------------------------------
+
+    async def submit(
+        self,
+        inputs: Arrays,
+        deadline: float | None = None,
+        priority: int | None = None,
+        tenant: str | None = None,
+    ) -> Arrays:
+        """Queue ``inputs`` and return this request's slice of its batch's outputs."""
+        return await self.enqueue(inputs, deadline, priority, tenant)
+
+    def enqueue(
+        self,
+        inputs: Arrays,
+        deadline: float | None = None,
+        priority: int | None = None,
+        tenant: str | None = None,
+    ) -> asyncio.Future[Arrays]:
+        """Queue a request; the future resolves to its outputs (what ``submit`` awaits)."""
+        policy = self.policy
+        if self._closed:
+            raise Unavailable(f"runner {self.label} is shutting down")
+        if policy.max_queue_size and len(self._queue) >= policy.max_queue_size:
+            raise TooManyRequests(
+                f"runner {self.label} has {len(self._queue)} requests queued, its max_queue_size",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        level = priority or policy.default_level
+        if not 1 <= level <= policy.priority_levels:
+            levels = policy.priority_levels
+            raise InvalidInput(f"priority {priority} is outside 1..{levels} for {self.label}")
+        rows, sig = signature(inputs)
+        now = self.clock()
+        name = tenant or ""
+        start = max(self._vtime, self._tenant_finish.get(name, 0.0))
+        self._tenant_finish[name] = start + max(rows, 1) / policy.tenant_weights.get(name, 1.0)
+        future: asyncio.Future[Arrays] = asyncio.get_running_loop().create_future()
+        request = Pending(inputs, rows, sig, now, deadline, level, start, next(self._seq), future)
+        self._queue.append(request)
+        self.pump()
+        return future
+
+    # -- forming and dispatching batches ---------------------------------------------
+
+    def pump(self) -> None:
+        """Dispatch every batch that is due; otherwise arm a timer for the next one."""
+        while self._running < self.policy.instances:
+            batch, wake_at = self.next_batch(self.clock())
+            if batch is None:
+                if wake_at is not None:
+                    self._arm(wake_at)
+                return
+            self._dispatch(batch)
+
+    def next_batch(self, now: float) -> tuple[list[Pending] | None, float | None]:
+        """The batch to send now, or ``(None, when to look again)``."""
+        self._drop_finished(now)
+        if not self._queue:
+            return None, None
+        policy = self.policy
+        ordered = sorted(self._queue, key=Pending.key)
+        head = ordered[0]
+        batch, rows = [head], head.rows
+        limit = policy.max_batch_size
+        if limit and head.signature is not None and head.rows < limit:
+            for request in ordered[1:]:
+                if request.signature == head.signature and rows + request.rows <= limit:
+                    batch.append(request)
+                    rows += request.rows
+                    if rows == limit:
+                        break
+        oldest = min(r.arrival for r in self._queue)
+        due = oldest + policy.max_queue_delay_s
+        ready = not limit or rows >= limit or self._running == 0 or now >= due
+        if not ready:
+            return None, due
+        return self._preferred(batch, rows), None
+
+    def _preferred(self, batch: list[Pending], rows: int) -> list[Pending]:
+        fitting = [p for p in self.policy.preferred_batch_sizes if p <= rows]
+        if not fitting or len(batch) == 1:
+            return batch
+        cut, total = max(fitting), 0
+        kept = []
+        for request in batch:
+            if total + request.rows > cut:
+                break
+            kept.append(request)
+            total += request.rows
+        return kept or batch[:1]
+
+    def _drop_finished(self, now: float) -> None:
+        keep = []
+        for request in self._queue:
+            if request.future.done():  # cancelled by its client (disconnect, deadline)
+                continue
+            if request.deadline is not None and now >= request.deadline:
+                request.future.set_exception(
+                    DeadlineExceeded(f"the request's deadline passed while queued for {self.label}")
+                )
+                continue
+            keep.append(request)
+        self._queue = keep
+
+    def _arm(self, wake_at: float) -> None:
+        if self._armed is not None and self._armed_at is not None and self._armed_at <= wake_at:
+            return
+        if self._armed is not None:
+            self._armed.cancel()
+        delay = max(0.0, wake_at - self.clock())
+        timer = self._timer or asyncio.get_running_loop().call_later
+        self._armed_at = wake_at
+        self._armed = timer(delay, self._wake)
+
+    def _wake(self) -> None:
+        self._armed = self._armed_at = None
+        self.pump()
+
+    def _dispatch(self, batch: list[Pending]) -> None:
+        taken = set(map(id, batch))
+        self._queue = [r for r in self._queue if id(r) not in taken]
+        self._vtime = max(self._vtime, max(r.tag for r in batch))
+        if len(self._tenant_finish) > 1024:
+            self._tenant_finish = {t: f for t, f in self._tenant_finish.items() if f > self._vtime}
+        self._running += 1
+        task = asyncio.create_task(self._run(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list[Pending]) -> None:
+        rows = sum(r.rows for r in batch)
+        try:
+            if len(batch) == 1:
+                merged = batch[0].inputs
+            else:
+                merged = {
+                    name: np.concatenate([r.inputs[name] for r in batch], axis=0)
+                    for name in batch[0].inputs
+                }
+            self.executions += 1
+            self.rows += rows
+            outputs = await self.execute(merged)
+            self._split(batch, rows, outputs)
+        except Exception as exc:
+            for request in batch:
+                if not request.future.done():
+                    request.future.set_exception(_fresh(exc))
+        finally:
+            for request in batch:  # cancelled mid-execution (shutdown): nobody may hang
+                if not request.future.done():
+                    request.future.cancel()
+            self._running -= 1
+            self.pump()
+
+    def _split(self, batch: list[Pending], rows: int, outputs: Arrays) -> None:
+        if len(batch) == 1:
+            if not batch[0].future.done():
+                batch[0].future.set_result(outputs)
+            return
+        for name, value in outputs.items():
+            if not isinstance(value, np.ndarray) or value.ndim == 0 or value.shape[0] != rows:
+                shape = getattr(value, "shape", type(value).__name__)
+                problem = (
+                    f"output {name!r} has shape {shape}; a batch of {rows} rows needs {rows} first"
+                )
+                raise PluginError(self.label, ValueError(problem))
+        offset = 0
+        for request in batch:
+            end = offset + request.rows
+            if not request.future.done():
+                request.future.set_result({n: v[offset:end] for n, v in outputs.items()})
+            offset = end
+
+    # -- closing -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Refuse new requests and fail the queued ones (after a drain timeout)."""
+        self._closed = True
+        if self._armed is not None:
+            self._armed.cancel()
+        for request in self._queue:
+            if not request.future.done():
+                request.future.set_exception(Unavailable(f"runner {self.label} was unloaded"))
+        self._queue = []
+
+
+def _fresh(exc: Exception) -> Exception:
+    """A separate exception per request, so tracebacks do not pile onto one object."""
+    clone = exc.__class__.__new__(exc.__class__)
+    clone.args = exc.args
+    clone.__dict__.update(getattr(exc, "__dict__", {}))
+    clone.__cause__ = exc.__cause__
+    return clone
