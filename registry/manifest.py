@@ -38,6 +38,7 @@ class RunnerSection:
     priority_levels: int = 1
     default_priority_level: int | None = None
     tenant_weights: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    inline_budget_us: int = 250
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
@@ -170,6 +171,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         priority_levels=levels,
         default_priority_level=_default_level(p, table, levels),
         tenant_weights=_tenant_weights(p, table),
+        inline_budget_us=p.integer(table, "runner.inline_budget_us", 250, minimum=0),
         table=MappingProxyType(dict(table)),
     )
 

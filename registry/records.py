@@ -68,8 +68,20 @@ class VersionRecord:
             "backend": current.manifest.runner.backend
             if current and current.manifest.runner
             else None,
+            **_scheduler_stats(current),
         }
 
 
 def _iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
+
+
+def _scheduler_stats(current: LoadedPlugin | None) -> dict[str, int]:
+    scheduler = current.scheduler if current else None
+    if scheduler is None:
+        return {}
+    return {
+        "queued": scheduler.queued,
+        "executions": scheduler.executions,
+        "batched_rows": scheduler.rows,
+    }

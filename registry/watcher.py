@@ -54,7 +54,7 @@ class Watcher:
             *roots,
             watch_filter=self._accept,
             debounce=30,
-            step=10,
+            step=20,
             stop_event=self.stop,
             ignore_permission_denied=True,
         ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 
@@ -45,11 +46,15 @@ def check_admin(request: web.Request, settings: Settings) -> None:
         raise Unauthorized("admin calls need 'Authorization: Bearer <token>'")
 
 
-@web.middleware
-async def admin_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path == ADMIN_PREFIX or request.path.startswith(ADMIN_PREFIX + "/"):
+def admin_only(handler: Handler) -> Handler:
+    """Guard a control-plane handler (no middleware: the data plane pays nothing for it)."""
+
+    @functools.wraps(handler)
+    async def guarded(request: web.Request) -> web.StreamResponse:
         check_admin(request, request.app[SETTINGS])
-    return await handler(request)
+        return await handler(request)
+
+    return guarded
 
 
 async def list_plugins(request: web.Request) -> web.Response:
@@ -112,9 +117,10 @@ async def unload_version(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_get(ADMIN_PREFIX + "/plugins", list_plugins)
-    app.router.add_get(ADMIN_PREFIX + "/routes", list_routes)
-    app.router.add_post(ADMIN_PREFIX + "/reload", reload_all)
+    router = app.router
+    router.add_get(ADMIN_PREFIX + "/plugins", admin_only(list_plugins))
+    router.add_get(ADMIN_PREFIX + "/routes", admin_only(list_routes))
+    router.add_post(ADMIN_PREFIX + "/reload", admin_only(reload_all))
     version = ADMIN_PREFIX + "/plugins/{type}/{name}/{version}"
-    app.router.add_post(version + "/reload", reload_version)
-    app.router.add_post(version + "/unload", unload_version)
+    router.add_post(version + "/reload", admin_only(reload_version))
+    router.add_post(version + "/unload", admin_only(unload_version))

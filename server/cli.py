@@ -12,7 +12,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from registry.errors import PlugserveError
+from registry.errors import ConfigError, PlugserveError
 from registry.loader import Loader
 from registry.manager import PluginHost
 from server import __version__
@@ -79,8 +79,22 @@ def _serve(args: argparse.Namespace) -> int:
         port=settings.port,
         access_log=None,
         print=None,
+        loop=_event_loop(settings.event_loop),
     )
     return 0
+
+
+def _event_loop(choice: str) -> asyncio.AbstractEventLoop:
+    """uvloop where it is installed (``auto``) or asked for; else asyncio's own loop."""
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise ConfigError("event_loop = 'uvloop' but uvloop is not installed") from None
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 def _validate(args: argparse.Namespace) -> int:

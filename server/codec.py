@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from registry.datatypes import V2_TO_NUMPY, v2_datatype
 from registry.errors import InvalidInput
@@ -59,8 +60,8 @@ def decode_request(body: bytes, header_length: str | None) -> InferRequest:
             raise InvalidInput(f"{HEADER_LENGTH} {size} is outside the body ({len(body)} bytes)")
         header, binary = body[:size], memoryview(body)[size:]
     try:
-        doc = json.loads(header)
-    except (ValueError, UnicodeDecodeError) as exc:
+        doc = orjson.loads(header)
+    except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"the request is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidInput("the request must be a JSON object")
@@ -220,6 +221,7 @@ def encode_response(
     selected = _select(request, outputs)
     header_outputs = []
     chunks: list[bytes] = []
+    finite = True
     for name, binary in selected:
         array = outputs[name]
         datatype = v2_datatype(array.dtype)
@@ -230,12 +232,16 @@ def encode_response(
             chunks.append(raw)
         else:
             entry["data"] = _to_json(name, array, datatype)
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                finite = False
         header_outputs.append(entry)
     doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request.id is not None:
         doc["id"] = request.id
     doc["outputs"] = header_outputs
-    header = json.dumps(doc, separators=(",", ":")).encode()
+    # JSON has no Infinity or NaN: orjson would write null. Python's json writes
+    # Infinity/NaN, which Python clients (tritonclient among them) read back.
+    header = orjson.dumps(doc) if finite else json.dumps(doc, separators=(",", ":")).encode()
     if not chunks:
         return header, {"Content-Type": "application/json"}
     headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}

@@ -37,10 +37,13 @@ class Settings:
     max_body_bytes: int = 64 * 1024 * 1024
     watch: bool = True
     reload_debounce_ms: int = 200
+    event_loop: str = "auto"
 
     def __post_init__(self) -> None:
         if self.log_format not in ("console", "json"):
             raise ConfigError(f"log_format must be 'console' or 'json', not {self.log_format!r}")
+        if self.event_loop not in ("auto", "asyncio", "uvloop"):
+            raise ConfigError(f"event_loop must be auto, asyncio or uvloop: {self.event_loop!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(
                 f"log_level must be debug, info, warning or error: {self.log_level!r}"

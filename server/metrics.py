@@ -33,6 +33,8 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        # Label children per (route, protocol, status): labels() costs a lock and a lookup.
+        self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
         # The *_created series only add noise to every scrape; the function is unannotated.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
@@ -87,8 +89,15 @@ class Metrics:
         return listen
 
     def observe(self, route: str, protocol: str, status: int, seconds: float) -> None:
-        self.requests.labels(route, protocol, str(status)).inc()
-        self.latency.labels(route, protocol).observe(seconds)
+        key = (route, protocol, status)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self.requests.labels(route, protocol, str(status)),
+                self.latency.labels(route, protocol),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

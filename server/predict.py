@@ -8,10 +8,10 @@ and scalars) as JSON.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
+import orjson
 from aiohttp import web
 
 from registry.chain import Chain
@@ -21,6 +21,10 @@ from server.serving import deadline_seconds, measured, request_context, serve
 
 def is_json(content_type: str) -> bool:
     return content_type == "application/json" or content_type.endswith("+json")
+
+
+# orjson writes numpy arrays itself (numeric dtypes); the default handles the rest.
+_JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 
 def _json_default(value: Any) -> Any:
@@ -39,10 +43,10 @@ def encode_result(chain: Chain, result: Any) -> web.Response:
     if isinstance(result, str):
         return web.Response(text=result, content_type="text/plain")
     try:
-        text = json.dumps(result, default=_json_default, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
+        body = orjson.dumps(result, default=_json_default, option=_JSON_OPTIONS)
+    except (TypeError, orjson.JSONEncodeError) as exc:
         raise PluginError(chain.stages[-1].label, exc) from None
-    return web.Response(text=text, content_type="application/json")
+    return web.Response(body=body, content_type="application/json")
 
 
 async def predict(request: web.Request) -> web.Response:
@@ -55,8 +59,8 @@ async def _predict(request: web.Request, route: str) -> web.Response:
     data: Any = body
     if is_json(request.content_type):
         try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
             raise InvalidInput(f"the body is not valid JSON: {exc}") from None
 
     deadline = deadline_seconds(request, {})

@@ -8,6 +8,7 @@ A declarative runner::
     providers = ["CPUExecutionProvider"]  # preference order; default CPU
     intra_op_threads = 2                  # optional session options
     inter_op_threads = 1
+    session_config = { "session.intra_op.allow_spinning" = "0" }
 """
 
 from __future__ import annotations
@@ -147,6 +148,10 @@ def create_runner(
         options.intra_op_num_threads = int(runner["intra_op_threads"])
     if "inter_op_threads" in runner:
         options.inter_op_num_threads = int(runner["inter_op_threads"])
+    # ONNX Runtime's own session config keys, for example
+    # session_config = { "session.intra_op.allow_spinning" = "0" }
+    for key, value in dict(runner.get("session_config") or {}).items():
+        options.add_session_config_entry(str(key), str(value))
     providers = _providers(ort, list(runner.get("providers") or DEFAULT_PROVIDERS), plugin)
     session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
     used = session.get_providers()

@@ -22,6 +22,7 @@ Not run by CI.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -43,22 +44,28 @@ from tests.helpers import ROOT, free_port
 
 PEER = ROOT.parent / "shared" / "peers" / "mlserver" / "serve.sh"
 DIMS = (256, 1024, 1024, 1024, 10)
+# One intra-op thread: on 2 cores a second one brought nothing at batch 32 (measured
+# 873 vs 874 us) and its spinning or wake-ups cost the event loop; see the README.
+RUNNER_OPTIONS = "intra_op_threads = 1"
 
 
 def make_mlp(path: Path, seed: int = 0) -> Path:
     """The benchmark model: ReLU MLP 256-1024-1024-1024-10, FP32, dynamic batch."""
     rng = np.random.default_rng(seed)
     nodes, inits, prev = [], [], "x"
-    for i, (n_in, n_out) in enumerate(zip(DIMS[:-1], DIMS[1:], strict=True)):
+    layers = list(itertools.pairwise(DIMS))
+    for i, (n_in, n_out) in enumerate(layers):
         w = (rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)).astype(np.float32)
-        b = np.zeros(n_out, np.float32)
-        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]
+        inits += [
+            numpy_helper.from_array(w, f"w{i}"),
+            numpy_helper.from_array(np.zeros(n_out, np.float32), f"b{i}"),
+        ]
+        last = i == len(layers) - 1
         nodes.append(helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]))
-        out = "y" if i == len(DIMS) - 2 else f"a{i}"
-        nodes.append(helper.make_node("Add", [f"m{i}", f"b{i}"], [out if i == len(DIMS) - 2 else f"z{i}"]))
-        if i < len(DIMS) - 2:
-            nodes.append(helper.make_node("Relu", [f"z{i}"], [out]))
-        prev = out
+        nodes.append(helper.make_node("Add", [f"m{i}", f"b{i}"], ["y" if last else f"z{i}"]))
+        if not last:
+            nodes.append(helper.make_node("Relu", [f"z{i}"], [f"a{i}"]))
+        prev = f"a{i}"
     graph = helper.make_graph(
         nodes,
         "mlp",
@@ -209,12 +216,26 @@ def plugserve_stats(port: int) -> tuple[int, int]:
     return row.get("executions", 0), row.get("batched_rows", 0)
 
 
+@dataclass
+class Case:
+    name: str
+    payload: str
+    url: str
+    script: Path
+    stats_port: int | None = None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=int, default=10)
+    parser.add_argument("--duration", type=int, default=10, help="seconds per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="medians are taken over rounds")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--no-mlserver", action="store_true")
     parser.add_argument("--instances", type=int, default=1)
+    parser.add_argument(
+        "--runner", default=RUNNER_OPTIONS, help="extra [runner] TOML for plugserve"
+    )
+    parser.add_argument("--only", nargs="+", default=["bare", "plugserve", "mlserver"])
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-bench-"))
     model = make_mlp(work / "mlp.onnx")
@@ -224,7 +245,7 @@ def main() -> None:
     (runner / "plugin.toml").write_text(
         '[plugin]\nname = "mlp"\nversion = "1.0.0"\ntype = "runner"\n'
         '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\n'
-        f"max_batch_size = 64\nmax_queue_delay_ms = 2.0\ninstances = {args.instances}\n"
+        f"max_batch_size = 64\nmax_queue_delay_ms = 2.0\ninstances = {args.instances}\n{args.runner}\n"
     )
     make_mlp(runner / "model.onnx")
     (work / "models").mkdir()
@@ -232,62 +253,99 @@ def main() -> None:
     base = ort_baseline(model)
     print(f"ONNX Runtime in-process: batch-1 p50 {base['p50_us']:.0f} us, "
           f"batch-64 {base['rows_per_s']:.0f} rows/s", flush=True)  # fmt: skip
-
     json_script = lua_script(work, json_body(), {"Content-Type": "application/json"})
     body, header_len = binary_body()
     bin_script = lua_script(work, body, {"Content-Type": "application/octet-stream",
                                          "Inference-Header-Content-Length": str(header_len)})  # fmt: skip
-    rows: list[tuple[str, str, int, Result, float | None]] = []
 
-    def run(name: str, payload: str, url: str, script: Path, stats_port: int | None = None) -> None:
-        for c in args.concurrency:
-            wrk(url, script, c, 2)  # warm up
-            before = plugserve_stats(stats_port) if stats_port else None
-            result = wrk(url, script, c, args.duration)
-            batch = None
-            if stats_port and before:
-                after = plugserve_stats(stats_port)
-                batch = (after[1] - before[1]) / max(1, after[0] - before[0])
-            rows.append((name, payload, c, result, batch))
-            print(f"  {name:10} {payload:6} c={c:<3} {result.rps:9.0f} req/s  p50 {result.p50_ms:7.2f} ms"
-                  f"  p99 {result.p99_ms:7.2f} ms  errors {result.errors}"
-                  + (f"  mean batch {batch:.1f}" if batch else ""), flush=True)  # fmt: skip
+    servers: list[Server] = []
+    cases: list[Case] = []
+    try:
+        # Every server is up for the whole run; they take turns under load, round after round.
+        if "bare" in args.only:
+            port = free_port()
+            servers.append(
+                Server([sys.executable, "-c", BARE, str(port)], port, work / "bare.log").wait(
+                    "/health", 30
+                )
+            )
+            url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+            cases += [
+                Case("bare", "json", url, json_script),
+                Case("bare", "binary", url, bin_script),
+            ]
+        if "plugserve" in args.only:
+            port = free_port()
+            command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(plugins),
+                       "--models-dir", str(work / "models"), "--port", str(port), "--log-level", "warning"]  # fmt: skip
+            servers.append(
+                Server(command, port, work / "plugserve.log").wait("/v2/health/ready", 60)
+            )
+            url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+            cases += [Case("plugserve", "json", url, json_script, port),
+                      Case("plugserve", "binary", url, bin_script, port)]  # fmt: skip
+        if "mlserver" in args.only and not args.no_mlserver:
+            port = free_port()
+            command = ["bash", str(PEER), str(model), str(port), "64", "0.002"]
+            servers.append(
+                Server(command, port, work / "mlserver.log").wait("/v2/health/ready", 600)
+            )
+            cases.append(
+                Case(
+                    "mlserver", "json", f"http://127.0.0.1:{port}/v2/models/mlp/infer", json_script
+                )
+            )
+        results = measure(cases, args.concurrency, args.rounds, args.duration)
+    finally:
+        for server in servers:
+            server.stop()
+    print_summary(results, base)
 
-    port = free_port()
-    bare = Server([sys.executable, "-c", BARE, str(port)], port, work / "bare.log")
-    bare.wait("/health", 30)
-    run("bare", "json", f"http://127.0.0.1:{port}/v2/models/mlp/infer", json_script)
-    run("bare", "binary", f"http://127.0.0.1:{port}/v2/models/mlp/infer", bin_script)
-    bare.stop()
 
-    port = free_port()
-    ps = Server([sys.executable, "-m", "server", "serve", "--plugins-dir", str(plugins),
-                 "--models-dir", str(work / "models"), "--port", str(port), "--log-level", "warning"],
-                port, work / "plugserve.log").wait("/v2/health/ready", 60)  # fmt: skip
-    url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
-    run("plugserve", "json", url, json_script, port)
-    run("plugserve", "binary", url, bin_script, port)
-    ps.stop()
-
-    if not args.no_mlserver:
-        port = free_port()
-        ml = Server(["bash", str(PEER), str(model), str(port), "64", "0.002"], port, work / "mlserver.log")
-        try:
-            ml.wait("/v2/health/ready", 600)
-            run("mlserver", "json", f"http://127.0.0.1:{port}/v2/models/mlp/infer", json_script)
-        finally:
-            ml.stop()
-
-    print_summary(rows, base)
+Row = tuple[str, str, int, Result, float | None]
 
 
-def print_summary(rows: list[tuple[str, str, int, Result, float | None]], base: dict[str, float]) -> None:
+def measure(cases: list[Case], concurrency: list[int], rounds: int, duration: int) -> list[Row]:
+    samples: dict[tuple[str, str, int], list[tuple[Result, float | None]]] = {}
+    for round_no in range(1, rounds + 1):
+        for case in cases:
+            for c in concurrency:
+                wrk(case.url, case.script, c, 1)  # warm up
+                before = plugserve_stats(case.stats_port) if case.stats_port else None
+                result = wrk(case.url, case.script, c, duration)
+                batch = None
+                if case.stats_port and before:
+                    after = plugserve_stats(case.stats_port)
+                    batch = (after[1] - before[1]) / max(1, after[0] - before[0])
+                samples.setdefault((case.name, case.payload, c), []).append((result, batch))
+                print(f"  round {round_no} {case.name:10} {case.payload:6} c={c:<3} {result.rps:9.0f} req/s"
+                      f"  p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms  errors {result.errors}"
+                      + (f"  mean batch {batch:.1f}" if batch else ""), flush=True)  # fmt: skip
+    rows: list[Row] = []
+    for (name, payload, c), runs in samples.items():
+        median = Result(
+            statistics.median(r.rps for r, _ in runs),
+            statistics.median(r.p50_ms for r, _ in runs),
+            statistics.median(r.p99_ms for r, _ in runs),
+            sum(r.errors for r, _ in runs),
+        )
+        batches = [b for _, b in runs if b is not None]
+        rows.append((name, payload, c, median, statistics.median(batches) if batches else None))
+    return rows
+
+
+def print_summary(
+    rows: list[tuple[str, str, int, Result, float | None]], base: dict[str, float]
+) -> None:
     table = {(n, p, c): r for n, p, c, r, _ in rows}
+    print("\nMedians over the rounds:")
     print("\n| server | payload | c | req/s | p50 ms | p99 ms | mean batch | errors |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, payload, c, r, batch in rows:
         b = f"{batch:.1f}" if batch else ""
-        print(f"| {name} | {payload} | {c} | {r.rps:.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {b} | {r.errors} |")
+        print(
+            f"| {name} | {payload} | {c} | {r.rps:.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {b} | {r.errors} |"
+        )
     print(f"\nONNX Runtime in-process batch-1 p50: {base['p50_us']:.0f} us; "
           f"batch-64: {base['rows_per_s']:.0f} rows/s")  # fmt: skip
     ps64, ml64 = table.get(("plugserve", "json", 64)), table.get(("mlserver", "json", 64))
@@ -297,7 +355,9 @@ def print_summary(rows: list[tuple[str, str, int, Result, float | None]], base: 
     ps1 = table.get(("plugserve", "json", 1))
     if ps1:
         over = ps1.p50_ms * 1000 - base["p50_us"]
-        print(f"c=1 JSON: plugserve p50 {ps1.p50_ms * 1000:.0f} us = ORT + {over:.0f} us (target <= +250 us)")
+        print(
+            f"c=1 JSON: plugserve p50 {ps1.p50_ms * 1000:.0f} us = ORT + {over:.0f} us (target <= +250 us)"
+        )
     psb, bareb = table.get(("plugserve", "binary", 64)), table.get(("bare", "binary", 64))
     if psb and bareb:
         print(f"c=64 binary: plugserve/bare aiohttp {psb.rps / bareb.rps:.2f} (target >= 0.40)")

@@ -1,0 +1,390 @@
+"""The dynamic batcher's policy, on a fake clock with a runner the test releases by hand."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from registry.batching import BatchPolicy, Scheduler
+from registry.errors import DeadlineExceeded, PluginError, TooManyRequests, Unavailable
+
+
+class FakeTime:
+    """A clock that moves only when told, and the timers that fire when it does."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.timers: list[FakeTimer] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> FakeTimer:
+        timer = FakeTimer(self.now + delay, callback)
+        self.timers.append(timer)
+        return timer
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        for timer in sorted(self.timers, key=lambda t: t.when):
+            if timer.when <= self.now and not timer.cancelled and not timer.fired:
+                timer.fired = True
+                timer.callback()
+
+
+class FakeTimer:
+    def __init__(self, when: float, callback: Callable[[], None]) -> None:
+        self.when, self.callback = when, callback
+        self.cancelled = self.fired = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class HeldRunner:
+    """Records each batch and holds it until the test releases it; answers x * 2."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict[str, np.ndarray]] = []
+        self.gates: list[asyncio.Future[None]] = []
+        self.fail: Exception | None = None
+        self.bad_rows = False
+
+    async def execute(self, inputs: Any) -> dict[str, np.ndarray]:
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.batches.append(dict(inputs))
+        self.gates.append(gate)
+        await gate
+        if self.fail is not None:
+            raise self.fail
+        y = inputs["x"] * 2
+        return {"y": y[:-1] if self.bad_rows else y}
+
+    def release(self) -> None:
+        for gate in self.gates:
+            if not gate.done():
+                gate.set_result(None)
+
+    def sizes(self) -> list[int]:
+        return [b["x"].shape[0] for b in self.batches]
+
+
+_RUNNERS: list[HeldRunner] = []
+
+
+@pytest.fixture(autouse=True)
+async def _release_everything() -> Any:
+    """Let every held execution finish, so no task outlives its test."""
+    yield
+    for _ in range(5):
+        for runner in _RUNNERS:
+            runner.release()
+        await settle()
+    _RUNNERS.clear()
+
+
+def make(policy: BatchPolicy) -> tuple[Scheduler, HeldRunner, FakeTime]:
+    runner, fake = HeldRunner(), FakeTime()
+    _RUNNERS.append(runner)
+    scheduler = Scheduler(runner.execute, policy, "runner/t@1.0.0", fake.clock, fake.call_later)
+    return scheduler, runner, fake
+
+
+def rows(n: int, value: float = 1.0, width: int = 3) -> dict[str, np.ndarray]:
+    return {"x": np.full((n, width), value, np.float32)}
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_lone_request_on_an_idle_runner_runs_at_once() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=8, max_queue_delay_s=1.0))
+    future = scheduler.enqueue(rows(1))
+    await settle()
+    assert runner.sizes() == [1]  # no time passed: no idle wait
+    runner.release()
+    assert (await future)["y"].tolist() == [[2, 2, 2]]
+
+
+async def test_requests_batch_while_the_runner_is_busy() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=8, max_queue_delay_s=1.0))
+    first = scheduler.enqueue(rows(1))
+    await settle()
+    rest = [scheduler.enqueue(rows(1, float(i))) for i in range(3)]
+    await settle()
+    assert runner.sizes() == [1]
+    runner.release()
+    await settle()
+    assert runner.sizes() == [1, 3]  # the runner was free again: the three went together
+    runner.release()
+    assert [(await f)["y"][0, 0] for f in rest] == [0, 2, 4]
+    assert (await first)["y"].shape == (1, 3)
+
+
+async def test_delay_counts_from_the_oldest_request_arrival() -> None:
+    scheduler, runner, fake = make(
+        BatchPolicy(max_batch_size=8, max_queue_delay_s=0.010, instances=2)
+    )
+    scheduler.enqueue(rows(1))
+    await settle()
+    assert runner.sizes() == [1]  # idle: at once
+    fake.advance(0.004)
+    scheduler.enqueue(rows(1))  # a slot is free but the runner is busy: wait for company
+    fake.advance(0.004)
+    scheduler.enqueue(rows(1))
+    await settle()
+    assert runner.sizes() == [1]
+    fake.advance(0.0059)  # t = 0.0139: 9.9 ms after the oldest queued one arrived
+    await settle()
+    assert runner.sizes() == [1]
+    fake.advance(0.0002)  # t = 0.0141: 10 ms after the oldest (0.004), not the newest (0.008)
+    await settle()
+    assert runner.sizes() == [1, 2]
+
+
+async def test_a_full_batch_goes_without_waiting() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=4, max_queue_delay_s=5, instances=2))
+    scheduler.enqueue(rows(1))
+    await settle()
+    for _ in range(3):
+        scheduler.enqueue(rows(1))
+    await settle()
+    assert runner.sizes() == [1]
+    scheduler.enqueue(rows(1))
+    await settle()
+    assert runner.sizes() == [1, 4]
+
+
+async def test_preferred_batch_sizes_cut_batches() -> None:
+    scheduler, runner, fake = make(
+        BatchPolicy(
+            max_batch_size=8, max_queue_delay_s=0.01, preferred_batch_sizes=(2, 4), instances=2
+        )
+    )
+    scheduler.enqueue(rows(1))
+    await settle()
+    for _ in range(5):
+        scheduler.enqueue(rows(1))
+    fake.advance(0.011)
+    await settle()
+    assert runner.sizes() == [1, 4]
+    runner.release()
+    await settle()
+    assert runner.sizes() == [1, 4, 1]
+
+
+async def test_a_request_larger_than_the_batch_limit_runs_alone() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=4, max_queue_delay_s=0))
+    scheduler.enqueue(rows(1))
+    await settle()
+    big = scheduler.enqueue(rows(10))
+    small = scheduler.enqueue(rows(1))
+    runner.release()
+    await settle()
+    runner.release()
+    await settle()
+    runner.release()
+    assert runner.sizes() == [1, 10, 1]
+    assert (await big)["y"].shape == (10, 3)
+    assert (await small)["y"].shape == (1, 3)
+
+
+async def test_incompatible_requests_never_share_a_batch() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=16))
+    scheduler.enqueue(rows(1))
+    await settle()
+    wide = scheduler.enqueue(rows(1, width=5))
+    narrow = [scheduler.enqueue(rows(1)) for _ in range(2)]
+    other_dtype = scheduler.enqueue({"x": np.ones((1, 3), np.float64)})
+    for _ in range(4):
+        runner.release()
+        await settle()
+    assert sorted(runner.sizes()) == [1, 1, 1, 2]
+    for batch in runner.batches:
+        assert len({(a.dtype.str, a.shape[1:]) for a in batch.values()}) == 1
+    assert (await wide)["y"].shape == (1, 5)
+    assert (await other_dtype)["y"].dtype == np.float64
+    for future in narrow:
+        assert (await future)["y"].shape == (1, 3)
+
+
+async def test_a_full_queue_answers_429() -> None:
+    scheduler, _runner, _fake = make(BatchPolicy(max_batch_size=0, max_queue_size=2))
+    scheduler.enqueue(rows(1))
+    await settle()
+    scheduler.enqueue(rows(1))
+    scheduler.enqueue(rows(1))
+    with pytest.raises(TooManyRequests, match="2 requests queued") as info:
+        scheduler.enqueue(rows(1))
+    assert info.value.headers() == {"Retry-After": "1"}
+    assert scheduler.queued == 2
+
+
+async def test_an_expired_request_gets_504_without_running() -> None:
+    scheduler, runner, fake = make(BatchPolicy(max_batch_size=8))
+    scheduler.enqueue(rows(1))
+    await settle()
+    late = scheduler.enqueue(rows(1, 7.0), deadline=fake.now + 0.005)
+    on_time = scheduler.enqueue(rows(1, 3.0), deadline=fake.now + 1.0)
+    fake.advance(0.01)
+    runner.release()
+    await settle()
+    with pytest.raises(DeadlineExceeded, match="deadline passed while queued"):
+        await late
+    assert runner.sizes() == [1, 1]
+    assert runner.batches[1]["x"][0, 0] == 3.0  # only the one on time ran
+    runner.release()
+    assert (await on_time)["y"][0, 0] == 6.0
+
+
+async def test_a_cancelled_request_is_dropped_before_execution() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=8))
+    scheduler.enqueue(rows(1))
+    await settle()
+    gone = scheduler.enqueue(rows(1, 9.0))
+    kept = scheduler.enqueue(rows(1, 1.0))
+    gone.cancel()  # its client went away, or its deadline cancelled the handler
+    runner.release()
+    await settle()
+    assert runner.sizes() == [1, 1]
+    assert runner.batches[1]["x"][0, 0] == 1.0
+    runner.release()
+    await kept
+
+
+async def test_higher_priority_runs_first() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=0, priority_levels=3))
+    scheduler.enqueue(rows(1, 0.0))
+    await settle()
+    scheduler.enqueue(rows(1, 3.0))  # default level: the lowest (3)
+    scheduler.enqueue(rows(1, 2.0), priority=2)
+    scheduler.enqueue(rows(1, 1.0), priority=1)
+    scheduler.enqueue(rows(1, 3.5), priority=3)
+    for _ in range(5):
+        runner.release()
+        await settle()
+    assert [b["x"][0, 0] for b in runner.batches] == [0.0, 1.0, 2.0, 3.0, 3.5]
+    with pytest.raises(Exception, match=r"priority 4 is outside 1\.\.3"):
+        scheduler.enqueue(rows(1), priority=4)
+
+
+async def test_one_tenants_burst_does_not_starve_another() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=0))
+    scheduler.enqueue(rows(1, -1.0), tenant="a")
+    await settle()
+    for i in range(10):
+        scheduler.enqueue(rows(1, float(i)), tenant="a")
+    scheduler.enqueue(rows(1, 100.0), tenant="b")
+    scheduler.enqueue(rows(1, 101.0), tenant="b")
+    for _ in range(13):
+        runner.release()
+        await settle()
+    order = [b["x"][0, 0] for b in runner.batches]
+    assert order.index(100.0) <= 3
+    assert order.index(101.0) <= 5
+    assert [v for v in order if v < 100] == [-1.0, *map(float, range(10))]  # a's own order kept
+
+
+async def test_tenant_weights_share_in_proportion() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=0, tenant_weights={"gold": 3.0}))
+    scheduler.enqueue(rows(1, -1.0))
+    await settle()
+    for _ in range(12):
+        scheduler.enqueue(rows(1, 1.0), tenant="gold")
+        scheduler.enqueue(rows(1, 2.0), tenant="free")
+    for _ in range(25):
+        runner.release()
+        await settle()
+    first_eight = [b["x"][0, 0] for b in runner.batches[1:9]]
+    assert first_eight.count(1.0) == 6  # 3 : 1
+    assert first_eight.count(2.0) == 2
+
+
+async def test_a_failed_execution_fails_each_request_with_its_own_error() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=8))
+    scheduler.enqueue(rows(1))
+    await settle()
+    futures = [scheduler.enqueue(rows(1)) for _ in range(3)]
+    runner.fail = PluginError("runner/t@1.0.0", ValueError("boom"))
+    runner.release()
+    await settle()
+    runner.release()
+    errors = []
+    for future in futures:
+        with pytest.raises(PluginError, match="boom") as info:
+            await future
+        errors.append(info.value)
+    assert len({id(e) for e in errors}) == 3
+
+
+async def test_outputs_of_the_wrong_length_fail_the_batch_clearly() -> None:
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=8))
+    scheduler.enqueue(rows(1))
+    await settle()
+    futures = [scheduler.enqueue(rows(1)) for _ in range(2)]
+    runner.release()
+    await settle()
+    runner.bad_rows = True
+    runner.release()
+    for future in futures:
+        with pytest.raises(PluginError, match="a batch of 2 rows needs 2 first"):
+            await future
+
+
+async def test_closing_fails_queued_requests_and_refuses_new_ones() -> None:
+    scheduler, _runner, _fake = make(BatchPolicy(max_batch_size=8))
+    scheduler.enqueue(rows(1))
+    await settle()
+    queued = scheduler.enqueue(rows(1))
+    scheduler.close()
+    with pytest.raises(Unavailable, match="unloaded"):
+        await queued
+    with pytest.raises(Unavailable, match="shutting down"):
+        scheduler.enqueue(rows(1))
+
+
+requests = st.lists(
+    st.tuples(
+        st.integers(1, 6), st.sampled_from([(3,), (2, 2), ()]), st.sampled_from(["<f4", "<i8"])
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests, st.integers(1, 16))
+def test_every_response_is_exactly_its_own_slice(
+    specs: list[tuple[int, tuple[int, ...], str]], limit: int
+) -> None:
+    async def scenario() -> None:
+        scheduler, runner, _fake = make(BatchPolicy(max_batch_size=limit))
+        blocker = scheduler.enqueue(rows(1))
+        await settle()
+        sent = []
+        for i, (n, trailing, dtype) in enumerate(specs):
+            x = (
+                np.arange(n * int(np.prod(trailing)), dtype=dtype).reshape((n, *trailing))
+                + 1000 * i
+            ).astype(dtype)
+            sent.append((x, scheduler.enqueue({"x": x})))
+        while not all(f.done() for _, f in sent):
+            runner.release()
+            await settle()
+        await blocker
+        for x, future in sent:
+            y = future.result()["y"]
+            assert y.dtype == x.dtype
+            np.testing.assert_array_equal(y, x * 2)
+        for batch in runner.batches:
+            assert batch["x"].shape[0] <= max(limit, max(n for n, _, _ in specs))
+
+    asyncio.run(scenario())
