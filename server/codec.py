@@ -232,7 +232,9 @@ def encode_response(
             chunks.append(raw)
         else:
             entry["data"] = _to_json(name, array, datatype)
-            if array.dtype.kind == "f" and not np.isfinite(array).all():
+            # One pass, no temporary: the sum is finite when every element is (or
+            # it overflowed, and then the slower encoder below is merely unneeded).
+            if array.dtype.kind == "f" and not math.isfinite(array.sum()):
                 finite = False
         header_outputs.append(entry)
     doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version}

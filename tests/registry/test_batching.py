@@ -388,3 +388,23 @@ def test_every_response_is_exactly_its_own_slice(
             assert batch["x"].shape[0] <= max(limit, max(n for n, _, _ in specs))
 
     asyncio.run(scenario())
+
+
+async def test_submit_runs_a_lone_request_in_its_own_task_and_batches_the_rest() -> None:
+    scheduler, runner, fake = make(BatchPolicy(max_batch_size=8))
+    lone = asyncio.ensure_future(scheduler.submit(rows(1, 1.0)))
+    await settle()
+    assert runner.sizes() == [1]
+    assert scheduler.queued == 0  # it never queued
+    later = [asyncio.ensure_future(scheduler.submit(rows(1, 2.0))) for _ in range(3)]
+    await settle()
+    assert scheduler.queued == 3
+    runner.release()
+    await settle()
+    assert runner.sizes() == [1, 3]
+    runner.release()
+    assert (await lone)["y"][0, 0] == 2.0
+    assert [(await f)["y"][0, 0] for f in later] == [4.0, 4.0, 4.0]
+    assert (scheduler.executions, scheduler.rows) == (2, 4)
+    with pytest.raises(DeadlineExceeded):
+        await scheduler.submit(rows(1), deadline=fake.now - 1)
