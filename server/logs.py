@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from contextvars import ContextVar
+from typing import Any
 
 import structlog
+
+REQUEST_ID: ContextVar[str | None] = ContextVar("plugserve_request_id", default=None)
+"""The id of the request being served; set once per request by the middleware."""
+
+
+def add_request_id(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: every line logged while serving a request names it."""
+    request_id = REQUEST_ID.get()
+    if request_id is not None:
+        event.setdefault("request_id", request_id)
+    return event
+
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 _LEVELS["error"] = logging.ERROR
@@ -14,12 +29,15 @@ _LEVELS["error"] = logging.ERROR
 def configure_logging(log_format: str = "console", level: str = "info") -> None:
     """Route structlog (and the standard library's ``logging``) to stderr.
 
-    Every event carries the context bound with ``structlog.contextvars``
-    (request id, route) and the logger's own bindings (plugin, version).
+    Every event carries the request id of the request being served (one
+    ContextVar, set per request: cheaper than re-binding structlog's context),
+    anything bound with ``structlog.contextvars``, and the logger's own
+    bindings (plugin, version).
     """
     numeric = _LEVELS[level]
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
+        add_request_id,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

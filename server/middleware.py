@@ -10,6 +10,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from registry.errors import PluginError, PlugserveError
+from server.logs import REQUEST_ID
 
 REQUEST_ID_HEADER = "X-Request-ID"
 
@@ -38,8 +39,7 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     whose details go to the log only.
     """
     request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(request_id=request_id)
+    REQUEST_ID.set(request_id)
     try:
         response = await handler(request)
     except PlugserveError as exc:

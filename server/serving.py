@@ -12,7 +12,7 @@ from aiohttp import web
 from registry.chain import Chain
 from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError
 from registry.types import RequestContext
-from server.middleware import REQUEST_ID_HEADER
+from server.logs import REQUEST_ID
 from server.state import METRICS, REGISTRY
 
 T = TypeVar("T")
@@ -59,7 +59,7 @@ def request_context(
     ):
         raise InvalidInput("parameter 'priority' must be a non-negative integer (1 is highest)")
     return RequestContext(
-        request_id=request.headers.get(REQUEST_ID_HEADER, ""),
+        request_id=REQUEST_ID.get() or "",
         route=route,
         parameters=parameters,
         headers=request.headers,

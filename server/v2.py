@@ -77,6 +77,8 @@ async def _infer(request: web.Request, route: str) -> web.Response:
         result = await chain.run(decoded.inputs, ctx)
         outputs = _outputs(chain, result)
         payload, headers = encode_response(decoded, route, chain.runner_version, outputs)
+        if len(headers) == 1:  # JSON: no header dict to build
+            return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, headers=headers)
 
     return await serve(request, route, request.match_info.get("version"), run, deadline)
@@ -98,10 +100,12 @@ def _outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:
 
 def add_routes(app: web.Application) -> None:
     r = app.router
+    # The router tries resources in order: the hot path first.
+    r.add_post("/v2/models/{route}/infer", infer)
+    r.add_post("/v2/models/{route}/versions/{version}/infer", infer)
     r.add_get("/v2", server_metadata)
     r.add_get("/v2/health/live", live)
     r.add_get("/v2/health/ready", ready)
     for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
         r.add_get(prefix, model_metadata)
         r.add_get(prefix + "/ready", model_ready)
-        r.add_post(prefix + "/infer", infer)
