@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from registry.types import PluginInfo, RequestContext
 
 STAGE_METHOD = {"preprocessor": "process", "runner": "infer", "postprocessor": "format"}
 INLINE_MAX_ROWS = 4
+SMALL_COSTS_KEPT = 8
 
 
 async def await_maybe(value: Any) -> Any:
@@ -53,7 +55,10 @@ class LoadedPlugin:
     _executor: ThreadPoolExecutor | None = field(init=False, default=None, repr=False)
     _idle: asyncio.Event | None = field(init=False, default=None, repr=False)
     scheduler: Scheduler | None = field(init=False, default=None, repr=False)
-    _small_cost: float | None = field(init=False, default=None, repr=False)
+    inline_executions: int = field(init=False, default=0)
+    _small_costs: deque[float] = field(
+        init=False, default_factory=lambda: deque(maxlen=8), repr=False
+    )
     _inline_budget: float = field(init=False, default=0.0, repr=False)
     _metadata: dict[str, Any] | None = field(init=False, default=None, repr=False)
     _input_dtypes: dict[str, np.dtype[Any]] = field(init=False, default_factory=dict, repr=False)
@@ -167,6 +172,7 @@ class LoadedPlugin:
             if self._is_async:
                 result = await self._method(inputs)
             elif self._runs_inline(inputs):
+                self.inline_executions += 1
                 result = self._timed(inputs)
             else:
                 loop = asyncio.get_running_loop()
@@ -185,11 +191,12 @@ class LoadedPlugin:
 
         A thread hop costs more than a cheap execution (waking a worker and
         then the loop, 100 us or more on a busy 2-core machine). Batches of at
-        most ``INLINE_MAX_ROWS`` rows run inline once such batches have been
-        measured, on a thread, to take less than the runner's
-        ``inline_budget_us``; anything larger or slower stays off the loop.
+        most ``INLINE_MAX_ROWS`` rows run inline once the fastest of the last
+        eight such batches took less than the runner's ``inline_budget_us``;
+        anything larger or slower stays off the loop.
         """
-        if self._small_cost is None or self._small_cost > self._inline_budget:
+        costs = self._small_costs
+        if len(costs) < SMALL_COSTS_KEPT or min(costs) > self._inline_budget:
             return False
         return _rows(inputs) <= INLINE_MAX_ROWS
 
@@ -197,9 +204,11 @@ class LoadedPlugin:
         started = time.perf_counter()
         result = self._method(inputs)
         if _rows(inputs) <= INLINE_MAX_ROWS:
-            took = time.perf_counter() - started
-            cost = self._small_cost
-            self._small_cost = took if cost is None else 0.8 * cost + 0.2 * took
+            # The least of the last few: a run on a worker thread also counts
+            # its wait for the GIL, which says nothing about the work itself.
+            self._small_costs.append(time.perf_counter() - started)
+            if len(self._small_costs) > SMALL_COSTS_KEPT:
+                self._small_costs.popleft()
         return result
 
     def runner_inputs(self, data: Any) -> Mapping[str, np.ndarray]:

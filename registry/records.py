@@ -84,4 +84,5 @@ def _scheduler_stats(current: LoadedPlugin | None) -> dict[str, int]:
         "queued": scheduler.queued,
         "executions": scheduler.executions,
         "batched_rows": scheduler.rows,
+        "inline_executions": current.inline_executions if current else 0,
     }

@@ -80,10 +80,13 @@ def make_mlp(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def ort_baseline(model: Path) -> dict[str, float]:
+def ort_baseline(model: Path, intra_op_threads: int = 0) -> dict[str, float]:
+    """Batch-1 p50 latency (warm caches, tight loop) and batch-64 throughput."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads  # 0: ONNX Runtime's default
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
     one = np.random.default_rng(1).standard_normal((1, DIMS[0])).astype(np.float32)
     for _ in range(200):
         session.run(None, {"x": one})
@@ -251,8 +254,10 @@ def main() -> None:
     (work / "models").mkdir()
 
     base = ort_baseline(model)
-    print(f"ONNX Runtime in-process: batch-1 p50 {base['p50_us']:.0f} us, "
-          f"batch-64 {base['rows_per_s']:.0f} rows/s", flush=True)  # fmt: skip
+    one = ort_baseline(model, intra_op_threads=1)
+    for label, b in (("default session", base), ("1 intra-op thread", one)):
+        print(f"ONNX Runtime in-process, {label}: batch-1 p50 {b['p50_us']:.0f} us, "
+              f"batch-64 {b['rows_per_s']:.0f} rows/s", flush=True)  # fmt: skip
     json_script = lua_script(work, json_body(), {"Content-Type": "application/json"})
     body, header_len = binary_body()
     bin_script = lua_script(work, body, {"Content-Type": "application/octet-stream",
