@@ -141,6 +141,7 @@ class Scheduler:
         at once in the caller's own task, with no queue entry, future or task
         of its own; requests arriving meanwhile queue and batch as usual.
         """
+        level = self._level(priority)
         if not self._queue and self._running == 0 and not self._closed:
             if deadline is not None and self.clock() >= deadline:
                 raise DeadlineExceeded(f"the request's deadline passed before {self.label} ran it")
@@ -153,7 +154,7 @@ class Scheduler:
                 self._running -= 1
                 if self._queue:
                     self.pump()
-        return await self.enqueue(inputs, deadline, priority, tenant)
+        return await self.enqueue(inputs, deadline, level, tenant)
 
     def enqueue(
         self,
@@ -171,10 +172,7 @@ class Scheduler:
                 f"runner {self.label} has {len(self._queue)} requests queued, its max_queue_size",
                 retry_after_s=RETRY_AFTER_S,
             )
-        level = priority or policy.default_level
-        if not 1 <= level <= policy.priority_levels:
-            levels = policy.priority_levels
-            raise InvalidInput(f"priority {priority} is outside 1..{levels} for {self.label}")
+        level = self._level(priority)
         rows, sig = signature(inputs)
         now = self.clock()
         name = tenant or ""
@@ -185,6 +183,14 @@ class Scheduler:
         self._queue.append(request)
         self.pump()
         return future
+
+    def _level(self, priority: int | None) -> int:
+        """The queue level of a v2 ``priority`` (0 or none: the runner's default)."""
+        level = priority or self.policy.default_level
+        if not 1 <= level <= self.policy.priority_levels:
+            levels = self.policy.priority_levels
+            raise InvalidInput(f"priority {priority} is outside 1..{levels} for {self.label}")
+        return level
 
     # -- forming and dispatching batches ---------------------------------------------
 

@@ -163,3 +163,18 @@ async def test_every_response_carries_a_request_id(plugins_dir: Path, client) ->
     assert resp.headers["X-Request-ID"] == "abc-123"
     resp = await cli.get("/v2/health/live")
     assert len(resp.headers["X-Request-ID"]) == 32
+
+
+async def test_priority_and_tenant_reach_the_scheduler(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_slow(plugins_dir, 0.0, runner="[runner]\npriority_levels = 2\n")
+    cli = await client()
+    x = {"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}
+    ok = await cli.post("/v2/models/slow/infer", json={"inputs": [x], "parameters": {"priority": 1}},
+                        headers={"X-Tenant-ID": "acme"})  # fmt: skip
+    assert ok.status == 200
+    for bad, message in [("high", "non-negative integer"), (3, "outside 1..2")]:
+        resp = await cli.post(
+            "/v2/models/slow/infer", json={"inputs": [x], "parameters": {"priority": bad}}
+        )
+        assert resp.status == 400
+        assert message in (await resp.json())["error"]
