@@ -93,6 +93,16 @@ def add_model(path: Path, amount: float = 1.0, features: int = 4) -> Path:
     return _save(graph, path)
 
 
+# Every ONNX element type v2 can carry, by a short key the tests name tensors with.
+ONNX_TYPES = {
+    "bool": TensorProto.BOOL, "u8": TensorProto.UINT8, "u16": TensorProto.UINT16,
+    "u32": TensorProto.UINT32, "u64": TensorProto.UINT64, "i8": TensorProto.INT8,
+    "i16": TensorProto.INT16, "i32": TensorProto.INT32, "i64": TensorProto.INT64,
+    "f16": TensorProto.FLOAT16, "f32": TensorProto.FLOAT, "f64": TensorProto.DOUBLE,
+    "str": TensorProto.STRING,
+}  # fmt: skip
+
+
 def identity_model(path: Path, types: dict[str, int], shape: list[Any] | None = None) -> Path:
     """An ONNX model passing each input ``in_<name>`` through to ``out_<name>``."""
     dims = shape if shape is not None else ["N", 2]

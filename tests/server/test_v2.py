@@ -7,17 +7,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnx import TensorProto
 
-from tests.helpers import identity_model, write_add_runner, write_plugin, write_processor
+from tests.helpers import (
+    ONNX_TYPES,
+    identity_model,
+    write_add_runner,
+    write_plugin,
+    write_processor,
+)
 
-TYPES = {
-    "bool": TensorProto.BOOL, "u8": TensorProto.UINT8, "u16": TensorProto.UINT16,
-    "u32": TensorProto.UINT32, "u64": TensorProto.UINT64, "i8": TensorProto.INT8,
-    "i16": TensorProto.INT16, "i32": TensorProto.INT32, "i64": TensorProto.INT64,
-    "f16": TensorProto.FLOAT16, "f32": TensorProto.FLOAT, "f64": TensorProto.DOUBLE,
-    "str": TensorProto.STRING,
-}  # fmt: skip
+TYPES = ONNX_TYPES
 SAMPLES: dict[str, tuple[str, list[Any]]] = {
     "bool": ("BOOL", [True, False]), "u8": ("UINT8", [0, 255]), "u16": ("UINT16", [0, 65535]),
     "u32": ("UINT32", [0, 4294967295]), "u64": ("UINT64", [0, 2**64 - 1]),

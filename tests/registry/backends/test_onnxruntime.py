@@ -11,7 +11,7 @@ from onnx import TensorProto
 from registry.backends.onnxruntime import OnnxRuntimeRunner, create_runner
 from registry.errors import InvalidInput, PluginLoadError
 from registry.types import PluginInfo
-from tests.helpers import add_model, identity_model
+from tests.helpers import ONNX_TYPES, add_model, identity_model
 
 
 def info(tmp_path: Path) -> PluginInfo:
@@ -22,13 +22,7 @@ def runner(tmp_path: Path, model: Path, **table: Any) -> OnnxRuntimeRunner:
     return create_runner(info(tmp_path), table, model)
 
 
-ALL_TYPES = {
-    "bool": TensorProto.BOOL, "u8": TensorProto.UINT8, "u16": TensorProto.UINT16,
-    "u32": TensorProto.UINT32, "u64": TensorProto.UINT64, "i8": TensorProto.INT8,
-    "i16": TensorProto.INT16, "i32": TensorProto.INT32, "i64": TensorProto.INT64,
-    "f16": TensorProto.FLOAT16, "f32": TensorProto.FLOAT, "f64": TensorProto.DOUBLE,
-    "str": TensorProto.STRING,
-}  # fmt: skip
+ALL_TYPES = ONNX_TYPES
 V2 = {
     "bool": "BOOL", "u8": "UINT8", "u16": "UINT16", "u32": "UINT32", "u64": "UINT64",
     "i8": "INT8", "i16": "INT16", "i32": "INT32", "i64": "INT64", "f16": "FP16", "f32": "FP32",
