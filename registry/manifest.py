@@ -157,7 +157,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
     model = p.string(table, "runner.model")
     if model is not None and not model.startswith("models:"):
         _check_relative(p.path, folder, model, "runner.model")
-    providers = p.string_list(table, "runner.providers")
+    providers = _provider_names(p, table)
     levels = p.integer(table, "runner.priority_levels", 1, minimum=1)
     return RunnerSection(
         backend=p.string(table, "runner.backend"),
@@ -174,6 +174,20 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         inline_budget_us=p.integer(table, "runner.inline_budget_us", 250, minimum=0),
         table=MappingProxyType(dict(table)),
     )
+
+
+def _provider_names(p: _Fields, table: Mapping[str, Any]) -> list[str]:
+    """Provider names; an entry may be a table with a ``name`` and the provider's options."""
+    items = table.get("providers", [])
+    names = [
+        i if isinstance(i, str) else i.get("name") if isinstance(i, dict) else None
+        for i in (items if isinstance(items, list) else [None])
+    ]
+    if not all(isinstance(n, str) for n in names):
+        raise ManifestError(
+            p.path, "must be a list of names or tables with a 'name'", "runner.providers"
+        )
+    return [str(n) for n in names]
 
 
 def _preferred_sizes(p: _Fields, table: Mapping[str, Any]) -> tuple[int, ...]:

@@ -69,6 +69,7 @@ class VersionRecord:
             if current and current.manifest.runner
             else None,
             **_scheduler_stats(current),
+            **_runtime(current),
         }
 
 
@@ -86,3 +87,9 @@ def _scheduler_stats(current: LoadedPlugin | None) -> dict[str, int]:
         "batched_rows": scheduler.rows,
         "inline_executions": current.inline_executions if current else 0,
     }
+
+
+def _runtime(current: LoadedPlugin | None) -> dict[str, Any]:
+    """Where a runner executes (device, providers), as its backend reports it."""
+    metadata = (current.metadata() if current else None) or {}
+    return {k: metadata[k] for k in ("device", "providers", "requested_providers") if k in metadata}

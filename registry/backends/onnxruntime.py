@@ -13,12 +13,20 @@ A declarative runner::
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from registry.backends.ort_options import (
+    DEFAULT_PROVIDERS,
+    OrtOptions,
+    Provider,
+    cache_dir,
+    parse_options,
+)
 from registry.datatypes import numpy_dtype
 from registry.errors import InvalidInput, PluginLoadError
 from registry.hookspecs import hookimpl
@@ -42,8 +50,6 @@ ONNX_TO_V2 = {
     "tensor(bfloat16)": "BF16",
 }
 
-DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
-
 
 def _dims(shape: list[Any]) -> list[int]:
     # Symbolic or unknown dimensions are dynamic: -1, as in Triton's metadata.
@@ -66,9 +72,17 @@ class _TensorSpec:
 class OnnxRuntimeRunner:
     """A runner component over one ``onnxruntime.InferenceSession``."""
 
-    def __init__(self, session: Any, plugin: PluginInfo) -> None:
+    def __init__(
+        self,
+        session: Any,
+        plugin: PluginInfo,
+        runtime: Mapping[str, Any] | None = None,
+        options: OrtOptions | None = None,
+    ) -> None:
         self._session = session
         self._label = plugin.label
+        self._runtime = dict(runtime or {})
+        self._options = options or OrtOptions()
         self._inputs = [_TensorSpec(i.name, i.type, i.shape) for i in session.get_inputs()]
         self._outputs = [_TensorSpec(o.name, o.type, o.shape) for o in session.get_outputs()]
         self._output_names = [o.name for o in self._outputs]
@@ -78,8 +92,32 @@ class OnnxRuntimeRunner:
         return {
             "inputs": [i.as_dict() for i in self._inputs],
             "outputs": [o.as_dict() for o in self._outputs],
-            "providers": list(self._session.get_providers()),
+            **self._runtime,
         }
+
+    def warmup(self) -> None:
+        """Run the manifest's sample batches (zeros) before taking traffic."""
+        spec = self._options.warmup
+        if spec is None:
+            return
+        feed = {}
+        for tensor in self._inputs:
+            given = spec.inputs.get(tensor.name)
+            if given is not None:
+                shape, dtype = given.shape, numpy_dtype(given.datatype)
+            else:
+                dims = [
+                    spec.batch_size if i == 0 and d < 0 else max(d, 1)
+                    for i, d in enumerate(tensor.shape)
+                ]
+                shape, dtype = tuple(dims), tensor.dtype or np.dtype(np.float32)
+            feed[tensor.name] = (
+                np.zeros(shape, dtype=dtype)
+                if dtype.kind != "O"
+                else np.full(shape, "", dtype=object)
+            )
+        for _ in range(spec.runs):
+            self.infer(feed)
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         unknown = set(inputs) - self._input_names
@@ -89,8 +127,22 @@ class OnnxRuntimeRunner:
                 f"the model takes {sorted(self._input_names)}"
             )
         feed = {spec.name: self._convert(spec, inputs) for spec in self._inputs}
+        if self._options.io_binding:
+            return self._run_bound(feed)
         results = self._session.run(self._output_names, feed)
         return dict(zip(self._output_names, results, strict=True))
+
+    def _run_bound(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run through IOBinding: outputs stay where the provider computed them until copied
+        back once. (Output buffers are not reused across batches: the arrays handed to
+        responses are still being encoded while the next batch runs.)"""
+        binding = self._session.io_binding()
+        for name, array in feed.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        for name in self._output_names:
+            binding.bind_output(name)
+        self._session.run_with_iobinding(binding)
+        return dict(zip(self._output_names, binding.copy_outputs_to_cpu(), strict=True))
 
     def _convert(self, spec: _TensorSpec, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         array = inputs.get(spec.name)
@@ -126,13 +178,54 @@ def _as_text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def _providers(ort: Any, requested: list[str], plugin: PluginInfo) -> list[str]:
+def _choose_providers(ort: Any, options: OrtOptions, plugin: PluginInfo) -> list[Provider]:
+    """The requested providers this build of ONNX Runtime has, in order; CPU as the last resort."""
     available = set(ort.get_available_providers())
-    chosen = [p for p in requested if p in available]
-    missing = [p for p in requested if p not in available]
+    chosen = [p for p in options.providers if p.name in available]
+    missing = [p.name for p in options.providers if p.name not in available]
     if missing:
-        plugin.logger.warning("providers_unavailable", missing=missing, using=chosen)
-    return chosen or list(DEFAULT_PROVIDERS)
+        if options.require and options.providers[0].name in missing:
+            raise PluginLoadError(
+                f"{plugin.label}: provider {options.providers[0].name} is required "
+                f"but not available (available: {', '.join(sorted(available))})"
+            )
+        plugin.logger.warning(
+            "providers_unavailable", missing=missing, using=[p.name for p in chosen]
+        )
+    return chosen or [Provider(name) for name in DEFAULT_PROVIDERS]
+
+
+def _session_options(ort: Any, options: OrtOptions, model_path: Path) -> tuple[Any, Path]:
+    """SessionOptions, and the model file to load (an optimized copy when cached)."""
+    session = ort.SessionOptions()
+    if options.intra_op_threads is not None:
+        session.intra_op_num_threads = options.intra_op_threads
+    if options.inter_op_threads is not None:
+        session.inter_op_num_threads = options.inter_op_threads
+    levels = ort.GraphOptimizationLevel
+    level = {
+        "disable": levels.ORT_DISABLE_ALL,
+        "basic": levels.ORT_ENABLE_BASIC,
+        "extended": levels.ORT_ENABLE_EXTENDED,
+        "all": levels.ORT_ENABLE_ALL,
+    }.get(options.graph_optimization_level or "all")
+    session.graph_optimization_level = level
+    for key, value in options.session_config.items():
+        session.add_session_config_entry(key, value)
+    if not options.optimized_model_cache:
+        return session, model_path
+    digest = hashlib.sha256(model_path.read_bytes()).hexdigest()[:16]
+    providers = "-".join(p.name.removesuffix("ExecutionProvider") for p in options.providers)
+    level_name = options.graph_optimization_level or "all"
+    cached = (
+        cache_dir() / "onnxruntime" / f"{digest}-{level_name}-{providers}-{ort.__version__}.onnx"
+    )
+    if cached.is_file():
+        session.graph_optimization_level = levels.ORT_DISABLE_ALL  # already optimized
+        return session, cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    session.optimized_model_filepath = str(cached)
+    return session, model_path
 
 
 def create_runner(
@@ -143,22 +236,37 @@ def create_runner(
 
     if model_path is None:
         raise PluginLoadError(f"{plugin.label}: the onnxruntime backend needs [runner] model")
-    options = ort.SessionOptions()
-    if "intra_op_threads" in runner:
-        options.intra_op_num_threads = int(runner["intra_op_threads"])
-    if "inter_op_threads" in runner:
-        options.inter_op_num_threads = int(runner["inter_op_threads"])
-    # ONNX Runtime's own session config keys, for example
-    # session_config = { "session.intra_op.allow_spinning" = "0" }
-    for key, value in dict(runner.get("session_config") or {}).items():
-        options.add_session_config_entry(str(key), str(value))
-    providers = _providers(ort, list(runner.get("providers") or DEFAULT_PROVIDERS), plugin)
-    session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
+    options = parse_options(runner, plugin.label)
+    providers = _choose_providers(ort, options, plugin)
+    session_options, source = _session_options(ort, options, model_path)
+    session = ort.InferenceSession(
+        str(source),
+        sess_options=session_options,
+        providers=[p.name for p in providers],
+        provider_options=[dict(p.options) for p in providers],
+    )
     used = session.get_providers()
-    if used[:1] != providers[:1]:
-        plugin.logger.warning("provider_fallback", requested=providers, using=used)
-    plugin.logger.info("onnx_session_created", model=str(model_path), providers=used)
-    return OnnxRuntimeRunner(session, plugin)
+    if used[:1] != [providers[0].name]:
+        if options.require:
+            raise PluginLoadError(
+                f"{plugin.label}: provider {providers[0].name} is required but the session "
+                f"fell back to {used[0]} (see ONNX Runtime's log for why)"
+            )
+        plugin.logger.warning(
+            "provider_fallback", requested=[p.name for p in providers], using=used
+        )
+    serving = (
+        next(p for p in providers if p.name == used[0])
+        if used[0] in {p.name for p in providers}
+        else Provider(used[0])
+    )
+    runtime = {
+        "requested_providers": [p.name for p in options.providers],
+        "providers": list(used),
+        "device": options.device or serving.device,
+    }
+    plugin.logger.info("onnx_session_created", model=str(source), **runtime)
+    return OnnxRuntimeRunner(session, plugin, runtime, options)
 
 
 create_runner.model_filename = "model.onnx"  # type: ignore[attr-defined]  # factories may carry it

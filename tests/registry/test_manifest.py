@@ -30,7 +30,7 @@ def test_full_runner_manifest_is_parsed(plugins_dir: Path) -> None:
         [runner]
         backend = "onnxruntime"
         model = "models:iris/2"
-        providers = ["CPUExecutionProvider"]
+        providers = [{ name = "CUDAExecutionProvider", device_id = 1 }, "CPUExecutionProvider"]
         max_batch_size = 8
         max_queue_delay_ms = 1.5
         instances = 2
@@ -48,6 +48,7 @@ def test_full_runner_manifest_is_parsed(plugins_dir: Path) -> None:
     assert m.runner is not None
     assert m.runner.backend == "onnxruntime" and m.runner.model == "models:iris/2"
     assert (m.runner.max_batch_size, m.runner.max_queue_delay_ms, m.runner.instances) == (8, 1.5, 2)
+    assert m.runner.providers == ("CUDAExecutionProvider", "CPUExecutionProvider")
     assert m.route_name == "flowers"
     assert m.route.preprocess == (Ref("scale", Version.parse("1.0.0")), Ref("clip"))
     assert m.label == "runner/iris@1.2.3-rc.1"

@@ -70,6 +70,9 @@ async def test_plugins_listing_shows_states_and_errors(plugins_dir: Path, client
     good, bad = rows[("runner", "add", "1.0.0")], rows[("preprocessor", "bad", "0.1.0")]
     assert good["state"] == "ready" and good["last_error"] is None and good["in_flight"] == 0
     assert good["loaded_at"].endswith("+00:00") and good["backend"] == "onnxruntime"
+    assert good["device"] == "cpu"
+    assert good["providers"] == ["CPUExecutionProvider"]
+    assert (good["executions"], good["queued"]) == (0, 0)
     assert bad["state"] == "failed" and "ZeroDivisionError" in bad["last_error"]
     assert bad["loaded_at"] is None
 

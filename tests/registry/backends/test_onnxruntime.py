@@ -104,3 +104,119 @@ def test_session_threads_are_configurable(tmp_path: Path) -> None:
     r = runner(tmp_path, add_model(tmp_path / "a.onnx"), intra_op_threads=1, inter_op_threads=1)
     np.testing.assert_allclose(r.infer({"x": np.zeros((3, 4), np.float32)})["y"], 1.0)
     r.close()
+
+
+def test_providers_fall_back_along_the_list_and_say_so(tmp_path: Path) -> None:
+    r = runner(
+        tmp_path,
+        add_model(tmp_path / "a.onnx"),
+        providers=[{"name": "NoSuchExecutionProvider", "device_id": 3}, "CPUExecutionProvider"],
+    )
+    meta = r.metadata()
+    assert meta["requested_providers"] == ["NoSuchExecutionProvider", "CPUExecutionProvider"]
+    assert meta["providers"] == ["CPUExecutionProvider"]
+    assert meta["device"] == "cpu"
+
+
+def test_a_required_provider_that_is_missing_fails_the_load(tmp_path: Path) -> None:
+    with pytest.raises(
+        PluginLoadError, match="NoSuchExecutionProvider is required but not available"
+    ):
+        runner(
+            tmp_path,
+            add_model(tmp_path / "a.onnx"),
+            providers=["NoSuchExecutionProvider"],
+            require=True,
+        )
+
+
+def test_a_required_provider_the_session_falls_back_from_fails_the_load(tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("this ONNX Runtime build has no CUDA provider")
+    model = add_model(tmp_path / "a.onnx")
+    plain = runner(tmp_path, model, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    if plain.metadata()["providers"][0] == "CUDAExecutionProvider":
+        pytest.skip("a GPU is present: CUDA really serves here")
+    assert plain.metadata()["device"] == "cpu"  # fell back, and says so
+    with pytest.raises(
+        PluginLoadError, match="CUDAExecutionProvider is required but the session fell back"
+    ):
+        runner(
+            tmp_path,
+            model,
+            providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+            require=True,
+        )
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"providers": [7]}, r"runner.providers\[0\]: must be a provider name"),
+        ({"graph_optimization_level": "max"}, "graph_optimization_level: must be one of"),
+        ({"require": "yes"}, "require: must be true or false"),
+        ({"intra_op_threads": -1}, "intra_op_threads: must be an integer"),
+        ({"warmup": {"runs": 0}}, "runs and batch_size must be integers >= 1"),
+        (
+            {"warmup": {"inputs": {"x": {"shape": [1, 4], "datatype": "FP99"}}}},
+            "datatype: must be one of",
+        ),
+        ({"session_config": "x"}, "session_config: must be a table"),
+    ],
+)
+def test_invalid_backend_options_name_the_field(
+    tmp_path: Path, table: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(PluginLoadError, match=message):
+        runner(tmp_path, add_model(tmp_path / "a.onnx"), **table)
+
+
+def test_graph_optimization_level_and_the_optimized_model_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PLUGSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model = add_model(tmp_path / "a.onnx", amount=2)
+    first = runner(tmp_path, model, graph_optimization_level="extended", optimized_model_cache=True)
+    cached = list((tmp_path / "cache" / "onnxruntime").glob("*.onnx"))
+    assert len(cached) == 1
+    assert "-extended-CPU-" in cached[0].name
+    second = runner(
+        tmp_path, model, graph_optimization_level="extended", optimized_model_cache=True
+    )
+    x = {"x": np.arange(8, dtype=np.float32).reshape(2, 4)}
+    np.testing.assert_array_equal(first.infer(x)["y"], second.infer(x)["y"])
+    np.testing.assert_array_equal(second.infer(x)["y"], x["x"] + 2)
+    assert not (tmp_path / "a.onnx.opt").exists()  # nothing written beside the model
+
+
+def test_io_binding_gives_the_same_outputs_as_a_plain_run(tmp_path: Path) -> None:
+    model = identity_model(tmp_path / "id.onnx", {"f": ONNX_TYPES["f32"], "i": ONNX_TYPES["i64"]})
+    plain = runner(tmp_path, model)
+    bound = runner(tmp_path, model, io_binding=True)
+    rng = np.random.default_rng(0)
+    for rows in (1, 3, 7):
+        x = {"in_f": rng.standard_normal((rows, 2)).astype(np.float32),
+             "in_i": rng.integers(-9, 9, (rows, 2))}  # fmt: skip
+        a, b = plain.infer(x), bound.infer(x)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name].dtype == b[name].dtype
+            np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_warmup_runs_sample_batches_from_the_manifest(tmp_path: Path) -> None:
+    model = add_model(tmp_path / "a.onnx")
+    runner(tmp_path, model, warmup={"runs": 2, "batch_size": 3}).warmup()
+    runner(
+        tmp_path, model, warmup={"inputs": {"x": {"shape": [2, 4], "datatype": "FP64"}}}
+    ).warmup()
+    wrong = runner(tmp_path, model, warmup={"inputs": {"x": {"shape": [2, 5], "datatype": "FP32"}}})
+    with pytest.raises(InvalidInput, match=r"has shape \[2, 5\]"):
+        wrong.warmup()  # proves the sample really ran through the model
+
+
+def test_explicit_device_is_reported(tmp_path: Path) -> None:
+    r = runner(tmp_path, add_model(tmp_path / "a.onnx"), device="cpu:numa0")
+    assert r.metadata()["device"] == "cpu:numa0"
