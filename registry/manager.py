@@ -63,9 +63,10 @@ class PluginHost:
 
     def load_builtins(self) -> None:
         """Register the built-in plugins, through the same hooks as everyone else's."""
-        from registry.backends import onnxruntime
+        from registry.backends import onnxruntime, tensorrt
 
         self.register(onnxruntime, "builtin:onnxruntime")
+        self.register(tensorrt, "builtin:tensorrt")
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> list[str]:
         """Register installed packages' ``plugserve`` entry points.

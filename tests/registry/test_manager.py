@@ -48,12 +48,13 @@ ECHO_BACKEND = """
 """
 
 
-def test_builtin_onnxruntime_backend_is_registered_through_the_hook() -> None:
+def test_builtin_backends_are_registered_through_the_hook() -> None:
     host = PluginHost()
     assert host.backends() == {}
     host.load_builtins()
-    assert set(host.backends()) == {"onnxruntime"}
+    assert set(host.backends()) == {"onnxruntime", "tensorrt"}
     assert host.backends()["onnxruntime"].model_filename == "model.onnx"  # type: ignore[attr-defined]
+    assert host.backends()["tensorrt"].model_filename == "model.plan"  # type: ignore[attr-defined]
 
 
 def test_entry_point_package_adds_a_backend(
@@ -65,7 +66,7 @@ def test_entry_point_package_adds_a_backend(
     host = PluginHost()
     host.load_builtins()
     assert host.load_entry_points() == ["entrypoint:echo"]
-    assert set(host.backends()) == {"onnxruntime", "echo"}
+    assert set(host.backends()) == {"onnxruntime", "tensorrt", "echo"}
     assert host.load_entry_points() == []  # idempotent
 
 

@@ -117,7 +117,7 @@ async def test_failed_load_is_recorded_and_the_rest_serves(
     states = {(r.name, r.state) for r in registry.plugins()}
     assert states == {("good", "ready"), ("bad", "failed"), ("Bad_Name", "failed")}
     bad = registry.records[("runner", "bad", "1.0.0")]
-    assert "unknown backend 'nope' (known: onnxruntime)" in (bad.last_error or "")
+    assert "unknown backend 'nope' (known: onnxruntime, tensorrt)" in (bad.last_error or "")
     assert await run(registry, "good", 1) == 2
     with pytest.raises(Unavailable, match="has no ready version"):
         registry.routes.resolve("bad")
