@@ -259,7 +259,8 @@ class Registry:
         return "unloaded"
 
     async def close(self) -> None:
-        """Unload everything (at shutdown)."""
+        """Unload everything (at shutdown, after the server's own drain: no second wait)."""
+        self.drain_timeout = 0.0
         await asyncio.gather(*(self.unload(key, forget=True) for key in list(self.records)))
 
     async def _retire(self, record: VersionRecord, old: LoadedPlugin) -> None:

@@ -15,7 +15,8 @@ from server import admin, predict, v2
 from server.config import Settings
 from server.metrics import Metrics
 from server.middleware import request_middleware
-from server.state import METRICS, REGISTRY, SETTINGS
+from server.shutdown import Drain
+from server.state import DRAIN, METRICS, REGISTRY, SETTINGS
 
 log = structlog.get_logger("plugserve.server")
 
@@ -55,6 +56,7 @@ def create_app(settings: Settings, registry: Registry | None = None) -> web.Appl
         settings.plugins_dir, settings.models_dir, drain_timeout=settings.drain_timeout_s
     )
     app[METRICS] = Metrics()
+    app[DRAIN] = Drain(settings.drain_timeout_s)
     app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
     app.cleanup_ctx.append(_registry_lifetime)
     v2.add_routes(app)

@@ -19,6 +19,7 @@ from server import __version__
 from server.app import create_app
 from server.config import bundled_dir, load_settings
 from server.logs import configure_logging
+from server.shutdown import install_signal_handlers
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,13 +74,17 @@ def _serve(args: argparse.Namespace) -> int:
         models_dir=str(settings.models_dir),
         admin_token=settings.admin_token is not None,
     )
+    app = create_app(settings)
+    app.on_startup.append(install_signal_handlers)
     web.run_app(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         access_log=None,
         print=None,
         loop=_event_loop(settings.event_loop),
+        # Our drain (server/shutdown.py) has already waited for in-flight requests.
+        shutdown_timeout=1.0,
     )
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -13,7 +13,7 @@ from registry.chain import Chain
 from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError
 from registry.types import RequestContext
 from server.logs import REQUEST_ID
-from server.state import METRICS, REGISTRY
+from server.state import DRAIN, METRICS, REGISTRY
 
 T = TypeVar("T")
 
@@ -71,7 +71,9 @@ def request_context(
     )
 
 
-async def measured(request: web.Request, route: str, protocol: str, work: Awaitable[T]) -> T:
+async def measured(
+    request: web.Request, route: str, protocol: str, work: Coroutine[Any, Any, T]
+) -> T:
     """Await ``work`` (decode, chain, encode) and record its status and duration.
 
     A route not in the table is labelled ``_unknown``, so clients cannot grow
@@ -79,6 +81,13 @@ async def measured(request: web.Request, route: str, protocol: str, work: Awaita
     """
     started = time.perf_counter()
     status = 200
+    drain = request.app[DRAIN]
+    try:
+        drain.enter()
+    except PlugserveError:
+        work.close()  # never awaited: close it
+        request.app[METRICS].observe(UNKNOWN_ROUTE, protocol, 503, 0.0)
+        raise
     try:
         return await work
     except PlugserveError as exc:
@@ -91,6 +100,7 @@ async def measured(request: web.Request, route: str, protocol: str, work: Awaita
         status = 500
         raise
     finally:
+        drain.leave()
         known = route in request.app[REGISTRY].routes.entries
         request.app[METRICS].observe(
             route if known else UNKNOWN_ROUTE, protocol, status, time.perf_counter() - started

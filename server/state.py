@@ -7,7 +7,9 @@ from aiohttp import web
 from registry.registry import Registry
 from server.config import Settings
 from server.metrics import Metrics
+from server.shutdown import Drain
 
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", Registry)
 METRICS = web.AppKey("metrics", Metrics)
+DRAIN = web.AppKey("drain", Drain)

@@ -13,7 +13,7 @@ from registry.errors import PluginError, Unavailable
 from server import __version__
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import deadline_seconds, measured, request_context, serve
-from server.state import REGISTRY
+from server.state import DRAIN, REGISTRY
 
 EXTENSIONS = ["binary_tensor_data"]
 
@@ -31,6 +31,8 @@ async def live(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     if not request.app[REGISTRY].started:
         raise Unavailable("the server is starting: plugins are still loading")
+    if request.app[DRAIN].draining:
+        raise Unavailable("the server is shutting down")
     return web.json_response({"ready": True})
 
 
