@@ -21,10 +21,22 @@ import numpy as np
 import orjson
 
 from registry.datatypes import V2_TO_NUMPY, v2_datatype
-from registry.errors import InvalidInput
+from registry.errors import InvalidInput, PayloadTooLarge
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _U32 = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; nothing is allocated before these are checked."""
+
+    max_inputs: int = 64
+    max_rank: int = 16
+    max_elements: int = 1 << 26
+
+
+DEFAULT_LIMITS = Limits()
 
 
 @dataclass(frozen=True)
@@ -47,8 +59,13 @@ class InferRequest:
         return bool(self.parameters.get("binary_data_output", False))
 
 
-def decode_request(body: bytes, header_length: str | None) -> InferRequest:
-    """Parse a v2 infer request body; raise :class:`InvalidInput` for anything malformed."""
+def decode_request(
+    body: bytes, header_length: str | None, limits: Limits = DEFAULT_LIMITS
+) -> InferRequest:
+    """Parse a v2 infer request body; raise :class:`InvalidInput` for anything malformed.
+
+    JSON nested deeper than 1024 levels is refused by the parser (orjson's limit).
+    """
     if header_length is None:
         header, binary = body, memoryview(b"")
     else:
@@ -65,18 +82,20 @@ def decode_request(body: bytes, header_length: str | None) -> InferRequest:
         raise InvalidInput(f"the request is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidInput("the request must be a JSON object")
-    return _request(doc, binary)
+    return _request(doc, binary, limits)
 
 
-def _request(doc: dict[str, Any], binary: memoryview) -> InferRequest:
+def _request(doc: dict[str, Any], binary: memoryview, limits: Limits) -> InferRequest:
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list")
+    if len(raw_inputs) > limits.max_inputs:
+        raise InvalidInput(f"{len(raw_inputs)} inputs; at most {limits.max_inputs} are accepted")
     parameters = _parameters(doc, "request")
     inputs: dict[str, np.ndarray] = {}
     offset = 0
     for raw in raw_inputs:
-        name, array, used = _input(raw, binary, offset)
+        name, array, used = _input(raw, binary, offset, limits)
         if name in inputs:
             raise InvalidInput(f"input {name!r} appears twice")
         inputs[name] = array
@@ -96,7 +115,9 @@ def _parameters(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
     return value
 
 
-def _input(raw: Any, binary: memoryview, offset: int) -> tuple[str, np.ndarray, int]:
+def _input(
+    raw: Any, binary: memoryview, offset: int, limits: Limits
+) -> tuple[str, np.ndarray, int]:
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise InvalidInput("each input must be an object with a string 'name'")
     name = raw["name"]
@@ -109,7 +130,13 @@ def _input(raw: Any, binary: memoryview, offset: int) -> tuple[str, np.ndarray, 
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    if len(shape) > limits.max_rank:
+        raise InvalidInput(f"input {name!r} has rank {len(shape)}; at most {limits.max_rank}")
     count = math.prod(shape)
+    if count > limits.max_elements:
+        raise PayloadTooLarge(
+            f"input {name!r} has {count} elements; at most {limits.max_elements} are accepted"
+        )
     size = _parameters(raw, f"input {name!r}").get("binary_data_size")
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -166,6 +193,8 @@ def _from_binary(
 
 
 def _bytes_elements(name: str, chunk: memoryview, count: int) -> np.ndarray:
+    if count * 4 > len(chunk):  # every element has a 4-byte length: check before allocating
+        raise InvalidInput(f"input {name!r}: {len(chunk)} bytes cannot hold {count} BYTES elements")
     out = np.empty(count, dtype=object)
     pos = 0
     for i in range(count):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tomllib
 from collections.abc import Mapping
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import ConfigError
+from server.codec import Limits
 
 ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -38,10 +40,19 @@ class Settings:
     watch: bool = True
     reload_debounce_ms: int = 200
     event_loop: str = "auto"
+    max_inputs: int = 64
+    max_tensor_rank: int = 16
+    max_tensor_elements: int = 1 << 26
+
+    @functools.cached_property
+    def limits(self) -> Limits:
+        return Limits(self.max_inputs, self.max_tensor_rank, self.max_tensor_elements)
 
     def __post_init__(self) -> None:
         if self.log_format not in ("console", "json"):
             raise ConfigError(f"log_format must be 'console' or 'json', not {self.log_format!r}")
+        if min(self.max_inputs, self.max_tensor_rank, self.max_tensor_elements) < 1:
+            raise ConfigError("max_inputs, max_tensor_rank and max_tensor_elements must be >= 1")
         if self.event_loop not in ("auto", "asyncio", "uvloop"):
             raise ConfigError(f"event_loop must be auto, asyncio or uvloop: {self.event_loop!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -108,6 +119,9 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "port": int,
         "max_body_bytes": int,
         "reload_debounce_ms": int,
+        "max_inputs": int,
+        "max_tensor_rank": int,
+        "max_tensor_elements": int,
         "watch": bool,
         "drain_timeout_s": (int, float),
     }

@@ -13,7 +13,7 @@ from registry.errors import PluginError, Unavailable
 from server import __version__
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import deadline_seconds, measured, request_context, serve
-from server.state import DRAIN, REGISTRY
+from server.state import DRAIN, REGISTRY, SETTINGS
 
 EXTENSIONS = ["binary_tensor_data"]
 
@@ -69,7 +69,7 @@ async def infer(request: web.Request) -> web.Response:
 
 async def _infer(request: web.Request, route: str) -> web.Response:
     body = await request.read()
-    decoded = decode_request(body, request.headers.get(HEADER_LENGTH))
+    decoded = decode_request(body, request.headers.get(HEADER_LENGTH), request.app[SETTINGS].limits)
 
     deadline = deadline_seconds(request, decoded.parameters)
     ctx = request_context(request, route, "v2", decoded.parameters, deadline)

@@ -1,7 +1,11 @@
 """Every error status of the contract, as JSON from the one middleware."""
 
 import asyncio
+import json
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.helpers import write_add_runner, write_plugin
 
@@ -178,3 +182,40 @@ async def test_priority_and_tenant_reach_the_scheduler(plugins_dir: Path, client
         )
         assert resp.status == 400
         assert message in (await resp.json())["error"]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "status", "message"),
+    [
+        ([{"name": f"x{i}", "datatype": "FP32", "shape": [1], "data": [1]} for i in range(5)], 400,
+         "5 inputs; at most 4"),
+        ([{"name": "x", "datatype": "FP32", "shape": [1] * 7, "data": [1]}], 400, "rank 7; at most 6"),
+        ([{"name": "x", "datatype": "FP32", "shape": [1000, 1000], "data": [1]}], 413,
+         "1000000 elements; at most 4096"),
+    ],
+)  # fmt: skip
+async def test_request_limits(
+    plugins_dir: Path, client, inputs: list[dict[str, Any]], status: int, message: str
+) -> None:  # type: ignore[no-untyped-def]
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    cli = await client(max_inputs=4, max_tensor_rank=6, max_tensor_elements=4096)
+    resp = await cli.post("/v2/models/add/infer", json={"inputs": inputs})
+    assert resp.status == status
+    assert message in (await resp.json())["error"]
+
+
+async def test_no_request_makes_the_server_allocate_for_a_shape_it_does_not_carry(
+    plugins_dir: Path, client
+) -> None:  # type: ignore[no-untyped-def]
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    cli = await client()
+    header = json.dumps({"inputs": [{"name": "s", "datatype": "BYTES", "shape": [1 << 25],
+                                     "parameters": {"binary_data_size": 8}}]}).encode()  # fmt: skip
+    resp = await cli.post("/v2/models/add/infer", data=header + b"\x00" * 8,
+                          headers={"Inference-Header-Content-Length": str(len(header))})  # fmt: skip
+    assert resp.status == 400
+    assert "cannot hold 33554432 BYTES elements" in (await resp.json())["error"]
+    deep = b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    resp = await cli.post("/v2/models/add/infer", data=deep)
+    assert resp.status == 400
+    assert "not valid JSON" in (await resp.json())["error"]
