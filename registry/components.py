@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from registry.batching import BatchPolicy, Scheduler
+from registry.breaker import CircuitBreaker
 from registry.datatypes import numpy_dtype
 from registry.errors import InvalidInput, PluginError, PluginLoadError, PlugserveError
 from registry.manifest import Manifest, RunnerSection
@@ -55,6 +56,7 @@ class LoadedPlugin:
     _executor: ThreadPoolExecutor | None = field(init=False, default=None, repr=False)
     _idle: asyncio.Event | None = field(init=False, default=None, repr=False)
     scheduler: Scheduler | None = field(init=False, default=None, repr=False)
+    breaker: CircuitBreaker | None = field(init=False, default=None, repr=False)
     inline_executions: int = field(init=False, default=0)
     _small_costs: deque[float] = field(
         init=False, default_factory=lambda: deque(maxlen=8), repr=False
@@ -76,6 +78,9 @@ class LoadedPlugin:
                 self._executor = ThreadPoolExecutor(runner.instances, thread_name_prefix=self.label)
             self._inline_budget = runner.inline_budget_us / 1e6
             self.scheduler = Scheduler(self._execute, batch_policy(runner), self.label)
+            self.breaker = CircuitBreaker(
+                self.label, runner.breaker_failures, runner.breaker_reset_s
+            )
 
     @property
     def label(self) -> str:
@@ -155,9 +160,13 @@ class LoadedPlugin:
 
         A runner's call goes through its scheduler (batching, queue, priorities).
         """
-        if self.scheduler is not None:
+        if self.scheduler is not None and self.breaker is not None:
             inputs = self.runner_inputs(data)
-            return await self.scheduler.submit(inputs, ctx.deadline, ctx.priority, ctx.tenant)
+            self.breaker.allow()
+            try:
+                return await self.scheduler.submit(inputs, ctx.deadline, ctx.priority, ctx.tenant)
+            finally:
+                self.breaker.release()
         try:
             result = self._method(data, ctx)
             return (await result) if self._is_async else result
@@ -180,11 +189,19 @@ class LoadedPlugin:
         except PlugserveError:
             raise
         except Exception as exc:
+            self._failed()
             raise PluginError(self.label, exc) from exc
         if not isinstance(result, Mapping):
+            self._failed()
             problem = TypeError(f"infer() returned {type(result).__name__}, not a dict of arrays")
             raise PluginError(self.label, problem)
+        if self.breaker is not None:
+            self.breaker.success()
         return result
+
+    def _failed(self) -> None:
+        if self.breaker is not None:
+            self.breaker.failure()
 
     def _runs_inline(self, inputs: Mapping[str, np.ndarray]) -> bool:
         """Run a small batch on the event loop when it has proven cheap.

@@ -39,6 +39,8 @@ class RunnerSection:
     default_priority_level: int | None = None
     tenant_weights: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     inline_budget_us: int = 250
+    breaker_failures: int = 5
+    breaker_reset_s: float = 10.0
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
@@ -172,6 +174,8 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         default_priority_level=_default_level(p, table, levels),
         tenant_weights=_tenant_weights(p, table),
         inline_budget_us=p.integer(table, "runner.inline_budget_us", 250, minimum=0),
+        breaker_failures=p.integer(table, "runner.breaker_failures", 5, minimum=0),
+        breaker_reset_s=p.number(table, "runner.breaker_reset_s", 10.0),
         table=MappingProxyType(dict(table)),
     )
 

@@ -86,7 +86,15 @@ def _scheduler_stats(current: LoadedPlugin | None) -> dict[str, int]:
         "executions": scheduler.executions,
         "batched_rows": scheduler.rows,
         "inline_executions": current.inline_executions if current else 0,
+        **_breaker(current),
     }
+
+
+def _breaker(current: LoadedPlugin | None) -> dict[str, Any]:
+    breaker = current.breaker if current else None
+    if breaker is None or not breaker.enabled:
+        return {}
+    return {"circuit": breaker.state, "circuit_trips": breaker.trips}
 
 
 def _runtime(current: LoadedPlugin | None) -> dict[str, Any]:

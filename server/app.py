@@ -58,6 +58,7 @@ def create_app(settings: Settings, registry: Registry | None = None) -> web.Appl
     app[METRICS] = Metrics()
     app[DRAIN] = Drain(settings.drain_timeout_s)
     app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
+    app[METRICS].collect_from(app[REGISTRY])
     app.cleanup_ctx.append(_registry_lifetime)
     v2.add_routes(app)
     predict.add_routes(app)

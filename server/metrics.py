@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -13,7 +13,9 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from registry.refs import PLUGIN_TYPES
 from registry.registry import LifecycleEvent, Registry
@@ -72,6 +74,11 @@ class Metrics:
             registry=self.registry,
         )
 
+    def collect_from(self, registry: Registry) -> None:
+        """Add the gauges read from the registry at scrape time (always current, and an
+        unloaded version's series are gone with it)."""
+        self.registry.register(_RegistryCollector(registry))
+
     def lifecycle_listener(self, registry: Registry) -> Callable[[LifecycleEvent], None]:
         """A registry listener that counts lifecycle events and refreshes the state gauge."""
 
@@ -101,3 +108,36 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RegistryCollector(Collector):
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily, so registration never calls collect()
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["type", "name", "version"]
+        in_flight = GaugeMetricFamily(
+            "plugserve_in_flight", "Requests using a plugin version now.", labels=labels
+        )
+        queued = GaugeMetricFamily(
+            "plugserve_queued", "Requests waiting in a runner version's queue.", labels=labels
+        )
+        circuit = GaugeMetricFamily(
+            "plugserve_circuit_open",
+            "1 while a runner version's circuit breaker is open or half-open, else 0.",
+            labels=labels,
+        )
+        for record in self._registry.records.values():
+            current = record.current
+            if current is None:
+                continue
+            key = [record.type, record.name, record.version]
+            in_flight.add_metric(key, current.in_flight)
+            if current.scheduler is not None:
+                queued.add_metric(key, current.scheduler.queued)
+            if current.breaker is not None and current.breaker.enabled:
+                circuit.add_metric(key, 0 if current.breaker.state == "closed" else 1)
+        yield from (in_flight, queued, circuit)

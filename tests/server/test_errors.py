@@ -219,3 +219,51 @@ async def test_no_request_makes_the_server_allocate_for_a_shape_it_does_not_carr
     resp = await cli.post("/v2/models/add/infer", data=deep)
     assert resp.status == 400
     assert "not valid JSON" in (await resp.json())["error"]
+
+
+FLAKY_RUNNER = """
+    import numpy as np
+    import pluggy
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Flaky:
+        def infer(self, inputs):
+            if float(np.asarray(inputs["x"]).reshape(-1)[0]) < 0:
+                raise RuntimeError("broken")
+            return {"y": inputs["x"]}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Flaky()
+"""
+
+
+async def test_a_failing_runner_opens_its_circuit_and_recovers(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_plugin(plugins_dir, "runner", "flaky", "1.0.0", "[runner]\nbreaker_failures = 3\nbreaker_reset_s = 0.3\n",
+                 {"plugin.py": FLAKY_RUNNER})  # fmt: skip
+    cli = await client()
+
+    async def call(x: float) -> int:
+        resp = await cli.post("/v2/models/flaky/infer",
+                              json={"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [x]}]})  # fmt: skip
+        return resp.status
+
+    assert [await call(-1) for _ in range(3)] == [500, 500, 500]
+    resp = await cli.post(
+        "/v2/models/flaky/infer",
+        json={"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]},
+    )
+    assert resp.status == 503
+    assert "circuit open" in (await resp.json())["error"]
+    row = (await (await cli.get("/admin/plugins")).json())["plugins"][0]
+    assert (row["circuit"], row["circuit_trips"]) == ("open", 1)
+    metrics = await (await cli.get("/metrics")).text()
+    assert 'plugserve_circuit_open{name="flaky",type="runner",version="1.0.0"} 1.0' in metrics
+    await asyncio.sleep(0.35)
+    assert await call(1) == 200  # the half-open probe succeeds: closed again
+    row = (await (await cli.get("/admin/plugins")).json())["plugins"][0]
+    assert row["circuit"] == "closed"
+    assert (
+        'plugserve_circuit_open{name="flaky",type="runner",version="1.0.0"} 0.0'
+        in await (await cli.get("/metrics")).text()
+    )
