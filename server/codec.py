@@ -263,7 +263,7 @@ def encode_response(
             entry["data"] = _to_json(name, array, datatype)
             # One pass, no temporary: the sum is finite when every element is (or
             # it overflowed, and then the slower encoder below is merely unneeded).
-            if array.dtype.kind == "f" and not math.isfinite(array.sum()):
+            if array.dtype.kind == "f" and not _finite(array):
                 finite = False
         header_outputs.append(entry)
     doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
@@ -277,6 +277,12 @@ def encode_response(
         return header, {"Content-Type": "application/json"}
     headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
     return b"".join([header, *chunks]), headers
+
+
+def _finite(array: np.ndarray) -> bool:
+    # Accumulate in float64: the sum of finite FP16/FP32 values cannot overflow it.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return math.isfinite(array.sum(dtype=np.float64))
 
 
 def _select(request: InferRequest, outputs: Mapping[str, np.ndarray]) -> list[tuple[str, bool]]:
