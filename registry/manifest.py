@@ -14,13 +14,14 @@ from types import MappingProxyType
 from typing import Any
 
 from registry.errors import ManifestError
+from registry.ratelimit import RateLimit
 from registry.refs import NAME_PATTERN, PLUGIN_TYPES, PluginType, Ref, is_valid_name
 from registry.versions import Version
 
 MANIFEST_NAME = "plugin.toml"
 
 _PLUGIN_KEYS = {"name", "version", "type", "module", "description"}
-_ROUTE_KEYS = {"name", "preprocess", "postprocess"}
+_ROUTE_KEYS = {"name", "preprocess", "postprocess", "rate_limit"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RouteSection:
     name: str | None = None
     preprocess: tuple[Ref, ...] = ()
     postprocess: tuple[Ref, ...] = ()
+    rate_limit: RateLimit | None = None
 
 
 @dataclass(frozen=True)
@@ -229,10 +231,17 @@ def _route_section(p: _Fields, raw: Mapping[str, Any]) -> RouteSection:
     name = p.string(table, "route.name")
     if name is not None and not is_valid_name(name):
         raise ManifestError(p.path, f"{name!r} must match {NAME_PATTERN}", "route.name")
+    rate_limit = None
+    if "rate_limit" in table:
+        try:
+            rate_limit = RateLimit.parse(table["rate_limit"])
+        except ValueError as exc:
+            raise ManifestError(p.path, str(exc), "route.rate_limit") from None
     return RouteSection(
         name=name,
         preprocess=p.refs(table, "route.preprocess"),
         postprocess=p.refs(table, "route.postprocess"),
+        rate_limit=rate_limit,
     )
 
 

@@ -25,6 +25,7 @@ from registry.fingerprint import Fingerprinter
 from registry.loader import Loader
 from registry.manager import PluginHost
 from registry.manifest import load_manifest
+from registry.ratelimit import TokenBucket
 from registry.records import VersionRecord
 from registry.refs import PLUGIN_TYPES, PluginType, is_ignored_name
 from registry.routes import ROUTES_FILE, RouteSpec, RouteTable, build_route_table, load_routes_file
@@ -98,6 +99,7 @@ class Registry:
         self.routes_file_error: str | None = None
         self._routes_fingerprint: str | None = None
         self.listeners: list[Callable[[LifecycleEvent], None]] = []
+        self.buckets: dict[str, TokenBucket] = {}
         self.started = False
 
     @property
@@ -312,6 +314,15 @@ class Registry:
     def _rebuild(self) -> None:
         # One assignment: a request sees the old table or the new one, never a mix.
         self.routes = build_route_table(self.records.values(), self.file_routes)
+        buckets = {}
+        for name, entry in self.routes.entries.items():
+            limit = entry.rate_limit
+            if limit is not None:
+                kept = self.buckets.get(name)
+                buckets[name] = (
+                    kept if kept is not None and kept.limit == limit else TokenBucket(limit)
+                )
+        self.buckets = buckets
 
     # -- views -------------------------------------------------------------------------
 

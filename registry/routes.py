@@ -25,11 +25,12 @@ from registry.errors import (
     Unavailable,
     VersionNotFound,
 )
+from registry.ratelimit import RateLimit
 from registry.records import VersionRecord
 from registry.refs import NAME_PATTERN, Ref, is_valid_name
 
 ROUTES_FILE = "routes.toml"
-_ROUTE_KEYS = {"runner", "preprocess", "postprocess", "sticky"}
+_ROUTE_KEYS = {"runner", "preprocess", "postprocess", "sticky", "rate_limit"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class RouteSpec:
     preprocess: tuple[Ref, ...] | None = None
     postprocess: tuple[Ref, ...] | None = None
     source: str = ROUTES_FILE
+    rate_limit: RateLimit | None = None
 
 
 def load_routes_file(path: Path) -> dict[str, RouteSpec]:
@@ -98,9 +100,12 @@ def _route_entry(path: Path, name: str, entry: Any) -> RouteSpec:
 
     try:
         runner_ref = Ref.parse(runner)
+        rate_limit = RateLimit.parse(entry["rate_limit"]) if "rate_limit" in entry else None
     except ValueError as exc:
-        raise fail(f".runner: {exc}") from None
-    return RouteSpec(name, runner_ref, refs("preprocess"), refs("postprocess"), ROUTES_FILE)
+        raise fail(f": {exc}") from None
+    return RouteSpec(
+        name, runner_ref, refs("preprocess"), refs("postprocess"), ROUTES_FILE, rate_limit
+    )
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,15 @@ class RouteEntry:
     default: Chain | _Failure
     by_version: Mapping[str, Chain | _Failure]
     known_versions: Mapping[str, VersionRecord]
+
+    @property
+    def rate_limit(self) -> RateLimit | None:
+        """The routes file's limit, else the serving runner manifest's ``[route] rate_limit``."""
+        if self.spec.rate_limit is not None:
+            return self.spec.rate_limit
+        if isinstance(self.default, Chain):
+            return self.default.runner.manifest.route.rate_limit
+        return None
 
     def chain(self, version: str | None) -> Chain:
         target = self.default if version is None else self.by_version.get(version)
@@ -153,6 +167,7 @@ class RouteEntry:
             "preprocess": None if spec.preprocess is None else [str(r) for r in spec.preprocess],
             "postprocess": None if spec.postprocess is None else [str(r) for r in spec.postprocess],
             "versions": self.versions,
+            "rate_limit": None if self.rate_limit is None else vars(self.rate_limit),
         }
         if isinstance(self.default, Chain):
             out["serving"] = self.default.describe()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -10,7 +11,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from registry.chain import Chain
-from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError
+from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError, TooManyRequests
 from registry.types import RequestContext
 from server.logs import REQUEST_ID
 from server.state import DRAIN, METRICS, REGISTRY
@@ -121,7 +122,14 @@ async def serve(
     A request still running at its deadline answers 504 (a runner call already
     on a thread finishes there, unobserved; a queued one never starts).
     """
-    chain = request.app[REGISTRY].routes.resolve(route, version)
+    registry = request.app[REGISTRY]
+    chain = registry.routes.resolve(route, version)
+    bucket = registry.buckets.get(route)
+    if bucket is not None and (wait := bucket.take()) > 0:
+        raise TooManyRequests(
+            f"route {route!r} is over its rate limit of {bucket.limit.rps:g} requests/s",
+            retry_after_s=math.ceil(wait),
+        )
     chain.enter()
     try:
         if deadline_s is None:

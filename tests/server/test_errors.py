@@ -267,3 +267,29 @@ async def test_a_failing_runner_opens_its_circuit_and_recovers(plugins_dir: Path
         'plugserve_circuit_open{name="flaky",type="runner",version="1.0.0"} 0.0'
         in await (await cli.get("/metrics")).text()
     )
+
+
+async def test_a_route_over_its_rate_limit_answers_429(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_add_runner(
+        plugins_dir, "add", "1.0.0", route="[route]\nrate_limit = { rps = 2, burst = 2 }\n"
+    )
+    write_add_runner(plugins_dir, "free", "1.0.0")
+    (plugins_dir / "routes.toml").write_text(
+        '[routes.strict]\nrunner = "free"\nrate_limit = { rps = 0.5, burst = 1 }\n'
+    )
+    cli = await client()
+    statuses = [(await cli.post("/v2/models/add/infer", json=X)).status for _ in range(3)]
+    assert statuses == [200, 200, 429]
+    resp = await cli.post("/v2/models/add/infer", json=X)
+    assert resp.headers["Retry-After"] == "1"
+    assert "over its rate limit of 2 requests/s" in (await resp.json())["error"]
+    assert [(await cli.post("/v2/models/free/infer", json=X)).status for _ in range(5)] == [200] * 5
+    assert [(await cli.post("/v2/models/strict/infer", json=X)).status for _ in range(2)] == [
+        200,
+        429,
+    ]
+    await asyncio.sleep(0.55)
+    assert (await cli.post("/v2/models/add/infer", json=X)).status == 200
+    routes = {r["name"]: r for r in (await (await cli.get("/admin/routes")).json())["routes"]}
+    assert routes["add"]["rate_limit"] == {"rps": 2.0, "burst": 2}
+    assert routes["strict"]["rate_limit"] == {"rps": 0.5, "burst": 1}
