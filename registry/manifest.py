@@ -6,6 +6,7 @@ API or the log knows what to fix.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -246,8 +247,9 @@ def _route_section(p: _Fields, raw: Mapping[str, Any]) -> RouteSection:
 
 
 def _check_relative(path: Path, folder: Path, relative: str, key: str) -> None:
-    target = (folder / relative).resolve()
-    if Path(relative).is_absolute() or not target.is_relative_to(folder.resolve()):
+    # Lexically: symlinks are the registry's to judge (they may point into the models dir).
+    target = Path(os.path.normpath(folder / relative))
+    if Path(relative).is_absolute() or not target.is_relative_to(folder):
         raise ManifestError(path, f"{relative!r} must stay inside the plugin folder", key)
 
 

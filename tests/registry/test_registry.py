@@ -239,3 +239,28 @@ async def test_in_flight_request_finishes_on_the_instance_it_started_on(
     chain.leave()
     await asyncio.wait_for(reload, 5)
     assert old.component is None
+
+
+async def test_symlinks_leading_out_of_the_plugins_dir_are_refused(
+    plugins_dir: Path, registry: Registry, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside"
+    write_add_runner(outside, "add", "1.0.0")
+    (plugins_dir / "runner" / "add").mkdir(parents=True)
+    (plugins_dir / "runner" / "add" / "1.0.0").symlink_to(outside / "runner" / "add" / "1.0.0")
+    folder = write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 1)
+    secret = tmp_path / "secret.py"
+    secret.write_text("X = 1\n")
+    (folder / "helper.py").symlink_to(secret)
+    inside = write_add_runner(plugins_dir, "ok", "1.0.0")
+    (inside / "model.onnx").rename(plugins_dir / "shared.onnx")
+    (inside / "model.onnx").symlink_to(plugins_dir / "shared.onnx")  # inside: fine
+    await registry.start()
+    runner = registry.records[("runner", "add", "1.0.0")]
+    assert runner.state == "failed"
+    assert "runner/add/1.0.0 leads outside the plugins dir" in (runner.last_error or "")
+    pre = registry.records[("preprocessor", "pre", "1.0.0")]
+    assert pre.state == "failed"
+    assert "helper.py leads outside the plugins dir" in (pre.last_error or "")
+    ok = registry.records[("runner", "ok", "1.0.0")]
+    assert ok.state == "ready", ok.last_error
