@@ -19,6 +19,11 @@ from server.state import REGISTRY, SETTINGS
 ADMIN_PREFIX = "/admin"
 
 
+def _local_port(request: web.Request) -> int | None:
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return int(sockname[1]) if sockname else None
+
+
 def is_loopback(remote: str | None) -> bool:
     if not remote:
         return False
@@ -31,9 +36,13 @@ def is_loopback(remote: str | None) -> bool:
 def check_admin(request: web.Request, settings: Settings) -> None:
     """Raise unless the request may use the control plane.
 
-    With a token configured, ``Authorization: Bearer <token>`` must match it
-    (compared in constant time); without one, only loopback clients are let in.
+    With ``admin_port`` set, the control plane answers on that port only (404
+    elsewhere). With a token configured, ``Authorization: Bearer <token>`` must
+    match it (compared in constant time); without one, only loopback clients
+    are let in.
     """
+    if settings.admin_port is not None and _local_port(request) != settings.admin_port:
+        raise NotFound("the control plane listens on its own address")
     token = settings.admin_token
     if token is None:
         if not is_loopback(request.remote):

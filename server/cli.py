@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from registry.loader import Loader
 from registry.manager import PluginHost
 from server import __version__
 from server.app import create_app
-from server.config import bundled_dir, load_settings
+from server.config import Settings, bundled_dir, load_settings
 from server.logs import configure_logging
 from server.shutdown import install_signal_handlers
 
@@ -73,13 +74,15 @@ def _serve(args: argparse.Namespace) -> int:
         plugins_dir=str(settings.plugins_dir),
         models_dir=str(settings.models_dir),
         admin_token=settings.admin_token is not None,
+        admin_url=f"http://{settings.admin_host or settings.host}:{settings.admin_port}"
+        if settings.admin_port
+        else None,
     )
     app = create_app(settings)
     app.on_startup.append(install_signal_handlers)
     web.run_app(
         app,
-        host=settings.host,
-        port=settings.port,
+        sock=_sockets(settings),
         access_log=None,
         print=None,
         loop=_event_loop(settings.event_loop),
@@ -87,6 +90,27 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=1.0,
     )
     return 0
+
+
+def _sockets(settings: Settings) -> list[socket.socket]:
+    """The data plane's listening socket, and the control plane's when it has its own."""
+    addresses = [(settings.host, settings.port)]
+    if settings.admin_port is not None:
+        addresses.append((settings.admin_host or settings.host, settings.admin_port))
+    sockets = []
+    for host, port in addresses:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        sock.listen(1024)
+        sock.setblocking(False)
+        sockets.append(sock)
+    return sockets
 
 
 def _event_loop(choice: str) -> asyncio.AbstractEventLoop:

@@ -15,6 +15,7 @@ from registry.errors import ConfigError
 from server.codec import Limits
 
 ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
+ADMIN_TOKEN_FILE_ENV = "PLUGSERVE_ADMIN_TOKEN_FILE"
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -33,6 +34,9 @@ class Settings:
     plugins_dir: Path = dataclasses.field(default_factory=lambda: bundled_dir("plugins"))
     models_dir: Path = dataclasses.field(default_factory=lambda: bundled_dir("models"))
     admin_token: str | None = dataclasses.field(default=None, repr=False)
+    admin_token_file: Path | None = None
+    admin_host: str | None = None
+    admin_port: int | None = None
     log_format: str = "console"
     log_level: str = "info"
     drain_timeout_s: float = 30.0
@@ -61,6 +65,8 @@ class Settings:
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0..65535, not {self.port}")
+        if self.admin_port is not None and not 0 < self.admin_port <= 65535:
+            raise ConfigError(f"admin_port must be 1..65535, not {self.admin_port}")
         if self.max_body_bytes < 1 or self.drain_timeout_s < 0 or self.reload_debounce_ms < 0:
             raise ConfigError(
                 "max_body_bytes must be >= 1, drain_timeout_s and reload_debounce_ms >= 0"
@@ -68,7 +74,7 @@ class Settings:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
-_PATHS = {"plugins_dir", "models_dir"}
+_PATHS = {"plugins_dir", "models_dir", "admin_token_file"}
 
 
 def load_settings(
@@ -84,15 +90,30 @@ def load_settings(
     if config_file is not None:
         values.update(_read_config(config_file))
     env = os.environ if environ is None else environ
+    if env.get(ADMIN_TOKEN_FILE_ENV):
+        values["admin_token_file"] = env[ADMIN_TOKEN_FILE_ENV]
     if env.get(ADMIN_TOKEN_ENV):
         values["admin_token"] = env[ADMIN_TOKEN_ENV]
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for key in _PATHS & values.keys():
         values[key] = Path(values[key]).expanduser().resolve()
+    if values.get("admin_token_file") and not values.get("admin_token"):
+        values["admin_token"] = _read_token(Path(values["admin_token_file"]))
     try:
         return Settings(**values)
     except TypeError as exc:
         raise ConfigError(f"invalid settings: {exc}") from None
+
+
+def _read_token(path: Path) -> str:
+    """The admin token from a file (a mounted secret); its value is never logged."""
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(f"admin_token_file {path}: {exc.strerror}") from None
+    if not token:
+        raise ConfigError(f"admin_token_file {path} is empty")
+    return token
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -119,6 +140,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "port": int,
         "max_body_bytes": int,
         "reload_debounce_ms": int,
+        "admin_port": int,
         "max_inputs": int,
         "max_tensor_rank": int,
         "max_tensor_elements": int,

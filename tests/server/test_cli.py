@@ -123,3 +123,40 @@ def test_json_logs_carry_request_id_and_tracebacks_stay_in_the_log(
     assert "kaput" in raised[0]["exception"]
     ready = [e for e in events if e.get("event") == "plugin_ready"]
     assert ready[0]["plugin"] == "runner/boom@1.0.0"
+
+
+def test_admin_on_its_own_port_with_a_token_from_a_file(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    from tests.helpers import free_port
+
+    admin_port = free_port()
+    secret = tmp_path / "token"
+    secret.write_text("s3cret-token\n")
+    config = tmp_path / "plugserve.toml"
+    config.write_text(f'admin_port = {admin_port}\nadmin_token_file = "{secret}"\n')
+    srv = server(
+        "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir), "--config", str(config)
+    )
+    auth = {"Authorization": "Bearer s3cret-token"}
+    assert srv.request("GET", "/admin/plugins", headers=auth)[0] == 404  # not on the data port
+    assert srv.request("GET", "/v2/health/live")[0] == 200
+    admin = f"http://127.0.0.1:{admin_port}"
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(admin + "/admin/plugins", timeout=5)
+    assert info.value.code == 401
+    request = urllib.request.Request(admin + "/admin/plugins", headers=auth)
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.status == 200
+    assert "s3cret-token" not in srv.log()
+
+
+def test_an_unreadable_token_file_stops_start_up(tmp_path: Path) -> None:
+    config = tmp_path / "plugserve.toml"
+    config.write_text(f'admin_token_file = "{tmp_path / "missing"}"\n')
+    result = plugserve("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "admin_token_file" in result.stderr
