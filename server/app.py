@@ -11,7 +11,7 @@ from aiohttp import web
 
 from registry.registry import Registry
 from registry.watcher import Watcher
-from server import admin, predict, v2
+from server import admin, openapi, predict, v2
 from server.config import Settings
 from server.metrics import Metrics
 from server.middleware import request_middleware
@@ -64,4 +64,5 @@ def create_app(settings: Settings, registry: Registry | None = None) -> web.Appl
     predict.add_routes(app)
     admin.add_routes(app)
     app.router.add_get("/metrics", metrics)
+    openapi.add_routes(app)
     return app

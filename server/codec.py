@@ -122,7 +122,7 @@ def _input(
         raise InvalidInput("each input must be an object with a string 'name'")
     name = raw["name"]
     datatype = raw.get("datatype")
-    if datatype not in V2_TO_NUMPY:
+    if not isinstance(datatype, str) or datatype not in V2_TO_NUMPY:
         known = ", ".join(V2_TO_NUMPY)
         raise InvalidInput(f"input {name!r}: datatype {datatype!r} is not supported ({known})")
     shape = raw.get("shape")

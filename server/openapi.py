@@ -1,0 +1,270 @@
+"""The OpenAPI 3 document of plugserve's HTTP API, served at ``/openapi.json``.
+
+Kept true by ``tests/server/test_openapi.py``: every route the app registers is
+documented and every documented route exists, and a schemathesis run against a
+real server finds no 5xx.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from registry.datatypes import V2_TO_NUMPY
+from registry.refs import NAME_PATTERN, PLUGIN_TYPES
+from server import __version__
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"description": _REASONS[s], "content": _json(ERROR)} for s in statuses}
+
+
+_REASONS = {
+    400: "malformed request",
+    401: "admin call without the right bearer token",
+    403: "admin call from a non-loopback address with no token configured",
+    404: "unknown route, version, plugin or path",
+    413: "body or tensor too large",
+    429: "queue full or rate limited (Retry-After)",
+    500: "a plugin raised; the message names it",
+    503: "not ready, circuit open, or shutting down",
+    504: "the request's deadline passed",
+}
+
+ROUTE = {"name": "route", "in": "path", "required": True, "schema": {"type": "string"}}
+VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
+ADMIN: list[dict[str, list[str]]] = [{"bearerAuth": []}, {}]  # token, or loopback without
+
+
+def _ok(description: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    response: dict[str, Any] = {"description": description}
+    if schema is not None:
+        response["content"] = _json(schema)
+    return {"200": response}
+
+
+def _infer(versioned: bool) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": "Run the route's chain on v2 tensors (JSON, or Triton's binary extension)",
+            "parameters": [ROUTE, VERSION] if versioned else [ROUTE],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    **_json({"$ref": "#/components/schemas/InferRequest"}),
+                    "application/octet-stream": {
+                        "schema": {"type": "string", "format": "binary"},
+                        "encoding": {},
+                    },
+                },
+            },
+            "responses": {
+                **_ok("the outputs", {"$ref": "#/components/schemas/InferResponse"}),
+                **_errors(400, 404, 413, 429, 500, 503, 504),
+            },
+        }
+    }
+
+
+def _model(versioned: bool, ready: bool) -> dict[str, Any]:
+    summary = "Whether the route can serve" if ready else "The route's tensors and versions"
+    return {
+        "get": {
+            "summary": summary,
+            "parameters": [ROUTE, VERSION] if versioned else [ROUTE],
+            "responses": {**_ok(summary, {"type": "object"}), **_errors(404, 503)},
+        }
+    }
+
+
+def _admin_version(action: str) -> dict[str, Any]:
+    segment = {"in": "path", "required": True}
+    return {
+        "post": {
+            "summary": f"{action.capitalize()} one plugin version; answers when done",
+            "security": ADMIN,
+            "parameters": [
+                {
+                    **segment,
+                    "name": "type",
+                    "schema": {"type": "string", "enum": list(PLUGIN_TYPES)},
+                },
+                {
+                    **segment,
+                    "name": "name",
+                    "schema": {"type": "string", "pattern": f"^{NAME_PATTERN}$"},
+                },
+                {**segment, "name": "version", "schema": {"type": "string"}},
+            ],
+            "responses": {
+                **_ok("the version's state", {"type": "object"}),
+                **_errors(400, 401, 403, 404),
+            },
+        }
+    }
+
+
+def document() -> dict[str, Any]:
+    tensor_data = {"type": "array", "items": {}}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "plugserve", "version": __version__},
+        "paths": {
+            "/v2": {
+                "get": {
+                    "summary": "Server metadata",
+                    "responses": _ok("metadata", {"type": "object"}),
+                }
+            },
+            "/v2/health/live": {
+                "get": {"summary": "Liveness", "responses": _ok("live", {"type": "object"})}
+            },
+            "/v2/health/ready": {
+                "get": {
+                    "summary": "Readiness",
+                    "responses": {**_ok("ready", {"type": "object"}), **_errors(503)},
+                }
+            },
+            "/v2/models/{route}": _model(False, False),
+            "/v2/models/{route}/ready": _model(False, True),
+            "/v2/models/{route}/infer": _infer(False),
+            "/v2/models/{route}/versions/{version}": _model(True, False),
+            "/v2/models/{route}/versions/{version}/ready": _model(True, True),
+            "/v2/models/{route}/versions/{version}/infer": _infer(True),
+            "/predict/{route}": {
+                "post": {
+                    "summary": "Run the chain on a raw body: JSON parsed, anything else as bytes",
+                    "parameters": [ROUTE],
+                    "requestBody": {
+                        "content": {
+                            "application/json": {"schema": {}},
+                            "application/octet-stream": {
+                                "schema": {"type": "string", "format": "binary"}
+                            },
+                        }
+                    },
+                    "responses": {
+                        **_ok("the last stage's result"),
+                        **_errors(400, 404, 413, 429, 500, 503, 504),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "text format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "responses": _ok("OpenAPI 3", {"type": "object"}),
+                }
+            },
+            "/admin/plugins": {
+                "get": {
+                    "summary": "Every plugin version and its state",
+                    "security": ADMIN,
+                    "responses": {**_ok("plugins", {"type": "object"}), **_errors(401, 403, 404)},
+                }
+            },
+            "/admin/routes": {
+                "get": {
+                    "summary": "The route table as served",
+                    "security": ADMIN,
+                    "responses": {**_ok("routes", {"type": "object"}), **_errors(401, 403, 404)},
+                }
+            },
+            "/admin/reload": {
+                "post": {
+                    "summary": "Rescan everything now; 200 whatever failed, listing failures",
+                    "security": ADMIN,
+                    "parameters": [{"name": "force", "in": "query", "schema": {"type": "boolean"}}],
+                    "responses": {
+                        **_ok("what changed", {"type": "object"}),
+                        **_errors(401, 403, 404),
+                    },
+                }
+            },
+            "/admin/plugins/{type}/{name}/{version}/reload": _admin_version("reload"),
+            "/admin/plugins/{type}/{name}/{version}/unload": _admin_version("unload"),
+        },
+        "components": {
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {"error": {"type": "string"}},
+                },
+                "InferInput": {
+                    "type": "object",
+                    "required": ["name", "shape", "datatype"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                        "datatype": {"type": "string", "enum": list(V2_TO_NUMPY)},
+                        "parameters": {"type": "object"},
+                        "data": tensor_data,
+                    },
+                },
+                "InferRequest": {
+                    "type": "object",
+                    "required": ["inputs"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "parameters": {"type": "object"},
+                        "inputs": {
+                            "type": "array",
+                            "items": {"$ref": "#/components/schemas/InferInput"},
+                        },
+                        "outputs": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["name"],
+                                "properties": {
+                                    "name": {"type": "string"},
+                                    "parameters": {"type": "object"},
+                                },
+                            },
+                        },
+                    },
+                },
+                "InferResponse": {
+                    "type": "object",
+                    "required": ["model_name", "outputs"],
+                    "properties": {
+                        "model_name": {"type": "string"},
+                        "model_version": {"type": "string"},
+                        "id": {"type": "string"},
+                        "outputs": {"type": "array", "items": {"type": "object"}},
+                    },
+                },
+            },
+        },
+    }
+
+
+_DOCUMENT = document()
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(_DOCUMENT)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/openapi.json", openapi)
