@@ -78,6 +78,7 @@ class Pending:
     tag: float
     seq: int
     future: asyncio.Future[Arrays]
+    timings: dict[str, float] | None = None
 
     def key(self) -> tuple[int, float, int]:
         return (self.level, self.tag, self.seq)
@@ -104,8 +105,10 @@ class Scheduler:
         label: str,
         clock: Callable[[], float] = time.monotonic,
         timer: Timer | None = None,
+        on_execution: Callable[[int, float], None] | None = None,
     ) -> None:
         self.execute = execute
+        self.on_execution = on_execution
         self.policy = policy
         self.label = label
         self.clock = clock
@@ -134,8 +137,11 @@ class Scheduler:
         deadline: float | None = None,
         priority: int | None = None,
         tenant: str | None = None,
+        timings: dict[str, float] | None = None,
     ) -> Arrays:
         """Queue ``inputs`` and return this request's slice of its batch's outputs.
+
+        ``timings`` (a request's ``ctx.timings``) receives its ``queue`` wait.
 
         Fast path: a request that finds the runner idle and nothing queued runs
         at once in the caller's own task, with no queue entry, future or task
@@ -146,15 +152,22 @@ class Scheduler:
             if deadline is not None and self.clock() >= deadline:
                 raise DeadlineExceeded(f"the request's deadline passed before {self.label} ran it")
             self._running += 1
+            rows = signature(inputs)[0]
             self.executions += 1
-            self.rows += signature(inputs)[0]
+            self.rows += rows
+            if timings is not None:
+                timings["queue"] = 0.0
+            started = self.clock()
             try:
-                return await self.execute(inputs)
+                outputs = await self.execute(inputs)
+                if self.on_execution is not None:
+                    self.on_execution(rows, self.clock() - started)
+                return outputs
             finally:
                 self._running -= 1
                 if self._queue:
                     self.pump()
-        return await self.enqueue(inputs, deadline, level, tenant)
+        return await self.enqueue(inputs, deadline, level, tenant, timings)
 
     def enqueue(
         self,
@@ -162,6 +175,7 @@ class Scheduler:
         deadline: float | None = None,
         priority: int | None = None,
         tenant: str | None = None,
+        timings: dict[str, float] | None = None,
     ) -> asyncio.Future[Arrays]:
         """Queue a request; the future resolves to its outputs (what ``submit`` awaits)."""
         policy = self.policy
@@ -179,7 +193,9 @@ class Scheduler:
         start = max(self._vtime, self._tenant_finish.get(name, 0.0))
         self._tenant_finish[name] = start + max(rows, 1) / policy.tenant_weights.get(name, 1.0)
         future: asyncio.Future[Arrays] = asyncio.get_running_loop().create_future()
-        request = Pending(inputs, rows, sig, now, deadline, level, start, next(self._seq), future)
+        request = Pending(
+            inputs, rows, sig, now, deadline, level, start, next(self._seq), future, timings
+        )
         self._queue.append(request)
         self.pump()
         return future
@@ -271,6 +287,10 @@ class Scheduler:
     def _dispatch(self, batch: list[Pending]) -> None:
         taken = set(map(id, batch))
         self._queue = [r for r in self._queue if id(r) not in taken]
+        now = self.clock()
+        for request in batch:
+            if request.timings is not None:
+                request.timings["queue"] = now - request.arrival
         self._vtime = max(self._vtime, max(r.tag for r in batch))
         if len(self._tenant_finish) > 1024:
             self._tenant_finish = {t: f for t, f in self._tenant_finish.items() if f > self._vtime}
@@ -291,7 +311,10 @@ class Scheduler:
                 }
             self.executions += 1
             self.rows += rows
+            started = self.clock()
             outputs = await self.execute(merged)
+            if self.on_execution is not None:
+                self.on_execution(rows, self.clock() - started)
             self._split(batch, rows, outputs)
         except Exception as exc:
             for request in batch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +40,31 @@ class Chain:
             stage.leave()
 
     async def run(self, data: Any, ctx: RequestContext) -> Any:
-        """Run every stage in order; each stage gets what the previous one returned."""
-        for stage in self.stages:
-            data = await stage.call(data, ctx)
-        return data
+        """Run every stage in order; each stage gets what the previous one returned.
+
+        Times the stages into ``ctx.timings`` (``compute_input`` for the
+        preprocessors, ``queue`` and ``compute_infer`` for the runner,
+        ``compute_output`` for the postprocessors) and records the request in the
+        runner version's statistics.
+        """
+        started = time.perf_counter()
+        ok = False
+        try:
+            for stage in self.preprocess:
+                data = await stage.call(data, ctx)
+            mark = time.perf_counter()
+            ctx.timings["compute_input"] = mark - started
+            data = await self.runner.call(data, ctx)
+            mark = time.perf_counter()
+            for stage in self.postprocess:
+                data = await stage.call(data, ctx)
+            ctx.timings["compute_output"] = time.perf_counter() - mark
+            ok = True
+            return data
+        finally:
+            if self.runner.stats is not None:
+                took = time.perf_counter() - started
+                self.runner.stats.record_request(ok, took, ctx.timings, ctx.rows)
 
     def metadata(self) -> dict[str, Any]:
         """Tensor specs of the route: the first stage's inputs and the last stage's outputs.

@@ -19,6 +19,7 @@ from registry.breaker import CircuitBreaker
 from registry.datatypes import numpy_dtype
 from registry.errors import InvalidInput, PluginError, PluginLoadError, PlugserveError
 from registry.manifest import Manifest, RunnerSection
+from registry.stats import RunnerStats
 from registry.types import PluginInfo, RequestContext
 
 STAGE_METHOD = {"preprocessor": "process", "runner": "infer", "postprocessor": "format"}
@@ -57,6 +58,7 @@ class LoadedPlugin:
     _idle: asyncio.Event | None = field(init=False, default=None, repr=False)
     scheduler: Scheduler | None = field(init=False, default=None, repr=False)
     breaker: CircuitBreaker | None = field(init=False, default=None, repr=False)
+    stats: RunnerStats | None = field(init=False, default=None, repr=False)
     inline_executions: int = field(init=False, default=0)
     _small_costs: deque[float] = field(
         init=False, default_factory=lambda: deque(maxlen=8), repr=False
@@ -77,7 +79,13 @@ class LoadedPlugin:
             if not self._is_async:
                 self._executor = ThreadPoolExecutor(runner.instances, thread_name_prefix=self.label)
             self._inline_budget = runner.inline_budget_us / 1e6
-            self.scheduler = Scheduler(self._execute, batch_policy(runner), self.label)
+            self.stats = RunnerStats()
+            self.scheduler = Scheduler(
+                self._execute,
+                batch_policy(runner),
+                self.label,
+                on_execution=self.stats.record_execution,
+            )
             self.breaker = CircuitBreaker(
                 self.label, runner.breaker_failures, runner.breaker_reset_s
             )
@@ -162,11 +170,19 @@ class LoadedPlugin:
         """
         if self.scheduler is not None and self.breaker is not None:
             inputs = self.runner_inputs(data)
+            ctx.rows = _rows(inputs)
             self.breaker.allow()
+            started = time.perf_counter()
             try:
-                return await self.scheduler.submit(inputs, ctx.deadline, ctx.priority, ctx.tenant)
+                scheduler = self.scheduler
+                return await scheduler.submit(
+                    inputs, ctx.deadline, ctx.priority, ctx.tenant, ctx.timings
+                )
             finally:
                 self.breaker.release()
+                ctx.timings["compute_infer"] = (
+                    time.perf_counter() - started - ctx.timings.get("queue", 0.0)
+                )
         try:
             result = self._method(data, ctx)
             return (await result) if self._is_async else result

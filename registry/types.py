@@ -57,6 +57,8 @@ class RequestContext:
     deadline: float | None = None
     priority: int | None = None
     tenant: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    rows: int = 0
 
 
 BackendFactory = Callable[[PluginInfo, Mapping[str, Any], "Path | None"], Any]

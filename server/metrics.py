@@ -13,7 +13,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -130,14 +135,35 @@ class _RegistryCollector(Collector):
             "1 while a runner version's circuit breaker is open or half-open, else 0.",
             labels=labels,
         )
+        batch = HistogramMetricFamily(
+            "plugserve_batch_size", "Rows per runner execution.", labels=labels
+        )
+        stage = HistogramMetricFamily(
+            "plugserve_stage_duration_seconds",
+            "Time per request in each stage: queue, compute_input (preprocessors), "
+            "compute_infer (runner), compute_output (postprocessors).",
+            labels=[*labels, "stage"],
+        )
+        executions = CounterMetricFamily(
+            "plugserve_executions", "Runner executions (batches).", labels=labels
+        )
         for record in self._registry.records.values():
             current = record.current
             if current is None:
                 continue
             key = [record.type, record.name, record.version]
             in_flight.add_metric(key, current.in_flight)
+            stats = current.stats
+            if stats is not None:
+                sizes = stats.batch_sizes
+                batch.add_metric(key, sizes.cumulative(), sum_value=sizes.total)
+                executions.add_metric(key, stats.execution_count)
+                for name, histogram in stats.latency.items():
+                    stage.add_metric(
+                        [*key, name], histogram.cumulative(), sum_value=histogram.total
+                    )
             if current.scheduler is not None:
                 queued.add_metric(key, current.scheduler.queued)
             if current.breaker is not None and current.breaker.enabled:
                 circuit.add_metric(key, 0 if current.breaker.state == "closed" else 1)
-        yield from (in_flight, queued, circuit)
+        yield from (in_flight, queued, circuit, batch, stage, executions)

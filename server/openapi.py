@@ -85,6 +85,17 @@ def _model(versioned: bool, ready: bool) -> dict[str, Any]:
     }
 
 
+def _stats(routed: bool, versioned: bool) -> dict[str, Any]:
+    params = [ROUTE] if routed else []
+    return {
+        "get": {
+            "summary": "Triton's statistics extension: counts and cumulative durations per stage",
+            "parameters": [*params, VERSION] if versioned else params,
+            "responses": {**_ok("model_stats", {"type": "object"}), **_errors(404, 503)},
+        }
+    }
+
+
 def _admin_version(action: str) -> dict[str, Any]:
     segment = {"in": "path", "required": True}
     return {
@@ -133,6 +144,9 @@ def document() -> dict[str, Any]:
                     "responses": {**_ok("ready", {"type": "object"}), **_errors(503)},
                 }
             },
+            "/v2/models/stats": _stats(False, False),
+            "/v2/models/{route}/stats": _stats(True, False),
+            "/v2/models/{route}/versions/{version}/stats": _stats(True, True),
             "/v2/models/{route}": _model(False, False),
             "/v2/models/{route}/ready": _model(False, True),
             "/v2/models/{route}/infer": _infer(False),

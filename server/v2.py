@@ -15,7 +15,7 @@ from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_respon
 from server.serving import deadline_seconds, measured, request_context, serve
 from server.state import DRAIN, REGISTRY, SETTINGS
 
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "statistics"]
 
 
 async def server_metadata(request: web.Request) -> web.Response:
@@ -86,6 +86,24 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     return await serve(request, route, request.match_info.get("version"), run, deadline)
 
 
+async def statistics(request: web.Request) -> web.Response:
+    """Triton's statistics extension: per route and runner version, cumulative since load."""
+    table = request.app[REGISTRY].routes
+    route, version = request.match_info.get("route"), request.match_info.get("version")
+    if route is not None:
+        table.resolve(route, version)  # 404/503 as for inference
+    stats = []
+    for name, entry in sorted(table.entries.items()):
+        if route is not None and name != route:
+            continue
+        for runner_version, chain in entry.by_version.items():
+            if version is not None and runner_version != version:
+                continue
+            if isinstance(chain, Chain) and chain.runner.stats is not None:
+                stats.append(chain.runner.stats.as_triton(name, runner_version))
+    return web.json_response({"model_stats": stats})
+
+
 def _outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:
     """The chain's result as named tensors; anything else is the last stage's fault."""
     last = chain.stages[-1]
@@ -105,9 +123,11 @@ def add_routes(app: web.Application) -> None:
     # The router tries resources in order: the hot path first.
     r.add_post("/v2/models/{route}/infer", infer)
     r.add_post("/v2/models/{route}/versions/{version}/infer", infer)
+    r.add_get("/v2/models/stats", statistics)
     r.add_get("/v2", server_metadata)
     r.add_get("/v2/health/live", live)
     r.add_get("/v2/health/ready", ready)
     for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
         r.add_get(prefix, model_metadata)
         r.add_get(prefix + "/ready", model_ready)
+        r.add_get(prefix + "/stats", statistics)

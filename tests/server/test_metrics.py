@@ -39,3 +39,36 @@ async def test_requests_are_counted_and_timed_per_route(plugins_dir: Path, clien
     assert got[("plugserve_request_duration_seconds_count", timed)] == 4
     inf = (("le", "+Inf"), *timed)
     assert got[("plugserve_request_duration_seconds_bucket", inf)] == 4
+
+
+async def test_stage_batch_and_execution_series_follow_traffic_and_vanish_on_unload(
+    plugins_dir: Path,
+    client,  # type: ignore[no-untyped-def]
+) -> None:
+    from tests.helpers import write_processor
+
+    write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 1)
+    write_add_runner(plugins_dir, "add", "1.0.0", route='[route]\npreprocess = ["pre"]\n')
+    cli = await client()
+    for _ in range(4):
+        assert (await cli.post("/v2/models/add/infer", json=X)).status == 200
+    got = samples(await (await cli.get("/metrics")).text())
+    runner = (("name", "add"), ("type", "runner"), ("version", "1.0.0"))
+    assert got[("plugserve_executions_total", runner)] == 4
+    assert got[("plugserve_batch_size_count", runner)] == 4
+    assert got[("plugserve_batch_size_bucket", (("le", "1.0"), *runner))] == 4
+    for stage in ("queue", "compute_input", "compute_infer", "compute_output"):
+        key = tuple(sorted((*runner, ("stage", stage))))
+        assert got[("plugserve_stage_duration_seconds_count", key)] == 4, stage
+    assert (
+        got[
+            (
+                "plugserve_stage_duration_seconds_sum",
+                tuple(sorted((*runner, ("stage", "compute_infer")))),
+            )
+        ]
+        > 0
+    )
+    assert (await cli.post("/admin/plugins/runner/add/1.0.0/unload")).status == 200
+    text = await (await cli.get("/metrics")).text()
+    assert 'name="add"' not in text.replace('plugserve_plugin_lifecycle_total{name="add"', "")

@@ -139,3 +139,24 @@ def test_declarative_runner_on_a_backend_from_an_installed_package(
     inp.set_data_from_numpy(np.array([1, 2], np.int32))
     assert client.infer("times", [inp]).as_numpy("y").tolist() == [3, 6]
     client.close()
+
+
+def test_tritonclient_reads_the_statistics_extension(
+    triton: httpclient.InferenceServerClient,
+) -> None:
+    x = np.zeros((3, 4), np.float32)
+    inp = httpclient.InferInput("x", [3, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    for _ in range(5):
+        triton.infer("add", [inp])
+    stats = triton.get_inference_statistics("add")["model_stats"]
+    latest = next(s for s in stats if s["version"] == "2.0.0")
+    assert latest["name"] == "add"
+    assert latest["inference_stats"]["success"]["count"] == 5
+    assert latest["inference_count"] == 15  # rows
+    assert latest["execution_count"] == 5
+    assert latest["inference_stats"]["compute_infer"]["ns"] > 0
+    assert latest["batch_stats"][0]["batch_size"] == 3
+    everything = triton.get_inference_statistics()["model_stats"]
+    assert {s["name"] for s in everything} >= {"add", "ident"}
+    assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "statistics"]

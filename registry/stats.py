@@ -1,0 +1,120 @@
+"""Per runner-version statistics in the shape of Triton's statistics extension.
+
+Cumulative counts and nanoseconds per stage: ``queue`` (waiting for a batch),
+``compute_input`` (preprocessors), ``compute_infer`` (the runner),
+``compute_output`` (postprocessors); ``success``/``fail`` for whole requests;
+per-batch-size execution counts. A reloaded version starts from zero, as in Triton.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Latency histogram bounds in seconds, from tens of microseconds to tens of seconds.
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+@dataclass
+class Histogram:
+    """Fixed buckets (cumulative counts are derived when exported) and a sum."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, count in zip(
+            [*(str(float(b)) for b in self.bounds), "+Inf"], self.counts, strict=True
+        ):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class _Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += int(seconds * 1e9)
+
+    def as_json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class RunnerStats:
+    success: _Duration = field(default_factory=_Duration)
+    fail: _Duration = field(default_factory=_Duration)
+    stages: dict[str, _Duration] = field(default_factory=lambda: {s: _Duration() for s in STAGES})
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    batches: dict[int, _Duration] = field(default_factory=dict)
+    batch_sizes: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
+    latency: dict[str, Histogram] = field(
+        default_factory=lambda: {s: Histogram(LATENCY_BUCKETS) for s in STAGES}
+    )
+
+    def record_execution(self, rows: int, seconds: float) -> None:
+        """One runner execution of ``rows`` rows (a batch)."""
+        self.execution_count += 1
+        self.batches.setdefault(rows, _Duration()).add(seconds)
+        self.batch_sizes.observe(rows)
+
+    def record_request(
+        self, ok: bool, seconds: float, timings: dict[str, float], rows: int
+    ) -> None:
+        (self.success if ok else self.fail).add(seconds)
+        if ok:
+            self.inference_count += rows
+            for stage in STAGES:
+                if stage in timings:
+                    self.stages[stage].add(timings[stage])
+                    self.latency[stage].observe(timings[stage])
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def as_triton(self, name: str, version: str) -> dict[str, Any]:
+        """One entry of Triton's ``model_stats`` list."""
+        inference = {"success": self.success.as_json(), "fail": self.fail.as_json()}
+        inference.update({stage: self.stages[stage].as_json() for stage in STAGES})
+        inference["cache_hit"] = {"count": 0, "ns": 0}
+        inference["cache_miss"] = {"count": 0, "ns": 0}
+        return {
+            "name": name,
+            "version": version,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": inference,
+            "batch_stats": [
+                {
+                    "batch_size": size,
+                    "compute_input": {"count": d.count, "ns": 0},
+                    "compute_infer": d.as_json(),
+                    "compute_output": {"count": d.count, "ns": 0},
+                }
+                for size, d in sorted(self.batches.items())
+            ],
+        }
