@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import ipaddress
@@ -9,7 +10,14 @@ import ipaddress
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from registry.errors import Forbidden, InvalidInput, NotFound, PluginLoadError, Unauthorized
+from registry.errors import (
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    PluginLoadError,
+    TooManyRequests,
+    Unauthorized,
+)
 from registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
 from registry.registry import Registry
 from registry.versions import Version
@@ -17,6 +25,7 @@ from server.config import Settings
 from server.state import REGISTRY, SETTINGS
 
 ADMIN_PREFIX = "/admin"
+PROFILING = web.AppKey("profiling", asyncio.Lock)
 
 
 def _local_port(request: web.Request) -> int | None:
@@ -125,7 +134,45 @@ async def unload_version(request: web.Request) -> web.Response:
     return web.json_response({"outcome": outcome, "plugin": registry.records[key].as_json()})
 
 
+MAX_PROFILE_S = 60.0
+
+
+async def profile(request: web.Request) -> web.Response:
+    """Sample the live server's event loop for ``seconds`` (pyinstrument) and return the profile.
+
+    ``?format=html`` (default, a self-contained page) or ``speedscope`` (JSON for
+    speedscope.app). One profile at a time: a second call meanwhile gets 429.
+    """
+    from pyinstrument import Profiler
+    from pyinstrument.renderers import HTMLRenderer, SpeedscopeRenderer
+
+    try:
+        seconds = float(request.query.get("seconds", "5"))
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= MAX_PROFILE_S:
+        raise InvalidInput(f"seconds must be a number in (0, {MAX_PROFILE_S:g}]")
+    kind = request.query.get("format", "html")
+    if kind not in ("html", "speedscope"):
+        raise InvalidInput("format must be html or speedscope")
+    if request.app[PROFILING].locked():
+        raise TooManyRequests("a profile is being taken", retry_after_s=int(seconds) + 1)
+    async with request.app[PROFILING]:
+        profiler = Profiler(interval=0.001, async_mode="disabled")
+        profiler.start()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            session = profiler.stop()
+    if kind == "speedscope":
+        return web.Response(
+            text=SpeedscopeRenderer().render(session), content_type="application/json"
+        )
+    return web.Response(text=HTMLRenderer().render(session), content_type="text/html")
+
+
 def add_routes(app: web.Application) -> None:
+    app[PROFILING] = asyncio.Lock()
     router = app.router
     router.add_get(ADMIN_PREFIX + "/plugins", admin_only(list_plugins))
     router.add_get(ADMIN_PREFIX + "/routes", admin_only(list_routes))
@@ -133,3 +180,4 @@ def add_routes(app: web.Application) -> None:
     version = ADMIN_PREFIX + "/plugins/{type}/{name}/{version}"
     router.add_post(version + "/reload", admin_only(reload_version))
     router.add_post(version + "/unload", admin_only(unload_version))
+    router.add_post(ADMIN_PREFIX + "/profile", admin_only(profile))

@@ -213,6 +213,25 @@ def document() -> dict[str, Any]:
                     },
                 }
             },
+            "/admin/profile": {
+                "post": {
+                    "summary": "Sample the live server for some seconds: HTML or speedscope",
+                    "security": ADMIN,
+                    "parameters": [
+                        {
+                            "name": "seconds",
+                            "in": "query",
+                            "schema": {"type": "number", "maximum": 2},
+                        },
+                        {
+                            "name": "format",
+                            "in": "query",
+                            "schema": {"type": "string", "enum": ["html", "speedscope"]},
+                        },
+                    ],
+                    "responses": {**_ok("the profile"), **_errors(400, 401, 403, 404, 429)},
+                }
+            },
             "/admin/plugins/{type}/{name}/{version}/reload": _admin_version("reload"),
             "/admin/plugins/{type}/{name}/{version}/unload": _admin_version("unload"),
         },

@@ -92,3 +92,29 @@ async def test_routes_listing_shows_what_serves(plugins_dir: Path, client) -> No
     assert routes["old"]["serving"]["runner"] == "runner/add@1.0.0"
     assert routes["old"]["source"] == "routes.toml"
     assert doc["routes_file"]["error"] is None
+
+
+async def test_profile_of_the_live_server(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+    import json
+
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    cli = await client()
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}
+
+    async def traffic() -> None:
+        for _ in range(30):
+            await cli.post("/v2/models/add/infer", json=body)
+
+    load = asyncio.create_task(traffic())
+    resp = await cli.post("/admin/profile?seconds=0.5&format=speedscope")
+    await load
+    assert resp.status == 200
+    profile = json.loads(await resp.text())
+    assert "speedscope" in profile["$schema"]
+    frames = {f["name"] for f in profile["shared"]["frames"]}
+    assert any("infer" in name or "serve" in name for name in frames), sorted(frames)[:20]
+    html = await cli.post("/admin/profile?seconds=0.1")
+    assert html.content_type == "text/html"
+    assert "<html" in (await html.text()).lower()
+    assert (await cli.post("/admin/profile?seconds=999")).status == 400
