@@ -20,11 +20,15 @@ class Chain:
     postprocess: tuple[LoadedPlugin, ...]
     stages: tuple[LoadedPlugin, ...] = field(init=False)
     versions: dict[str, str] = field(init=False)
+    label: str = field(init=False)
 
     def __post_init__(self) -> None:
         stages = (*self.preprocess, self.runner, *self.postprocess)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "versions", {s.manifest.name: s.version for s in stages})
+        object.__setattr__(
+            self, "label", " > ".join(f"{s.manifest.name}@{s.version}" for s in stages)
+        )
 
     @property
     def runner_version(self) -> str:

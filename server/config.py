@@ -44,6 +44,7 @@ class Settings:
     watch: bool = True
     reload_debounce_ms: int = 200
     event_loop: str = "auto"
+    access_log: bool = False
     max_inputs: int = 64
     max_tensor_rank: int = 16
     max_tensor_elements: int = 1 << 26
@@ -145,6 +146,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "max_tensor_rank": int,
         "max_tensor_elements": int,
         "watch": bool,
+        "access_log": bool,
         "drain_timeout_s": (int, float),
     }
     return types.get(key, str)

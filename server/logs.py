@@ -12,6 +12,8 @@ import structlog
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("plugserve_request_id", default=None)
 """The id of the request being served; set once per request by the middleware."""
+REQUEST_CHAIN: ContextVar[tuple[str, str] | None] = ContextVar("plugserve_chain", default=None)
+"""The route and the plugin versions serving the request, once its chain is resolved."""
 
 
 def add_request_id(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -19,6 +21,10 @@ def add_request_id(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableM
     request_id = REQUEST_ID.get()
     if request_id is not None:
         event.setdefault("request_id", request_id)
+        chain = REQUEST_CHAIN.get()
+        if chain is not None:
+            event.setdefault("route", chain[0])
+            event.setdefault("versions", chain[1])
     return event
 
 

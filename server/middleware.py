@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from registry.errors import PluginError, PlugserveError
-from server.logs import REQUEST_ID
+from server.logs import REQUEST_CHAIN, REQUEST_ID
+from server.state import SETTINGS
 
 REQUEST_ID_HEADER = "X-Request-ID"
 
@@ -40,6 +42,8 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     """
     request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
     REQUEST_ID.set(request_id)
+    REQUEST_CHAIN.set(None)
+    started = time.perf_counter()
     try:
         response = await handler(request)
     except PlugserveError as exc:
@@ -58,4 +62,13 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         log.exception("internal_error", path=request.path)
         response = web.json_response({"error": "internal server error"}, status=500)
     response.headers[REQUEST_ID_HEADER] = request_id
+    if request.app[SETTINGS].access_log:
+        log.info(
+            "request",
+            method=request.method,
+            path=request.path,
+            status=response.status,
+            ms=round((time.perf_counter() - started) * 1000, 3),
+            remote=request.remote,
+        )
     return response

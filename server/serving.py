@@ -13,7 +13,7 @@ from aiohttp import web
 from registry.chain import Chain
 from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError, TooManyRequests
 from registry.types import RequestContext
-from server.logs import REQUEST_ID
+from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.state import DRAIN, METRICS, REGISTRY
 
 T = TypeVar("T")
@@ -131,6 +131,7 @@ async def serve(
             retry_after_s=math.ceil(wait),
         )
     chain.enter()
+    REQUEST_CHAIN.set((route, chain.label))
     try:
         if deadline_s is None:
             return await handle(chain)

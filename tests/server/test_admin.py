@@ -102,12 +102,15 @@ async def test_profile_of_the_live_server(plugins_dir: Path, client) -> None:  #
     cli = await client()
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}
 
+    done = asyncio.Event()
+
     async def traffic() -> None:
-        for _ in range(30):
+        while not done.is_set():  # for the whole profile, however the two interleave
             await cli.post("/v2/models/add/infer", json=body)
 
     load = asyncio.create_task(traffic())
     resp = await cli.post("/admin/profile?seconds=0.5&format=speedscope")
+    done.set()
     await load
     assert resp.status == 200
     profile = json.loads(await resp.text())

@@ -104,9 +104,12 @@ def test_json_logs_carry_request_id_and_tracebacks_stay_in_the_log(
             """
         },
     )
+    config = plugins_dir.parent / "logging.toml"
+    config.write_text("access_log = true\n")
     srv = server(
-        "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir), "--log-format", "json"
-    )
+        "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir), "--log-format", "json",
+        "--config", str(config),
+    )  # fmt: skip
     status, headers, body = srv.request(
         "POST", "/predict/boom", {"x": [1]}, headers={"X-Request-ID": "trace-me-42"}
     )
@@ -119,6 +122,12 @@ def test_json_logs_carry_request_id_and_tracebacks_stay_in_the_log(
     raised = [e for e in events if e.get("event") == "plugin_raised"]
     assert raised, srv.log()
     assert raised[0]["request_id"] == "trace-me-42"
+    assert raised[0]["route"] == "boom"
+    assert raised[0]["versions"] == "boom@1.0.0"
+    access = [e for e in events if e.get("event") == "request" and e["path"] == "/predict/boom"]
+    assert access[0]["status"] == 500
+    assert access[0]["path"] == "/predict/boom"
+    assert access[0]["request_id"] == "trace-me-42"
     assert "Traceback" in raised[0]["exception"]
     assert "kaput" in raised[0]["exception"]
     ready = [e for e in events if e.get("event") == "plugin_ready"]

@@ -105,12 +105,12 @@ async def test_body_over_the_limit_is_413(plugins_dir: Path, client) -> None:  #
 
 
 async def test_full_runner_queue_is_429_with_retry_after(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
-    write_slow(plugins_dir, 0.5, runner="[runner]\nmax_queue_size = 2\n")
+    write_slow(plugins_dir, 1.0, runner="[runner]\nmax_queue_size = 2\n")
     cli = await client()
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]}
     # One executes (batching is off) and two wait: the queue is full.
     first = [asyncio.create_task(cli.post("/v2/models/slow/infer", json=body)) for _ in range(3)]
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
     resp = await cli.post("/v2/models/slow/infer", json=body)
     assert resp.status == 429
     assert resp.headers["Retry-After"] == "1"
@@ -271,7 +271,7 @@ async def test_a_failing_runner_opens_its_circuit_and_recovers(plugins_dir: Path
 
 async def test_a_route_over_its_rate_limit_answers_429(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
     write_add_runner(
-        plugins_dir, "add", "1.0.0", route="[route]\nrate_limit = { rps = 2, burst = 2 }\n"
+        plugins_dir, "add", "1.0.0", route="[route]\nrate_limit = { rps = 1, burst = 2 }\n"
     )
     write_add_runner(plugins_dir, "free", "1.0.0")
     (plugins_dir / "routes.toml").write_text(
@@ -282,14 +282,14 @@ async def test_a_route_over_its_rate_limit_answers_429(plugins_dir: Path, client
     assert statuses == [200, 200, 429]
     resp = await cli.post("/v2/models/add/infer", json=X)
     assert resp.headers["Retry-After"] == "1"
-    assert "over its rate limit of 2 requests/s" in (await resp.json())["error"]
+    assert "over its rate limit of 1 requests/s" in (await resp.json())["error"]
     assert [(await cli.post("/v2/models/free/infer", json=X)).status for _ in range(5)] == [200] * 5
     assert [(await cli.post("/v2/models/strict/infer", json=X)).status for _ in range(2)] == [
         200,
         429,
     ]
-    await asyncio.sleep(0.55)
+    await asyncio.sleep(1.05)
     assert (await cli.post("/v2/models/add/infer", json=X)).status == 200
     routes = {r["name"]: r for r in (await (await cli.get("/admin/routes")).json())["routes"]}
-    assert routes["add"]["rate_limit"] == {"rps": 2.0, "burst": 2}
+    assert routes["add"]["rate_limit"] == {"rps": 1.0, "burst": 2}
     assert routes["strict"]["rate_limit"] == {"rps": 0.5, "burst": 1}

@@ -256,10 +256,11 @@ def test_a_slow_multi_file_copy_is_never_loaded_half_written(
     plugins_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:
     write_tagger(plugins_dir, "1.0.0", "one")
-    srv = serve()
+    # A wide debounce, so that a stall of the test machine cannot pass for a finished copy.
+    srv = serve("--config", str(write_config(plugins_dir.parent, reload_debounce_ms=1000)))
     folder = plugins_dir / "runner" / "tagger" / "1.5.0"
     folder.mkdir()
-    # Each piece arrives well inside the 200 ms debounce; the whole copy takes ~1 s.
+    # Each piece arrives well inside the 1 s debounce; the whole copy takes ~1 s.
     pieces = [
         ("plugin.toml", '[plugin]\nname = "tagger"\nversion = "1.5.0"\ntype = "runner"\n'),
         ("plugin.toml", 'module = "plugin.py"\n'),
@@ -283,7 +284,7 @@ def test_an_in_flight_request_finishes_on_its_version_while_new_ones_reach_the_n
     folder = write_tagger(plugins_dir, "1.0.0", "old")
     srv = serve()
     slow: dict[str, tuple[int, str]] = {}
-    thread = threading.Thread(target=lambda: slow.setdefault("r", tag(srv, delay=1.5)))
+    thread = threading.Thread(target=lambda: slow.setdefault("r", tag(srv, delay=4.0)))
     thread.start()
     time.sleep(0.3)
     manifest = folder / "plugin.toml"
