@@ -6,6 +6,8 @@ import asyncio
 import functools
 import hmac
 import ipaddress
+import time
+from pathlib import Path
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -21,11 +23,13 @@ from registry.errors import (
 from registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
 from registry.registry import Registry
 from registry.versions import Version
+from server import __version__
 from server.config import Settings
-from server.state import REGISTRY, SETTINGS
+from server.state import METRICS, REGISTRY, SETTINGS
 
 ADMIN_PREFIX = "/admin"
 PROFILING = web.AppKey("profiling", asyncio.Lock)
+STARTED = web.AppKey("started", float)
 
 
 def _local_port(request: web.Request) -> int | None:
@@ -134,6 +138,32 @@ async def unload_version(request: web.Request) -> web.Response:
     return web.json_response({"outcome": outcome, "plugin": registry.records[key].as_json()})
 
 
+STATUS_PAGE = (Path(__file__).parent / "static" / "status.html").read_bytes()
+
+
+async def status_page(request: web.Request) -> web.Response:
+    """A small self-contained page (no external assets) that refreshes itself from /admin/status.
+
+    With a token configured, open it as ``/admin/#token=<token>``: the fragment never
+    leaves the browser, and the page sends it as a bearer token.
+    """
+    return web.Response(body=STATUS_PAGE, content_type="text/html")
+
+
+async def status(request: web.Request) -> web.Response:
+    """Plugins, routes and request counts per route: what the status page shows."""
+    registry = request.app[REGISTRY]
+    return web.json_response(
+        {
+            "version": __version__,
+            "uptime_s": time.monotonic() - request.app[STARTED],
+            "plugins": [r.as_json() for r in registry.plugins()],
+            "routes": registry.routes.describe(),
+            "requests": request.app[METRICS].requests_by_route(),
+        }
+    )
+
+
 MAX_PROFILE_S = 60.0
 
 
@@ -173,6 +203,7 @@ async def profile(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     app[PROFILING] = asyncio.Lock()
+    app[STARTED] = time.monotonic()
     router = app.router
     router.add_get(ADMIN_PREFIX + "/plugins", admin_only(list_plugins))
     router.add_get(ADMIN_PREFIX + "/routes", admin_only(list_routes))
@@ -181,3 +212,6 @@ def add_routes(app: web.Application) -> None:
     router.add_post(version + "/reload", admin_only(reload_version))
     router.add_post(version + "/unload", admin_only(unload_version))
     router.add_post(ADMIN_PREFIX + "/profile", admin_only(profile))
+    # The page is a static shell with nothing in it: its data comes from /admin/status.
+    router.add_get(ADMIN_PREFIX + "/", status_page)
+    router.add_get(ADMIN_PREFIX + "/status", admin_only(status))

@@ -42,6 +42,7 @@ class Metrics:
     def __init__(self) -> None:
         # Label children per (route, protocol, status): labels() costs a lock and a lookup.
         self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+        self._route_totals: dict[str, int] = {}
         # The *_created series only add noise to every scrape; the function is unannotated.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
@@ -110,6 +111,11 @@ class Metrics:
             )
         children[0].inc()
         children[1].observe(seconds)
+        self._route_totals[route] = self._route_totals.get(route, 0) + 1
+
+    def requests_by_route(self) -> dict[str, int]:
+        """Requests answered per route since start, every protocol and status together."""
+        return dict(self._route_totals)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -232,6 +232,20 @@ def document() -> dict[str, Any]:
                     "responses": {**_ok("the profile"), **_errors(400, 401, 403, 404, 429)},
                 }
             },
+            "/admin/": {
+                "get": {
+                    "summary": "The status page (HTML, refreshes itself)",
+                    "security": ADMIN,
+                    "responses": {**_ok("a page"), **_errors(401, 403, 404)},
+                }
+            },
+            "/admin/status": {
+                "get": {
+                    "summary": "Plugins, routes and request counts: the status page's data",
+                    "security": ADMIN,
+                    "responses": {**_ok("status", {"type": "object"}), **_errors(401, 403, 404)},
+                }
+            },
             "/admin/plugins/{type}/{name}/{version}/reload": _admin_version("reload"),
             "/admin/plugins/{type}/{name}/{version}/unload": _admin_version("unload"),
         },
