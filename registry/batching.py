@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from registry import tracing
 from registry.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -79,6 +80,7 @@ class Pending:
     seq: int
     future: asyncio.Future[Arrays]
     timings: dict[str, float] | None = None
+    span: Any = None  # the "queue" span, while tracing
 
     def key(self) -> tuple[int, float, int]:
         return (self.level, self.tag, self.seq)
@@ -196,6 +198,8 @@ class Scheduler:
         request = Pending(
             inputs, rows, sig, now, deadline, level, start, next(self._seq), future, timings
         )
+        if tracing.TRACER is not None:
+            request.span = tracing.TRACER.start_span("queue", attributes={"plugserve.rows": rows})
         self._queue.append(request)
         self.pump()
         return future
@@ -291,6 +295,8 @@ class Scheduler:
         for request in batch:
             if request.timings is not None:
                 request.timings["queue"] = now - request.arrival
+            if request.span is not None:
+                request.span.end()
         self._vtime = max(self._vtime, max(r.tag for r in batch))
         if len(self._tenant_finish) > 1024:
             self._tenant_finish = {t: f for t, f in self._tenant_finish.items() if f > self._vtime}
@@ -312,7 +318,19 @@ class Scheduler:
             self.executions += 1
             self.rows += rows
             started = self.clock()
-            outputs = await self.execute(merged)
+            if tracing.TRACER is None:
+                outputs = await self.execute(merged)
+            else:
+                links = [
+                    tracing.link(r.span.get_span_context()) for r in batch if r.span is not None
+                ]
+                with tracing.TRACER.start_as_current_span(
+                    "batch",
+                    context=tracing.ROOT,
+                    links=links,
+                    attributes={"plugserve.rows": rows, "plugserve.requests": len(batch)},
+                ):
+                    outputs = await self.execute(merged)
             if self.on_execution is not None:
                 self.on_execution(rows, self.clock() - started)
             self._split(batch, rows, outputs)

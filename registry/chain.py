@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from registry import tracing
 from registry.components import LoadedPlugin
 from registry.types import RequestContext
 
@@ -55,13 +56,13 @@ class Chain:
         ok = False
         try:
             for stage in self.preprocess:
-                data = await stage.call(data, ctx)
+                data = await _traced(stage, data, ctx)
             mark = time.perf_counter()
             ctx.timings["compute_input"] = mark - started
-            data = await self.runner.call(data, ctx)
+            data = await _traced(self.runner, data, ctx)
             mark = time.perf_counter()
             for stage in self.postprocess:
-                data = await stage.call(data, ctx)
+                data = await _traced(stage, data, ctx)
             ctx.timings["compute_output"] = time.perf_counter() - mark
             ok = True
             return data
@@ -86,3 +87,13 @@ class Chain:
             "runner": self.runner.label,
             "postprocess": [s.label for s in self.postprocess],
         }
+
+
+async def _traced(stage: LoadedPlugin, data: Any, ctx: RequestContext) -> Any:
+    if tracing.TRACER is None:
+        return await stage.call(data, ctx)
+    with tracing.TRACER.start_as_current_span(
+        f"{stage.manifest.type} {stage.manifest.name}",
+        attributes={"plugserve.plugin": stage.label},
+    ):
+        return await stage.call(data, ctx)

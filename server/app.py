@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import structlog
 from aiohttp import web
 
+from registry import tracing
 from registry.registry import Registry
 from registry.watcher import Watcher
 from server import admin, openapi, predict, v2
@@ -21,6 +22,12 @@ from server.state import DRAIN, METRICS, REGISTRY, SETTINGS
 log = structlog.get_logger("plugserve.server")
 
 
+def trace_provider() -> object:
+    from opentelemetry import trace
+
+    return trace.get_tracer_provider()
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
     response = web.Response(body=body)
@@ -30,6 +37,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
     registry, settings = app[REGISTRY], app[SETTINGS]
+    if tracing.configure():
+        log.info("tracing", provider=type(trace_provider()).__name__)
     await registry.start()
     await registry.host.startup(app)
     # What start-up loaded lives as long as the server: keep it out of the

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from aiohttp import web
 
+from registry import tracing
 from registry.chain import Chain
 from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError, TooManyRequests
 from registry.types import RequestContext
@@ -108,6 +110,18 @@ async def measured(
         )
 
 
+def _request_span(request: web.Request, route: str, chain: Chain) -> Any:
+    """A server span for the request, continuing the caller's W3C ``traceparent``."""
+    from opentelemetry import propagate, trace
+
+    return tracing.TRACER.start_as_current_span(
+        f"infer {route}",
+        context=propagate.extract(request.headers),
+        kind=trace.SpanKind.SERVER,
+        attributes={"plugserve.route": route, "plugserve.chain": chain.label},
+    )
+
+
 async def serve(
     request: web.Request,
     route: str,
@@ -132,6 +146,10 @@ async def serve(
         )
     chain.enter()
     REQUEST_CHAIN.set((route, chain.label))
+    span = None
+    if tracing.TRACER is not None:
+        span = _request_span(request, route, chain)
+        span.__enter__()
     try:
         if deadline_s is None:
             return await handle(chain)
@@ -143,3 +161,5 @@ async def serve(
             raise DeadlineExceeded(f"the request's deadline of {deadline_s:g} s passed") from None
     finally:
         chain.leave()
+        if span is not None:
+            span.__exit__(*sys.exc_info())
