@@ -153,6 +153,12 @@ class _RegistryCollector(Collector):
         executions = CounterMetricFamily(
             "plugserve_executions", "Runner executions (batches).", labels=labels
         )
+        outcomes = CounterMetricFamily(
+            "plugserve_inferences",
+            "Requests through a runner version, by outcome (success, fail: a stage raised "
+            "or timed out).",
+            labels=[*labels, "outcome"],
+        )
         for record in self._registry.records.values():
             current = record.current
             if current is None:
@@ -164,6 +170,8 @@ class _RegistryCollector(Collector):
                 sizes = stats.batch_sizes
                 batch.add_metric(key, sizes.cumulative(), sum_value=sizes.total)
                 executions.add_metric(key, stats.execution_count)
+                outcomes.add_metric([*key, "success"], stats.success.count)
+                outcomes.add_metric([*key, "fail"], stats.fail.count)
                 for name, histogram in stats.latency.items():
                     stage.add_metric(
                         [*key, name], histogram.cumulative(), sum_value=histogram.total
@@ -172,4 +180,4 @@ class _RegistryCollector(Collector):
                 queued.add_metric(key, current.scheduler.queued)
             if current.breaker is not None and current.breaker.enabled:
                 circuit.add_metric(key, 0 if current.breaker.state == "closed" else 1)
-        yield from (in_flight, queued, circuit, batch, stage, executions)
+        yield from (in_flight, queued, circuit, batch, stage, executions, outcomes)

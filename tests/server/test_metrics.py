@@ -55,6 +55,10 @@ async def test_stage_batch_and_execution_series_follow_traffic_and_vanish_on_unl
     got = samples(await (await cli.get("/metrics")).text())
     runner = (("name", "add"), ("type", "runner"), ("version", "1.0.0"))
     assert got[("plugserve_executions_total", runner)] == 4
+    success = tuple(sorted((*runner, ("outcome", "success"))))
+    fail = tuple(sorted((*runner, ("outcome", "fail"))))
+    assert got[("plugserve_inferences_total", success)] == 4
+    assert got[("plugserve_inferences_total", fail)] == 0
     assert got[("plugserve_batch_size_count", runner)] == 4
     assert got[("plugserve_batch_size_bucket", (("le", "1.0"), *runner))] == 4
     for stage in ("queue", "compute_input", "compute_infer", "compute_output"):
