@@ -8,6 +8,7 @@ per-batch-size execution counts. A reloaded version starts from zero, as in Trit
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,11 +35,7 @@ class Histogram:
 
     def observe(self, value: float) -> None:
         self.total += value
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-                return
-        self.counts[-1] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
 
     def cumulative(self) -> list[tuple[str, int]]:
         out, running = [], 0
