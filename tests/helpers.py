@@ -141,6 +141,27 @@ def write_add_runner(
     return folder
 
 
+def fake_distribution(
+    site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]
+) -> None:
+    """An installed package as importlib.metadata sees it, without installing anything."""
+    info = site / f"{dist}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[plugserve]\n{lines}\n")
+    for name, source in modules.items():
+        (site / f"{name}.py").write_text(textwrap.dedent(source))
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident memory, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

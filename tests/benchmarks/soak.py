@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.helpers import ServerProcess, add_model, write_plugin, write_processor
+from tests.helpers import ServerProcess, add_model, rss_mib, write_plugin, write_processor
 
 ECHO = """
 import numpy as np
@@ -44,13 +44,6 @@ class Echo:
 def plugserve_create_component(plugin, config):
     return Echo(config["tag"])
 """
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def requests_for(rng: random.Random) -> tuple[str, str, bytes, dict[str, str], set[int]]:

@@ -1,6 +1,5 @@
 """The typed facade over pluggy: built-ins, entry points (through a fake .dist-info), conflicts."""
 
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -8,20 +7,7 @@ from aiohttp import web
 
 from registry.errors import BackendConflict
 from registry.manager import PluginHost
-
-
-def fake_distribution(
-    site: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]
-) -> None:
-    """An installed package as importlib.metadata sees it, without installing anything."""
-    info = site / f"{dist}-1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
-    lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
-    (info / "entry_points.txt").write_text(f"[plugserve]\n{lines}\n")
-    for name, source in modules.items():
-        (site / f"{name}.py").write_text(textwrap.dedent(source))
-
+from tests.helpers import fake_distribution
 
 ECHO_BACKEND = """
     import pluggy

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess, add_model, write_plugin
+from tests.helpers import ServerProcess, add_model, rss_mib, write_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -432,13 +432,6 @@ BIG = """
     def plugserve_create_component(plugin, config):
         return Big(config["mib"])
 """
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_memory_stays_flat_over_many_reloads_of_a_big_plugin(

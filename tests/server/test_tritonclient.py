@@ -9,7 +9,13 @@ import tritonclient.http as httpclient
 from onnx import TensorProto
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import ServerProcess, identity_model, write_add_runner, write_plugin
+from tests.helpers import (
+    ServerProcess,
+    fake_distribution,
+    identity_model,
+    write_add_runner,
+    write_plugin,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -110,21 +116,22 @@ def test_declarative_runner_on_a_backend_from_an_installed_package(
 ) -> None:
     """A fake .dist-info on PYTHONPATH adds the "scaled" backend through the entry-point group."""
     site = tmp_path / "site"
-    info = site / "plugserve_scaled-1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plugserve_scaled\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[plugserve]\nscaled = plugserve_scaled\n")
-    (site / "plugserve_scaled.py").write_text(
-        "import pluggy\n"
-        "hookimpl = pluggy.HookimplMarker('plugserve')\n"
-        "class Scaled:\n"
-        "    def __init__(self, factor):\n"
-        "        self.factor = factor\n"
-        "    def infer(self, inputs):\n"
-        "        return {'y': inputs['x'] * self.factor}\n"
-        "@hookimpl\n"
-        "def plugserve_backends():\n"
-        "    return {'scaled': lambda plugin, runner, model_path: Scaled(runner['factor'])}\n"
+    scaled = """
+        import pluggy
+        hookimpl = pluggy.HookimplMarker("plugserve")
+
+        class Scaled:
+            def __init__(self, factor):
+                self.factor = factor
+            def infer(self, inputs):
+                return {"y": inputs["x"] * self.factor}
+
+        @hookimpl
+        def plugserve_backends():
+            return {"scaled": lambda plugin, runner, model_path: Scaled(runner["factor"])}
+    """
+    fake_distribution(
+        site, "plugserve_scaled", {"scaled": "plugserve_scaled"}, {"plugserve_scaled": scaled}
     )
     write_plugin(
         plugins_dir, "runner", "times", "1.0.0", '[runner]\nbackend = "scaled"\nfactor = 3\n',
