@@ -41,6 +41,15 @@ class CircuitBreaker:
     def enabled(self) -> bool:
         return self.threshold > 0
 
+    @property
+    def rejecting(self) -> bool:
+        """Whether :meth:`allow` would refuse a request now (open, or probing)."""
+        if self.state == "closed" or not self.enabled:
+            return False
+        if self.state == "open":
+            return self.clock() < self.opened_at + self.reset_s
+        return self._probing
+
     def allow(self) -> None:
         """Let a request through, or raise :class:`Unavailable` while the circuit is open."""
         if not self.enabled or self.state == "closed":

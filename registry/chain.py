@@ -23,11 +23,14 @@ class Chain:
     stages: tuple[LoadedPlugin, ...] = field(init=False)
     versions: dict[str, str] = field(init=False)
     label: str = field(init=False)
+    variant: str = field(init=False)
+    """The runner version, ``name@version``: the response's ``X-Plugserve-Variant``."""
 
     def __post_init__(self) -> None:
         stages = (*self.preprocess, self.runner, *self.postprocess)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "versions", {s.manifest.name: s.version for s in stages})
+        object.__setattr__(self, "variant", f"{self.runner.manifest.name}@{self.runner.version}")
         object.__setattr__(
             self, "label", " > ".join(f"{s.manifest.name}@{s.version}" for s in stages)
         )

@@ -95,6 +95,11 @@ class LoadedPlugin:
         return self.manifest.label
 
     @property
+    def rejecting(self) -> bool:
+        """Whether this runner's circuit breaker refuses requests now."""
+        return self.breaker is not None and self.breaker.rejecting
+
+    @property
     def version(self) -> str:
         return str(self.manifest.version)
 

@@ -9,6 +9,7 @@ lookups, and a rebuild replaces the whole snapshot in one assignment.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -28,14 +29,36 @@ from registry.errors import (
 from registry.ratelimit import RateLimit
 from registry.records import VersionRecord
 from registry.refs import NAME_PATTERN, Ref, is_valid_name
+from registry.variants import Candidate, WeightedChoice, salt_of
 
 ROUTES_FILE = "routes.toml"
 _ROUTE_KEYS = {"runner", "preprocess", "postprocess", "sticky", "rate_limit"}
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$")
+
+
+class RouteSpecError(ValueError):
+    """A route entry that is not valid; the message starts at the entry (``.runner: ...``)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One runner version of a weighted route and its weight."""
+
+    runner: Ref
+    weight: int
+
+    @property
+    def label(self) -> str:
+        return str(self.runner)
 
 
 @dataclass(frozen=True)
 class RouteSpec:
-    """What a route is made of. ``None`` chains come from the runner version's manifest."""
+    """What a route is made of. ``None`` chains come from the runner version's manifest.
+
+    A weighted route has ``variants`` (pinned versions of one runner, named by
+    ``runner``); a plain one serves ``runner``, floating or pinned.
+    """
 
     name: str
     runner: Ref
@@ -43,6 +66,24 @@ class RouteSpec:
     postprocess: tuple[Ref, ...] | None = None
     source: str = ROUTES_FILE
     rate_limit: RateLimit | None = None
+    variants: tuple[Variant, ...] = ()
+    sticky: str | None = None
+
+    def as_entry(self) -> dict[str, Any]:
+        """The entry in the shape ``routes.toml`` and ``PUT /admin/routes/{route}`` take."""
+        out: dict[str, Any] = {
+            "runner": {v.label: v.weight for v in self.variants}
+            if self.variants
+            else str(self.runner)
+        }
+        for key, refs in (("preprocess", self.preprocess), ("postprocess", self.postprocess)):
+            if refs is not None:
+                out[key] = [str(r) for r in refs]
+        if self.sticky is not None:
+            out["sticky"] = self.sticky
+        if self.rate_limit is not None:
+            out["rate_limit"] = {"rps": self.rate_limit.rps, "burst": self.rate_limit.burst}
+        return out
 
 
 def load_routes_file(path: Path) -> dict[str, RouteSpec]:
@@ -63,49 +104,101 @@ def load_routes_file(path: Path) -> dict[str, RouteSpec]:
     routes = raw.get("routes", {})
     if not isinstance(routes, dict):
         raise RoutesFileError(f"{path}: routes must be a table", file=str(path))
-    return {name: _route_entry(path, name, entry) for name, entry in routes.items()}
+    specs = {}
+    for name, entry in routes.items():
+        try:
+            specs[name] = parse_route(name, entry, ROUTES_FILE)
+        except RouteSpecError as exc:
+            raise RoutesFileError(
+                f"{path}: routes.{name}{exc}", file=str(path), route=name
+            ) from None
+    return specs
 
 
-def _route_entry(path: Path, name: str, entry: Any) -> RouteSpec:
-    where = f"{path}: routes.{name}"
+def parse_route(name: str, entry: Any, source: str) -> RouteSpec:
+    """One route entry, from ``routes.toml``, the admin API or etcd.
 
-    def fail(message: str) -> RoutesFileError:
-        return RoutesFileError(f"{where}{message}", file=str(path), route=name)
-
-    if not is_valid_name(name):
-        raise fail(f": the route name must match {NAME_PATTERN}")
+    Raises :class:`RouteSpecError`.
+    """
+    if not isinstance(name, str) or not is_valid_name(name):
+        raise RouteSpecError(f": the route name must match {NAME_PATTERN}")
     if not isinstance(entry, dict):
-        raise fail(": must be a table")
+        raise RouteSpecError(": must be a table")
     unknown = sorted(set(entry) - _ROUTE_KEYS)
     if unknown:
-        raise fail(f": unknown key(s) {unknown}; known: {', '.join(sorted(_ROUTE_KEYS))}")
+        raise RouteSpecError(f": unknown key(s) {unknown}; known: {', '.join(sorted(_ROUTE_KEYS))}")
     runner = entry.get("runner")
+    variants: tuple[Variant, ...] = ()
     if isinstance(runner, dict):
-        raise fail(".runner: weighted runners are not supported yet; name one runner")
-    if not isinstance(runner, str):
-        raise fail(".runner: is required, a runner name or name@version")
-    if "sticky" in entry:
-        raise fail(".sticky: sticky routing needs weighted runners, not supported yet")
+        variants = _variants(runner)
+        runner_ref = Ref(variants[0].runner.name)
+    elif isinstance(runner, str):
+        try:
+            runner_ref = Ref.parse(runner)
+        except ValueError as exc:
+            raise RouteSpecError(f".runner: {exc}") from None
+    else:
+        raise RouteSpecError(
+            ".runner: is required: a runner name, name@version, or a table of name@version = weight"
+        )
+    sticky = entry.get("sticky")
+    if sticky is not None and (not isinstance(sticky, str) or not _HEADER_NAME.match(sticky)):
+        raise RouteSpecError(".sticky: must be an HTTP header name, such as x-user-id")
 
     def refs(key: str) -> tuple[Ref, ...] | None:
         if key not in entry:
             return None
         value = entry[key]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise fail(f".{key}: must be a list of plugin names")
+            raise RouteSpecError(f".{key}: must be a list of plugin names")
         try:
             return tuple(Ref.parse(v) for v in value)
         except ValueError as exc:
-            raise fail(f".{key}: {exc}") from None
+            raise RouteSpecError(f".{key}: {exc}") from None
 
     try:
-        runner_ref = Ref.parse(runner)
         rate_limit = RateLimit.parse(entry["rate_limit"]) if "rate_limit" in entry else None
     except ValueError as exc:
-        raise fail(f": {exc}") from None
+        raise RouteSpecError(f".rate_limit: {exc}") from None
     return RouteSpec(
-        name, runner_ref, refs("preprocess"), refs("postprocess"), ROUTES_FILE, rate_limit
+        name,
+        runner_ref,
+        refs("preprocess"),
+        refs("postprocess"),
+        source,
+        rate_limit,
+        variants,
+        sticky.lower() if sticky else None,
     )
+
+
+def _variants(table: dict[Any, Any]) -> tuple[Variant, ...]:
+    """``{ "iris@1.0.0" = 90, "iris@2.0.0" = 10 }``: pinned versions of one runner."""
+    if not table:
+        raise RouteSpecError(".runner: a weighted runner table needs at least one name@version")
+    variants = []
+    for text, weight in table.items():
+        where = f".runner.{text!r}"
+        try:
+            ref = Ref.parse(str(text))
+        except ValueError as exc:
+            raise RouteSpecError(f"{where}: {exc}") from None
+        if ref.version is None:
+            raise RouteSpecError(f"{where}: a weighted variant names a version (name@1.2.3)")
+        if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= 1_000_000:
+            raise RouteSpecError(f"{where}: the weight must be an integer from 0 to 1000000")
+        variants.append(Variant(ref, weight))
+    names = sorted({v.runner.name for v in variants})
+    if len(names) > 1:
+        raise RouteSpecError(
+            f".runner: weights split one runner's versions; this table names {names}"
+        )
+    if len({v.runner.version for v in variants}) < len(variants):
+        raise RouteSpecError(".runner: a version is named twice")
+    if not any(v.weight for v in variants):
+        raise RouteSpecError(".runner: at least one weight must be above 0")
+    # Highest weight first (then highest version): the first ready one is the default.
+    return tuple(sorted(variants, key=lambda v: (v.weight, v.runner.version), reverse=True))
 
 
 @dataclass(frozen=True)
@@ -125,6 +218,8 @@ class RouteEntry:
     default: Chain | _Failure
     by_version: Mapping[str, Chain | _Failure]
     known_versions: Mapping[str, VersionRecord]
+    choice: WeightedChoice[Chain] | None = None
+    """For a weighted route: its variants ready on this server, by weight."""
 
     @property
     def rate_limit(self) -> RateLimit | None:
@@ -135,23 +230,44 @@ class RouteEntry:
             return self.default.runner.manifest.route.rate_limit
         return None
 
-    def chain(self, version: str | None) -> Chain:
-        target = self.default if version is None else self.by_version.get(version)
-        if target is None:
-            target = self._version_failure(str(version))
+    def chain(self, version: str | None, headers: Mapping[str, str] | None = None) -> Chain:
+        if version is None:
+            if self.choice:  # a weighted route with a variant ready
+                return self._pick(self.choice, headers)
+            target = self.default
+        else:
+            target = self.by_version.get(version) or self._version_failure(version)
         if isinstance(target, _Failure):
             raise target.error()
         return target
 
+    def _pick(self, choice: WeightedChoice[Chain], headers: Mapping[str, str] | None) -> Chain:
+        """A variant for this request: by its sticky key, else at random by weight.
+
+        A variant whose circuit breaker is rejecting requests hands its share to
+        the others (unless every variant is rejecting: then the breaker answers).
+        """
+        rejecting = {c.label for c in choice.candidates if c.target.runner.rejecting}
+        if rejecting and len(rejecting) < len(choice.candidates):
+            choice = choice.without(rejecting)
+        key = None
+        if self.spec.sticky is not None and headers is not None:
+            value = headers.get(self.spec.sticky)
+            key = value.encode() if value else None
+        return choice.pick(key).target
+
     def _version_failure(self, version: str) -> _Failure:
-        runner = self.spec.runner
+        spec = self.spec
         record = self.known_versions.get(version)
-        if runner.version is not None and str(runner.version) != version:
-            return _Failure(VersionNotFound, f"route {self.spec.name!r} is pinned to {runner}")
+        if spec.variants:
+            if version not in {str(v.runner.version) for v in spec.variants}:
+                names = ", ".join(v.label for v in spec.variants)
+                return _Failure(VersionNotFound, f"route {spec.name!r} is split between {names}")
+        elif spec.runner.version is not None and str(spec.runner.version) != version:
+            return _Failure(VersionNotFound, f"route {spec.name!r} is pinned to {spec.runner}")
         if record is None:
-            return _Failure(
-                VersionNotFound, f"route {self.spec.name!r} has no runner version {version!r}"
-            )
+            kind = Unavailable if spec.variants else VersionNotFound
+            return _Failure(kind, f"route {spec.name!r} has no runner version {version!r}")
         return _Failure(Unavailable, _not_ready(record))
 
     @property
@@ -163,12 +279,24 @@ class RouteEntry:
         out: dict[str, Any] = {
             "name": spec.name,
             "source": spec.source,
-            "runner": str(spec.runner),
+            "runner": spec.as_entry()["runner"],
             "preprocess": None if spec.preprocess is None else [str(r) for r in spec.preprocess],
             "postprocess": None if spec.postprocess is None else [str(r) for r in spec.postprocess],
+            "sticky": spec.sticky,
             "versions": self.versions,
             "rate_limit": None if self.rate_limit is None else vars(self.rate_limit),
         }
+        if spec.variants:
+            choice = self.choice
+            out["variants"] = [
+                {
+                    "runner": v.label,
+                    "weight": v.weight,
+                    "ready": isinstance(self.by_version.get(str(v.runner.version)), Chain),
+                    "share": round(choice.share(v.label), 6) if choice is not None else 0.0,
+                }
+                for v in spec.variants
+            ]
         if isinstance(self.default, Chain):
             out["serving"] = self.default.describe()
             out["ready"] = True
@@ -190,15 +318,18 @@ class RouteTable:
     entries: Mapping[str, RouteEntry] = field(default_factory=dict)
     errors: tuple[str, ...] = ()
 
-    def resolve(self, route: str, version: str | None = None) -> Chain:
-        """The chain serving ``route`` (``version``: that runner version's).
+    def resolve(
+        self, route: str, version: str | None = None, headers: Mapping[str, str] | None = None
+    ) -> Chain:
+        """The chain serving ``route`` (``version``: that runner version's; a weighted
+        route picks a variant, by its ``sticky`` header when ``headers`` has it).
 
         Raises :class:`RouteNotFound`, :class:`VersionNotFound` or :class:`Unavailable`.
         """
         entry = self.entries.get(route)
         if entry is None:
             raise RouteNotFound(f"unknown route {route!r}")
-        return entry.chain(version)
+        return entry.chain(version, headers)
 
     def describe(self) -> list[dict[str, Any]]:
         return [self.entries[name].describe() for name in sorted(self.entries)]
@@ -260,6 +391,8 @@ def build_route_table(
 
 
 def _entry(spec: RouteSpec, index: _Index) -> RouteEntry:
+    if spec.variants:
+        return _weighted_entry(spec, index)
     runners = [
         r
         for r in index.ready.get(("runner", spec.runner.name), [])
@@ -275,6 +408,30 @@ def _entry(spec: RouteSpec, index: _Index) -> RouteEntry:
         default = _Failure(Unavailable, f"route {spec.name!r}: {picked.message}")
     known = index.known.get(("runner", spec.runner.name), {})
     return RouteEntry(spec, default, by_version, known)
+
+
+def _weighted_entry(spec: RouteSpec, index: _Index) -> RouteEntry:
+    """Only variants whose chain is ready here take traffic; the rest hand their share on."""
+    by_version: dict[str, Chain | _Failure] = {}
+    candidates: list[Candidate[Chain]] = []
+    failures: list[str] = []
+    for variant in spec.variants:
+        picked = index.pick("runner", variant.runner)
+        chain = picked if isinstance(picked, _Failure) else _chain(spec, picked, index)
+        if isinstance(chain, _Failure):
+            failures.append(chain.message)
+            continue
+        by_version[chain.runner.version] = chain
+        candidates.append(Candidate(variant.label, variant.weight, chain, salt_of(variant.label)))
+    choice = WeightedChoice(candidates)
+    default: Chain | _Failure
+    if choice:
+        default = choice.candidates[0].target
+    else:
+        why = "; ".join(failures) or "every ready variant has weight 0"
+        default = _Failure(Unavailable, f"route {spec.name!r}: no variant is ready ({why})")
+    known = index.known.get(("runner", spec.runner.name), {})
+    return RouteEntry(spec, default, by_version, known, choice)
 
 
 def _chain(spec: RouteSpec, runner: LoadedPlugin, index: _Index) -> Chain | _Failure:

@@ -10,10 +10,12 @@ from typing import Any
 
 import structlog
 
+from registry.chain import Chain
+
 REQUEST_ID: ContextVar[str | None] = ContextVar("plugserve_request_id", default=None)
 """The id of the request being served; set once per request by the middleware."""
-REQUEST_CHAIN: ContextVar[tuple[str, str] | None] = ContextVar("plugserve_chain", default=None)
-"""The route and the plugin versions serving the request, once its chain is resolved."""
+REQUEST_CHAIN: ContextVar[Chain | None] = ContextVar("plugserve_chain", default=None)
+"""The chain serving the request, once resolved: its route, versions and variant."""
 
 
 def add_request_id(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -23,8 +25,8 @@ def add_request_id(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableM
         event.setdefault("request_id", request_id)
         chain = REQUEST_CHAIN.get()
         if chain is not None:
-            event.setdefault("route", chain[0])
-            event.setdefault("versions", chain[1])
+            event.setdefault("route", chain.route)
+            event.setdefault("versions", chain.label)
     return event
 
 

@@ -41,15 +41,16 @@ class Metrics:
 
     def __init__(self) -> None:
         # Label children per (route, protocol, status): labels() costs a lock and a lookup.
-        self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+        self._children: dict[tuple[str, str, int, str], tuple[Counter, Histogram]] = {}
         self._route_totals: dict[str, int] = {}
         # The *_created series only add noise to every scrape; the function is unannotated.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "plugserve_requests",
-            "Inference requests answered, by route, protocol and HTTP status.",
-            ["route", "protocol", "status"],
+            "Inference requests answered, by route, protocol, HTTP status and the runner "
+            "version that served them (variant; empty when none was chosen).",
+            ["route", "protocol", "status", "variant"],
             registry=self.registry,
         )
         self.latency = Histogram(
@@ -101,12 +102,14 @@ class Metrics:
 
         return listen
 
-    def observe(self, route: str, protocol: str, status: int, seconds: float) -> None:
-        key = (route, protocol, status)
+    def observe(
+        self, route: str, protocol: str, status: int, seconds: float, variant: str = ""
+    ) -> None:
+        key = (route, protocol, status, variant)
         children = self._children.get(key)
         if children is None:
             children = self._children[key] = (
-                self.requests.labels(route, protocol, str(status)),
+                self.requests.labels(route, protocol, str(status), variant),
                 self.latency.labels(route, protocol),
             )
         children[0].inc()

@@ -15,6 +15,8 @@ from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.state import SETTINGS
 
 REQUEST_ID_HEADER = "X-Request-ID"
+VARIANT_HEADER = "X-Plugserve-Variant"
+"""The runner version (``name@version``) that served the request."""
 
 log = structlog.get_logger("plugserve.server")
 
@@ -62,6 +64,9 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         log.exception("internal_error", path=request.path)
         response = web.json_response({"error": "internal server error"}, status=500)
     response.headers[REQUEST_ID_HEADER] = request_id
+    chain = REQUEST_CHAIN.get()
+    if chain is not None:
+        response.headers[VARIANT_HEADER] = chain.variant
     if request.app[SETTINGS].access_log:
         log.info(
             "request",

@@ -105,8 +105,13 @@ async def measured(
     finally:
         drain.leave()
         known = route in request.app[REGISTRY].routes.entries
+        chain = REQUEST_CHAIN.get()
         request.app[METRICS].observe(
-            route if known else UNKNOWN_ROUTE, protocol, status, time.perf_counter() - started
+            route if known else UNKNOWN_ROUTE,
+            protocol,
+            status,
+            time.perf_counter() - started,
+            "" if chain is None else chain.variant,
         )
 
 
@@ -137,7 +142,7 @@ async def serve(
     on a thread finishes there, unobserved; a queued one never starts).
     """
     registry = request.app[REGISTRY]
-    chain = registry.routes.resolve(route, version)
+    chain = registry.routes.resolve(route, version, request.headers)
     bucket = registry.buckets.get(route)
     if bucket is not None and (wait := bucket.take()) > 0:
         raise TooManyRequests(
@@ -145,7 +150,7 @@ async def serve(
             retry_after_s=math.ceil(wait),
         )
     chain.enter()
-    REQUEST_CHAIN.set((route, chain.label))
+    REQUEST_CHAIN.set(chain)
     span = None
     if tracing.TRACER is not None:
         span = _request_span(request, route, chain)

@@ -27,13 +27,14 @@ async def test_requests_are_counted_and_timed_per_route(plugins_dir: Path, clien
     resp = await cli.get("/metrics")
     assert resp.status == 200 and resp.content_type == "text/plain"
     got = samples(await resp.text())
-    ok = (("protocol", "v2"), ("route", "add"), ("status", "200"))
+    ok = (("protocol", "v2"), ("route", "add"), ("status", "200"), ("variant", "add@1.0.0"))
     assert got[("plugserve_requests_total", ok)] == 3
-    bad = (("protocol", "v2"), ("route", "add"), ("status", "400"))
+    # Refused before a variant was chosen: the variant label is empty.
+    bad = (("protocol", "v2"), ("route", "add"), ("status", "400"), ("variant", ""))
     assert got[("plugserve_requests_total", bad)] == 1
-    assert got[("plugserve_requests_total", (("protocol", "predict"), ("route", "add"), ("status", "200")))] == 1  # fmt: skip
+    assert got[("plugserve_requests_total", (("protocol", "predict"), ("route", "add"), ("status", "200"), ("variant", "add@1.0.0")))] == 1  # fmt: skip
     # Unknown routes share one label value: a client cannot grow the series.
-    assert got[("plugserve_requests_total", (("protocol", "v2"), ("route", "_unknown"), ("status", "404")))] == 5  # fmt: skip
+    assert got[("plugserve_requests_total", (("protocol", "v2"), ("route", "_unknown"), ("status", "404"), ("variant", "")))] == 5  # fmt: skip
     assert not any("ghost" in str(k) for k in got)
     timed = (("protocol", "v2"), ("route", "add"))
     assert got[("plugserve_request_duration_seconds_count", timed)] == 4
