@@ -60,6 +60,12 @@ class VersionNotFound(NotFound):
     """The route or plugin has no such version."""
 
 
+class Conflict(PlugserveError):
+    """A compare-and-swap failed: what was changed moved on since the caller read it."""
+
+    status = 409
+
+
 class PayloadTooLarge(PlugserveError):
     """The request body or a tensor exceeds a configured limit."""
 

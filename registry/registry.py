@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -96,6 +96,7 @@ class Registry:
         self.records: dict[Key, VersionRecord] = {}
         self.routes = RouteTable()
         self.file_routes: dict[str, RouteSpec] = {}
+        self.runtime_routes: Mapping[str, RouteSpec] = {}
         self.routes_file_error: str | None = None
         self._routes_fingerprint: str | None = None
         self.listeners: list[Callable[[LifecycleEvent], None]] = []
@@ -324,9 +325,20 @@ class Registry:
         log.info("routes_file_applied", routes=sorted(self.file_routes))
         return True
 
+    def set_runtime_routes(self, routes: Mapping[str, RouteSpec]) -> None:
+        """Replace the runtime layer (admin API, etcd) in one step: one table rebuild.
+
+        Layers, lowest first: routes runners declare, ``routes.toml``, runtime
+        entries. A runtime entry wins over a ``routes.toml`` entry of the same name
+        until it is deleted, whatever the file does meanwhile.
+        """
+        self.runtime_routes = dict(routes)
+        self._rebuild()
+
     def _rebuild(self) -> None:
         # One assignment: a request sees the old table or the new one, never a mix.
-        self.routes = build_route_table(self.records.values(), self.file_routes)
+        specs = {**self.file_routes, **self.runtime_routes}
+        self.routes = build_route_table(self.records.values(), specs)
         buckets = {}
         for name, entry in self.routes.entries.items():
             limit = entry.rate_limit

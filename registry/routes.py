@@ -68,6 +68,8 @@ class RouteSpec:
     rate_limit: RateLimit | None = None
     variants: tuple[Variant, ...] = ()
     sticky: str | None = None
+    revision: int | None = None
+    """For a runtime entry (admin API or etcd): the revision it was written at."""
 
     def as_entry(self) -> dict[str, Any]:
         """The entry in the shape ``routes.toml`` and ``PUT /admin/routes/{route}`` take."""
@@ -286,6 +288,8 @@ class RouteEntry:
             "versions": self.versions,
             "rate_limit": None if self.rate_limit is None else vars(self.rate_limit),
         }
+        if spec.revision is not None:
+            out["revision"] = spec.revision
         if spec.variants:
             choice = self.choice
             out["variants"] = [

@@ -22,10 +22,11 @@ from registry.errors import (
 )
 from registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
 from registry.registry import Registry
+from registry.routes import RouteSpecError, parse_route
 from registry.versions import Version
 from server import __version__
 from server.config import Settings
-from server.state import METRICS, REGISTRY, SETTINGS
+from server.state import METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 ADMIN_PREFIX = "/admin"
 PROFILING = web.AppKey("profiling", asyncio.Lock)
@@ -92,8 +93,71 @@ async def list_routes(request: web.Request) -> web.Response:
             "routes": table.describe(),
             "errors": list(table.errors),
             "routes_file": {"path": str(registry.routes_file), "error": registry.routes_file_error},
+            "runtime": request.app[ROUTE_STORE].health(),
         }
     )
+
+
+def _if_match(request: web.Request) -> int | None:
+    """The revision an ``If-Match`` header expects (``"0"``: the entry must not exist yet)."""
+    raw = request.headers.get("If-Match")
+    if raw is None:
+        return None
+    try:
+        revision = int(raw.strip().strip('"'))
+    except ValueError:
+        revision = -1
+    if revision < 0:
+        raise InvalidInput('If-Match must be a route entry\'s revision, such as "12"')
+    return revision
+
+
+async def put_route(request: web.Request) -> web.Response:
+    """Set a route's runtime entry: the shape of a ``routes.toml`` entry, as JSON.
+
+    Validated whole, then applied in one table rebuild (in fleet mode, written
+    to etcd first, compare-and-swap on the entry's revision). 409 when the entry
+    moved on since the revision expected (``If-Match``, else the one this server
+    last saw).
+    """
+    name = request.match_info["route"]
+    try:
+        entry = await request.json()
+    except ValueError as exc:
+        raise InvalidInput(f"the body must be a JSON route entry: {exc}") from None
+    try:
+        spec = parse_route(name, entry, "admin")
+    except RouteSpecError as exc:
+        raise InvalidInput(f"routes.{name}{exc}") from None
+    store = request.app[ROUTE_STORE]
+    stored = await store.put(spec, _if_match(request))
+    described = request.app[REGISTRY].routes.entries[name].describe()
+    return web.json_response(
+        {"route": described, "entry": stored.as_entry(), "revision": stored.revision},
+        headers={"ETag": f'"{stored.revision}"'},
+    )
+
+
+async def delete_route(request: web.Request) -> web.Response:
+    """Remove a route's runtime entry: what ``routes.toml`` or its runner says applies again."""
+    name = request.match_info["route"]
+    if not is_valid_name(name):
+        raise InvalidInput(f"route name {name!r} must match {NAME_PATTERN}")
+    store = request.app[ROUTE_STORE]
+    revision = await store.delete(name, _if_match(request))
+    entry = request.app[REGISTRY].routes.entries.get(name)
+    return web.json_response(
+        {
+            "deleted": name,
+            "revision": revision,
+            "route": None if entry is None else entry.describe(),
+        }
+    )
+
+
+async def fleet(request: web.Request) -> web.Response:
+    """The replicas sharing this server's route table, what is ready on each, and the sync state."""
+    return web.json_response(await request.app[ROUTE_STORE].fleet())
 
 
 async def reload_all(request: web.Request) -> web.Response:
@@ -160,6 +224,7 @@ async def status(request: web.Request) -> web.Response:
             "plugins": [r.as_json() for r in registry.plugins()],
             "routes": registry.routes.describe(),
             "requests": request.app[METRICS].requests_by_route(),
+            "fleet": request.app[ROUTE_STORE].health(),
         }
     )
 
@@ -207,6 +272,9 @@ def add_routes(app: web.Application) -> None:
     router = app.router
     router.add_get(ADMIN_PREFIX + "/plugins", admin_only(list_plugins))
     router.add_get(ADMIN_PREFIX + "/routes", admin_only(list_routes))
+    router.add_put(ADMIN_PREFIX + "/routes/{route}", admin_only(put_route))
+    router.add_delete(ADMIN_PREFIX + "/routes/{route}", admin_only(delete_route))
+    router.add_get(ADMIN_PREFIX + "/fleet", admin_only(fleet))
     router.add_post(ADMIN_PREFIX + "/reload", admin_only(reload_all))
     version = ADMIN_PREFIX + "/plugins/{type}/{name}/{version}"
     router.add_post(version + "/reload", admin_only(reload_version))

@@ -10,14 +10,16 @@ import structlog
 from aiohttp import web
 
 from registry import tracing
+from registry.fleet import EtcdLocation, EtcdRouteStore
 from registry.registry import Registry
+from registry.route_store import Replica, RouteStore
 from registry.watcher import Watcher
 from server import admin, openapi, predict, v2
 from server.config import Settings
 from server.metrics import Metrics
 from server.middleware import request_middleware
 from server.shutdown import Drain
-from server.state import DRAIN, METRICS, REGISTRY, SETTINGS
+from server.state import DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 log = structlog.get_logger("plugserve.server")
 
@@ -41,6 +43,8 @@ async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
         log.info("tracing", provider=type(trace_provider()).__name__)
     await registry.start()
     await registry.host.startup(app)
+    store = app[ROUTE_STORE]
+    await store.start()
     # What start-up loaded lives as long as the server: keep it out of the
     # collector's sight, so full collections stay short on the request path.
     gc.freeze()
@@ -50,8 +54,23 @@ async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
     if watcher is not None and task is not None:
         watcher.stop.set()
         await task
+    await store.close()
     await registry.host.shutdown(app)
     await registry.close()
+
+
+def route_store(settings: Settings, registry: Registry) -> RouteStore:
+    """Where runtime route changes live: this process, or etcd in fleet mode."""
+    replica = Replica.default(settings.host, settings.port, settings.replica_id)
+    if settings.registry == "local":
+        return RouteStore(registry, replica)
+    return EtcdRouteStore(
+        registry,
+        replica,
+        EtcdLocation.parse(settings.registry),
+        lease_ttl_s=settings.fleet_lease_ttl_s,
+        startup_wait_s=settings.fleet_startup_wait_s,
+    )
 
 
 def create_app(settings: Settings, registry: Registry | None = None) -> web.Application:
@@ -67,7 +86,8 @@ def create_app(settings: Settings, registry: Registry | None = None) -> web.Appl
     app[METRICS] = Metrics()
     app[DRAIN] = Drain(settings.drain_timeout_s)
     app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
-    app[METRICS].collect_from(app[REGISTRY])
+    app[ROUTE_STORE] = route_store(settings, app[REGISTRY])
+    app[METRICS].collect_from(app[REGISTRY], app[ROUTE_STORE])
     app.cleanup_ctx.append(_registry_lifetime)
     v2.add_routes(app)
     predict.add_routes(app)

@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="default: 8000")
     serve.add_argument("--log-format", choices=["console", "json"])
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--registry",
+        help="where runtime routes live: local (default) or etcd://host:port/prefix (a fleet)",
+    )
+    serve.add_argument("--replica-id", help="this replica's name in the fleet (<hostname>:<port>)")
 
     validate = commands.add_parser(
         "validate", help="load one plugin package as the server would, without a server"
@@ -64,6 +69,8 @@ def _serve(args: argparse.Namespace) -> int:
         "port": args.port,
         "log_format": args.log_format,
         "log_level": args.log_level,
+        "registry": args.registry,
+        "replica_id": args.replica_id,
     }
     settings = load_settings(args.config, flags)
     configure_logging(settings.log_format, settings.log_level)
@@ -74,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         plugins_dir=str(settings.plugins_dir),
         models_dir=str(settings.models_dir),
         admin_token=settings.admin_token is not None,
+        registry=settings.registry,
         admin_url=f"http://{settings.admin_host or settings.host}:{settings.admin_port}"
         if settings.admin_port
         else None,

@@ -48,6 +48,12 @@ class Settings:
     max_inputs: int = 64
     max_tensor_rank: int = 16
     max_tensor_elements: int = 1 << 26
+    registry: str = "local"
+    """Where runtime routes live: ``local`` (this process) or ``etcd://host:port/prefix``."""
+    replica_id: str | None = None
+    """This replica's name in the fleet; default ``<hostname>:<port>``."""
+    fleet_lease_ttl_s: int = 10
+    fleet_startup_wait_s: float = 5.0
 
     @functools.cached_property
     def limits(self) -> Limits:
@@ -68,6 +74,12 @@ class Settings:
             raise ConfigError(f"port must be 0..65535, not {self.port}")
         if self.admin_port is not None and not 0 < self.admin_port <= 65535:
             raise ConfigError(f"admin_port must be 1..65535, not {self.admin_port}")
+        if self.registry != "local" and not self.registry.startswith(("etcd://", "etcds://")):
+            raise ConfigError(
+                f"registry must be 'local' or etcd://host:port/prefix: {self.registry!r}"
+            )
+        if self.fleet_lease_ttl_s < 2 or self.fleet_startup_wait_s < 0:
+            raise ConfigError("fleet_lease_ttl_s must be >= 2 and fleet_startup_wait_s >= 0")
         if self.max_body_bytes < 1 or self.drain_timeout_s < 0 or self.reload_debounce_ms < 0:
             raise ConfigError(
                 "max_body_bytes must be >= 1, drain_timeout_s and reload_debounce_ms >= 0"
@@ -148,5 +160,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "watch": bool,
         "access_log": bool,
         "drain_timeout_s": (int, float),
+        "fleet_lease_ttl_s": int,
+        "fleet_startup_wait_s": (int, float),
     }
     return types.get(key, str)

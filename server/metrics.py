@@ -22,8 +22,10 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from registry.fleet import EtcdRouteStore
 from registry.refs import PLUGIN_TYPES
 from registry.registry import LifecycleEvent, Registry
+from registry.route_store import RouteStore
 
 STATES = ("loading", "ready", "failed", "draining", "unloaded")
 
@@ -81,10 +83,12 @@ class Metrics:
             registry=self.registry,
         )
 
-    def collect_from(self, registry: Registry) -> None:
+    def collect_from(self, registry: Registry, store: RouteStore | None = None) -> None:
         """Add the gauges read from the registry at scrape time (always current, and an
-        unloaded version's series are gone with it)."""
+        unloaded version's series are gone with it), and the fleet's in fleet mode."""
         self.registry.register(_RegistryCollector(registry))
+        if isinstance(store, EtcdRouteStore):
+            self.registry.register(_FleetCollector(store))
 
     def lifecycle_listener(self, registry: Registry) -> Callable[[LifecycleEvent], None]:
         """A registry listener that counts lifecycle events and refreshes the state gauge."""
@@ -184,3 +188,37 @@ class _RegistryCollector(Collector):
             if current.breaker is not None and current.breaker.enabled:
                 circuit.add_metric(key, 0 if current.breaker.state == "closed" else 1)
         yield from (in_flight, queued, circuit, batch, stage, executions, outcomes)
+
+
+class _FleetCollector(Collector):
+    """Fleet mode: whether etcd is reachable, the revision served, the replicas seen."""
+
+    def __init__(self, store: EtcdRouteStore) -> None:
+        self._store = store
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        store = self._store
+        yield GaugeMetricFamily(
+            "plugserve_fleet_connected",
+            "1 while this replica is connected to etcd and watching the route table, else 0 "
+            "(it then serves the last table it read).",
+            value=1 if store.connected else 0,
+        )
+        yield GaugeMetricFamily(
+            "plugserve_fleet_revision",
+            "The etcd revision of the route table this replica serves.",
+            value=store.revision,
+        )
+        yield GaugeMetricFamily(
+            "plugserve_fleet_replicas",
+            "Replicas publishing under the fleet prefix, as last seen from etcd.",
+            value=len(store.replicas),
+        )
+        yield CounterMetricFamily(
+            "plugserve_fleet_disconnects",
+            "Times this replica lost etcd after having been connected.",
+            value=store.disconnects,
+        )

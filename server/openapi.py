@@ -32,6 +32,7 @@ _REASONS = {
     401: "admin call without the right bearer token",
     403: "admin call from a non-loopback address with no token configured",
     404: "unknown route, version, plugin or path",
+    409: "the route entry moved on since the revision expected (If-Match): read it again",
     413: "body or tensor too large",
     429: "queue full or rate limited (Retry-After)",
     500: "a plugin raised; the message names it",
@@ -41,6 +42,37 @@ _REASONS = {
 
 ROUTE = {"name": "route", "in": "path", "required": True, "schema": {"type": "string"}}
 VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
+IF_MATCH = {
+    "name": "If-Match",
+    "in": "header",
+    "required": False,
+    "description": "the entry's revision this change expects; 0: the entry must not exist",
+    "schema": {"type": "string"},
+}
+ROUTE_ENTRY = {
+    "type": "object",
+    "required": ["runner"],
+    "additionalProperties": False,
+    "properties": {
+        "runner": {
+            "oneOf": [
+                {"type": "string", "description": "name or name@version"},
+                {
+                    "type": "object",
+                    "description": "weights over versions of one runner: {name@version: weight}",
+                    "additionalProperties": {"type": "integer", "minimum": 0},
+                },
+            ]
+        },
+        "preprocess": {"type": "array", "items": {"type": "string"}},
+        "postprocess": {"type": "array", "items": {"type": "string"}},
+        "sticky": {"type": "string", "description": "a header whose value keeps its variant"},
+        "rate_limit": {
+            "type": "object",
+            "properties": {"rps": {"type": "number"}, "burst": {"type": "integer"}},
+        },
+    },
+}
 ADMIN: list[dict[str, list[str]]] = [{"bearerAuth": []}, {}]  # token, or loopback without
 
 
@@ -200,6 +232,39 @@ def document() -> dict[str, Any]:
                     "summary": "The route table as served",
                     "security": ADMIN,
                     "responses": {**_ok("routes", {"type": "object"}), **_errors(401, 403, 404)},
+                }
+            },
+            "/admin/routes/{route}": {
+                "put": {
+                    "summary": "Set a route's runtime entry (a routes.toml entry as JSON); "
+                    "in fleet mode written to etcd and applied by every replica",
+                    "security": ADMIN,
+                    "parameters": [ROUTE, IF_MATCH],
+                    "requestBody": {"required": True, "content": _json(ROUTE_ENTRY)},
+                    "responses": {
+                        **_ok(
+                            "the route as now served, its entry and revision", {"type": "object"}
+                        ),
+                        **_errors(400, 401, 403, 404, 409, 503),
+                    },
+                },
+                "delete": {
+                    "summary": "Remove a route's runtime entry: routes.toml or its runner "
+                    "applies again",
+                    "security": ADMIN,
+                    "parameters": [ROUTE, IF_MATCH],
+                    "responses": {
+                        **_ok("the revision of the deletion", {"type": "object"}),
+                        **_errors(400, 401, 403, 404, 409, 503),
+                    },
+                },
+            },
+            "/admin/fleet": {
+                "get": {
+                    "summary": "The replicas sharing the route table, the versions ready on each, "
+                    "and this replica's sync state",
+                    "security": ADMIN,
+                    "responses": {**_ok("the fleet", {"type": "object"}), **_errors(401, 403, 404)},
                 }
             },
             "/admin/reload": {

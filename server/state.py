@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from registry.registry import Registry
+from registry.route_store import RouteStore
 from server.config import Settings
 from server.metrics import Metrics
 from server.shutdown import Drain
@@ -13,3 +14,4 @@ SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", Registry)
 METRICS = web.AppKey("metrics", Metrics)
 DRAIN = web.AppKey("drain", Drain)
+ROUTE_STORE = web.AppKey("route_store", RouteStore)

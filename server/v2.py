@@ -13,7 +13,7 @@ from registry.errors import PluginError, Unavailable
 from server import __version__
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import deadline_seconds, measured, request_context, serve
-from server.state import DRAIN, REGISTRY, SETTINGS
+from server.state import DRAIN, REGISTRY, ROUTE_STORE, SETTINGS
 
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
@@ -33,7 +33,15 @@ async def ready(request: web.Request) -> web.Response:
         raise Unavailable("the server is starting: plugins are still loading")
     if request.app[DRAIN].draining:
         raise Unavailable("the server is shutting down")
-    return web.json_response({"ready": True})
+    store = request.app[ROUTE_STORE]
+    if store.mode == "local":
+        return web.json_response({"ready": True})
+    # A fleet replica: ready once it has read the fleet's route table; an etcd
+    # outage after that keeps it ready (it serves the last table) and shows here.
+    details = store.health()
+    if not store.ready:
+        raise Unavailable("the fleet's route table has not been read from etcd yet", fleet=details)
+    return web.json_response({"ready": True, "fleet": details})
 
 
 def _resolve(request: web.Request) -> Chain:

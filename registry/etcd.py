@@ -1,0 +1,226 @@
+"""A small asyncio client for etcd v3 through its JSON gateway (``/v3/...``), over aiohttp.
+
+etcd serves the gRPC API as JSON on its client port (keys and values base64,
+64-bit integers as strings). This client covers what fleet mode needs: range
+reads, compare-and-swap transactions, leases and a prefix watch. Several
+endpoints may be given; a request that cannot reach one moves on to the next.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+
+class EtcdError(Exception):
+    """etcd cannot be reached, or answered with an error."""
+
+
+class WatchCompacted(EtcdError):
+    """The watch's start revision was compacted away: read everything again."""
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    mod_revision: int
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: str  # "PUT" or "DELETE"
+    kv: KeyValue
+
+
+@dataclass(frozen=True)
+class WatchBatch:
+    """The events etcd sent in one watch response (one or more revisions, in order)."""
+
+    revision: int
+    events: tuple[WatchEvent, ...]
+
+
+def _b64(text: str | bytes) -> str:
+    raw = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(raw).decode("ascii")
+
+
+def prefix_end(prefix: str) -> str:
+    """The ``range_end`` that selects every key starting with ``prefix``."""
+    raw = bytearray(prefix.encode())
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return _b64(b"\0")
+    raw[-1] += 1
+    return _b64(bytes(raw))
+
+
+def _kv(raw: dict[str, Any]) -> KeyValue:
+    return KeyValue(
+        key=base64.b64decode(raw["key"]).decode(),
+        value=base64.b64decode(raw.get("value", "")),
+        mod_revision=int(raw.get("mod_revision", 0)),
+        lease=int(raw.get("lease", 0)),
+    )
+
+
+class EtcdClient:
+    """One client per server; ``close()`` it when done."""
+
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = 2.0) -> None:
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint is needed")
+        self.endpoints = list(endpoints)
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._current = 0
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[self._current]
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/<path>``, trying each endpoint once from the current one."""
+        last: Exception | None = None
+        for _ in range(len(self.endpoints)):
+            url = f"{self.endpoint}/v3/{path}"
+            try:
+                async with self._http().post(url, json=body, timeout=self.timeout) as resp:
+                    data = await resp.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                last = exc
+                self._current = (self._current + 1) % len(self.endpoints)
+                continue
+            if not isinstance(data, dict):
+                raise EtcdError(f"{url}: unexpected answer {data!r}")
+            if resp.status != 200 or "error" in data:
+                raise EtcdError(f"{url}: {data.get('message') or data.get('error') or resp.status}")
+            return data
+        raise EtcdError(f"etcd unreachable at {', '.join(self.endpoints)}: {last!r}")
+
+    # -- keys --------------------------------------------------------------------------
+
+    async def range_prefix(self, prefix: str) -> tuple[int, list[KeyValue]]:
+        """Every key under ``prefix`` and the store's revision when read."""
+        data = await self.call("kv/range", {"key": _b64(prefix), "range_end": prefix_end(prefix)})
+        return int(data["header"]["revision"]), [_kv(kv) for kv in data.get("kvs", [])]
+
+    async def get(self, key: str) -> KeyValue | None:
+        data = await self.call("kv/range", {"key": _b64(key)})
+        kvs = data.get("kvs", [])
+        return _kv(kvs[0]) if kvs else None
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        data = await self.call("kv/put", body)
+        return int(data["header"]["revision"])
+
+    async def put_if(
+        self, key: str, value: bytes | None, mod_revision: int
+    ) -> tuple[bool, int, KeyValue | None]:
+        """Put (or, ``value`` None, delete) ``key`` if its mod revision is ``mod_revision``
+        (0: the key does not exist). Returns (done, revision, current key when not done)."""
+        request = (
+            {"request_delete_range": {"key": _b64(key)}}
+            if value is None
+            else {"request_put": {"key": _b64(key), "value": _b64(value)}}
+        )
+        body = {
+            "compare": [
+                {
+                    "key": _b64(key),
+                    "target": "MOD",
+                    "result": "EQUAL",
+                    "mod_revision": str(mod_revision),
+                }
+            ],
+            "success": [request],
+            "failure": [{"request_range": {"key": _b64(key)}}],
+        }
+        data = await self.call("kv/txn", body)
+        revision = int(data["header"]["revision"])
+        if data.get("succeeded"):
+            return True, revision, None
+        kvs = data["responses"][0]["response_range"].get("kvs", [])
+        return False, revision, _kv(kvs[0]) if kvs else None
+
+    # -- leases ------------------------------------------------------------------------
+
+    async def grant(self, ttl_s: int) -> int:
+        data = await self.call("lease/grant", {"TTL": str(ttl_s)})
+        return int(data["ID"])
+
+    async def keepalive(self, lease: int) -> int:
+        """Refresh ``lease``; returns its TTL, 0 when it has expired."""
+        data = await self.call("lease/keepalive", {"ID": str(lease)})
+        return int(data.get("result", {}).get("TTL", 0))
+
+    async def revoke(self, lease: int) -> None:
+        await self.call("lease/revoke", {"ID": str(lease)})
+
+    # -- watch -------------------------------------------------------------------------
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[WatchBatch]:
+        """Changes under ``prefix`` from ``start_revision`` on, as etcd sends them.
+
+        Ends (raising :class:`EtcdError`) when the stream breaks; raises
+        :class:`WatchCompacted` when the start revision is no longer kept.
+        """
+        body = {
+            "create_request": {
+                "key": _b64(prefix),
+                "range_end": prefix_end(prefix),
+                "start_revision": str(start_revision),
+            }
+        }
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout.connect, sock_read=None)
+        url = f"{self.endpoint}/v3/watch"
+        try:
+            async with self._http().post(url, json=body, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise EtcdError(f"{url}: HTTP {resp.status}")
+                async for line in resp.content:
+                    if not line.strip():
+                        continue
+                    batch = _watch_batch(json.loads(line))
+                    if batch is not None:
+                        yield batch
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            self._current = (self._current + 1) % len(self.endpoints)
+            raise EtcdError(f"watch on {url} broke: {exc!r}") from None
+        raise EtcdError(f"watch on {url} ended")
+
+
+def _watch_batch(message: dict[str, Any]) -> WatchBatch | None:
+    if "error" in message:
+        raise EtcdError(str(message["error"].get("message", message["error"])))
+    result = message.get("result", {})
+    if int(result.get("compact_revision", 0)) > 0:
+        raise WatchCompacted(f"revisions up to {result['compact_revision']} were compacted")
+    if result.get("canceled"):
+        raise EtcdError(f"watch canceled: {result.get('cancel_reason', '')}")
+    events = tuple(
+        WatchEvent(event.get("type", "PUT"), _kv(event["kv"])) for event in result.get("events", [])
+    )
+    if not events:
+        return None
+    return WatchBatch(int(result["header"]["revision"]), events)

@@ -1,0 +1,367 @@
+"""Fleet mode: the runtime route table in etcd, shared by every replica.
+
+Keys under the prefix (``etcd://host:port/<prefix>``):
+
+- ``<prefix>/routes/<route>``: a route entry as JSON, the shape of a
+  ``routes.toml`` entry. Written by ``PUT``/``DELETE /admin/routes/{route}`` on any
+  replica, as a compare-and-swap on the key's revision.
+- ``<prefix>/replicas/<id>``: each replica's record (address, ready plugin
+  versions), under a lease: it vanishes when the replica stops renewing it.
+
+Each replica reads the prefix, then watches it from the next revision on and
+applies each watch response in one table rebuild. When etcd cannot be reached
+it keeps serving the last table, reports it (readiness details, metrics,
+``GET /admin/fleet``) and retries; on return it reads everything again and
+watches on, so it catches up whatever it missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+import structlog
+
+from registry.errors import ConfigError, Conflict, NotFound, Unavailable
+from registry.etcd import EtcdClient, EtcdError, KeyValue, WatchBatch
+from registry.registry import LifecycleEvent, Registry
+from registry.route_store import Replica, RouteStore, _entries
+from registry.routes import RouteSpec, RouteSpecError, parse_route
+
+log = structlog.get_logger("plugserve.fleet")
+
+DEFAULT_PREFIX = "/plugserve"
+
+
+@dataclass(frozen=True)
+class EtcdLocation:
+    """``etcd://host:port[,host:port...]/prefix`` (``etcds://`` for TLS)."""
+
+    endpoints: tuple[str, ...]
+    prefix: str
+
+    @classmethod
+    def parse(cls, url: str) -> EtcdLocation:
+        parts = urlsplit(url)
+        if parts.scheme not in ("etcd", "etcds") or not parts.netloc:
+            raise ConfigError(f"registry {url!r}: expected etcd://host:port/prefix")
+        http = "https" if parts.scheme == "etcds" else "http"
+        hosts = [h.strip() for h in parts.netloc.split(",") if h.strip()]
+        prefix = "/" + parts.path.strip("/") if parts.path.strip("/") else DEFAULT_PREFIX
+        return cls(tuple(f"{http}://{h}" for h in hosts), prefix)
+
+
+class EtcdRouteStore(RouteStore):
+    """Runtime routes kept in etcd and watched; this replica published under a lease."""
+
+    mode = "etcd"
+
+    def __init__(
+        self,
+        registry: Registry,
+        replica: Replica,
+        location: EtcdLocation,
+        lease_ttl_s: int = 10,
+        startup_wait_s: float = 5.0,
+    ) -> None:
+        super().__init__(registry, replica)
+        self.location = location
+        self.client = EtcdClient(location.endpoints)
+        self.lease_ttl_s = max(2, lease_ttl_s)
+        self.startup_wait_s = startup_wait_s
+        self.routes_prefix = f"{location.prefix}/routes/"
+        self.replicas_prefix = f"{location.prefix}/replicas/"
+        self.connected = False
+        self.synced = asyncio.Event()
+        self.disconnected_since: float | None = time.time()
+        self.last_error: str | None = None
+        self.disconnects = 0
+        self.synced_count = 0
+        self.replicas: dict[str, dict[str, Any]] = {}
+        self.invalid: dict[str, dict[str, Any]] = {}
+        self._seen: dict[str, int] = {}  # key -> revision of the last change applied
+        self._lease = 0
+        self._publish = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.log = log.bind(replica=replica.id, prefix=location.prefix)
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, and give the first sync ``startup_wait_s`` before serving without it."""
+        self.registry.listeners.append(self._on_lifecycle)
+        self._task = asyncio.create_task(self._run(), name="plugserve-fleet")
+        try:
+            await asyncio.wait_for(self.synced.wait(), self.startup_wait_s)
+        except TimeoutError:
+            self.log.warning(
+                "fleet_not_synced", error=self.last_error, waited_s=self.startup_wait_s
+            )
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._lease and self.connected:
+            # Leave the fleet at once rather than when the lease runs out.
+            with contextlib.suppress(EtcdError):
+                await self.client.revoke(self._lease)
+        await self.client.close()
+
+    @property
+    def ready(self) -> bool:
+        """Ready once the fleet's table was read; an outage after that keeps it ready."""
+        return self.synced.is_set()
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "endpoints": list(self.location.endpoints),
+            "prefix": self.location.prefix,
+            "connected": self.connected,
+            "synced": self.synced.is_set(),
+            "revision": self.revision,
+            "disconnected_since": self.disconnected_since,
+            "last_error": self.last_error,
+            "disconnects": self.disconnects,
+        }
+
+    async def _run(self) -> None:
+        """Sessions one after another; retries back off from 0.1 s to 2 s while etcd is away."""
+        backoff = 0.1
+        while True:
+            synced_before = self.synced_count
+            try:
+                await self._session()
+            except EtcdError as exc:
+                self._lost(str(exc))
+            except Exception as exc:  # a bug here must not end the fleet loop
+                self.log.exception("fleet_session_failed")
+                self._lost(repr(exc))
+            backoff = 0.1 if self.synced_count > synced_before else min(backoff * 2, 2.0)
+            await asyncio.sleep(backoff)
+
+    def _lost(self, error: str) -> None:
+        if self.connected:
+            self.disconnects += 1
+            self.disconnected_since = time.time()
+            self.log.warning("fleet_disconnected", error=error, serving_revision=self.revision)
+        self.connected = False
+        self.last_error = error
+
+    async def _session(self) -> None:
+        """Read everything, publish this replica, then follow the watch until it breaks."""
+        revision, kvs = await self.client.range_prefix(self.location.prefix + "/")
+        self._load_snapshot(revision, kvs)
+        self._lease = await self.client.grant(self.lease_ttl_s)
+        await self._publish_self()
+        was = self.disconnected_since
+        self.connected, self.disconnected_since, self.last_error = True, None, None
+        self.synced.set()
+        self.synced_count += 1
+        self.log.info(
+            "fleet_synced",
+            revision=revision,
+            routes=len(self.registry.runtime_routes),
+            replicas=len(self.replicas),
+            offline_s=None if was is None else round(time.time() - was, 3),
+        )
+        watch = self._follow(revision + 1)
+        await _first_to_fail([watch, self._keepalive(), self._publisher()])
+
+    async def _follow(self, start_revision: int) -> None:
+        async for batch in self.client.watch(self.location.prefix + "/", start_revision):
+            self._apply(batch)
+
+    async def _keepalive(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ttl_s / 3)
+            if await self.client.keepalive(self._lease) <= 0:
+                self.log.warning("fleet_lease_expired", lease=self._lease)
+                self._lease = await self.client.grant(self.lease_ttl_s)
+                await self._publish_self()
+
+    async def _publisher(self) -> None:
+        while True:
+            await self._publish.wait()
+            await asyncio.sleep(0.05)  # one write for a burst of loads
+            self._publish.clear()
+            await self._publish_self()
+
+    async def _publish_self(self) -> None:
+        record = self.replica.describe(self.registry)
+        key = self.replicas_prefix + self.replica.id
+        await self.client.put(key, json.dumps(record).encode(), lease=self._lease)
+
+    def _on_lifecycle(self, event: LifecycleEvent) -> None:
+        if event.outcome in ("loaded", "reloaded", "unloaded", "failed"):
+            self._publish.set()
+
+    # -- applying etcd's state ---------------------------------------------------------
+
+    def _load_snapshot(self, revision: int, kvs: Iterable[KeyValue]) -> None:
+        """Everything under the prefix, as read at ``revision``: replaces what we had."""
+        self._seen = {}
+        self.replicas = {}
+        routes = dict(self.registry.runtime_routes)
+        present = set()
+        for kv in kvs:
+            self._seen[kv.key] = kv.mod_revision
+            name = self._change(routes, kv, deleted=False)
+            if name is not None:
+                present.add(name)
+        for name in [n for n in routes if n not in present]:
+            del routes[name]
+            self.invalid.pop(name, None)
+        self.revision = revision
+        self.registry.set_runtime_routes(routes)
+
+    def _apply(self, batch: WatchBatch) -> None:
+        """One watch response: every change in it lands in one table rebuild."""
+        routes = dict(self.registry.runtime_routes)
+        changed = False
+        for event in batch.events:
+            kv = event.kv
+            revision = kv.mod_revision or batch.revision
+            if revision <= self._seen.get(kv.key, 0):
+                continue  # already applied (our own write)
+            self._seen[kv.key] = revision
+            changed |= self._change(routes, kv, deleted=event.kind == "DELETE") is not None
+        self.revision = max(self.revision, batch.revision)
+        if changed:
+            self.registry.set_runtime_routes(routes)
+            self.log.info("fleet_routes_applied", revision=batch.revision, routes=sorted(routes))
+
+    def _change(self, routes: dict[str, RouteSpec], kv: KeyValue, deleted: bool) -> str | None:
+        """Apply one key to ``routes`` (or the replica list); the route name if a route."""
+        if kv.key.startswith(self.replicas_prefix):
+            replica_id = kv.key[len(self.replicas_prefix) :]
+            if deleted:
+                self.replicas.pop(replica_id, None)
+            else:
+                with contextlib.suppress(ValueError):
+                    self.replicas[replica_id] = json.loads(kv.value)
+            return None
+        if not kv.key.startswith(self.routes_prefix):
+            return None
+        name = kv.key[len(self.routes_prefix) :]
+        if deleted:
+            routes.pop(name, None)
+            self.invalid.pop(name, None)
+            return name
+        try:
+            spec = parse_route(name, json.loads(kv.value), "etcd")
+        except (ValueError, RouteSpecError) as exc:
+            # Someone wrote a bad entry by hand: keep what served, say why.
+            self.invalid[name] = {"revision": kv.mod_revision, "error": f"routes.{name}{exc}"}
+            self.log.error(
+                "fleet_route_invalid", route=name, revision=kv.mod_revision, error=str(exc)
+            )
+            return name
+        self.invalid.pop(name, None)
+        routes[name] = replace(spec, revision=kv.mod_revision)
+        return name
+
+    def _record(self, name: str, spec: RouteSpec | None, revision: int) -> None:
+        """Apply our own successful write now (read-your-writes); the watch then skips it."""
+        key = self.routes_prefix + name
+        if revision <= self._seen.get(key, 0):
+            return
+        self._seen[key] = revision
+        routes = dict(self.registry.runtime_routes)
+        if spec is None:
+            routes.pop(name, None)
+        else:
+            routes[name] = spec
+        self.invalid.pop(name, None)
+        self.registry.set_runtime_routes(routes)
+
+    # -- writes ------------------------------------------------------------------------
+
+    def current_revision(self, name: str) -> int:
+        if name in self.invalid:
+            return int(self.invalid[name]["revision"])
+        return super().current_revision(name)
+
+    async def _swap(self, name: str, value: bytes | None, expected: int) -> int:
+        if not self.connected:
+            raise Unavailable(
+                f"the fleet registry is unreachable ({self.last_error}): route changes wait "
+                "for it; the last route table keeps serving",
+                fleet=self.health(),
+            )
+        try:
+            done, revision, current = await self.client.put_if(
+                self.routes_prefix + name, value, expected
+            )
+        except EtcdError as exc:
+            raise Unavailable(f"the fleet registry failed the write: {exc}") from None
+        if not done:
+            now = 0 if current is None else current.mod_revision
+            raise Conflict(
+                f"route {name!r} is at revision {now} in etcd, not {expected}: "
+                "read it again and retry",
+                revision=now,
+                current=None if current is None else _json_or_text(current.value),
+            )
+        return revision
+
+    async def put(self, spec: RouteSpec, if_revision: int | None = None) -> RouteSpec:
+        expected = self.current_revision(spec.name) if if_revision is None else if_revision
+        value = json.dumps(spec.as_entry()).encode()
+        revision = await self._swap(spec.name, value, expected)
+        stored = replace(spec, source="etcd", revision=revision)
+        self._record(spec.name, stored, revision)
+        self.log.info("fleet_route_put", route=spec.name, revision=revision)
+        return stored
+
+    async def delete(self, name: str, if_revision: int | None = None) -> int:
+        expected = self.current_revision(name) if if_revision is None else if_revision
+        if expected == 0:
+            raise NotFound(f"route {name!r} has no entry in the fleet registry to delete")
+        revision = await self._swap(name, None, expected)
+        self._record(name, None, revision)
+        self.log.info("fleet_route_deleted", route=name, revision=revision)
+        return revision
+
+    async def fleet(self) -> dict[str, Any]:
+        replicas = [
+            {**record, "self": replica_id == self.replica.id}
+            for replica_id, record in sorted(self.replicas.items())
+        ]
+        return {
+            **self.health(),
+            "stale": not self.connected,
+            "replica": self.replica.id,
+            "replicas": replicas,
+            "routes": _entries(self.registry.runtime_routes),
+            "invalid": self.invalid,
+        }
+
+
+def _json_or_text(value: bytes) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value.decode(errors="replace")
+
+
+async def _first_to_fail(work: list[Awaitable[None]]) -> None:
+    """Run ``work`` together until one ends (they never end well): cancel the rest, re-raise."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in done:
+        task.result()
+    raise EtcdError("the fleet session ended")
