@@ -9,6 +9,7 @@ from aiohttp.test_utils import TestClient
 from server.app import create_app
 from server.config import Settings
 from server.logs import configure_logging
+from tests.etcd import EtcdProcess
 from tests.helpers import ServerProcess
 
 configure_logging("console", "warning")
@@ -60,3 +61,11 @@ def server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
+    """A real etcd on loopback with a fresh data dir."""
+    member = EtcdProcess(tmp_path / "etcd").start()
+    yield member
+    member.stop()

@@ -1,0 +1,81 @@
+"""A real etcd (Debian's ``etcd-server``) on loopback, for fleet tests; stop and restart it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_port
+
+REQUIRE_ENV = "PLUGSERVE_REQUIRE_ETCD"
+
+
+def etcd_binary() -> str:
+    """The etcd binary; skips the test where there is none, unless CI says it must be there."""
+    found = shutil.which("etcd")
+    if found is None:
+        if os.environ.get(REQUIRE_ENV):
+            pytest.fail(
+                f"{REQUIRE_ENV} is set but no etcd is installed (apt-get install etcd-server)"
+            )
+        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
+    return found
+
+
+class EtcdProcess:
+    """One etcd member with its own data dir; ``stop()`` kills it, ``start()`` brings it back
+    on the same port with the same data."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.binary = etcd_binary()
+        self.data_dir = data_dir
+        self.port, self.peer_port = free_port(), free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+
+    def url(self, prefix: str = "/plugserve") -> str:
+        return f"etcd://127.0.0.1:{self.port}{prefix}"
+
+    def start(self, timeout: float = 20.0) -> EtcdProcess:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        command = [
+            self.binary,
+            "--name", "test",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.endpoint,
+            "--advertise-client-urls", self.endpoint,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"test={peer}",
+        ]  # fmt: skip
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"etcd exited {self.proc.returncode}: {self.log_path.read_text()}"
+                )
+            try:
+                with urllib.request.urlopen(self.endpoint + "/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.05)
+        raise TimeoutError(f"etcd not healthy in {timeout}s: {self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        """Kill it, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None

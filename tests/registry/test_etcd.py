@@ -1,0 +1,91 @@
+"""The etcd JSON-gateway client against a real etcd: ranges, compare-and-swap, leases, watch."""
+
+import asyncio
+
+import pytest
+
+from registry.etcd import EtcdClient, EtcdError, WatchCompacted, prefix_end
+from tests.etcd import EtcdProcess
+
+
+@pytest.fixture
+async def client(etcd: EtcdProcess):  # type: ignore[no-untyped-def]
+    c = EtcdClient([etcd.endpoint])
+    yield c
+    await c.close()
+
+
+def test_prefix_end_selects_exactly_the_prefix() -> None:
+    import base64
+
+    assert base64.b64decode(prefix_end("/p/")) == b"/p0"
+    assert base64.b64decode(prefix_end("/plugserve")) == b"/plugservf"
+
+
+async def test_compare_and_swap_on_the_mod_revision(client: EtcdClient) -> None:
+    done, first, _ = await client.put_if("/t/k", b"one", 0)  # create only
+    assert done
+    done, _, current = await client.put_if("/t/k", b"two", 0)
+    assert not done and current is not None and current.value == b"one"
+    assert current.mod_revision == first
+    done, second, _ = await client.put_if("/t/k", b"two", first)
+    assert done and second > first
+    done, _, _ = await client.put_if("/t/k", None, first)  # stale delete refused
+    assert not done
+    done, _, _ = await client.put_if("/t/k", None, second)
+    assert done and await client.get("/t/k") is None
+
+
+async def test_range_prefix_sees_only_its_prefix(client: EtcdClient) -> None:
+    for key in ("/a/1", "/a/2", "/ab", "/b/1"):
+        await client.put(key, key.encode())
+    revision, kvs = await client.range_prefix("/a/")
+    assert [kv.key for kv in kvs] == ["/a/1", "/a/2"] and revision >= 4
+
+
+async def test_a_lease_keeps_its_keys_until_it_lapses(client: EtcdClient) -> None:
+    lease = await client.grant(2)
+    await client.put("/lease/k", b"v", lease=lease)
+    assert await client.keepalive(lease) == 2
+    await client.revoke(lease)
+    assert await client.get("/lease/k") is None
+    assert await client.keepalive(lease) == 0
+    with pytest.raises(EtcdError, match="lease not found"):
+        await client.put("/lease/k", b"v", lease=lease)
+
+
+async def test_watch_streams_changes_in_order_and_breaks_when_etcd_dies(
+    client: EtcdClient, etcd: EtcdProcess
+) -> None:
+    start = await client.put("/w/start", b"")
+    seen: list[tuple[str, str]] = []
+
+    async def follow() -> None:
+        async for batch in client.watch("/w/", start + 1):
+            seen.extend((e.kind, e.kv.key) for e in batch.events)
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.2)
+    await client.put("/w/a", b"1")
+    await client.put("/other", b"x")
+    done, _, _ = await client.put_if("/w/a", None, (await client.get("/w/a")).mod_revision)  # type: ignore[union-attr]
+    assert done
+    for _ in range(50):
+        if len(seen) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert seen == [("PUT", "/w/a"), ("DELETE", "/w/a")]
+    etcd.stop()
+    with pytest.raises(EtcdError):
+        await asyncio.wait_for(task, 5)
+    with pytest.raises(EtcdError, match="unreachable"):
+        await client.get("/w/a")
+
+
+async def test_a_watch_from_a_compacted_revision_says_so(client: EtcdClient) -> None:
+    first = await client.put("/c/k", b"1")
+    last = await client.put("/c/k", b"2")
+    await client.call("kv/compaction", {"revision": str(last)})
+    with pytest.raises(WatchCompacted):
+        async for _ in client.watch("/c/", first):
+            pass

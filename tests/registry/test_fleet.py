@@ -1,0 +1,155 @@
+"""Fleet route stores in one process against a real etcd: sync, CAS, outage and catch-up."""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from registry.errors import Conflict, NotFound, Unavailable
+from registry.etcd import EtcdClient
+from registry.fleet import EtcdLocation, EtcdRouteStore
+from registry.registry import Registry
+from registry.route_store import Replica
+from registry.routes import parse_route
+from tests.etcd import EtcdProcess
+from tests.helpers import write_add_runner
+
+
+async def until(check: Callable[[], bool], within: float = 5.0) -> float:
+    """Wait for ``check()``; the seconds it took."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while not check():
+        if loop.time() - started > within:
+            raise AssertionError(f"not true within {within}s")
+        await asyncio.sleep(0.01)
+    return loop.time() - started
+
+
+@pytest.fixture
+async def replicas(
+    tmp_path: Path, models_dir: Path, etcd: EtcdProcess
+) -> AsyncIterator[Callable[..., object]]:
+    made: list[tuple[Registry, EtcdRouteStore]] = []
+
+    async def make(name: str, versions: tuple[str, ...] = ("1.0.0", "2.0.0")) -> EtcdRouteStore:
+        plugins = tmp_path / name
+        for version in versions:
+            write_add_runner(plugins, "add", version, amount=float(version[0]))
+        registry = Registry(plugins, models_dir, drain_timeout=1)
+        await registry.start()
+        store = EtcdRouteStore(
+            registry, Replica(name, f"http://{name}"), EtcdLocation.parse(etcd.url()), lease_ttl_s=2
+        )
+        await store.start()
+        made.append((registry, store))
+        return store
+
+    yield make
+    for registry, store in made:
+        await store.close()
+        await registry.close()
+
+
+def serving(store: EtcdRouteStore, route: str = "add") -> str:
+    return store.registry.routes.resolve(route).variant
+
+
+def spec(entry: dict[str, object], name: str = "add"):  # type: ignore[no-untyped-def]
+    return parse_route(name, entry, "admin")
+
+
+def test_etcd_urls() -> None:
+    loc = EtcdLocation.parse("etcd://a:2379,b:2379/team/models/")
+    assert loc.endpoints == ("http://a:2379", "http://b:2379") and loc.prefix == "/team/models"
+    assert EtcdLocation.parse("etcds://a:1").prefix == "/plugserve"
+    assert EtcdLocation.parse("etcds://a:1").endpoints == ("https://a:1",)
+
+
+async def test_a_write_on_one_replica_is_applied_by_the_other(replicas) -> None:  # type: ignore[no-untyped-def]
+    a, b = await replicas("a"), await replicas("b")
+    assert serving(a) == serving(b) == "add@2.0.0"
+    stored = await a.put(spec({"runner": "add@1.0.0"}))
+    assert stored.source == "etcd" and serving(a) == "add@1.0.0"  # read-your-writes
+    took = await until(lambda: serving(b) == "add@1.0.0")
+    assert took < 1.0
+    assert b.registry.runtime_routes["add"].revision == stored.revision
+    await b.delete("add")
+    await until(lambda: serving(a) == "add@2.0.0")
+    assert "add" not in a.registry.runtime_routes
+
+
+async def test_writes_are_compare_and_swap_on_the_revision(replicas) -> None:  # type: ignore[no-untyped-def]
+    a, b = await replicas("a"), await replicas("b")
+    first = await a.put(spec({"runner": "add@1.0.0"}))
+    await until(lambda: "add" in b.registry.runtime_routes)
+    second = await b.put(spec({"runner": "add@2.0.0"}), if_revision=first.revision)
+    with pytest.raises(Conflict) as refused:
+        await a.put(spec({"runner": "add@1.0.0"}), if_revision=first.revision)
+    assert refused.value.fields["revision"] == second.revision
+    assert refused.value.fields["current"] == {"runner": "add@2.0.0"}
+    with pytest.raises(NotFound):
+        await a.delete("nothing")
+
+
+async def test_a_new_replica_reads_the_table_and_the_fleet_lists_everyone(replicas) -> None:  # type: ignore[no-untyped-def]
+    a = await replicas("a")
+    await a.put(spec({"runner": {"add@1.0.0": 70, "add@2.0.0": 30}}))
+    c = await replicas("c", versions=("1.0.0",))
+    assert (
+        c.ready
+        and c.registry.runtime_routes["add"].variants == a.registry.runtime_routes["add"].variants
+    )
+    # c lacks 2.0.0: all of its traffic goes to 1.0.0.
+    assert {serving(c) for _ in range(200)} == {"add@1.0.0"}
+    await until(lambda: len(a.replicas) == 2)
+    fleet = await a.fleet()
+    ready = {r["id"]: r["ready"] for r in fleet["replicas"]}
+    assert ready == {"a": ["runner/add@1.0.0", "runner/add@2.0.0"], "c": ["runner/add@1.0.0"]}
+    # A replica that stops leaves the fleet at once (its lease is revoked).
+    await c.close()
+    await until(lambda: set(a.replicas) == {"a"})
+
+
+async def test_a_replica_republishes_when_its_versions_change(replicas) -> None:  # type: ignore[no-untyped-def]
+    a = await replicas("a")
+    await a.registry.unload(("runner", "add", "2.0.0"))
+    await until(lambda: a.replicas.get("a", {}).get("ready") == ["runner/add@1.0.0"])
+
+
+async def test_an_outage_keeps_the_table_refuses_writes_and_sync_resumes(
+    replicas, etcd: EtcdProcess
+) -> None:  # type: ignore[no-untyped-def]
+    a, b = await replicas("a"), await replicas("b")
+    await a.put(spec({"runner": "add@1.0.0"}))
+    await until(lambda: serving(b) == "add@1.0.0")
+    etcd.stop()
+    await until(lambda: not a.connected and not b.connected)
+    assert serving(a) == serving(b) == "add@1.0.0"  # the last table keeps serving
+    assert a.ready and a.health()["last_error"]
+    with pytest.raises(Unavailable, match="unreachable"):
+        await a.put(spec({"runner": "add@2.0.0"}))
+    etcd.start()
+    # What changes in etcd right after it returns reaches both, snapshot or watch.
+    client = EtcdClient([etcd.endpoint])
+    await client.put("/plugserve/routes/add", json.dumps({"runner": "add@2.0.0"}).encode())
+    await client.close()
+    await until(lambda: a.connected and b.connected, within=10)
+    await until(lambda: serving(a) == serving(b) == "add@2.0.0")
+    assert a.disconnects == 1
+
+
+async def test_a_bad_entry_written_by_hand_keeps_what_served(replicas, etcd: EtcdProcess) -> None:  # type: ignore[no-untyped-def]
+    a = await replicas("a")
+    await a.put(spec({"runner": "add@1.0.0"}))
+    client = EtcdClient([etcd.endpoint])
+    await client.put("/plugserve/routes/add", b'{"runner": {"add@1.0.0": -5}}')
+    await client.close()
+    await until(lambda: "add" in a.invalid)
+    assert "integer from 0" in a.invalid["add"]["error"]
+    assert serving(a) == "add@1.0.0"
+    # Fixing it through the API is a CAS on the bad entry's revision.
+    await a.put(spec({"runner": "add@2.0.0"}))
+    assert serving(a) == "add@2.0.0" and not a.invalid
