@@ -13,7 +13,7 @@ import re
 import tomllib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -415,7 +415,10 @@ def _entry(spec: RouteSpec, index: _Index) -> RouteEntry:
 
 
 def _weighted_entry(spec: RouteSpec, index: _Index) -> RouteEntry:
-    """Only variants whose chain is ready here take traffic; the rest hand their share on."""
+    """Only variants whose chain is ready here take traffic; the rest hand their share on.
+
+    Zero-weight variants take none, unless no weighted variant is ready here.
+    """
     by_version: dict[str, Chain | _Failure] = {}
     candidates: list[Candidate[Chain]] = []
     failures: list[str] = []
@@ -428,11 +431,16 @@ def _weighted_entry(spec: RouteSpec, index: _Index) -> RouteEntry:
         by_version[chain.runner.version] = chain
         candidates.append(Candidate(variant.label, variant.weight, chain, salt_of(variant.label)))
     choice = WeightedChoice(candidates)
+    if not choice and candidates:
+        # No weighted variant is ready here: rather than fail, the route stays on
+        # the zero-weight versions it has (a rollout at 100 % to a version this
+        # replica lacks leaves it serving what it had), evenly.
+        choice = WeightedChoice([replace(c, weight=1) for c in candidates])
     default: Chain | _Failure
     if choice:
         default = choice.candidates[0].target
     else:
-        why = "; ".join(failures) or "every ready variant has weight 0"
+        why = "; ".join(failures)
         default = _Failure(Unavailable, f"route {spec.name!r}: no variant is ready ({why})")
     known = index.known.get(("runner", spec.runner.name), {})
     return RouteEntry(spec, default, by_version, known, choice)

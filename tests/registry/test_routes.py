@@ -119,3 +119,20 @@ def test_entries_round_trip_through_their_json_shape() -> None:
     assert parse_route("x", {"runner": "a@1.0.0"}, "admin").as_entry() == {"runner": "a@1.0.0"}
     with pytest.raises(RouteSpecError, match="is required"):
         parse_route("x", {"runner": 3}, "admin")
+
+
+async def test_zero_weight_versions_serve_only_when_no_weighted_one_is_ready(
+    plugins_dir: Path, registry: Registry
+) -> None:
+    (plugins_dir / "routes.toml").write_text(
+        '[routes.canary]\nrunner = { "add@1.0.0" = 0, "add@2.0.0" = 100 }\n'
+    )
+    registry.reload_routes_file()
+    assert served(registry, 300) == Counter({"add@2.0.0": 300})
+    await registry.unload(("runner", "add", "2.0.0"))
+    # A full rollout to a version this server lacks leaves it on what it has.
+    assert served(registry, 300) == Counter({"add@1.0.0": 300})
+    shares = {
+        v["runner"]: v["share"] for v in registry.routes.entries["canary"].describe()["variants"]
+    }
+    assert shares == {"add@1.0.0": 1.0, "add@2.0.0": 0.0}

@@ -1,0 +1,135 @@
+"""Three replicas as real subprocesses sharing one route table through a real etcd."""
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.etcd import EtcdProcess
+from tests.helpers import ServerProcess, write_add_runner
+
+X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0, 0, 0, 0]}]}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, models_dir: Path, etcd: EtcdProcess, server) -> list[ServerProcess]:  # type: ignore[no-untyped-def]
+    """Replicas r0 and r1 have add 1.0.0 and 2.0.0; r2 has only 1.0.0. Each its own plugins dir."""
+    procs = []
+    for i, versions in enumerate([("1.0.0", "2.0.0"), ("1.0.0", "2.0.0"), ("1.0.0",)]):
+        plugins = tmp_path / f"plugins{i}"
+        for version in versions:
+            write_add_runner(plugins, "add", version, amount=float(version[0]))
+        args = ["--plugins-dir", str(plugins), "--models-dir", str(models_dir)]
+        args += ["--registry", etcd.url("/fleet-test"), "--replica-id", f"r{i}"]
+        procs.append(server(*args, ready=False))
+    return [p.wait_ready() for p in procs]
+
+
+def infer(replica: ServerProcess, user: str | None = None) -> str:
+    headers = {"X-User-ID": user} if user else {}
+    status, response_headers, body = replica.request("POST", "/v2/models/add/infer", X, headers)
+    assert status == 200, body
+    variant = response_headers["X-Plugserve-Variant"]
+    value = json.loads(body)["outputs"][0]["data"][0]
+    assert value == float(variant.split("@")[1][0])  # the header names what really ran
+    return variant
+
+
+def put(replica: ServerProcess, entry: dict[str, object]) -> tuple[int, dict[str, object]]:
+    status, _, body = replica.request("PUT", "/admin/routes/add", entry)
+    return status, json.loads(body)
+
+
+def until(check: Callable[[], bool], within: float) -> float:
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > within:
+            raise AssertionError(f"not true within {within}s")
+        time.sleep(0.005)
+    return time.monotonic() - started
+
+
+def all_switch(fleet: list[ServerProcess], variant: str) -> list[float]:
+    """Seconds until each replica's requests are served by ``variant`` (real requests)."""
+    started = time.monotonic()
+    times: dict[int, float] = {}
+    while len(times) < len(fleet) and time.monotonic() - started < 5:
+        for i, replica in enumerate(fleet):
+            if i not in times and infer(replica) == variant:
+                times[i] = time.monotonic() - started
+    return [times.get(i, float("inf")) for i in range(len(fleet))]
+
+
+def ready_details(replica: ServerProcess) -> dict[str, object]:
+    status, _, body = replica.request("GET", "/v2/health/ready")
+    assert status == 200, body
+    return json.loads(body)["fleet"]  # type: ignore[no-any-return]
+
+
+def test_a_weight_change_through_one_replica_is_served_by_all_within_a_second(
+    fleet: list[ServerProcess],
+) -> None:
+    status, body = put(
+        fleet[0], {"runner": {"add@1.0.0": 100, "add@2.0.0": 0}, "sticky": "x-user-id"}
+    )
+    assert status == 200, body
+    assert max(all_switch(fleet, "add@1.0.0")) < 1.0
+    # Move every request to 2.0.0 through r1: r0 and r1 follow within a second; r2 lacks
+    # 2.0.0, so its share cannot move there and it keeps serving 1.0.0.
+    status, body = put(
+        fleet[1], {"runner": {"add@1.0.0": 0, "add@2.0.0": 100}, "sticky": "x-user-id"}
+    )
+    assert status == 200, body
+    took = all_switch(fleet[:2], "add@2.0.0")
+    assert max(took) < 1.0, took
+    assert {infer(fleet[2]) for _ in range(50)} == {"add@1.0.0"}
+    # 50/50: r0 and r1 split by the same hash (one user, one variant, on any replica);
+    # r2 never routes to the version it lacks.
+    status, body = put(
+        fleet[2], {"runner": {"add@1.0.0": 50, "add@2.0.0": 50}, "sticky": "x-user-id"}
+    )
+    assert status == 200, body
+    until(
+        lambda: all(
+            r.request("GET", "/admin/routes")[2].count(b'"weight": 50') == 2 for r in fleet
+        ),
+        1.0,
+    )
+    users = [f"user-{i}" for i in range(200)]
+    on_r0 = [infer(fleet[0], u) for u in users]
+    assert on_r0 == [infer(fleet[1], u) for u in users]
+    assert 60 < on_r0.count("add@2.0.0") < 140
+    assert {infer(fleet[2], u) for u in users} == {"add@1.0.0"}
+    # The fleet as any replica sees it.
+    _, _, body_bytes = fleet[2].request("GET", "/admin/fleet")
+    view = json.loads(body_bytes)
+    ready = {r["id"]: r["ready"] for r in view["replicas"]}
+    assert ready == {
+        "r0": ["runner/add@1.0.0", "runner/add@2.0.0"],
+        "r1": ["runner/add@1.0.0", "runner/add@2.0.0"],
+        "r2": ["runner/add@1.0.0"],
+    }
+    assert view["routes"]["add"]["entry"]["runner"] == {"add@1.0.0": 50, "add@2.0.0": 50}
+
+
+def test_losing_etcd_leaves_every_replica_serving_and_sync_resumes_when_it_returns(
+    fleet: list[ServerProcess], etcd: EtcdProcess
+) -> None:
+    assert put(fleet[0], {"runner": "add@1.0.0"})[0] == 200
+    assert max(all_switch(fleet, "add@1.0.0")) < 1.0
+    etcd.stop()
+    until(lambda: all(ready_details(r)["connected"] is False for r in fleet), 5.0)
+    for replica in fleet:
+        assert {infer(replica) for _ in range(30)} == {"add@1.0.0"}  # the last table, still served
+        _, _, metrics = replica.request("GET", "/metrics")
+        assert b"plugserve_fleet_connected 0.0" in metrics
+    status, body = put(fleet[1], {"runner": "add@2.0.0"})
+    assert status == 503 and "unreachable" in str(body["error"])
+    etcd.start()
+    until(lambda: all(ready_details(r)["connected"] is True for r in fleet), 10.0)
+    assert put(fleet[2], {"runner": "add@2.0.0"})[0] == 200
+    assert max(all_switch(fleet[:2], "add@2.0.0")) < 1.0
+    for replica in fleet:
+        assert ready_details(replica)["disconnects"] == 1
