@@ -249,9 +249,12 @@ class RouteEntry:
         A variant whose circuit breaker is rejecting requests hands its share to
         the others (unless every variant is rejecting: then the breaker answers).
         """
-        rejecting = {c.label for c in choice.candidates if c.target.runner.rejecting}
-        if rejecting and len(rejecting) < len(choice.candidates):
-            choice = choice.without(rejecting)
+        for candidate in choice.candidates:
+            if candidate.target.runner.rejecting:  # rare: build the reduced choice only then
+                rejecting = {c.label for c in choice.candidates if c.target.runner.rejecting}
+                if len(rejecting) < len(choice.candidates):
+                    choice = choice.without(rejecting)
+                break
         key = None
         if self.spec.sticky is not None and headers is not None:
             value = headers.get(self.spec.sticky)

@@ -29,17 +29,32 @@ T = TypeVar("T")
 _SCALE = float(1 << 64)
 
 
-def key_score(key: bytes, salt: bytes, weight: float) -> float:
-    """The rendezvous score of ``key`` for the variant salted ``salt``."""
-    digest = blake2b(key, digest_size=8, salt=salt).digest()
+_MASK = (1 << 64) - 1
+
+
+def key_hash(key: bytes) -> int:
+    """A 64-bit hash of a sticky key (the same in every process: no hash seed)."""
+    return int.from_bytes(blake2b(key, digest_size=8).digest(), "big")
+
+
+def key_score(hashed: int, salt: int, weight: float) -> float:
+    """The rendezvous score of a key (``key_hash``) for the variant salted ``salt``.
+
+    ``hashed ^ salt`` goes through splitmix64's finalizer, so each variant sees an
+    independent uniform number for the key.
+    """
+    z = (hashed ^ salt) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    z ^= z >> 31
     # A uniform number in (0, 1): never 0 (log would fail) nor 1 (score would be infinite).
-    unit = (int.from_bytes(digest, "big") + 0.5) / _SCALE
+    unit = (z + 0.5) / _SCALE
     return weight / -math.log(unit)
 
 
-def salt_of(label: str) -> bytes:
+def salt_of(label: str) -> int:
     """A variant's hash salt, from its label (``name@version``): stable across replicas."""
-    return blake2b(label.encode(), digest_size=16).digest()
+    return int.from_bytes(blake2b(label.encode(), digest_size=8).digest(), "big")
 
 
 @dataclass(frozen=True)
@@ -47,7 +62,7 @@ class Candidate(Generic[T]):
     label: str
     weight: int
     target: T
-    salt: bytes
+    salt: int
 
 
 class WeightedChoice(Generic[T]):
@@ -74,7 +89,13 @@ class WeightedChoice(Generic[T]):
             return self.candidates[0]
         if key is None:
             return self.candidates[bisect_right(self._cumulative, random.random() * self._total)]
-        return max(self.candidates, key=lambda c: key_score(key, c.salt, c.weight))
+        hashed = key_hash(key)
+        best, best_score = self.candidates[0], -1.0
+        for candidate in self.candidates:
+            score = key_score(hashed, candidate.salt, candidate.weight)
+            if score > best_score:
+                best, best_score = candidate, score
+        return best
 
     def without(self, excluded: set[str]) -> WeightedChoice[T]:
         """The same choice with some candidates left out (their share goes to the rest)."""
