@@ -4,7 +4,8 @@
     python -m tests.benchmarks.canary fleet [--changes 20]
 
 ``routing``: the cost of choosing a variant on the request path. One server,
-three routes over the same two runner versions: ``plain`` (one runner),
+four routes over the same two runner versions: ``plain`` (one runner),
+``weighted-one`` (sticky weights 100/0: the choosing, one runner serving),
 ``canary`` (90/10 at random) and ``sticky`` (90/10 by an ``X-User-ID`` that
 changes with every request), driven by wrk in interleaved rounds; prints the
 medians and each route's ratio to ``plain``.
@@ -35,6 +36,9 @@ X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0, 0
 ROUTES = """
 [routes.plain]
 runner = "add"
+[routes.weighted-one]
+runner = { "add@2.0.0" = 100, "add@1.0.0" = 0 }
+sticky = "x-user-id"
 [routes.canary]
 runner = { "add@1.0.0" = 90, "add@2.0.0" = 10 }
 [routes.sticky]
@@ -74,7 +78,9 @@ def routing(duration: int, rounds: int, connections: list[int]) -> None:
             "--log-level", "warning", log=root / "server.log",
         ).wait_ready()  # fmt: skip
         try:
-            scripts = {route: lua(root, route) for route in ("plain", "canary", "sticky")}
+            scripts = {
+                route: lua(root, route) for route in ("plain", "weighted-one", "canary", "sticky")
+            }
             results: dict[tuple[str, int], list[Result]] = {}
             for c in connections:
                 for script in scripts.values():

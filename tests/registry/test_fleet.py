@@ -153,3 +153,25 @@ async def test_a_bad_entry_written_by_hand_keeps_what_served(replicas, etcd: Etc
     # Fixing it through the API is a CAS on the bad entry's revision.
     await a.put(spec({"runner": "add@2.0.0"}))
     assert serving(a) == "add@2.0.0" and not a.invalid
+
+
+async def test_a_hung_etcd_is_noticed_by_the_lease_and_left_behind(
+    replicas, etcd: EtcdProcess
+) -> None:  # type: ignore[no-untyped-def]
+    """etcd frozen (SIGSTOP): no connection breaks, so the watch alone would wait forever;
+    the lease keepalive times out and the replica reports the outage, then recovers."""
+    import signal
+
+    a = await replicas("a")
+    await a.put(spec({"runner": "add@1.0.0"}))
+    assert etcd.proc is not None
+    etcd.proc.send_signal(signal.SIGSTOP)
+    try:
+        took = await until(lambda: not a.connected, within=10)
+        assert took < a.lease_ttl_s / 3 + a.client.timeout.total + 1  # type: ignore[operator]
+        assert serving(a) == "add@1.0.0"
+    finally:
+        etcd.proc.send_signal(signal.SIGCONT)
+    await until(lambda: a.connected, within=10)
+    await a.put(spec({"runner": "add@2.0.0"}))
+    assert serving(a) == "add@2.0.0"
