@@ -38,6 +38,11 @@ def test_the_status_page_shows_plugins_routes_and_rates(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
     write_add_runner(plugins_dir, "add", "1.0.0")
+    write_add_runner(plugins_dir, "other", "1.0.0")
+    write_add_runner(plugins_dir, "other", "2.0.0")
+    (plugins_dir / "routes.toml").write_text(
+        '[routes.split]\nrunner = { "other@1.0.0" = 3, "other@2.0.0" = 1 }\n'
+    )
     write_plugin(plugins_dir, "preprocessor", "broken", "0.1.0", files={"plugin.py": "1/0"})
     srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                  env={"PLUGSERVE_ADMIN_TOKEN": "page-token"})  # fmt: skip
@@ -52,7 +57,8 @@ def test_the_status_page_shows_plugins_routes_and_rates(
     assert "ready" in cells
     assert any(c.startswith("failed: ") and "ZeroDivisionError" in c for c in cells)
     assert "3" in cells  # requests served on the route
-    assert re.search(r"version [^ ]+ · up \d+ s · 2 plugin versions · 1 routes", dom)
+    assert "other@1.0.0 75.0% · other@2.0.0 25.0%" in cells  # a weighted route's split
+    assert re.search(r"version [^ ]+ · up \d+ s · 4 plugin versions · 3 routes", dom)
     screenshot = tmp_path / "status.png"
     chromium(tmp_path, "--window-size=1100,600", f"--screenshot={screenshot}", url)
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
