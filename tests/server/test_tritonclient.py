@@ -21,9 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def triton(
+def triton_server(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
-) -> httpclient.InferenceServerClient:
+) -> ServerProcess:
     write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
     write_add_runner(plugins_dir, "add", "2.0.0", amount=2)
     folder = write_plugin(
@@ -38,8 +38,12 @@ def triton(
         folder / "model.onnx",
         {"s": TensorProto.STRING, "h": TensorProto.FLOAT16, "b": TensorProto.BOOL},
     )
-    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
-    client = httpclient.InferenceServerClient(url=f"127.0.0.1:{srv.port}")
+    return server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+
+
+@pytest.fixture
+def triton(triton_server: ServerProcess) -> httpclient.InferenceServerClient:
+    client = httpclient.InferenceServerClient(url=f"127.0.0.1:{triton_server.port}")
     yield client
     client.close()
 
@@ -167,3 +171,26 @@ def test_tritonclient_reads_the_statistics_extension(
     everything = triton.get_inference_statistics()["model_stats"]
     assert {s["name"] for s in everything} >= {"add", "ident"}
     assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "statistics"]
+
+
+def test_a_canary_route_through_tritonclient_headers(
+    triton: httpclient.InferenceServerClient, triton_server: ServerProcess
+) -> None:
+    """A weighted, sticky route set at runtime; tritonclient sends the sticky header and reads
+    the version that served from the response's model_version."""
+    entry = {"runner": {"add@1.0.0": 50, "add@2.0.0": 50}, "sticky": "x-user-id"}
+    assert triton_server.request("PUT", "/admin/routes/add", entry)[0] == 200
+    x = httpclient.InferInput("x", [1, 4], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 4), np.float32), binary_data=True)
+    served = {}
+    for i in range(60):
+        result = triton.infer("add", [x], headers={"X-User-ID": f"user-{i}"})
+        version = result.get_response()["model_version"]
+        assert float(result.as_numpy("y")[0, 0]) == float(version[0])  # what ran is what it says
+        served[f"user-{i}"] = version
+    assert set(served.values()) == {"1.0.0", "2.0.0"}
+    for user, version in list(served.items())[:10]:
+        again = triton.infer("add", [x], headers={"X-User-ID": user}).get_response()[
+            "model_version"
+        ]
+        assert again == version
