@@ -5,14 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until_ok
 
 REQUIRE_ENV = "PLUGSERVE_REQUIRE_ETCD"
 
@@ -59,19 +56,8 @@ class EtcdProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"etcd exited {self.proc.returncode}: {self.log_path.read_text()}"
-                )
-            try:
-                with urllib.request.urlopen(self.endpoint + "/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.05)
-        raise TimeoutError(f"etcd not healthy in {timeout}s: {self.log_path.read_text()}")
+        wait_until_ok(self.proc, self.endpoint + "/health", timeout, self.log_path.read_text)
+        return self
 
     def stop(self) -> None:
         """Kill it, as a crash would."""

@@ -11,6 +11,7 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_until_ok(
+    proc: subprocess.Popen[bytes], url: str, timeout: float, log: Callable[[], str]
+) -> None:
+    """Poll ``url`` until it answers 200; fail with the process's log if it exits or times out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{log()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.05)
+    raise TimeoutError(f"{url} not answering 200 within {timeout}s:\n{log()}")
+
+
 class ServerProcess:
     """``plugserve serve`` as a real subprocess on a free loopback port."""
 
@@ -183,17 +201,8 @@ class ServerProcess:
         )
 
     def wait_ready(self, timeout: float = 30.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.1)
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+        wait_until_ok(self.proc, self.url + "/v2/health/ready", timeout, self.log)
+        return self
 
     def request(
         self,
