@@ -37,6 +37,9 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         ("port = 70000\n", "port must be 0..65535"),
         ("log_format = 'xml'\n", "log_format"),
         ("port = \n", "plugserve.toml"),
+        ("registry = 'redis://x:1'\n", "registry must be 'local' or etcd://"),
+        ("fleet_lease_ttl_s = 1\n", "fleet_lease_ttl_s must be >= 2"),
+        ("fleet_lease_ttl_s = 2.5\n", "fleet_lease_ttl_s must be"),
     ],
 )
 def test_invalid_config_files(tmp_path: Path, text: str, message: str) -> None:
