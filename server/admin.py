@@ -261,7 +261,10 @@ async def profile(request: web.Request) -> web.Response:
             session = profiler.stop()
     if kind == "speedscope":
         return web.Response(
-            text=SpeedscopeRenderer().render(session), content_type="application/json"
+            # Every sample: speedscope filters and zooms itself, and pyinstrument's default
+            # pruning (frames under 1 % of the samples) drops short request paths.
+            text=SpeedscopeRenderer(processor_options={"filter_threshold": 0}).render(session),
+            content_type="application/json",
         )
     return web.Response(text=HTMLRenderer().render(session), content_type="text/html")
 
