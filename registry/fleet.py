@@ -31,7 +31,7 @@ import structlog
 from registry.errors import ConfigError, Conflict, NotFound, Unavailable
 from registry.etcd import EtcdClient, EtcdError, KeyValue, WatchBatch
 from registry.registry import LifecycleEvent, Registry
-from registry.route_store import Replica, RouteStore, _entries
+from registry.route_store import Replica, RouteStore, describe_entries
 from registry.routes import RouteSpec, RouteSpecError, parse_route
 
 log = structlog.get_logger("plugserve.fleet")
@@ -105,6 +105,8 @@ class EtcdRouteStore(RouteStore):
             )
 
     async def close(self) -> None:
+        if self._on_lifecycle in self.registry.listeners:
+            self.registry.listeners.remove(self._on_lifecycle)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -341,7 +343,7 @@ class EtcdRouteStore(RouteStore):
             "stale": not self.connected,
             "replica": self.replica.id,
             "replicas": replicas,
-            "routes": _entries(self.registry.runtime_routes),
+            "routes": describe_entries(self.registry.runtime_routes),
             "invalid": self.invalid,
         }
 

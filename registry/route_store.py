@@ -104,11 +104,12 @@ class RouteStore:
             **self.health(),
             "replica": self.replica.id,
             "replicas": [{**self.replica.describe(self.registry), "self": True}],
-            "routes": _entries(self.registry.runtime_routes),
+            "routes": describe_entries(self.registry.runtime_routes),
         }
 
 
-def _entries(routes: Mapping[str, RouteSpec]) -> dict[str, Any]:
+def describe_entries(routes: Mapping[str, RouteSpec]) -> dict[str, Any]:
+    """Runtime entries as ``GET /admin/fleet`` lists them: entry and revision by route."""
     return {
         name: {"entry": spec.as_entry(), "revision": spec.revision}
         for name, spec in sorted(routes.items())

@@ -233,8 +233,11 @@ class RouteEntry:
         return None
 
     def chain(self, version: str | None, headers: Mapping[str, str] | None = None) -> Chain:
+        """The chain for a request with ``headers``; ``headers`` None (no request to place:
+        metadata, readiness) gives a weighted route's primary variant, the one of highest
+        weight ready here."""
         if version is None:
-            if self.choice:  # a weighted route with a variant ready
+            if self.choice and headers is not None:
                 return self._pick(self.choice, headers)
             target = self.default
         else:
@@ -243,7 +246,7 @@ class RouteEntry:
             raise target.error()
         return target
 
-    def _pick(self, choice: WeightedChoice[Chain], headers: Mapping[str, str] | None) -> Chain:
+    def _pick(self, choice: WeightedChoice[Chain], headers: Mapping[str, str]) -> Chain:
         """A variant for this request: by its sticky key, else at random by weight.
 
         A variant whose circuit breaker is rejecting requests hands its share to
@@ -256,7 +259,7 @@ class RouteEntry:
                     choice = choice.without(rejecting)
                 break
         key = None
-        if self.spec.sticky is not None and headers is not None:
+        if self.spec.sticky is not None:
             value = headers.get(self.spec.sticky)
             key = value.encode() if value else None
         return choice.pick(key).target
@@ -328,8 +331,9 @@ class RouteTable:
     def resolve(
         self, route: str, version: str | None = None, headers: Mapping[str, str] | None = None
     ) -> Chain:
-        """The chain serving ``route`` (``version``: that runner version's; a weighted
-        route picks a variant, by its ``sticky`` header when ``headers`` has it).
+        """The chain serving ``route`` (``version``: that runner version's). A weighted
+        route places a request by its ``headers`` (the ``sticky`` one, else at random);
+        without ``headers`` it gives its primary variant.
 
         Raises :class:`RouteNotFound`, :class:`VersionNotFound` or :class:`Unavailable`.
         """

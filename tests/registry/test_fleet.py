@@ -54,7 +54,7 @@ async def replicas(
 
 
 def serving(store: EtcdRouteStore, route: str = "add") -> str:
-    return store.registry.routes.resolve(route).variant
+    return store.registry.routes.resolve(route, None, {}).variant
 
 
 def spec(entry: dict[str, object], name: str = "add"):  # type: ignore[no-untyped-def]

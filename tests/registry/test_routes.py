@@ -136,3 +136,12 @@ async def test_zero_weight_versions_serve_only_when_no_weighted_one_is_ready(
         v["runner"]: v["share"] for v in registry.routes.entries["canary"].describe()["variants"]
     }
     assert shares == {"add@1.0.0": 1.0, "add@2.0.0": 0.0}
+
+
+async def test_without_a_request_a_weighted_route_gives_its_primary_variant(
+    registry: Registry,
+) -> None:
+    # Metadata and readiness place no request: the highest weight ready, every time.
+    assert {registry.routes.resolve("canary").variant for _ in range(100)} == {"add@1.0.0"}
+    await registry.unload(("runner", "add", "1.0.0"))
+    assert registry.routes.resolve("canary").variant == "add@2.0.0"
