@@ -133,3 +133,28 @@ def test_losing_etcd_leaves_every_replica_serving_and_sync_resumes_when_it_retur
     assert max(all_switch(fleet[:2], "add@2.0.0")) < 1.0
     for replica in fleet:
         assert ready_details(replica)["disconnects"] == 1
+
+
+async def test_a_replica_that_never_read_the_fleet_table_is_not_ready_but_serves(
+    plugins_dir: Path,
+    client,
+    etcd: EtcdProcess,  # type: ignore[no-untyped-def]
+) -> None:
+    import asyncio
+
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    etcd.stop()
+    cli = await client(registry=etcd.url(), fleet_startup_wait_s=0.2)
+    resp = await cli.get("/v2/health/ready")
+    assert resp.status == 503
+    body = await resp.json()
+    assert body["fleet"]["synced"] is False and "unreachable" in body["fleet"]["last_error"]
+    # Inference is not refused meanwhile: the local routes serve.
+    assert (await cli.post("/v2/models/add/infer", json=X)).status == 200
+    etcd.start()
+    for _ in range(200):
+        resp = await cli.get("/v2/health/ready")
+        if resp.status == 200:
+            break
+        await asyncio.sleep(0.05)
+    assert resp.status == 200 and (await resp.json())["fleet"]["connected"] is True
