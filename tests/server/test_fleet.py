@@ -129,8 +129,12 @@ def test_losing_etcd_leaves_every_replica_serving_and_sync_resumes_when_it_retur
     assert status == 503 and "unreachable" in str(body["error"])
     etcd.start()
     until(lambda: all(ready_details(r)["connected"] is True for r in fleet), 10.0)
-    assert put(fleet[2], {"runner": "add@2.0.0"})[0] == 200
+    status, body = put(fleet[2], {"runner": {"add@1.0.0": 0, "add@2.0.0": 100}})
+    assert status == 200, body
     assert max(all_switch(fleet[:2], "add@2.0.0")) < 1.0
+    # r2 applied the same revision; lacking 2.0.0, it stays on 1.0.0.
+    until(lambda: len({ready_details(r)["revision"] for r in fleet}) == 1, 1.0)
+    assert {infer(fleet[2]) for _ in range(20)} == {"add@1.0.0"}
     for replica in fleet:
         assert ready_details(replica)["disconnects"] == 1
 
