@@ -4,6 +4,9 @@ etcd serves the gRPC API as JSON on its client port (keys and values base64,
 64-bit integers as strings). This client covers what fleet mode needs: range
 reads, compare-and-swap transactions, leases and a prefix watch. Several
 endpoints may be given; a request that cannot reach one moves on to the next.
+With a user name, the client authenticates (``/v3/auth/authenticate``), sends
+the token with every request, and authenticates again when etcd says the token
+is no longer valid.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ import aiohttp
 
 class EtcdError(Exception):
     """etcd cannot be reached, or answered with an error."""
+
+
+class EtcdAuthExpired(EtcdError):
+    """etcd no longer accepts the client's token: authenticate again."""
 
 
 class WatchCompacted(EtcdError):
@@ -75,11 +82,20 @@ def _kv(raw: dict[str, Any]) -> KeyValue:
 class EtcdClient:
     """One client per server; ``close()`` it when done."""
 
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        timeout_s: float = 2.0,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is needed")
         self.endpoints = list(endpoints)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=timeout_s)
+        self.username = username
+        self._password = password or ""
+        self._token: str | None = None
         self._session: aiohttp.ClientSession | None = None
         self._current = 0
 
@@ -97,12 +113,26 @@ class EtcdClient:
             await self._session.close()
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST ``body`` to ``/v3/<path>``, trying each endpoint once from the current one."""
+        """POST ``body`` to ``/v3/<path>``; raises :class:`EtcdError` for etcd's errors."""
+        if self.username is not None and self._token is None:
+            await self._authenticate()
+        data = await self._post(path, body)
+        if self.username is not None and _is_auth_error(data):
+            await self._authenticate()  # the token expired (or etcd restarted)
+            data = await self._post(path, body)
+        if "error" in data:
+            raise EtcdError(f"{self.endpoint}/v3/{path}: {data.get('message') or data['error']}")
+        return data
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One POST, trying each endpoint once from the current one."""
         last: Exception | None = None
         for _ in range(len(self.endpoints)):
             url = f"{self.endpoint}/v3/{path}"
             try:
-                async with self._http().post(url, json=body, timeout=self.timeout) as resp:
+                async with self._http().post(
+                    url, json=body, timeout=self.timeout, headers=self._headers()
+                ) as resp:
                     data = await resp.json(content_type=None)
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 last = exc
@@ -110,10 +140,24 @@ class EtcdClient:
                 continue
             if not isinstance(data, dict):
                 raise EtcdError(f"{url}: unexpected answer {data!r}")
-            if resp.status != 200 or "error" in data:
-                raise EtcdError(f"{url}: {data.get('message') or data.get('error') or resp.status}")
+            if resp.status != 200 and "error" not in data:
+                data["error"] = f"HTTP {resp.status}"
             return data
         raise EtcdError(f"etcd unreachable at {', '.join(self.endpoints)}: {last!r}")
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": self._token} if self._token else {}
+
+    async def _authenticate(self) -> None:
+        self._token = None
+        data = await self._post(
+            "auth/authenticate", {"name": self.username, "password": self._password}
+        )
+        if "error" in data or not data.get("token"):
+            raise EtcdError(
+                f"etcd refused user {self.username!r}: {data.get('message') or data.get('error')}"
+            )
+        self._token = str(data["token"])
 
     # -- keys --------------------------------------------------------------------------
 
@@ -193,25 +237,43 @@ class EtcdClient:
             }
         }
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout.connect, sock_read=None)
+        if self.username is not None and self._token is None:
+            await self._authenticate()
         url = f"{self.endpoint}/v3/watch"
         try:
-            async with self._http().post(url, json=body, timeout=timeout) as resp:
+            async with self._http().post(
+                url, json=body, timeout=timeout, headers=self._headers()
+            ) as resp:
                 if resp.status != 200:
-                    raise EtcdError(f"{url}: HTTP {resp.status}")
+                    raise EtcdError(f"{url}: HTTP {resp.status}: {await resp.text()}")
                 async for line in resp.content:
                     if not line.strip():
                         continue
                     batch = _watch_batch(json.loads(line))
                     if batch is not None:
                         yield batch
+        except EtcdAuthExpired:
+            self._token = None  # the next session authenticates again
+            raise
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             self._current = (self._current + 1) % len(self.endpoints)
             raise EtcdError(f"watch on {url} broke: {exc!r}") from None
         raise EtcdError(f"watch on {url} ended")
 
 
+def _is_auth_error(data: dict[str, Any]) -> bool:
+    """etcd's answer to a missing, expired or unknown token (gRPC Unauthenticated, or
+    InvalidArgument "user name is empty" for no token at all)."""
+    message = str(data.get("message") or data.get("error") or "")
+    return "error" in data and (
+        data.get("code") == 16 or "auth token" in message or "user name is empty" in message
+    )
+
+
 def _watch_batch(message: dict[str, Any]) -> WatchBatch | None:
     if "error" in message:
+        if _is_auth_error(message["error"] if isinstance(message["error"], dict) else message):
+            raise EtcdAuthExpired(str(message["error"]))
         raise EtcdError(str(message["error"].get("message", message["error"])))
     result = message.get("result", {})
     if int(result.get("compact_revision", 0)) > 0:

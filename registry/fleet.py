@@ -22,9 +22,9 @@ import contextlib
 import json
 import time
 from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import structlog
 
@@ -41,20 +41,42 @@ DEFAULT_PREFIX = "/plugserve"
 
 @dataclass(frozen=True)
 class EtcdLocation:
-    """``etcd://host:port[,host:port...]/prefix`` (``etcds://`` for TLS)."""
+    """``etcd://[user[:password]@]host:port[,host:port...]/prefix`` (``etcds://``: TLS).
+
+    The password is better given apart from the URL (``PLUGSERVE_ETCD_PASSWORD``);
+    :attr:`shown` is the URL without it, for logs.
+    """
 
     endpoints: tuple[str, ...]
     prefix: str
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     @classmethod
-    def parse(cls, url: str) -> EtcdLocation:
+    def parse(cls, url: str, password: str | None = None) -> EtcdLocation:
         parts = urlsplit(url)
         if parts.scheme not in ("etcd", "etcds") or not parts.netloc:
-            raise ConfigError(f"registry {url!r}: expected etcd://host:port/prefix")
+            raise ConfigError("registry: expected etcd://[user@]host:port[,host:port]/prefix")
+        userinfo, _, hostlist = parts.netloc.rpartition("@")
+        username, _, in_url = userinfo.partition(":")
         http = "https" if parts.scheme == "etcds" else "http"
-        hosts = [h.strip() for h in parts.netloc.split(",") if h.strip()]
+        hosts = [h.strip() for h in hostlist.split(",") if h.strip()]
+        if not hosts:
+            raise ConfigError("registry: no etcd host:port in the URL")
         prefix = "/" + parts.path.strip("/") if parts.path.strip("/") else DEFAULT_PREFIX
-        return cls(tuple(f"{http}://{h}" for h in hosts), prefix)
+        return cls(
+            tuple(f"{http}://{h}" for h in hosts),
+            prefix,
+            unquote(username) or None,
+            password or unquote(in_url) or None,
+        )
+
+    @property
+    def shown(self) -> str:
+        user = f"{self.username}@" if self.username else ""
+        hosts = ",".join(e.split("://", 1)[1] for e in self.endpoints)
+        scheme = "etcds" if self.endpoints[0].startswith("https") else "etcd"
+        return f"{scheme}://{user}{hosts}{self.prefix}"
 
 
 class EtcdRouteStore(RouteStore):
@@ -72,7 +94,9 @@ class EtcdRouteStore(RouteStore):
     ) -> None:
         super().__init__(registry, replica)
         self.location = location
-        self.client = EtcdClient(location.endpoints)
+        self.client = EtcdClient(
+            location.endpoints, username=location.username, password=location.password
+        )
         self.lease_ttl_s = max(2, lease_ttl_s)
         self.startup_wait_s = startup_wait_s
         self.routes_prefix = f"{location.prefix}/routes/"
@@ -125,7 +149,7 @@ class EtcdRouteStore(RouteStore):
     def health(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
-            "endpoints": list(self.location.endpoints),
+            "registry": self.location.shown,
             "prefix": self.location.prefix,
             "connected": self.connected,
             "synced": self.synced.is_set(),

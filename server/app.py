@@ -67,7 +67,7 @@ def route_store(settings: Settings, registry: Registry) -> RouteStore:
     return EtcdRouteStore(
         registry,
         replica,
-        EtcdLocation.parse(settings.registry),
+        EtcdLocation.parse(settings.registry, settings.etcd_password),
         lease_ttl_s=settings.fleet_lease_ttl_s,
         startup_wait_s=settings.fleet_startup_wait_s,
     )

@@ -14,6 +14,7 @@ import structlog
 from aiohttp import web
 
 from registry.errors import ConfigError, PlugserveError
+from registry.fleet import EtcdLocation
 from registry.loader import Loader
 from registry.manager import PluginHost
 from server import __version__
@@ -81,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
         plugins_dir=str(settings.plugins_dir),
         models_dir=str(settings.models_dir),
         admin_token=settings.admin_token is not None,
-        registry=settings.registry,
+        registry=_shown_registry(settings.registry),
         admin_url=f"http://{settings.admin_host or settings.host}:{settings.admin_port}"
         if settings.admin_port
         else None,
@@ -98,6 +99,11 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=1.0,
     )
     return 0
+
+
+def _shown_registry(url: str) -> str:
+    """The registry setting for the log, never with a password in it."""
+    return url if url == "local" else EtcdLocation.parse(url).shown
 
 
 def _sockets(settings: Settings) -> list[socket.socket]:

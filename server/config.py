@@ -16,6 +16,7 @@ from server.codec import Limits
 
 ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
 ADMIN_TOKEN_FILE_ENV = "PLUGSERVE_ADMIN_TOKEN_FILE"
+ETCD_PASSWORD_ENV = "PLUGSERVE_ETCD_PASSWORD"
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -50,6 +51,8 @@ class Settings:
     max_tensor_elements: int = 1 << 26
     registry: str = "local"
     """Where runtime routes live: ``local`` (this process) or ``etcd://host:port/prefix``."""
+    etcd_password: str | None = dataclasses.field(default=None, repr=False)
+    """Fleet mode with etcd authentication: the password of the URL's user."""
     replica_id: str | None = None
     """This replica's name in the fleet; default ``<hostname>:<port>``."""
     fleet_lease_ttl_s: int = 10
@@ -76,7 +79,8 @@ class Settings:
             raise ConfigError(f"admin_port must be 1..65535, not {self.admin_port}")
         if self.registry != "local" and not self.registry.startswith(("etcd://", "etcds://")):
             raise ConfigError(
-                f"registry must be 'local' or etcd://host:port/prefix: {self.registry!r}"
+                "registry must be 'local' or etcd://[user@]host:port/prefix "
+                f"(etcds:// for TLS), not a {self.registry.partition(':')[0]!r} URL"
             )
         if self.fleet_lease_ttl_s < 2 or self.fleet_startup_wait_s < 0:
             raise ConfigError("fleet_lease_ttl_s must be >= 2 and fleet_startup_wait_s >= 0")
@@ -107,6 +111,8 @@ def load_settings(
         values["admin_token_file"] = env[ADMIN_TOKEN_FILE_ENV]
     if env.get(ADMIN_TOKEN_ENV):
         values["admin_token"] = env[ADMIN_TOKEN_ENV]
+    if env.get(ETCD_PASSWORD_ENV):
+        values["etcd_password"] = env[ETCD_PASSWORD_ENV]
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for key in _PATHS & values.keys():
         values[key] = Path(values[key]).expanduser().resolve()

@@ -59,6 +59,25 @@ class EtcdProcess:
         wait_until_ok(self.proc, self.endpoint + "/health", timeout, self.log_path.read_text)
         return self
 
+    def enable_auth(self, user: str, password: str, prefix: str) -> None:
+        """Turn on authentication: ``user`` may read and write ``prefix`` only (etcdctl)."""
+        etcdctl = shutil.which("etcdctl")
+        if etcdctl is None:
+            pytest.skip("etcdctl is not installed (Debian: etcd-client)")
+        commands = [
+            ["user", "add", "root:root-secret"],
+            ["user", "add", f"{user}:{password}"],
+            ["role", "add", "plugserve"],
+            ["role", "grant-permission", "plugserve", "--prefix=true", "readwrite", prefix],
+            ["user", "grant-role", user, "plugserve"],
+            ["auth", "enable"],
+        ]
+        for args in commands:
+            subprocess.run(
+                [etcdctl, f"--endpoints={self.endpoint}", *args],
+                check=True, capture_output=True, env={**os.environ, "ETCDCTL_API": "3"},
+            )  # fmt: skip
+
     def stop(self) -> None:
         """Kill it, as a crash would."""
         if self.proc is not None and self.proc.poll() is None:

@@ -89,3 +89,29 @@ async def test_a_watch_from_a_compacted_revision_says_so(client: EtcdClient) -> 
     with pytest.raises(WatchCompacted):
         async for _ in client.watch("/c/", first):
             pass
+
+
+async def test_with_authentication_the_client_logs_in_and_again_when_its_token_is_lost(
+    etcd: EtcdProcess,
+) -> None:
+    etcd.enable_auth("svc", "s3cret", "/svc/")
+    anonymous = EtcdClient([etcd.endpoint])
+    with pytest.raises(EtcdError, match="user name is empty"):
+        await anonymous.get("/svc/k")
+    await anonymous.close()
+    wrong = EtcdClient([etcd.endpoint], username="svc", password="nope")
+    with pytest.raises(EtcdError, match="refused user 'svc'"):
+        await wrong.get("/svc/k")
+    await wrong.close()
+    client = EtcdClient([etcd.endpoint], username="svc", password="s3cret")
+    try:
+        await client.put("/svc/k", b"v")
+        assert (await client.get("/svc/k")).value == b"v"  # type: ignore[union-attr]
+        with pytest.raises(EtcdError, match="permission denied"):
+            await client.put("/elsewhere", b"v")
+        client._token = "stale.1"  # as after etcd restarted
+        assert (await client.get("/svc/k")).value == b"v"  # type: ignore[union-attr]
+        lease = await client.grant(5)
+        assert await client.keepalive(lease) == 5
+    finally:
+        await client.close()

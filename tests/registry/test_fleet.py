@@ -175,3 +175,26 @@ async def test_a_hung_etcd_is_noticed_by_the_lease_and_left_behind(
     await until(lambda: a.connected, within=10)
     await a.put(spec({"runner": "add@2.0.0"}))
     assert serving(a) == "add@2.0.0"
+
+
+async def test_a_fleet_with_etcd_authentication(
+    tmp_path: Path, models_dir: Path, etcd: EtcdProcess
+) -> None:
+    etcd.enable_auth("plugserve", "pw", "/plugserve/")
+    write_add_runner(tmp_path / "p", "add", "1.0.0")
+    registry = Registry(tmp_path / "p", models_dir, drain_timeout=1)
+    await registry.start()
+    location = EtcdLocation.parse(
+        f"etcd://plugserve@127.0.0.1:{etcd.port}/plugserve", password="pw"
+    )
+    assert "pw" not in location.shown and "pw" not in repr(location)
+    store = EtcdRouteStore(registry, Replica("a", "http://a"), location, lease_ttl_s=2)
+    try:
+        await store.start()
+        assert store.connected
+        await store.put(spec({"runner": "add@1.0.0"}))
+        await until(lambda: "a" in store.replicas)  # its own record, written and watched
+        assert store.registry.routes.resolve("add").variant == "add@1.0.0"
+    finally:
+        await store.close()
+        await registry.close()

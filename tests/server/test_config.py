@@ -51,3 +51,16 @@ def test_invalid_config_files(tmp_path: Path, text: str, message: str) -> None:
 
 def test_token_is_not_in_the_repr() -> None:
     assert "hunter2" not in repr(Settings(admin_token="hunter2"))
+
+
+def test_the_etcd_password_comes_from_the_environment_and_is_never_shown() -> None:
+    from server.cli import _shown_registry
+
+    settings = load_settings(
+        None,
+        {"registry": "etcd://svc@e1:2379,e2:2379/team"},
+        {"PLUGSERVE_ETCD_PASSWORD": "hunter2"},
+    )
+    assert settings.etcd_password == "hunter2" and "hunter2" not in repr(settings)
+    assert _shown_registry("etcds://svc:hunter2@e1:2379/team") == "etcds://svc@e1:2379/team"
+    assert _shown_registry("local") == "local"
