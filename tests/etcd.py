@@ -63,6 +63,10 @@ class EtcdProcess:
         """Turn on authentication: ``user`` may read and write ``prefix`` only (etcdctl)."""
         etcdctl = shutil.which("etcdctl")
         if etcdctl is None:
+            if os.environ.get(REQUIRE_ENV):
+                pytest.fail(
+                    f"{REQUIRE_ENV} is set but etcdctl is missing (apt-get install etcd-client)"
+                )
             pytest.skip("etcdctl is not installed (Debian: etcd-client)")
         commands = [
             ["user", "add", "root:root-secret"],
