@@ -8,15 +8,23 @@ registry its whole runtime layer at once, so every change is one table rebuild.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from registry.errors import Conflict, NotFound
+import structlog
+
+from registry.errors import Conflict, NotFound, Unavailable
 from registry.registry import Registry
-from registry.routes import RouteSpec
+from registry.routes import RouteSpec, RouteSpecError, parse_route
+
+log = structlog.get_logger("plugserve.routes")
 
 
 @dataclass(frozen=True)
@@ -44,17 +52,63 @@ class Replica:
 
 
 class RouteStore:
-    """In-process runtime routes: the default. Changes last until the server stops."""
+    """In-process runtime routes: the default.
+
+    Changes last until the server stops, or, with ``state_file``, across restarts:
+    each change is written there (to a temporary file, then renamed) before it is
+    applied, and the file is read back at start.
+    """
 
     mode = "local"
 
-    def __init__(self, registry: Registry, replica: Replica) -> None:
+    def __init__(
+        self, registry: Registry, replica: Replica, state_file: Path | None = None
+    ) -> None:
         self.registry = registry
         self.replica = replica
+        self.state_file = state_file
         self.revision = 0
 
     async def start(self) -> None:
         """Called once plugins are loaded, before the server takes traffic."""
+        if self.state_file is not None:
+            self.registry.set_runtime_routes(await asyncio.to_thread(self._read_state))
+
+    def _read_state(self) -> dict[str, RouteSpec]:
+        """The saved entries; an unreadable file or entry is logged and left out."""
+        assert self.state_file is not None
+        bound = log.bind(file=str(self.state_file))
+        try:
+            raw = json.loads(self.state_file.read_text(encoding="utf-8"))
+            self.revision = int(raw["revision"])
+            saved = dict(raw["routes"])
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            bound.error("runtime_routes_unreadable", error=repr(exc))
+            return {}
+        routes = {}
+        for name, item in saved.items():
+            try:
+                spec = parse_route(name, item["entry"], "admin")
+                routes[name] = replace(spec, revision=int(item["revision"]))
+            except (RouteSpecError, KeyError, TypeError, ValueError) as exc:
+                bound.error("runtime_route_invalid", route=name, error=str(exc))
+        bound.info("runtime_routes_restored", routes=sorted(routes), revision=self.revision)
+        return routes
+
+    async def _commit(self, routes: dict[str, RouteSpec], revision: int) -> None:
+        """Save (when configured), then apply: a change that cannot be saved is not made."""
+        if self.state_file is not None:
+            state = {"revision": revision, "routes": describe_entries(routes)}
+            try:
+                await asyncio.to_thread(_write_atomically, self.state_file, state)
+            except OSError as exc:
+                raise Unavailable(
+                    f"the route change could not be saved to {self.state_file}: {exc.strerror}"
+                ) from None
+        self.revision = revision
+        self.registry.set_runtime_routes(routes)
 
     async def close(self) -> None:
         """Called at shutdown."""
@@ -65,7 +119,8 @@ class RouteStore:
         return True
 
     def health(self) -> dict[str, Any]:
-        return {"mode": self.mode, "revision": self.revision}
+        saved = None if self.state_file is None else str(self.state_file)
+        return {"mode": self.mode, "revision": self.revision, "state_file": saved}
 
     def current_revision(self, name: str) -> int:
         spec = self.registry.runtime_routes.get(name)
@@ -82,9 +137,9 @@ class RouteStore:
     async def put(self, spec: RouteSpec, if_revision: int | None = None) -> RouteSpec:
         """Set ``spec`` as the runtime entry of its route; returns it with its revision."""
         self._check(spec.name, if_revision)
-        self.revision += 1
-        stored = replace(spec, source="admin", revision=self.revision)
-        self.registry.set_runtime_routes({**self.registry.runtime_routes, spec.name: stored})
+        revision = self.revision + 1
+        stored = replace(spec, source="admin", revision=revision)
+        await self._commit({**self.registry.runtime_routes, spec.name: stored}, revision)
         return stored
 
     async def delete(self, name: str, if_revision: int | None = None) -> int:
@@ -92,10 +147,9 @@ class RouteStore:
         if name not in self.registry.runtime_routes:
             raise NotFound(f"route {name!r} has no runtime entry to delete")
         self._check(name, if_revision)
-        self.revision += 1
         routes = dict(self.registry.runtime_routes)
         del routes[name]
-        self.registry.set_runtime_routes(routes)
+        await self._commit(routes, self.revision + 1)
         return self.revision
 
     async def fleet(self) -> dict[str, Any]:
@@ -114,3 +168,14 @@ def describe_entries(routes: Mapping[str, RouteSpec]) -> dict[str, Any]:
         name: {"entry": spec.as_entry(), "revision": spec.revision}
         for name, spec in sorted(routes.items())
     }
+
+
+def _write_atomically(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` so that a crash leaves the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    with temporary.open("w", encoding="utf-8") as out:
+        json.dump(data, out, indent=2, sort_keys=True)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, path)

@@ -63,7 +63,7 @@ def route_store(settings: Settings, registry: Registry) -> RouteStore:
     """Where runtime route changes live: this process, or etcd in fleet mode."""
     replica = Replica.default(settings.host, settings.port, settings.replica_id)
     if settings.registry == "local":
-        return RouteStore(registry, replica)
+        return RouteStore(registry, replica, settings.runtime_routes_file)
     return EtcdRouteStore(
         registry,
         replica,

@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
         help="where runtime routes live: local (default) or etcd://host:port/prefix (a fleet)",
     )
     serve.add_argument("--replica-id", help="this replica's name in the fleet (<hostname>:<port>)")
+    serve.add_argument(
+        "--runtime-routes-file",
+        type=Path,
+        help="local mode: save runtime route changes here, to survive restarts",
+    )
 
     validate = commands.add_parser(
         "validate", help="load one plugin package as the server would, without a server"
@@ -72,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
         "log_level": args.log_level,
         "registry": args.registry,
         "replica_id": args.replica_id,
+        "runtime_routes_file": args.runtime_routes_file,
     }
     settings = load_settings(args.config, flags)
     configure_logging(settings.log_format, settings.log_level)

@@ -53,6 +53,8 @@ class Settings:
     """Where runtime routes live: ``local`` (this process) or ``etcd://host:port/prefix``."""
     etcd_password: str | None = dataclasses.field(default=None, repr=False)
     """Fleet mode with etcd authentication: the password of the URL's user."""
+    runtime_routes_file: Path | None = None
+    """Local mode: where runtime route changes are saved, to survive restarts."""
     replica_id: str | None = None
     """This replica's name in the fleet; default ``<hostname>:<port>``."""
     fleet_lease_ttl_s: int = 10
@@ -91,7 +93,7 @@ class Settings:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
-_PATHS = {"plugins_dir", "models_dir", "admin_token_file"}
+_PATHS = {"plugins_dir", "models_dir", "admin_token_file", "runtime_routes_file"}
 
 
 def load_settings(

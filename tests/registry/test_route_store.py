@@ -1,10 +1,11 @@
 """The local runtime-route store: revisions, compare-and-swap, one rebuild per change."""
 
+import json
 from pathlib import Path
 
 import pytest
 
-from registry.errors import Conflict, NotFound
+from registry.errors import Conflict, NotFound, Unavailable
 from registry.registry import Registry
 from registry.route_store import Replica, RouteStore
 from registry.routes import parse_route
@@ -51,3 +52,54 @@ async def test_the_fleet_view_is_this_server(store: RouteStore) -> None:
     view = await store.fleet()
     assert view["mode"] == "local" and view["replica"] == "me"
     assert view["replicas"][0]["ready"] == ["runner/add@1.0.0"]
+
+
+async def test_with_a_state_file_changes_survive_a_restart(
+    plugins_dir: Path, models_dir: Path, tmp_path: Path, store: RouteStore
+) -> None:
+    state = tmp_path / "state" / "runtime-routes.json"
+    saving = RouteStore(store.registry, store.replica, state)
+    await saving.start()  # no file yet: nothing to restore
+    await saving.put(parse_route("add", {"runner": {"add@1.0.0": 90, "add@2.0.0": 10}}, "admin"))
+    await saving.put(parse_route("beta", {"runner": "add@2.0.0"}, "admin"))
+    await saving.delete("beta")
+    assert not list(state.parent.glob(".*.tmp"))  # written by rename, nothing left over
+    # A new server on the same file: the same entries at the same revisions.
+    registry = Registry(plugins_dir, models_dir, drain_timeout=1)
+    await registry.start()
+    try:
+        restored = RouteStore(registry, store.replica, state)
+        await restored.start()
+        assert restored.revision == 3
+        [(name, spec)] = registry.runtime_routes.items()
+        assert (name, spec.revision, spec.as_entry()) == (
+            "add",
+            1,
+            {"runner": {"add@1.0.0": 90, "add@2.0.0": 10}},
+        )
+        assert registry.routes.entries["add"].spec.source == "admin"
+    finally:
+        await registry.close()
+
+
+async def test_a_change_that_cannot_be_saved_is_not_made(tmp_path: Path, store: RouteStore) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    saving = RouteStore(store.registry, store.replica, blocker / "routes.json")
+    with pytest.raises(Unavailable, match="could not be saved"):
+        await saving.put(parse_route("add", {"runner": "add@1.0.0"}, "admin"))
+    assert store.registry.runtime_routes == {} and saving.revision == 0
+
+
+async def test_an_unreadable_state_file_starts_empty_and_a_bad_entry_is_left_out(
+    tmp_path: Path, store: RouteStore
+) -> None:
+    state = tmp_path / "routes.json"
+    state.write_text("{not json")
+    await RouteStore(store.registry, store.replica, state).start()
+    assert store.registry.runtime_routes == {}
+    good = {"entry": {"runner": "add@1.0.0"}, "revision": 4}
+    bad = {"entry": {"runner": {"add@1.0.0": -1}}, "revision": 5}
+    state.write_text(json.dumps({"revision": 5, "routes": {"good": good, "bad": bad}}))
+    await RouteStore(store.registry, store.replica, state).start()
+    assert list(store.registry.runtime_routes) == ["good"]

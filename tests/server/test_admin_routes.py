@@ -152,3 +152,20 @@ async def test_fleet_in_local_mode_is_this_server(plugins_dir: Path, client) -> 
     assert fleet["routes"]["add"]["entry"] == {"runner": "add@1.0.0"}
     ready = await (await cli.get("/v2/health/ready")).json()
     assert ready == {"ready": True}
+
+
+def test_runtime_routes_survive_a_restart_with_a_state_file(
+    plugins_dir: Path,
+    models_dir: Path,
+    tmp_path: Path,
+    server,  # type: ignore[no-untyped-def]
+) -> None:
+    two_versions(plugins_dir)
+    args = ["--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir)]
+    args += ["--runtime-routes-file", str(tmp_path / "runtime-routes.json")]
+    first = server(*args)
+    assert first.request("PUT", "/admin/routes/add", {"runner": "add@1.0.0"})[0] == 200
+    first.stop()
+    second = server(*args)
+    status, headers, _ = second.request("POST", "/v2/models/add/infer", X)
+    assert status == 200 and headers["X-Plugserve-Variant"] == "add@1.0.0"
