@@ -1,0 +1,119 @@
+"""Side by side: this checkout against an earlier commit, to tell a regression from noise.
+
+    python -m tests.benchmarks.ab --against 938ba34 [--connections 1 16] [--rounds 5]
+
+Checks the commit out into a temporary git worktree, serves the same small ONNX
+runner from both (each ``plugserve serve`` runs its own code), and drives them
+with wrk in alternation, so both see the same moments of a noisy machine.
+Prints, per concurrency, the median req/s, p50 and server CPU time per request
+(from /proc: steadier than throughput on a shared machine) of each, and the
+req/s ratio.
+Not run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.benchmarks.canary import lua
+from tests.benchmarks.serving import Result, wrk
+from tests.helpers import ROOT, free_port, wait_until_ok, write_add_runner
+
+
+def serve(
+    source: Path, plugins: Path, models: Path, log: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "server", "serve", "--port", str(port),
+        "--plugins-dir", str(plugins), "--models-dir", str(models), "--log-level", "warning",
+    ]  # fmt: skip
+    out = log.open("wb")
+    proc = subprocess.Popen(
+        command, cwd=source, env={**os.environ, "PYTHONPATH": str(source)}, stdout=out, stderr=out
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_until_ok(proc, url + "/v2/health/ready", 60, log.read_text)
+    return proc, url
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--against", required=True, help="the earlier commit (any git revision)")
+    parser.add_argument("--connections", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--duration", type=int, default=4)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        earlier = root / "earlier"
+        subprocess.run(
+            ["git", "worktree", "add", "-q", "--detach", str(earlier), args.against],
+            cwd=ROOT,
+            check=True,
+        )
+        procs = []
+        try:
+            write_add_runner(root / "plugins", "add", "1.0.0")
+            (root / "models").mkdir()
+            servers: dict[str, str] = {}
+            pids: dict[str, int] = {}
+            cpu_per_request: dict[tuple[str, int], list[float]] = {}
+            for name, source in (("this", ROOT), (args.against, earlier)):
+                proc, url = serve(source, root / "plugins", root / "models", root / f"{name}.log")
+                procs.append(proc)
+                servers[name] = url
+                pids[name] = proc.pid
+            script = lua(root, "add")
+            results: dict[tuple[str, int], list[Result]] = {}
+            for c in args.connections:
+                for url in servers.values():
+                    wrk(url, script, c, 1)  # warm up
+                for n in range(args.rounds):
+                    order = list(servers.items()) if n % 2 == 0 else list(reversed(servers.items()))
+                    for name, url in order:
+                        before = cpu_seconds(pids[name])
+                        result = wrk(url, script, c, args.duration)
+                        used = cpu_seconds(pids[name]) - before
+                        results.setdefault((name, c), []).append(result)
+                        requests = result.rps * args.duration
+                        cpu_per_request.setdefault((name, c), []).append(used / requests * 1e6)
+            for c in args.connections:
+                rps = {
+                    name: statistics.median(r.rps for r in results[(name, c)]) for name in servers
+                }
+                p50 = {
+                    name: statistics.median(r.p50_ms for r in results[(name, c)])
+                    for name in servers
+                }
+                cpu = {n: statistics.median(cpu_per_request[(n, c)]) for n in servers}
+                shown = " | ".join(
+                    f"{n}: {rps[n]:.0f} req/s, p50 {p50[n]:.2f} ms, {cpu[n]:.0f} CPU µs/request"
+                    for n in servers
+                )
+                print(f"c={c}: {shown} | this/{args.against} {rps['this'] / rps[args.against]:.3f}")
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait()
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(earlier)], cwd=ROOT, check=False
+            )
+
+
+if __name__ == "__main__":
+    main()
