@@ -14,15 +14,15 @@ from tests.helpers import free_port, wait_until_ok
 REQUIRE_ENV = "PLUGSERVE_REQUIRE_ETCD"
 
 
-def etcd_binary() -> str:
-    """The etcd binary; skips the test where there is none, unless CI says it must be there."""
-    found = shutil.which("etcd")
+def required_tool(name: str, package: str) -> str:
+    """The path of ``name``; skips the test where it is missing, unless CI says it must be
+    there (``PLUGSERVE_REQUIRE_ETCD``), which fails it instead."""
+    found = shutil.which(name)
     if found is None:
+        missing = f"{name} is not installed (Debian: apt-get install {package})"
         if os.environ.get(REQUIRE_ENV):
-            pytest.fail(
-                f"{REQUIRE_ENV} is set but no etcd is installed (apt-get install etcd-server)"
-            )
-        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
+            pytest.fail(f"{REQUIRE_ENV} is set but {missing}")
+        pytest.skip(missing)
     return found
 
 
@@ -31,7 +31,7 @@ class EtcdProcess:
     on the same port with the same data."""
 
     def __init__(self, data_dir: Path) -> None:
-        self.binary = etcd_binary()
+        self.binary = required_tool("etcd", "etcd-server")
         self.data_dir = data_dir
         self.port, self.peer_port = free_port(), free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -61,13 +61,7 @@ class EtcdProcess:
 
     def enable_auth(self, user: str, password: str, prefix: str) -> None:
         """Turn on authentication: ``user`` may read and write ``prefix`` only (etcdctl)."""
-        etcdctl = shutil.which("etcdctl")
-        if etcdctl is None:
-            if os.environ.get(REQUIRE_ENV):
-                pytest.fail(
-                    f"{REQUIRE_ENV} is set but etcdctl is missing (apt-get install etcd-client)"
-                )
-            pytest.skip("etcdctl is not installed (Debian: etcd-client)")
+        etcdctl = required_tool("etcdctl", "etcd-client")
         commands = [
             ["user", "add", "root:root-secret"],
             ["user", "add", f"{user}:{password}"],
