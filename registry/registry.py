@@ -20,7 +20,7 @@ from typing import Any, Literal
 import structlog
 
 from registry.components import LoadedPlugin
-from registry.errors import NotFound, PluginLoadError, PlugserveError, RoutesFileError
+from registry.errors import NotFound, PluginLoadError, PlugserveError, RoutesFileError, Unavailable
 from registry.fingerprint import Fingerprinter, walk
 from registry.loader import Loader
 from registry.manager import PluginHost
@@ -102,6 +102,8 @@ class Registry:
         self.listeners: list[Callable[[LifecycleEvent], None]] = []
         self.buckets: dict[str, TokenBucket] = {}
         self.started = False
+        # Watched folders that went missing (path: since, epoch s); the watcher keeps it.
+        self.lost_roots: dict[Path, float] = {}
 
     @property
     def routes_file(self) -> Path:
@@ -139,8 +141,14 @@ class Registry:
 
         Plugins with a module load first: one may provide a backend that a
         declarative runner uses. ``force`` reloads unchanged versions too
-        (versions unloaded through the admin API stay unloaded).
+        (versions unloaded through the admin API stay unloaded). While the
+        plugins dir is missing (being replaced), what is loaded stays: 503.
         """
+        if self.records and not self.plugins_dir.is_dir():
+            raise Unavailable(
+                f"the plugins dir {self.plugins_dir} is missing: nothing rescanned, "
+                "what is loaded keeps serving until it is back"
+            )
         report = SyncReport()
         report.routes_file = self.sync_routes_file()
         folders = self.discover()

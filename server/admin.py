@@ -225,6 +225,13 @@ async def status(request: web.Request) -> web.Response:
             "routes": registry.routes.describe(),
             "requests": request.app[METRICS].requests_by_route(),
             "fleet": request.app[ROUTE_STORE].health(),
+            "watch": {
+                "enabled": request.app[SETTINGS].watch,
+                "lost": [
+                    {"path": str(path), "since": since}
+                    for path, since in sorted(registry.lost_roots.items())
+                ],
+            },
         }
     )
 

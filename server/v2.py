@@ -33,6 +33,13 @@ async def ready(request: web.Request) -> web.Response:
         raise Unavailable("the server is starting: plugins are still loading")
     if request.app[DRAIN].draining:
         raise Unavailable("the server is shutting down")
+    lost = request.app[REGISTRY].lost_roots
+    if lost:
+        # Loaded versions keep serving; what the folder will hold is unknown until it is back.
+        raise Unavailable(
+            "watched folder missing: " + ", ".join(sorted(str(p) for p in lost)),
+            missing=sorted(str(p) for p in lost),
+        )
     store = request.app[ROUTE_STORE]
     if store.mode == "local":
         return web.json_response({"ready": True})
