@@ -117,7 +117,8 @@ def load_settings(
         values["etcd_password"] = env[ETCD_PASSWORD_ENV]
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for key in _PATHS & values.keys():
-        values[key] = Path(values[key]).expanduser().resolve()
+        # Absolute, but symlinks kept: the watcher follows a folder's symlink swap.
+        values[key] = Path(os.path.abspath(Path(values[key]).expanduser()))
     if values.get("admin_token_file") and not values.get("admin_token"):
         values["admin_token"] = _read_token(Path(values["admin_token_file"]))
     try:

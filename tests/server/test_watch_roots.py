@@ -137,3 +137,23 @@ def test_a_folder_missing_at_start_is_watched_once_it_appears(
     assert y(srv) == 2.0
     add_model(models_dir / "add" / "1" / "model.onnx", amount=5)
     until(lambda: y(srv) == 5.0)
+
+
+def test_a_symlinked_plugins_dir_swapped_to_a_new_release_is_rescanned(
+    tmp_path: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """issue 12, finding 17 (its class): ``ln -sfn releases/2 plugins``, the atomic swap."""
+    one, two = tmp_path / "releases" / "1", tmp_path / "releases" / "2"
+    write_tagger(one, "1.0.0", "one")
+    write_tagger(two, "1.0.0", "two")
+    link = tmp_path / "current"
+    link.symlink_to(one)
+    srv = server("--plugins-dir", str(link), "--models-dir", str(tmp_path / "models"))
+    assert tag(srv) == (200, "one")
+    swap = tmp_path / ".current.tmp"
+    swap.symlink_to(two)
+    swap.replace(link)
+    until(lambda: tag(srv) == (200, "two"))
+    drop(link, "2.0.0", "two-later")
+    until(lambda: tag(srv) == (200, "two-later"))
+    assert readiness(srv)[0] == 200
