@@ -1,14 +1,22 @@
 """Soak: minutes of mixed load while plugins reload every few seconds, plus faulty requests.
 
-    python -m tests.benchmarks.soak [--minutes 3] [--clients 4] [--reload-every 3]
+    python -m tests.benchmarks.soak [--minutes 3] [--clients 4] [--reload-every 3] [--hostile]
 
 Starts ``plugserve serve`` on a temporary plugins folder (an ONNX runner behind a
-preprocessor, and a Python runner), drives it from several client threads over
-keep-alive connections (v2 JSON, v2 binary, /predict), sends a few faulty requests
-on purpose (malformed JSON, unknown routes, wrong shapes), and meanwhile adds,
-edits and deletes plugin versions every few seconds. Prints requests served,
-answers by status (expected and unexpected), and the server's memory at start
-and end. Target: zero unexpected answers, flat memory. Not run by CI.
+preprocessor, a Python runner, an ONNX runner with a STRING input and a slow
+Python runner with a bounded queue), drives it from several client threads over
+keep-alive connections (v2 JSON, v2 binary, v2 BYTES, /predict), sends a few
+faulty requests on purpose (malformed JSON, unknown routes, wrong shapes: the
+expected-failure bucket), and meanwhile adds, edits and deletes plugin versions
+every few seconds. ``--hostile`` adds the hostile mix of
+``tests/benchmarks/hostile.py`` beside the same good traffic (gzip bombs,
+half-open and slow-body connections, clients hanging up mid-queue, non-UTF-8
+BYTES, malformed binary headers, huge JSON), so that two runs, with and without
+it, compare good-request latency. Prints every good request's status (target:
+all 200), good-request p50/p99 by kind, the expected-failure bucket, hostile
+attempts by outcome, and the server's RSS, open file descriptors and threads
+sampled over the run (target: flat). Exits 1 if a good request failed or a
+faulty one got an answer other than its expected one. Not run by CI.
 """
 
 from __future__ import annotations
@@ -16,18 +24,29 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import random
 import shutil
-import statistics
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from onnx import TensorProto
 
-from tests.helpers import ServerProcess, add_model, rss_mib, write_plugin, write_processor
+from tests.benchmarks import hostile
+from tests.helpers import (
+    ServerProcess,
+    add_model,
+    identity_model,
+    rss_mib,
+    write_plugin,
+    write_processor,
+)
 
 ECHO = """
 import numpy as np
@@ -45,37 +64,109 @@ def plugserve_create_component(plugin, config):
     return Echo(config["tag"])
 """
 
+SLOW = """
+import asyncio
+import numpy as np
+import pluggy
+hookimpl = pluggy.HookimplMarker("plugserve")
 
-def requests_for(rng: random.Random) -> tuple[str, str, bytes, dict[str, str], set[int]]:
-    """One request: method, path, body, headers, the statuses that count as expected."""
+class Slow:
+    async def infer(self, inputs):
+        await asyncio.sleep(0.2)
+        return {"y": np.asarray(inputs["x"])}
+
+@hookimpl
+def plugserve_create_component(plugin, config):
+    return Slow()
+"""
+
+Request = tuple[str, str, bytes, dict[str, str], set[int]]
+
+
+def requests_for(rng: random.Random) -> tuple[str, Request]:
+    """One request and its kind: method, path, body, headers, the statuses that count as expected.
+
+    Good requests expect 200 and nothing else; the faulty ones (2 % each) form the
+    expected-failure bucket.
+    """
     x = [rng.random() for _ in range(4)]
     roll = rng.random()
     if roll < 0.02:
-        return "POST", "/v2/models/add/infer", b"{oops", {}, {400}
+        return "malformed JSON", ("POST", "/v2/models/add/infer", b"{oops", {}, {400})
     if roll < 0.04:
-        return "POST", "/v2/models/nope/infer", json.dumps({"inputs": []}).encode(), {}, {400, 404}
+        body = json.dumps({"inputs": []}).encode()
+        return "unknown route", ("POST", "/v2/models/nope/infer", body, {}, {400, 404})
     if roll < 0.06:
         bad = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": x[:3]}]}
-        return "POST", "/v2/models/add/infer", json.dumps(bad).encode(), {}, {400}
-    if roll < 0.45:
-        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": x}]}
-        return "POST", "/v2/models/add/infer", json.dumps(body).encode(), {}, {200}
-    if roll < 0.7:
+        return "wrong shape", ("POST", "/v2/models/add/infer", json.dumps(bad).encode(), {}, {400})
+    if roll < 0.40:
+        doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": x}]}
+        return "v2 JSON", ("POST", "/v2/models/add/infer", json.dumps(doc).encode(), {}, {200})
+    if roll < 0.62:
         raw = np.array([x], np.float32).tobytes()
-        header = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
-                                         "parameters": {"binary_data_size": len(raw)}}]}).encode()  # fmt: skip
-        headers = {"Inference-Header-Content-Length": str(len(header))}
-        return "POST", "/v2/models/add/infer", header + raw, headers, {200}
+        inputs = [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                   "parameters": {"binary_data_size": len(raw)}}]  # fmt: skip
+        body, headers = hostile.binary_request(inputs, raw)
+        return "v2 binary", ("POST", "/v2/models/add/infer", body, headers, {200})
+    if roll < 0.80:
+        blob = hostile.bytes_elements(f"good {roll:.6f}".encode())
+        inputs = [{"name": "in_s", "datatype": "BYTES", "shape": [1, 1],
+                   "parameters": {"binary_data_size": len(blob)}}]  # fmt: skip
+        body, headers = hostile.binary_request(inputs, blob)
+        return "v2 BYTES", ("POST", "/v2/models/strings/infer", body, headers, {200})
     body = json.dumps({"x": [x]}).encode()
-    return "POST", "/predict/echo", body, {"Content-Type": "application/json"}, {200}
+    return "predict echo", ("POST", "/predict/echo", body, {}, {200})
 
 
-def client(port: int, stop: threading.Event, seed: int, answers: Counter[tuple[int, bool]],
-           latencies: list[float]) -> None:  # fmt: skip
+SLOW_KIND = "predict slow"
+
+
+def slow_request(rng: random.Random) -> tuple[str, Request]:
+    """A good request to the slow runner (0.2 s, one at a time, a bounded queue)."""
+    body = json.dumps({"x": [[rng.random()]]}).encode()
+    return SLOW_KIND, ("POST", "/predict/slow", body, {}, {200})
+
+
+@dataclass
+class Answers:
+    """Every answer the soak's clients got, by kind and status, and good-request latencies."""
+
+    counts: Counter[tuple[str, int, bool]] = field(default_factory=Counter)
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, status: int, expected: set[int], seconds: float) -> None:
+        with self.lock:
+            self.counts[(kind, status, status in expected)] += 1
+            if expected == {200}:
+                self.latencies[kind].append(seconds)
+
+    def good(self) -> Counter[int]:
+        statuses: Counter[int] = Counter()
+        for (kind, status, _), n in self.counts.items():
+            if kind in self.latencies:
+                statuses[status] += n
+        return statuses
+
+    def faulty(self) -> dict[str, dict[str, int]]:
+        table: dict[str, dict[str, int]] = {}
+        for (kind, status, ok), n in sorted(self.counts.items()):
+            if kind not in self.latencies:
+                table.setdefault(kind, {})[f"{status}{'' if ok else ' (unexpected)'}"] = n
+        return table
+
+    def failed(self) -> int:
+        return sum(n for (_, _, ok), n in self.counts.items() if not ok)
+
+
+def client(port: int, stop: threading.Event, seed: int, answers: Answers,
+           make: Callable[[random.Random], tuple[str, Request]] = requests_for,
+           pause_s: float = 0.0) -> None:  # fmt: skip
+    """Send ``make``'s requests over one keep-alive connection until stopped."""
     rng = random.Random(seed)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    while not stop.is_set():
-        method, path, body, headers, expected = requests_for(rng)
+    while not stop.wait(pause_s):
+        kind, (method, path, body, headers, expected) = make(rng)
         started = time.perf_counter()
         try:
             conn.request(method, path, body, {"Content-Type": "application/json", **headers})
@@ -86,8 +177,8 @@ def client(port: int, stop: threading.Event, seed: int, answers: Counter[tuple[i
             status = -1
             conn.close()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        latencies.append(time.perf_counter() - started)
-        answers[(status, status in expected)] += 1
+        answers.add(kind, status, expected, time.perf_counter() - started)
+    conn.close()
 
 
 def churn(plugins: Path, stop: threading.Event, every: float, log: list[str]) -> None:
@@ -107,60 +198,159 @@ def churn(plugins: Path, stop: threading.Event, every: float, log: list[str]) ->
         log.append(f"scale@{version}.0.0 added, echo edited to v{version}")
 
 
+@dataclass(frozen=True)
+class Sample:
+    """The server process at one moment: seconds since the soak began, RSS, fds, threads."""
+
+    at_s: float
+    rss_mib: float
+    fds: int
+    threads: int
+
+    @classmethod
+    def take(cls, pid: int, began: float) -> Sample:
+        status = Path(f"/proc/{pid}/status").read_text()
+        threads = next(int(line.split()[1]) for line in status.splitlines()
+                       if line.startswith("Threads:"))  # fmt: skip
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        return cls(time.monotonic() - began, rss_mib(pid), fds, threads)
+
+
+def write_plugins(plugins: Path) -> None:
+    """The soak's plugins: add (behind scale), echo, strings and slow."""
+    write_processor(plugins, "preprocessor", "scale", "1.0.0", 0)
+    folder = write_plugin(plugins, "runner", "add", "1.0.0",
+                          '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\nmax_batch_size = 16\n'
+                          'intra_op_threads = 1\n[route]\npreprocess = ["scale"]\n', module=None)  # fmt: skip
+    add_model(folder / "model.onnx")
+    write_plugin(plugins, "runner", "echo", "1.0.0", '[config]\ntag = "v1"\n[runner]\nmax_batch_size = 8\n',
+                 {"plugin.py": ECHO})  # fmt: skip
+    folder = write_plugin(plugins, "runner", "strings", "1.0.0",
+                          '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\nmax_batch_size = 8\n'
+                          'intra_op_threads = 1\n', module=None)  # fmt: skip
+    identity_model(folder / "model.onnx", {"s": TensorProto.STRING}, ["N", 1])
+    write_plugin(plugins, "runner", "slow", "1.0.0",
+                 "[runner]\nmax_batch_size = 0\ninstances = 1\nmax_queue_size = 32\n",
+                 {"plugin.py": SLOW})  # fmt: skip
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--reload-every", type=float, default=3.0)
+    parser.add_argument("--hostile", action="store_true", help="add the hostile mix")
+    parser.add_argument("--half-open", type=int, default=hostile.Mix.half_open,
+                        help="hostile connections held with unfinished headers")  # fmt: skip
     args = parser.parse_args()
+    answers, outcomes = Answers(), hostile.Outcomes()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         plugins, models = root / "plugins", root / "models"
         models.mkdir()
-        write_processor(plugins, "preprocessor", "scale", "1.0.0", 0)
-        folder = write_plugin(plugins, "runner", "add", "1.0.0",
-                              '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\nmax_batch_size = 16\n'
-                              'intra_op_threads = 1\n[route]\npreprocess = ["scale"]\n', module=None)  # fmt: skip
-        add_model(folder / "model.onnx")
-        write_plugin(plugins, "runner", "echo", "1.0.0", '[config]\ntag = "v1"\n[runner]\nmax_batch_size = 8\n',
-                     {"plugin.py": ECHO})  # fmt: skip
+        write_plugins(plugins)
         server = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models),
                                "--log-level", "warning", log=root / "server.log")  # fmt: skip
-        server.wait_ready()
-        stop = threading.Event()
-        answers: Counter[tuple[int, bool]] = Counter()
-        latencies: list[float] = []
-        threads = [threading.Thread(target=client, args=(server.port, stop, i, answers, latencies))
-                   for i in range(args.clients)]  # fmt: skip
-        for t in threads:
-            t.start()
-        time.sleep(10)  # warm up before the first memory reading
-        start_rss = rss_mib(server.proc.pid)
-        churn_log: list[str] = []
-        churner = threading.Thread(target=churn, args=(plugins, stop, args.reload_every, churn_log))
-        churner.start()
-        samples = [start_rss]
-        deadline = time.monotonic() + args.minutes * 60
-        while time.monotonic() < deadline:
-            time.sleep(min(30, max(0.0, deadline - time.monotonic())))
-            samples.append(rss_mib(server.proc.pid))
-        stop.set()
-        for t in [*threads, churner]:
-            t.join(30)
-        end_rss = rss_mib(server.proc.pid)
-        server.stop()
-    served = sum(answers.values())
-    unexpected = {status: n for (status, ok), n in answers.items() if not ok}
-    expected = {status: n for (status, ok), n in answers.items() if ok}
-    print(f"soak: {args.minutes:g} min, {args.clients} clients, a reload every {args.reload_every:g} s "
-          f"({len(churn_log)} rounds: a version added, one edited, one deleted)")  # fmt: skip
-    print(f"requests answered: {served}  ({served / (args.minutes * 60 + 10):.0f}/s), "
-          f"p50 {statistics.median(latencies) * 1000:.2f} ms")  # fmt: skip
-    print(f"expected answers by status: {dict(sorted(expected.items()))}")
-    print(f"unexpected answers by status: {dict(sorted(unexpected.items())) or 'none'}")
-    print(f"server RSS: start {start_rss:.1f} MiB, end {end_rss:.1f} MiB, samples "
-          + ", ".join(f"{s:.1f}" for s in samples))  # fmt: skip
-    raise SystemExit(1 if unexpected else 0)
+        try:
+            server.wait_ready()
+            samples, churn_log = soak(server, plugins, args, answers, outcomes)
+        finally:
+            code = server.stop()
+        log_lines = server.log().splitlines()
+    report(args, answers, outcomes, samples, churn_log, code, log_lines)
+    raise SystemExit(1 if answers.failed() else 0)
+
+
+def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers: Answers,
+         outcomes: hostile.Outcomes) -> tuple[list[tuple[str, Sample]], list[str]]:  # fmt: skip
+    """Run the load, the churn and (with ``--hostile``) the hostile mix; sample the server."""
+    pid, began = server.proc.pid, time.monotonic()
+    stop, hostile_stop = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=client, args=(server.port, stop, i, answers), daemon=True)
+               for i in range(args.clients)]  # fmt: skip
+    # One client of the slow route, on its own: its queue is what the hang-ups target.
+    threads.append(threading.Thread(target=client, daemon=True,
+                                    args=(server.port, stop, -1, answers, slow_request, 0.5)))  # fmt: skip
+    for t in threads:
+        t.start()
+    time.sleep(10)  # warm up before the first reading
+    samples = [("start", Sample.take(pid, began))]
+    churn_log: list[str] = []
+    churner = threading.Thread(target=churn, args=(plugins, stop, args.reload_every, churn_log),
+                               daemon=True)  # fmt: skip
+    churner.start()
+    if args.hostile:
+        mix = hostile.Mix(half_open=args.half_open)
+        threads += hostile.start(server.port, hostile_stop, outcomes, mix)
+    deadline = time.monotonic() + args.minutes * 60
+    every = max(5.0, args.minutes * 60 / 8)
+    while time.monotonic() < deadline:
+        time.sleep(min(every, max(0.0, deadline - time.monotonic())))
+        if server.proc.poll() is not None:
+            samples.append(("server exited", Sample(time.monotonic() - began, 0, 0, 0)))
+            break
+        samples.append(("during", Sample.take(pid, began)))
+    hostile_stop.set()
+    stop.set()
+    for t in [*threads, churner]:
+        t.join(70)
+    hung = [t.name for t in [*threads, churner] if t.is_alive()]
+    if hung:
+        print(f"threads still running after the stop: {hung}")
+    time.sleep(3)  # let the server close what the clients closed
+    if server.proc.poll() is None:
+        samples.append(("after (3 s)", Sample.take(pid, began)))
+    return samples, churn_log
+
+
+def report(args: argparse.Namespace, answers: Answers, outcomes: hostile.Outcomes,
+           samples: list[tuple[str, Sample]], churn_log: list[str], code: int,
+           log_lines: list[str]) -> None:  # fmt: skip
+    good = answers.good()
+    served = sum(answers.counts.values())
+    mode = "WITH the hostile mix" if args.hostile else "good traffic only (no --hostile)"
+    print(f"soak: {args.minutes:g} min, {args.clients} clients, {mode}, a reload every "
+          f"{args.reload_every:g} s ({len(churn_log)} rounds: a version added, one edited, one deleted)")  # fmt: skip
+    print(f"requests answered: {served} ({served / (args.minutes * 60 + 10):.0f}/s)")
+    bad = sum(n for status, n in good.items() if status != 200)
+    verdict = "all 200" if not bad else f"{bad} NOT 200"
+    print(f"good requests: {sum(good.values())}, by status {dict(sorted(good.items()))}: {verdict}")
+    every = [s for kind, values in answers.latencies.items() if kind != SLOW_KIND for s in values]
+    print(f"good-request latency (all but {SLOW_KIND}): p50 {percentile(every, 0.5) * 1000:.2f} ms, "
+          f"p99 {percentile(every, 0.99) * 1000:.2f} ms, max {max(every, default=0) * 1000:.0f} ms")  # fmt: skip
+    for kind, values in sorted(answers.latencies.items()):
+        statuses = {s: n for (k, s, _), n in answers.counts.items() if k == kind}
+        print(f"  {kind:<14} n={len(values):<7} p50 {percentile(values, 0.5) * 1000:8.2f} ms  "
+              f"p99 {percentile(values, 0.99) * 1000:8.2f} ms  statuses {dict(sorted(statuses.items()))}")  # fmt: skip
+    print("expected-failure bucket (deliberately faulty requests):")
+    for kind, answered in answers.faulty().items():
+        print(f"  {kind:<14} {answered}")
+    if args.hostile:
+        print(
+            "hostile attempts by outcome (status and time to answer, or what the connection got):"
+        )
+        suspect: Counter[str] = Counter()
+        for kind, table in outcomes.by_kind().items():
+            print(f"  {kind}: " + ", ".join(f"{o}: {n}" for o, n in table.items()))
+            for outcome, n in table.items():
+                if outcome.startswith(("5", "timeout", "reset", "still held")):
+                    suspect[outcome.split(" ")[0]] += n
+        print(f"hostile attempts a hardened server should not give (5xx, timeout, reset, "
+              f"held to the end): {dict(suspect) or 'none'}")  # fmt: skip
+    print("server process (RSS MiB / open fds / threads):")
+    for label, sample in samples:
+        print(f"  {sample.at_s:7.1f} s  {label:<14} {sample.rss_mib:8.1f}  {sample.fds:6d}  "
+              f"{sample.threads:4d}")  # fmt: skip
+    levels = Counter(word for line in log_lines for word in ("[error", "[critical", "Traceback")
+                     if word in line)  # fmt: skip
+    print(f"server exit code {code}; log: {len(log_lines)} lines, {dict(levels) or 'no errors'}")
+    print(f"good requests failed: {bad}; faulty requests answered unexpectedly: "
+          f"{answers.failed() - bad}")  # fmt: skip
 
 
 if __name__ == "__main__":
