@@ -1,13 +1,18 @@
-"""Which changed paths the watcher acts on, and what fingerprints see as a change."""
+"""Which changed paths the watcher acts on, what fingerprints see as a change, lost roots."""
 
+import asyncio
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from registry.errors import Unavailable
 from registry.fingerprint import Fingerprinter
 from registry.registry import Registry
 from registry.watcher import Watcher
+from tests.helpers import write_processor
 
 
 @pytest.fixture
@@ -71,3 +76,59 @@ def test_extra_files_count_and_missing_ones_differ(tmp_path: Path) -> None:
     model.unlink()
     assert fp.file(model) == "missing"
     fp.forget(tmp_path)
+
+
+async def until(check: Callable[[], object]) -> None:
+    for _ in range(500):  # 10 s
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in 10 s")
+
+
+async def test_a_lost_root_is_recorded_kept_serving_and_rescanned_when_back(
+    plugins_dir: Path, models_dir: Path, tmp_path: Path
+) -> None:
+    """issue 12, finding 17: the watcher notices its folder removed, then replaced."""
+    write_processor(plugins_dir, "preprocessor", "scale", "1.0.0", 1)
+    registry = Registry(plugins_dir, models_dir)
+    await registry.start()
+    watcher = Watcher(registry, debounce_s=0.05, poll_s=0.05)
+    task = asyncio.create_task(watcher.run())
+    try:
+        await asyncio.sleep(0.2)
+        shutil.rmtree(plugins_dir)
+        await until(lambda: plugins_dir in registry.lost_roots)
+        await asyncio.sleep(0.3)  # the deletion events fired meanwhile: nothing unloaded
+        assert [r.label for r in registry.plugins()] == ["preprocessor/scale@1.0.0"]
+        with pytest.raises(Unavailable, match="missing"):
+            await registry.sync()
+        write_processor(plugins_dir, "preprocessor", "scale", "2.0.0", 2)
+        await until(lambda: not registry.lost_roots)
+        await until(lambda: [r.label for r in registry.plugins()] == ["preprocessor/scale@2.0.0"])
+        write_processor(plugins_dir, "preprocessor", "scale", "3.0.0", 3)  # watched again
+        await until(lambda: len(registry.plugins()) == 2)
+    finally:
+        watcher.stop.set()
+        await asyncio.wait_for(task, 5)
+        await registry.close()
+
+
+async def test_a_root_missing_at_start_is_not_lost_and_a_rescan_starts_empty(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    """issue 12, finding 17 (its class): only a folder that was there counts as lost."""
+    registry = Registry(tmp_path / "absent", models_dir)
+    await registry.start()  # no versions: a rescan of a missing folder is no loss
+    watcher = Watcher(registry, poll_s=0.05)
+    task = asyncio.create_task(watcher.run())
+    try:
+        await asyncio.sleep(0.2)
+        assert registry.lost_roots == {}
+        shutil.rmtree(models_dir)
+        await until(lambda: list(registry.lost_roots) == [models_dir])
+        await asyncio.to_thread(models_dir.mkdir)
+        await until(lambda: not registry.lost_roots)
+    finally:
+        watcher.stop.set()
+        await asyncio.wait_for(task, 5)
