@@ -35,6 +35,7 @@ Identity = tuple[int, int]
 DEFAULT_DEBOUNCE_S = 0.2
 ROOT_POLL_S = 0.5
 RESCAN: Scope = ("rescan",)
+RESCAN_MAX_WAIT_S = 5.0
 
 
 def identity(folder: Path) -> Identity | None:
@@ -70,6 +71,7 @@ class Watcher:
         self._default_filter = DefaultFilter()
         # What each root was when the watch was armed; None: it was not there.
         self._armed: dict[Path, Identity | None] = {}
+        self._filling_until = 0.0  # a restored folder's rescan waits for quiet until then
 
     def roots(self) -> list[Path]:
         return [self.registry.plugins_dir, self.registry.models_dir]
@@ -113,12 +115,14 @@ class Watcher:
                     scope = self.scope_of(Path(path))
                     if scope is not None:
                         self._schedule(scope)
-                if RESCAN in self._timers:
+                if RESCAN in self._timers and time.monotonic() < self._filling_until:
                     # A folder came back and is still being filled: rescan once it is quiet.
                     self._schedule(RESCAN)
-        except (OSError, RuntimeError) as exc:
+        except OSError as exc:
             # A root vanished between its check and the watch starting: the guard sees it.
             log.debug("watch_interrupted", error=repr(exc))
+        except Exception:
+            log.exception("watch_failed", roots=[str(r) for r in roots])
 
     async def _guard(self, halt: asyncio.Event) -> None:
         """Poll the roots; end the current watch when one changed or the watcher stops."""
@@ -156,6 +160,7 @@ class Watcher:
                 )
                 restored = True
         if restored:
+            self._filling_until = time.monotonic() + RESCAN_MAX_WAIT_S
             self._schedule(RESCAN)
 
     def _accept(self, change: Change, path: str) -> bool:
