@@ -88,6 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
         plugins_dir=str(settings.plugins_dir),
         models_dir=str(settings.models_dir),
         admin_token=settings.admin_token is not None,
+        inference_token=settings.inference_token is not None,
         registry=_shown_registry(settings.registry),
         admin_url=f"http://{settings.admin_host or settings.host}:{settings.admin_port}"
         if settings.admin_port
