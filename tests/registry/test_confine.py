@@ -1,0 +1,206 @@
+"""The symlink rule: what a plugin version reads must really lie in the plugins or models dir."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from registry.confine import Roots
+from registry.imports import forget, import_plugin, package_name
+from registry.registry import Registry
+from registry.types import RequestContext
+from tests.helpers import ROOT, add_model, processor_source, write_add_runner, write_plugin
+
+
+@pytest.fixture
+async def registry(plugins_dir: Path, models_dir: Path) -> AsyncIterator[Registry]:
+    reg = Registry(plugins_dir, models_dir, drain_timeout=2)
+    yield reg
+    await reg.close()
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A folder beside the plugins and models dirs, holding code and a model."""
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "plugin.py").write_text(textwrap.dedent(processor_source("preprocessor")))
+    (folder / "helper.py").write_text("X = 'outside'\n")
+    add_model(folder / "model.onnx")
+    return folder
+
+
+def model_runner(plugins_dir: Path, model: str) -> Path:
+    return write_plugin(
+        plugins_dir,
+        "runner",
+        "m",
+        "1.0.0",
+        f'[runner]\nbackend = "onnxruntime"\nmodel = "{model}"\n',
+        module=None,
+    )
+
+
+async def state(registry: Registry, key: tuple[str, str, str]) -> tuple[str, str]:
+    await registry.start()
+    record = registry.records[key]
+    return record.state, record.last_error or ""
+
+
+PRE = ("preprocessor", "p", "1.0.0")
+
+
+async def test_a_symlinked_subfolder_leading_out_is_refused(
+    plugins_dir: Path, registry: Registry, outside: Path
+) -> None:
+    """issue 12, finding 8: ``sub -> /outside`` with ``module = "sub/plugin.py"`` imported it."""
+    folder = write_plugin(plugins_dir, *PRE, module="sub/plugin.py")
+    (folder / "sub").symlink_to(outside)
+    status, error = await state(registry, PRE)
+    assert status == "failed"
+    assert "preprocessor/p/1.0.0/sub leads outside the plugins dir" in error
+    files = [getattr(m, "__file__", None) or "" for m in list(sys.modules.values())]
+    assert not any(f.startswith(str(outside)) for f in files)
+
+
+async def test_a_symlink_out_deep_inside_a_followed_folder_is_refused(
+    plugins_dir: Path, registry: Registry, outside: Path
+) -> None:
+    """issue 12, finding 8 (the class): a link inside the root is followed, and checked within."""
+    shared = plugins_dir / "shared"
+    shared.mkdir()
+    (shared / "helper.py").symlink_to(outside / "helper.py")
+    folder = write_plugin(plugins_dir, *PRE, files={"plugin.py": processor_source("preprocessor")})
+    (folder / "lib").symlink_to(shared)
+    status, error = await state(registry, PRE)
+    assert status == "failed"
+    assert "preprocessor/p/1.0.0/lib/helper.py leads outside" in error
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+async def test_a_file_symlinked_out_is_refused_dangling_or_not(
+    plugins_dir: Path, registry: Registry, outside: Path, dangling: bool
+) -> None:
+    """issue 12, finding 8 (the class): files a manifest names and files it does not."""
+    folder = write_plugin(plugins_dir, *PRE, files={"plugin.py": processor_source("preprocessor")})
+    (folder / "data.txt").symlink_to(outside / ("gone.txt" if dangling else "helper.py"))
+    status, error = await state(registry, PRE)
+    assert status == "failed" and "data.txt leads outside" in error
+
+
+async def test_a_relative_import_through_a_folder_symlinked_out_later_is_refused(
+    plugins_dir: Path, models_dir: Path, outside: Path
+) -> None:
+    """issue 12, finding 8 (the class): imports are checked when they happen, not only at load."""
+    folder = plugins_dir / "preprocessor" / "p" / "1.0.0"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "helper.py").write_text("X = 'inside'\n")
+    (folder / "plugin.py").write_text(
+        "def later():\n    from .sub import helper\n    return helper.X\n"
+    )
+    package = package_name(*PRE)
+    module = import_plugin(folder, "plugin.py", package, Roots(plugins_dir, models_dir))
+    try:
+        shutil.rmtree(folder / "sub")
+        (folder / "sub").symlink_to(outside)
+        with pytest.raises(ImportError, match="leads outside the plugins dir"):
+            module.later()
+        (folder / "sub").unlink()
+        shutil.copytree(outside, folder / "sub")  # a real folder inside: fine
+        assert module.later() == "outside"
+    finally:
+        forget(package)
+
+
+async def test_a_version_folder_symlinked_out_is_refused(
+    plugins_dir: Path, registry: Registry, tmp_path: Path
+) -> None:
+    elsewhere = write_add_runner(tmp_path / "elsewhere", "add", "1.0.0")
+    (plugins_dir / "runner" / "add").mkdir(parents=True)
+    (plugins_dir / "runner" / "add" / "1.0.0").symlink_to(elsewhere)
+    status, error = await state(registry, ("runner", "add", "1.0.0"))
+    assert status == "failed" and "runner/add/1.0.0 leads outside" in error
+
+
+@pytest.mark.parametrize("link", ["version", "name", "file"])
+async def test_a_model_repository_entry_symlinked_out_is_refused(
+    plugins_dir: Path, models_dir: Path, registry: Registry, outside: Path, link: str
+) -> None:
+    """issue 12, finding 8: a model version folder symlinked out of the models dir loaded."""
+    if link == "name":
+        (models_dir / "m").symlink_to(outside.parent, target_is_directory=True)
+        (outside.parent / "1").mkdir()
+        shutil.copy(outside / "model.onnx", outside.parent / "1" / "model.onnx")
+    elif link == "version":
+        (models_dir / "m").mkdir()
+        (models_dir / "m" / "1").symlink_to(outside)
+    else:
+        (models_dir / "m" / "1").mkdir(parents=True)
+        (models_dir / "m" / "1" / "model.onnx").symlink_to(outside / "model.onnx")
+    model_runner(plugins_dir, "models:m")
+    status, error = await state(registry, ("runner", "m", "1.0.0"))
+    assert status == "failed"
+    assert "model " in error and "leads outside the plugins dir" in error
+
+
+async def test_symlinks_that_stay_inside_the_roots_are_followed(
+    plugins_dir: Path, models_dir: Path, registry: Registry
+) -> None:
+    """The rule refuses leaving the roots, not links: these all load and serve."""
+    # Code shared between versions: a subfolder linked to a folder in the plugins dir.
+    shared = plugins_dir / "shared"
+    shared.mkdir()
+    (shared / "plugin.py").write_text(textwrap.dedent(processor_source("preprocessor")))
+    folder = write_plugin(plugins_dir, *PRE, "[config]\namount = 5\n", module="lib/plugin.py")
+    (folder / "lib").symlink_to(shared)
+    (folder / "loop").symlink_to(folder)  # a cycle: walked once
+    # A model version linked to another version, inside the models dir.
+    add_model(models_dir / "m" / "1" / "model.onnx", amount=3)
+    (models_dir / "m" / "2").symlink_to(models_dir / "m" / "1")
+    model_runner(plugins_dir, "models:m/2")
+    # A plugin's own model file linked into the models dir.
+    linked = write_plugin(
+        plugins_dir,
+        "runner",
+        "linked",
+        "1.0.0",
+        '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\n',
+        module=None,
+    )
+    (linked / "model.onnx").symlink_to(models_dir / "m" / "1" / "model.onnx")
+    await registry.start()
+    for key in (PRE, ("runner", "m", "1.0.0"), ("runner", "linked", "1.0.0")):
+        record = registry.records[key]
+        assert record.state == "ready", record.last_error
+    chain = registry.routes.resolve("m", None)
+    ctx = RequestContext("id", "m", {}, {}, "application/json")
+    out = await chain.run({"x": np.zeros((1, 4), np.float32)}, ctx)
+    assert float(out["y"][0, 0]) == 3
+
+
+def test_roots_around_a_version_folder(tmp_path: Path) -> None:
+    version = tmp_path / "plugins" / "runner" / "a" / "1.0.0"
+    roots = Roots.around(version, tmp_path / "models")
+    assert roots.folders == ((tmp_path / "plugins").resolve(), (tmp_path / "models").resolve())
+    alone = Roots.around(tmp_path / "pkg", tmp_path / "models")
+    assert alone.folders[0] == (tmp_path / "pkg").resolve()
+
+
+def test_validate_refuses_a_folder_symlinked_out(plugins_dir: Path, outside: Path) -> None:
+    """``plugserve validate`` applies the same rule as the server."""
+    folder = write_plugin(plugins_dir, *PRE, module="sub/plugin.py")
+    (folder / "sub").symlink_to(outside)
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "validate", str(folder)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "leads outside the plugins dir" in result.stdout
