@@ -4,7 +4,9 @@ The roots are the real plugins dir and the real model repository. A symlink
 anywhere (the version folder itself, a subfolder, a file, a model version
 folder, a model file) is followed to its end; if that real path is outside
 every root, the path is refused. Links that stay inside the roots are fine.
-The check runs when a version loads (its whole folder, its model file) and
+Whatever exists in a version folder is a regular file or a folder (no FIFOs,
+sockets or devices, which could block a read forever). The check runs when a
+version loads (its whole folder, its model file) and
 again whenever its code imports a module (``registry/imports.py``), so a later
 ``from .sub import x`` through a symlinked folder is refused too.
 """
@@ -68,10 +70,14 @@ class Roots:
             for entry in entries:
                 if is_ignored_name(entry.name):
                     continue
+                path = Path(entry.path)
                 if entry.is_dir(follow_symlinks=True):
-                    pending.append(Path(entry.path))
-                else:
-                    self.check(Path(entry.path))
+                    pending.append(path)
+                    continue
+                self.check(path)
+                if os.path.exists(path) and not entry.is_file(follow_symlinks=True):
+                    # A FIFO, socket or device: reading it could block or never end.
+                    raise PluginLoadError(f"{self._shown(path)} is not a regular file: refused")
 
     def _shown(self, path: Path) -> str:
         """``path`` relative to the root it is written under, for a short message."""

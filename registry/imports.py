@@ -74,8 +74,8 @@ class _PluginFinder(importlib.abc.MetaPathFinder):
 def _check_confined(fullname: str, spec: importlib.machinery.ModuleSpec) -> None:
     """Refuse a module file or package folder that a symlink leads out of the package's roots."""
     roots = _roots.get(fullname.partition(".")[0])
-    if roots is None:
-        return
+    if roots is None:  # released (forget): nothing of it may be imported again
+        raise ImportError(f"{fullname}: its plugin version was released", name=fullname)
     paths = [spec.origin] if spec.has_location and spec.origin else []
     for path in [*paths, *(spec.submodule_search_locations or [])]:
         real = roots.outside(path)

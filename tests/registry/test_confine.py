@@ -1,5 +1,8 @@
 """The symlink rule: what a plugin version reads must really lie in the plugins or models dir."""
 
+import asyncio
+import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -113,6 +116,48 @@ async def test_a_relative_import_through_a_folder_symlinked_out_later_is_refused
         (folder / "sub").unlink()
         shutil.copytree(outside, folder / "sub")  # a real folder inside: fine
         assert module.later() == "outside"
+    finally:
+        forget(package)
+
+
+@pytest.mark.parametrize("special", ["fifo", "dev-zero", "fifo-model"])
+async def test_fifos_and_devices_are_refused_without_hanging(
+    plugins_dir: Path, registry: Registry, special: str
+) -> None:
+    """issue 12, finding 8 (the class): reading a FIFO blocks and /dev/zero never ends."""
+    if special == "fifo-model":
+        folder = model_runner(plugins_dir, "model.onnx")
+        os.mkfifo(folder / "model.onnx")
+        key = ("runner", "m", "1.0.0")
+    else:
+        key = PRE
+        folder = write_plugin(plugins_dir, *PRE, files={"plugin.py": processor_source(PRE[0])})
+        if special == "fifo":
+            os.mkfifo(folder / "pipe")
+        else:
+            (folder / "zero").symlink_to("/dev/zero")
+    await asyncio.wait_for(registry.start(), 20)
+    record = registry.records[key]
+    assert record.state == "failed"
+    assert "refused" in (record.last_error or ""), record.last_error
+
+
+async def test_a_released_plugin_package_imports_nothing_more(
+    plugins_dir: Path, models_dir: Path
+) -> None:
+    """A thread a plugin left running cannot import its code once the version is released."""
+    folder = plugins_dir / "preprocessor" / "p" / "1.0.0"
+    folder.mkdir(parents=True)
+    (folder / "late.py").write_text("X = 1\n")
+    (folder / "plugin.py").write_text("import importlib\ndef later():\n    return 1\n")
+    package = package_name(*PRE)
+    import_plugin(folder, "plugin.py", package, Roots(plugins_dir, models_dir))
+    parent = sys.modules[package]
+    forget(package)
+    sys.modules[package] = parent  # as a lingering reference would still reach it
+    try:
+        with pytest.raises(ImportError, match="released"):
+            importlib.import_module(f"{package}.late")
     finally:
         forget(package)
 
