@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from aiohttp.test_utils import TestClient
+from hypothesis import assume, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
 from server.auth import is_loopback
@@ -163,6 +166,34 @@ def test_hostile_authorization_bytes_log_no_traceback(
     # The start log says whether each token is set, never what it is.
     assert "inference_token=True" in log and "admin_token=True" in log
     assert INFERENCE not in log and ADMIN not in log
+
+
+def test_any_authorization_bytes_never_yield_a_5xx(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """issue 12, finding 15 (the class, as a property): whatever the header holds, 400 or 401."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    srv = server(
+        "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+        env={"PLUGSERVE_ADMIN_TOKEN": ADMIN, "PLUGSERVE_INFERENCE_TOKEN": INFERENCE},
+    )  # fmt: skip
+
+    @hypothesis_settings(max_examples=150, deadline=None, database=None)
+    @given(
+        value=st.binary(max_size=200), path=st.sampled_from(["/admin/plugins", "/v2/models/add"])
+    )
+    def check(value: bytes, path: str) -> None:
+        assume(INFERENCE.encode() not in value and ADMIN.encode() not in value)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(
+                b"GET " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Authorization: " + value + b"\r\n\r\n"
+            )
+            status = int(sock.makefile("rb").readline().split()[1])
+        assert status in (400, 401), (value, status)
+
+    check()
+    assert "internal_error" not in srv.log()
 
 
 def test_tritonclient_passes_the_inference_token(
