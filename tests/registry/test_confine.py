@@ -236,10 +236,20 @@ def test_roots_around_a_version_folder(tmp_path: Path) -> None:
     assert alone.folders[0] == (tmp_path / "pkg").resolve()
 
 
-def test_validate_refuses_a_folder_symlinked_out(plugins_dir: Path, outside: Path) -> None:
+@pytest.mark.parametrize("linked", ["subfolder", "version folder"])
+def test_validate_refuses_a_folder_symlinked_out(
+    plugins_dir: Path, outside: Path, tmp_path: Path, linked: str
+) -> None:
     """``plugserve validate`` applies the same rule as the server."""
-    folder = write_plugin(plugins_dir, *PRE, module="sub/plugin.py")
-    (folder / "sub").symlink_to(outside)
+    if linked == "subfolder":
+        folder = write_plugin(plugins_dir, *PRE, module="sub/plugin.py")
+        (folder / "sub").symlink_to(outside)
+    else:
+        elsewhere = write_plugin(tmp_path / "elsewhere", *PRE, module="sub/plugin.py")
+        shutil.copytree(outside, elsewhere / "sub")
+        folder = plugins_dir.joinpath(*PRE)
+        folder.parent.mkdir(parents=True)
+        folder.symlink_to(elsewhere)
     result = subprocess.run(
         [sys.executable, "-m", "server", "validate", str(folder)],
         cwd=ROOT,
@@ -247,5 +257,5 @@ def test_validate_refuses_a_folder_symlinked_out(plugins_dir: Path, outside: Pat
         text=True,
         timeout=60,
     )
-    assert result.returncode == 1
+    assert result.returncode == 1, result.stdout
     assert "leads outside the plugins dir" in result.stdout
