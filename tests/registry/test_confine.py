@@ -162,12 +162,16 @@ async def test_a_released_plugin_package_imports_nothing_more(
         forget(package)
 
 
+@pytest.mark.parametrize("level", [1, 2, 3])
 async def test_a_version_folder_symlinked_out_is_refused(
-    plugins_dir: Path, registry: Registry, tmp_path: Path
+    plugins_dir: Path, registry: Registry, tmp_path: Path, level: int
 ) -> None:
-    elsewhere = write_add_runner(tmp_path / "elsewhere", "add", "1.0.0")
-    (plugins_dir / "runner" / "add").mkdir(parents=True)
-    (plugins_dir / "runner" / "add" / "1.0.0").symlink_to(elsewhere)
+    """The version folder, its name folder or its type folder linked out of the plugins dir."""
+    elsewhere = tmp_path / "elsewhere"
+    write_add_runner(elsewhere, "add", "1.0.0")
+    parts = ("runner", "add", "1.0.0")[:level]
+    plugins_dir.joinpath(*parts).parent.mkdir(parents=True, exist_ok=True)
+    plugins_dir.joinpath(*parts).symlink_to(elsewhere.joinpath(*parts))
     status, error = await state(registry, ("runner", "add", "1.0.0"))
     assert status == "failed" and "runner/add/1.0.0 leads outside" in error
 
