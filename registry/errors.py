@@ -35,9 +35,12 @@ class InvalidInput(PlugserveError):
 
 
 class Unauthorized(PlugserveError):
-    """An admin call without the bearer token, or with a wrong one."""
+    """A call without the bearer token it needs (admin or inference), or with a wrong one."""
 
     status = 401
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="plugserve"'}
 
 
 class Forbidden(PlugserveError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -36,9 +37,12 @@ class Fingerprinter:
         self._lock = threading.Lock()
 
     def file(self, path: Path) -> str:
-        """The SHA-256 of ``path``, or ``"missing"`` when it cannot be read."""
+        """The SHA-256 of ``path``, ``"missing"`` when it cannot be read, ``"special"``
+        for a FIFO, socket or device (never read: it could block or never end)."""
         try:
             st = path.stat()
+            if not stat.S_ISREG(st.st_mode):
+                return "special"
             with self._lock:
                 cached = self._cache.get(path)
             if cached is not None and cached[:2] == (st.st_size, st.st_mtime_ns):

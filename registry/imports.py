@@ -5,6 +5,10 @@ whose ``__path__`` is the version folder, so ``from . import utils`` inside it
 finds the folder's own ``utils.py``, two versions never share module objects, and
 a reload (a new generation) never sees the previous load's modules.
 
+Every module and package folder found for a plugin package must really lie in
+the roots it was imported with (``registry/confine.py``), at load time and for
+any later import: a symlink out is an ``ImportError``.
+
 Plugin sources are always compiled from the ``.py`` file: no ``.pyc`` is read
 (a same-size edit within one second would otherwise import stale bytecode) and
 none is written into the watched folder.
@@ -23,10 +27,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import CodeType, ModuleType
 
+from registry.confine import Roots
+
 PREFIX = "_plugserve_"
 
 _generation = itertools.count(1)
 _install_lock = threading.Lock()
+_roots: dict[str, Roots] = {}
+"""The roots each loaded plugin package's modules must lie in, by top-level package name."""
 
 
 class _SourceOnlyLoader(importlib.machinery.SourceFileLoader):
@@ -58,8 +66,21 @@ class _PluginFinder(importlib.abc.MetaPathFinder):
             finder = importlib.machinery.FileFinder(entry, *self._details)
             spec = finder.find_spec(fullname, target)
             if spec is not None:
+                _check_confined(fullname, spec)
                 return spec
         return None
+
+
+def _check_confined(fullname: str, spec: importlib.machinery.ModuleSpec) -> None:
+    """Refuse a module file or package folder that a symlink leads out of the package's roots."""
+    roots = _roots.get(fullname.partition(".")[0])
+    if roots is None:  # released (forget): nothing of it may be imported again
+        raise ImportError(f"{fullname}: its plugin version was released", name=fullname)
+    paths = [spec.origin] if spec.has_location and spec.origin else []
+    for path in [*paths, *(spec.submodule_search_locations or [])]:
+        real = roots.outside(path)
+        if real is not None:
+            raise ImportError(f"{path} {roots.refusal(real)}", name=fullname, path=path)
 
 
 _FINDER = _PluginFinder()
@@ -77,12 +98,17 @@ def package_name(kind: str, name: str, version: str) -> str:
     return f"{PREFIX}{slug}__g{next(_generation)}"
 
 
-def import_plugin(folder: Path, module: str, package: str) -> ModuleType:
+def import_plugin(
+    folder: Path, module: str, package: str, roots: Roots | None = None
+) -> ModuleType:
     """Import ``module`` (``plugin.py`` or a package folder) from ``folder`` as ``package.<stem>``.
 
-    On failure every module imported so far under ``package`` is removed again.
+    Every module of the package, now or later, must lie in ``roots`` (default:
+    ``folder``). On failure every module imported so far under ``package`` is
+    removed again.
     """
     _install_finder()
+    _roots[package] = roots or Roots(folder)
     stem = module[:-3] if module.endswith(".py") else module.rstrip("/")
     dotted = ".".join(Path(stem).parts)
     pkg = ModuleType(package)
@@ -102,6 +128,7 @@ def import_plugin(folder: Path, module: str, package: str) -> ModuleType:
 
 def forget(package: str) -> list[str]:
     """Remove ``package`` and every ``package.*`` from ``sys.modules``; return their names."""
+    _roots.pop(package, None)
     names = [n for n in list(sys.modules) if n == package or n.startswith(package + ".")]
     for name in names:
         sys.modules.pop(name, None)

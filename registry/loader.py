@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from registry.components import LoadedPlugin
+from registry.confine import Roots
 from registry.errors import PluginLoadError, PlugserveError
 from registry.fingerprint import Fingerprinter
 from registry.imports import forget, import_plugin, package_name
@@ -32,14 +33,26 @@ class Loader:
     """Turns version folders into :class:`LoadedPlugin` instances and back."""
 
     def __init__(
-        self, host: PluginHost, models_dir: Path, fingerprinter: Fingerprinter | None = None
+        self,
+        host: PluginHost,
+        models_dir: Path,
+        fingerprinter: Fingerprinter | None = None,
+        plugins_dir: Path | None = None,
     ) -> None:
         self.host = host
         self.models_dir = models_dir
         self.fingerprinter = fingerprinter or Fingerprinter()
+        self.plugins_dir = plugins_dir
+
+    def roots(self, folder: Path) -> Roots:
+        """Where every path a version reads must really lie (``registry/confine.py``)."""
+        if self.plugins_dir is None:
+            return Roots.around(folder, self.models_dir)
+        return Roots(self.plugins_dir, self.models_dir)
 
     async def load(self, folder: Path) -> LoadedPlugin:
         """Load and warm up the version in ``folder``; raise :class:`PluginLoadError`."""
+        await asyncio.to_thread(self.roots(folder).check_tree, folder)
         manifest = load_manifest(folder)
         await asyncio.to_thread(verify_checksums, folder, self.fingerprinter, manifest.label)
         loaded = await asyncio.to_thread(self.build, manifest)
@@ -79,7 +92,9 @@ class Loader:
             return None, None
         package = package_name(manifest.type, manifest.name, str(manifest.version))
         try:
-            module = import_plugin(manifest.path, manifest.module, package)
+            module = import_plugin(
+                manifest.path, manifest.module, package, self.roots(manifest.path)
+            )
         except Exception as exc:
             raise PluginLoadError(
                 f"{manifest.label}: importing {manifest.module} failed: {type(exc).__name__}: {exc}"
@@ -100,7 +115,9 @@ class Loader:
         factory = self.host.backends().get(runner.backend or "")
         default_file = getattr(factory, "model_filename", None)
         try:
-            return resolve_model(runner.model, manifest.path, self.models_dir, default_file)
+            path = resolve_model(runner.model, manifest.path, self.models_dir, default_file)
+            self.roots(manifest.path).check(path, "model ")
+            return path
         except PluginLoadError as exc:
             raise PluginLoadError(f"{manifest.label}: {exc.message}") from None
 

@@ -20,8 +20,8 @@ from typing import Any, Literal
 import structlog
 
 from registry.components import LoadedPlugin
-from registry.errors import NotFound, PluginLoadError, PlugserveError, RoutesFileError, Unavailable
-from registry.fingerprint import Fingerprinter, walk
+from registry.errors import NotFound, PlugserveError, RoutesFileError, Unavailable
+from registry.fingerprint import Fingerprinter
 from registry.loader import Loader
 from registry.manager import PluginHost
 from registry.manifest import load_manifest
@@ -91,7 +91,7 @@ class Registry:
         self.models_dir = models_dir
         self.host = host or PluginHost()
         self.fingerprinter = Fingerprinter()
-        self.loader = Loader(self.host, models_dir, self.fingerprinter)
+        self.loader = Loader(self.host, models_dir, self.fingerprinter, plugins_dir)
         self.drain_timeout = drain_timeout
         self.records: dict[Key, VersionRecord] = {}
         self.routes = RouteTable()
@@ -222,7 +222,6 @@ class Registry:
         if record.current is None:
             record.state = "loading"
         try:
-            self._check_confined(folder)
             new = await self.loader.load(folder)
         except PlugserveError as exc:
             record.last_error = exc.message
@@ -243,18 +242,6 @@ class Registry:
         if old is not None:
             await self._retire(record, old)
         return outcome
-
-    def _check_confined(self, folder: Path) -> None:
-        """Refuse a version folder, or a file in it, that a symlink leads out of the
-        plugins dir (files may also point into the model repository)."""
-        roots = (self.plugins_dir.resolve(), self.models_dir.resolve())
-        for path in [folder, *walk(folder)]:
-            target = path.resolve()
-            if not any(target.is_relative_to(root) for root in roots):
-                shown = path.relative_to(self.plugins_dir)
-                raise PluginLoadError(
-                    f"{shown} leads outside the plugins dir (to {target}): refused"
-                )
 
     async def unload(self, key: Key, forget: bool = False) -> Outcome:
         """Stop routing to a version, drain it, release it.

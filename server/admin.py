@@ -3,81 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import hmac
-import ipaddress
 import time
 from pathlib import Path
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
-from registry.errors import (
-    Forbidden,
-    InvalidInput,
-    NotFound,
-    PluginLoadError,
-    TooManyRequests,
-    Unauthorized,
-)
+from registry.errors import InvalidInput, NotFound, PluginLoadError, TooManyRequests
 from registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
 from registry.registry import Registry
 from registry.routes import RouteSpecError, parse_route
 from registry.versions import Version
 from server import __version__
-from server.config import Settings
+from server.auth import ADMIN_PREFIX, admin_only
 from server.state import METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
-ADMIN_PREFIX = "/admin"
 PROFILING = web.AppKey("profiling", asyncio.Lock)
 STARTED = web.AppKey("started", float)
-
-
-def _local_port(request: web.Request) -> int | None:
-    sockname = request.transport.get_extra_info("sockname") if request.transport else None
-    return int(sockname[1]) if sockname else None
-
-
-def is_loopback(remote: str | None) -> bool:
-    if not remote:
-        return False
-    try:
-        return ipaddress.ip_address(remote.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def check_admin(request: web.Request, settings: Settings) -> None:
-    """Raise unless the request may use the control plane.
-
-    With ``admin_port`` set, the control plane answers on that port only (404
-    elsewhere). With a token configured, ``Authorization: Bearer <token>`` must
-    match it (compared in constant time); without one, only loopback clients
-    are let in.
-    """
-    if settings.admin_port is not None and _local_port(request) != settings.admin_port:
-        raise NotFound("the control plane listens on its own address")
-    token = settings.admin_token
-    if token is None:
-        if not is_loopback(request.remote):
-            raise Forbidden("admin calls need a configured token when not from loopback")
-        return
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), token.encode()
-    ):
-        raise Unauthorized("admin calls need 'Authorization: Bearer <token>'")
-
-
-def admin_only(handler: Handler) -> Handler:
-    """Guard a control-plane handler (no middleware: the data plane pays nothing for it)."""
-
-    @functools.wraps(handler)
-    async def guarded(request: web.Request) -> web.StreamResponse:
-        check_admin(request, request.app[SETTINGS])
-        return await handler(request)
-
-    return guarded
 
 
 async def list_plugins(request: web.Request) -> web.Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -88,6 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
         plugins_dir=str(settings.plugins_dir),
         models_dir=str(settings.models_dir),
         admin_token=settings.admin_token is not None,
+        inference_token=settings.inference_token is not None,
         registry=_shown_registry(settings.registry),
         admin_url=f"http://{settings.admin_host or settings.host}:{settings.admin_port}"
         if settings.admin_port
@@ -149,7 +151,8 @@ def _event_loop(choice: str) -> asyncio.AbstractEventLoop:
 def _validate(args: argparse.Namespace) -> int:
     configure_logging("console", "warning")
     models_dir = (args.models_dir or bundled_dir("models")).resolve()
-    report = asyncio.run(validate(args.folder.resolve(), models_dir))
+    # Not resolved: a version folder that is a symlink out must be judged where it is linked.
+    report = asyncio.run(validate(Path(os.path.abspath(args.folder)), models_dir))
     print(json.dumps(report, indent=2))
     return 0 if report["valid"] else 1
 

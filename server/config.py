@@ -16,6 +16,10 @@ from server.codec import Limits
 
 ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
 ADMIN_TOKEN_FILE_ENV = "PLUGSERVE_ADMIN_TOKEN_FILE"
+INFERENCE_TOKEN_ENV = "PLUGSERVE_INFERENCE_TOKEN"
+INFERENCE_TOKEN_FILE_ENV = "PLUGSERVE_INFERENCE_TOKEN_FILE"
+TOKENS = ("admin_token", "inference_token")
+"""Each token setting has a ``<name>_file`` twin and the env vars ``PLUGSERVE_<NAME>[_FILE]``."""
 ETCD_PASSWORD_ENV = "PLUGSERVE_ETCD_PASSWORD"
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,12 +63,18 @@ class Settings:
     """This replica's name in the fleet; default ``<hostname>:<port>``."""
     fleet_lease_ttl_s: int = 10
     fleet_startup_wait_s: float = 5.0
+    # -- data plane access (docs/security.md) --
+    inference_token: str | None = dataclasses.field(default=None, repr=False)
+    """With a value, every data-plane call but health and ``/metrics`` needs it (or the
+    admin token) as ``Authorization: Bearer <token>``."""
+    inference_token_file: Path | None = None
 
     @functools.cached_property
     def limits(self) -> Limits:
         return Limits(self.max_inputs, self.max_tensor_rank, self.max_tensor_elements)
 
     def __post_init__(self) -> None:
+        self._check_tokens()
         if self.log_format not in ("console", "json"):
             raise ConfigError(f"log_format must be 'console' or 'json', not {self.log_format!r}")
         if min(self.max_inputs, self.max_tensor_rank, self.max_tensor_elements) < 1:
@@ -91,9 +101,26 @@ class Settings:
                 "max_body_bytes must be >= 1, drain_timeout_s and reload_debounce_ms >= 0"
             )
 
+    def _check_tokens(self) -> None:
+        """A token that is set must be usable: never empty, never an open door."""
+        for name in TOKENS:
+            token = getattr(self, name)
+            if token is not None and not isinstance(token, str):
+                raise ConfigError(f"{name} must be a string, not {type(token).__name__}")
+            if token is not None and not token.strip():
+                raise ConfigError(f"{name} is set but empty: set a token or remove the setting")
+        if self.inference_token is not None and self.inference_token == self.admin_token:
+            raise ConfigError("inference_token must differ from admin_token")
+
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
-_PATHS = {"plugins_dir", "models_dir", "admin_token_file", "runtime_routes_file"}
+_PATHS = {
+    "plugins_dir",
+    "models_dir",
+    "admin_token_file",
+    "runtime_routes_file",
+    "inference_token_file",
+}
 
 
 def load_settings(
@@ -109,33 +136,53 @@ def load_settings(
     if config_file is not None:
         values.update(_read_config(config_file))
     env = os.environ if environ is None else environ
-    if env.get(ADMIN_TOKEN_FILE_ENV):
-        values["admin_token_file"] = env[ADMIN_TOKEN_FILE_ENV]
-    if env.get(ADMIN_TOKEN_ENV):
-        values["admin_token"] = env[ADMIN_TOKEN_ENV]
+    from_env = _tokens_from_env(env)
+    for name in TOKENS:  # the environment wins over the file, its token file included
+        if f"{name}_file" in from_env and name not in from_env:
+            values.pop(name, None)
+    values.update(from_env)
     if env.get(ETCD_PASSWORD_ENV):
         values["etcd_password"] = env[ETCD_PASSWORD_ENV]
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for key in _PATHS & values.keys():
         # Absolute, but symlinks kept: the watcher follows a folder's symlink swap.
         values[key] = Path(os.path.abspath(Path(values[key]).expanduser()))
-    if values.get("admin_token_file") and not values.get("admin_token"):
-        values["admin_token"] = _read_token(Path(values["admin_token_file"]))
+    for name in TOKENS:
+        if values.get(f"{name}_file") and values.get(name) is None:
+            values[name] = _read_token(name, Path(values[f"{name}_file"]))
     try:
         return Settings(**values)
     except TypeError as exc:
         raise ConfigError(f"invalid settings: {exc}") from None
 
 
-def _read_token(path: Path) -> str:
-    """The admin token from a file (a mounted secret); its value is never logged."""
+def _tokens_from_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``PLUGSERVE_<TOKEN>`` and ``PLUGSERVE_<TOKEN>_FILE``: set but empty is an error."""
+    found = {}
+    for name in TOKENS:
+        for key in (name, f"{name}_file"):
+            var = f"PLUGSERVE_{key.upper()}"
+            if var in env:
+                found[key] = _token_text(env[var], var)
+    return found
+
+
+def _token_text(value: str, source: str) -> str:
+    """A token (or token file) setting without surrounding whitespace; empty is an error."""
+    text = value.strip()
+    if not text:
+        raise ConfigError(f"{source} is set but empty: set a token or remove the setting")
+    return text
+
+
+def _read_token(name: str, path: Path) -> str:
+    """A token from a file (a mounted secret); its value is never logged."""
     try:
-        token = path.read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise ConfigError(f"admin_token_file {path}: {exc.strerror}") from None
-    if not token:
-        raise ConfigError(f"admin_token_file {path} is empty")
-    return token
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"{name}_file {path}: {reason}") from None
+    return _token_text(text, f"{name}_file {path}")
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -146,6 +193,9 @@ def _read_config(path: Path) -> dict[str, Any]:
     unknown = sorted(set(raw) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"{path}: unknown setting(s) {unknown}; known: {', '.join(_FIELDS)}")
+    for key in TOKENS + tuple(f"{name}_file" for name in TOKENS):
+        if isinstance(raw.get(key), str):
+            raw[key] = _token_text(raw[key], f"{path}: {key}")
     for key in _PATHS & raw.keys():
         raw[key] = path.parent / str(raw[key])
     for key, value in raw.items():

@@ -29,7 +29,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 _REASONS = {
     400: "malformed request",
-    401: "admin call without the right bearer token",
+    401: "no or wrong bearer token: admin, or inference when one is configured",
     403: "admin call from a non-loopback address with no token configured",
     404: "unknown route, version, plugin or path",
     409: "the route entry moved on since the revision expected (If-Match): read it again",
@@ -100,7 +100,7 @@ def _infer(versioned: bool) -> dict[str, Any]:
             },
             "responses": {
                 **_ok("the outputs", {"$ref": "#/components/schemas/InferResponse"}),
-                **_errors(400, 404, 413, 429, 500, 503, 504),
+                **_errors(400, 401, 404, 413, 429, 500, 503, 504),
             },
         }
     }
@@ -112,7 +112,7 @@ def _model(versioned: bool, ready: bool) -> dict[str, Any]:
         "get": {
             "summary": summary,
             "parameters": [ROUTE, VERSION] if versioned else [ROUTE],
-            "responses": {**_ok(summary, {"type": "object"}), **_errors(404, 503)},
+            "responses": {**_ok(summary, {"type": "object"}), **_errors(401, 404, 503)},
         }
     }
 
@@ -123,7 +123,7 @@ def _stats(routed: bool, versioned: bool) -> dict[str, Any]:
         "get": {
             "summary": "Triton's statistics extension: counts and cumulative durations per stage",
             "parameters": [*params, VERSION] if versioned else params,
-            "responses": {**_ok("model_stats", {"type": "object"}), **_errors(404, 503)},
+            "responses": {**_ok("model_stats", {"type": "object"}), **_errors(401, 404, 503)},
         }
     }
 
@@ -164,7 +164,7 @@ def document() -> dict[str, Any]:
             "/v2": {
                 "get": {
                     "summary": "Server metadata",
-                    "responses": _ok("metadata", {"type": "object"}),
+                    "responses": {**_ok("metadata", {"type": "object"}), **_errors(401)},
                 }
             },
             "/v2/health/live": {
@@ -199,7 +199,7 @@ def document() -> dict[str, Any]:
                     },
                     "responses": {
                         **_ok("the last stage's result"),
-                        **_errors(400, 404, 413, 429, 500, 503, 504),
+                        **_errors(400, 401, 404, 413, 429, 500, 503, 504),
                     },
                 }
             },

@@ -7,7 +7,7 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from registry.errors import Forbidden, Unauthorized
-from server.admin import check_admin, is_loopback
+from server.auth import check_admin, is_loopback
 from server.config import Settings
 from tests.helpers import write_add_runner, write_plugin
 

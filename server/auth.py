@@ -1,0 +1,137 @@
+"""Who may call what: the admin token (or loopback) on ``/admin/``, the inference token elsewhere.
+
+Both checks read ``Authorization: Bearer <token>`` as bytes, whatever bytes the
+client sent, and compare in constant time. With no inference token configured
+the data plane has no check at all: :func:`middlewares` adds nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import ipaddress
+from collections.abc import Iterable
+
+from aiohttp import hdrs, web
+from aiohttp.typedefs import Handler, Middleware
+
+from registry.errors import Forbidden, NotFound, Unauthorized
+from server.config import Settings
+from server.state import SETTINGS
+
+ADMIN_PREFIX = "/admin"
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics", "/openapi.json"})
+"""Data-plane paths served without the inference token: probes, scrapes, the API's description."""
+
+
+def is_loopback(remote: str | None) -> bool:
+    """Whether a peer address is loopback, IPv4-mapped IPv6 (``::ffff:127.0.0.1``) included."""
+    if not remote:
+        return False
+    try:
+        address = ipaddress.ip_address(remote.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def _as_bytes(text: str) -> bytes:
+    """A header value (or token) as bytes; never raises, whatever the client sent.
+
+    aiohttp decodes header bytes that are not UTF-8 as lone surrogates
+    (``surrogateescape``): those give back the original bytes.
+    """
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+
+
+def bearer_token(request: web.Request) -> bytes | None:
+    """The token of ``Authorization: Bearer <token>``, or ``None`` without one."""
+    header = request.headers.get(hdrs.AUTHORIZATION)
+    if header is None:
+        return None
+    parts = _as_bytes(header).split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != b"bearer":
+        return None
+    return parts[1].strip()
+
+
+def _digest(token: bytes) -> bytes:
+    """What is compared: equal-length digests, so the time taken tells nothing of the length."""
+    return hashlib.sha256(token).digest()
+
+
+def _accepts(given: bytes | None, digests: Iterable[bytes]) -> bool:
+    """Whether ``given`` is a token of ``digests``; every one is compared, in constant time."""
+    if given is None:
+        return False
+    given = _digest(given)
+    matched = False
+    for digest in digests:
+        matched |= hmac.compare_digest(given, digest)
+    return matched
+
+
+def _local_port(request: web.Request) -> int | None:
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return int(sockname[1]) if sockname else None
+
+
+def check_admin(request: web.Request, settings: Settings) -> None:
+    """Raise unless the request may use the control plane.
+
+    With ``admin_port`` set, the control plane answers on that port only (404
+    elsewhere). With a token configured, ``Authorization: Bearer <token>`` must
+    match it (the inference token never does); without one, only loopback
+    clients are let in.
+    """
+    if settings.admin_port is not None and _local_port(request) != settings.admin_port:
+        raise NotFound("the control plane listens on its own address")
+    token = settings.admin_token
+    if token is None:
+        if not is_loopback(request.remote):
+            raise Forbidden("admin calls need a configured token when not from loopback")
+        return
+    if not _accepts(bearer_token(request), (_digest(_as_bytes(token)),)):
+        raise Unauthorized("admin calls need 'Authorization: Bearer <admin token>'")
+
+
+def admin_only(handler: Handler) -> Handler:
+    """Guard a control-plane handler (no middleware: the data plane pays nothing for it)."""
+
+    @functools.wraps(handler)
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        check_admin(request, request.app[SETTINGS])
+        return await handler(request)
+
+    return guarded
+
+
+def _is_open(request: web.Request) -> bool:
+    """Health, metrics and the API description; ``/admin/`` keeps its own rule (admin_only)."""
+    resource = request.match_info.route.resource
+    if resource is None:  # no route matched: a 404 or 405 is for callers with the token
+        return False
+    path = resource.canonical
+    return path in OPEN_PATHS or path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
+
+
+def middlewares(settings: Settings) -> list[Middleware]:
+    """The data plane's token check, or nothing when no inference token is configured."""
+    if settings.inference_token is None:
+        return []
+    tokens = [settings.inference_token, settings.admin_token]
+    accepted = tuple(_digest(_as_bytes(token)) for token in tokens if token is not None)
+
+    @web.middleware
+    async def inference_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not _is_open(request) and not _accepts(bearer_token(request), accepted):
+            raise Unauthorized("this call needs 'Authorization: Bearer <inference token>'")
+        return await handler(request)
+
+    return [inference_token]
