@@ -51,6 +51,8 @@ def conform(
     is refused naming both. Raises :class:`InvalidInput`; ``who`` names the
     taker in messages (``route 'iris'``, a plugin label).
     """
+    if not specs:  # nothing declared: nothing to check against
+        return inputs
     names = [s.name for s in specs]
     if len(inputs) != len(specs) or any(n not in inputs for n in names):
         unknown = sorted(set(inputs) - set(names))

@@ -32,6 +32,8 @@ def from_json(values: Any, dtype: np.dtype[Any]) -> np.ndarray:
         return np.empty(raw.shape, dtype=dtype)
     want = "booleans" if dtype.kind == "b" else "numbers"
     got = _JSON_KINDS.get(raw.dtype.kind, "strings or mixed values")
+    if got == "numbers" and _holds_bool(values):  # [true, 2] is inferred as integers
+        got = "booleans among numbers"
     if got != want:
         raise ValueError(f"{v2_datatype(dtype)} takes JSON {want}; the data holds {got}")
     if raw.dtype.kind == "f" and dtype.kind in "iu" and dtype.itemsize == 8:
@@ -45,6 +47,15 @@ def from_json(values: Any, dtype: np.dtype[Any]) -> np.ndarray:
         except (OverflowError, ValueError, TypeError):
             pass  # cast_exact names the value
     return cast_exact(raw, dtype)
+
+
+def _holds_bool(values: Any) -> bool:
+    """Whether a rectangular nest of lists (numpy read it: at most 64 deep) holds a boolean."""
+    if type(values) is not list:
+        return type(values) is bool
+    if values and type(values[0]) is list:
+        return any(_holds_bool(row) for row in values)
+    return bool in set(map(type, values))
 
 
 def cast_exact(array: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
