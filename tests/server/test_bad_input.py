@@ -380,3 +380,28 @@ async def test_a_sticky_header_that_is_not_utf8_is_served(plugins_dir: Path, cli
 
     served = {await raw_post(b"user-\xff\xfe") for _ in range(5)}
     assert len(served) == 1 and next(iter(served))[0] == 200  # served, and sticky
+
+
+def documented_example() -> str:
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    section = text[text.index("### Bad input") :]
+    return section[section.index("```python\n") + 10 : section.index("```\n", 10)]
+
+
+async def test_the_documented_bad_input_example_works(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    """The example of docs/plugins.md ("Bad input") runs as written."""
+    files = {"plugin.py": documented_example()}
+    write_plugin(plugins_dir, "preprocessor", "features", "1.0.0", files=files)
+    write_plugin(plugins_dir, "runner", "doubler", "1.0.0",
+                 '[route]\npreprocess = ["features"]\n', files)  # fmt: skip
+    cli = await client()
+    ok = await cli.post("/predict/doubler", json={"x": [[1, 2, 3, 4]]})
+    assert (await ok.json()) == {"y": [[2, 4, 6, 8]]}
+    for body, message in [
+        ({"x": [[1, 2, 3]]}, "preprocessor/features@1.0.0: expected rows of 4 features, got"),
+        ({"x": [[-1, 2, 3, 4]]}, "runner/doubler@1.0.0: x must not be negative"),
+    ]:
+        resp = await cli.post("/predict/doubler", json=body)
+        assert resp.status == 400 and (await error_of(resp)).startswith(message)
+    resp = await cli.post("/predict/doubler", data=b"x=1")
+    assert resp.status == 400 and "expects a JSON body" in await error_of(resp)
