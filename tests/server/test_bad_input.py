@@ -3,14 +3,26 @@ server's own checks or from a plugin's ``InvalidInput``, and never trips a circu
 
 import asyncio
 import json
+import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto
 
-from tests.helpers import ROOT, identity_model, write_add_runner, write_plugin
+from registry.datatypes import V2_TO_NUMPY
+from tests.helpers import (
+    ONNX_TYPES,
+    ROOT,
+    ServerProcess,
+    identity_model,
+    write_add_runner,
+    write_plugin,
+)
 
 X = {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}
 
@@ -405,3 +417,86 @@ async def test_the_documented_bad_input_example_works(plugins_dir: Path, client)
         assert resp.status == 400 and (await error_of(resp)).startswith(message)
     resp = await cli.post("/predict/doubler", data=b"x=1")
     assert resp.status == 400 and "expects a JSON body" in await error_of(resp)
+
+
+# -- the class, against a real server: no client input yields a 5xx -------------------------
+
+leaves = (
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=3)
+)  # fmt: skip
+names = st.sampled_from(["input", "x", "in_s", "in_f16", "in_i8", "in_bool", "in_u64", "q"])
+datatypes = st.sampled_from([*V2_TO_NUMPY, "BF16"])
+
+
+@st.composite
+def tensor(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
+    """A v2 input, often well-formed in layout and wrong in content, JSON or binary."""
+    name, datatype = draw(names), draw(datatypes)
+    shape = draw(st.lists(st.integers(0, 4) | st.sampled_from([2**62, 2**31]), min_size=0,
+                          max_size=3) | st.just([1, 4]))  # fmt: skip
+    count = 1
+    for dim in shape:
+        count *= dim
+    entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
+    if draw(st.booleans()):
+        raw = draw(st.binary(max_size=24) | st.just(b"\xff\xfe\x02\x00" * 4))
+        if datatype == "BYTES" and draw(st.booleans()):
+            elements = draw(st.lists(st.binary(max_size=4), min_size=min(count, 8),
+                                     max_size=min(count, 8)))  # fmt: skip
+            raw = b"".join(struct.pack("<I", len(e)) + e for e in elements)
+        entry["parameters"] = {"binary_data_size": len(raw)}
+        return entry, raw
+    size = min(count, 8)
+    entry["data"] = draw(st.lists(leaves, min_size=size, max_size=size) | leaves)
+    return entry, b""
+
+
+@pytest.mark.slow
+def test_no_hostile_v2_request_gets_a_5xx(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """The class of findings 14-16 against a real server: whatever the request, 4xx or 200,
+    never a 5xx, and the server keeps serving (its circuit breakers stay closed)."""
+    shutil.copytree(ROOT / "plugins", plugins_dir, dirs_exist_ok=True)
+    folder = write_plugin(
+        plugins_dir, "runner", "ident", "1.0.0",
+        '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\nmax_batch_size = 8\n'
+        "breaker_failures = 1\n",
+        module=None,
+    )  # fmt: skip
+    kinds = {"s": "str", "f16": "f16", "i8": "i8", "u64": "u64", "bool": "bool"}
+    identity_model(folder / "model.onnx", {k: ONNX_TYPES[v] for k, v in kinds.items()})
+    write_add_runner(plugins_dir, "add", "1.0.0", runner="cast_inputs = true\nbreaker_failures = 1")
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(ROOT / "models"))
+
+    @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        st.sampled_from(["iris", "ident", "add"]),
+        st.lists(tensor(), min_size=1, max_size=3),
+        st.fixed_dictionaries(
+            {}, optional={"binary_data_output": leaves, "priority": leaves, "timeout": leaves}
+        ),
+        st.booleans(),
+    )
+    def check(
+        route: str, tensors: list[tuple[dict[str, Any], bytes]], parameters: dict[str, Any],
+        predict: bool,
+    ) -> None:  # fmt: skip
+        header = json.dumps({"inputs": [t for t, _ in tensors], "parameters": parameters})
+        binary = b"".join(raw for _, raw in tensors)
+        if predict:
+            body = {t["name"]: t.get("data") for t, _ in tensors}
+            status, _, text = srv.request("POST", f"/predict/{route}", json.dumps(body).encode(),
+                                          {"Content-Type": "application/json"})  # fmt: skip
+        else:
+            headers = {"Inference-Header-Content-Length": str(len(header))} if binary else {}
+            status, _, text = srv.request(
+                "POST", f"/v2/models/{route}/infer", header.encode() + binary, headers
+            )
+        assert status < 500, (status, text)
+
+    check()
+    for plugin in json.loads(srv.request("GET", "/admin/plugins")[2])["plugins"]:
+        assert plugin.get("circuit", "closed") == "closed", plugin
+    assert "Traceback" not in srv.log()
