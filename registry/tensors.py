@@ -72,15 +72,20 @@ def cast_exact(array: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
         _refuse(array, bad, dtype, "only 0 and 1 are booleans")
     elif target in "iu":
         _check_integers(array, dtype)
-    with np.errstate(over="ignore", invalid="ignore"):
-        result = array.astype(dtype)
-    if target == "f" and source in "iuf":
+    elif source != "b" and not _within(array, float(np.finfo(dtype).max)):
+        with np.errstate(over="ignore", invalid="ignore"):
+            result = array.astype(dtype)
         overflowed = ~np.isfinite(result)
-        if overflowed.any():
-            if source == "f":
-                overflowed &= np.isfinite(array)
-            _refuse(array, overflowed, dtype, "outside its range")
-    return result
+        if source == "f":
+            overflowed &= np.isfinite(array)  # inf and nan stay what they are
+        _refuse(array, overflowed, dtype, "outside its range")
+        return result
+    return array.astype(dtype)
+
+
+def _within(array: np.ndarray, limit: float) -> bool:
+    """Whether every value lies in [-limit, limit] (the fast path; NaN says no)."""
+    return bool(-limit <= array.min()) and bool(array.max() <= limit)
 
 
 def _check_integers(array: np.ndarray, dtype: np.dtype[Any]) -> None:
@@ -92,6 +97,8 @@ def _check_integers(array: np.ndarray, dtype: np.dtype[Any]) -> None:
         outside = (array < info.min) | (array >= float(int(info.max) + 1))
     elif array.dtype.kind in "iu":
         # numpy 2 compares with out-of-range Python integers exactly.
+        if info.min <= array.min() and array.max() <= info.max:
+            return
         outside = (array < info.min) | (array > info.max)
     else:
         return
