@@ -18,6 +18,10 @@ Requests queue per runner instance and leave it in batches:
   tenant's burst cannot starve another; arrival breaks ties.
 - The queue is bounded (``max_queue_size``: 429 when full), and a request whose
   deadline passed before it reached execution gets 504 without running.
+- A batch the runner refuses with :class:`InvalidInput` is run again one request
+  at a time, so only the requests at fault get 400 and their batch-mates their
+  answers. (Runners check what they can per request before batching, through
+  their ``validate()``, so this is the exception.)
 
 The clock and the timer are injectable, so the policy is tested with a fake clock.
 """
@@ -334,6 +338,11 @@ class Scheduler:
             if self.on_execution is not None:
                 self.on_execution(rows, self.clock() - started)
             self._split(batch, rows, outputs)
+        except InvalidInput as exc:
+            if len(batch) > 1:
+                await self._one_by_one(batch)
+            elif not batch[0].future.done():
+                batch[0].future.set_exception(exc)
         except Exception as exc:
             for request in batch:
                 if not request.future.done():
@@ -344,6 +353,25 @@ class Scheduler:
                     request.future.cancel()
             self._running -= 1
             self.pump()
+
+    async def _one_by_one(self, batch: list[Pending]) -> None:
+        """Run each request of a refused batch alone: only the bad ones fail."""
+        for request in batch:
+            if request.future.done():
+                continue
+            self.executions += 1
+            self.rows += request.rows
+            started = self.clock()
+            try:
+                outputs = await self.execute(request.inputs)
+            except Exception as exc:
+                if not request.future.done():
+                    request.future.set_exception(exc)
+                continue
+            if self.on_execution is not None:
+                self.on_execution(request.rows, self.clock() - started)
+            if not request.future.done():
+                request.future.set_result(outputs)
 
     def _split(self, batch: list[Pending], rows: int, outputs: Arrays) -> None:
         if len(batch) == 1:

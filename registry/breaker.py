@@ -4,8 +4,11 @@ closed --(``failures`` plugin errors in a row)--> open --(``reset_s`` passed)-->
 half-open --(probe succeeds)--> closed;  half-open --(probe fails)--> open again.
 
 While open, requests get 503 at once instead of queueing behind a broken runner;
-in half-open, one request at a time probes it. Only the runner's own errors count
-(a 500 naming the plugin), not bad input or deadlines.
+in half-open, one request at a time probes it. Only the runner's own failures
+count: an exception from it (a 500 naming the plugin) or a 5xx error it raises.
+Bad input never counts (a 400 from the server's checks or the plugin's
+``InvalidInput``), nor do deadlines (a 504: the client's budget), so no client
+can open the circuit for everyone else.
 """
 
 from __future__ import annotations

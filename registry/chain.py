@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from registry import tracing
 from registry.components import LoadedPlugin
@@ -51,15 +53,20 @@ class Chain:
     async def run(self, data: Any, ctx: RequestContext) -> Any:
         """Run every stage in order; each stage gets what the previous one returned.
 
-        Times the stages into ``ctx.timings`` (``compute_input`` for the
-        preprocessors, ``queue`` and ``compute_infer`` for the runner,
-        ``compute_output`` for the postprocessors) and records the request in the
-        runner version's statistics.
+        Named tensors (a v2 request) are first checked against the first
+        stage's declared inputs, when it declares some
+        (:meth:`LoadedPlugin.check_request`): a client's mistake is a 400 here,
+        not an exception inside a plugin. Times the stages into ``ctx.timings``
+        (``compute_input`` for the preprocessors, ``queue`` and ``compute_infer``
+        for the runner, ``compute_output`` for the postprocessors) and records
+        the request in the runner version's statistics.
         """
         started = time.perf_counter()
         ok = False
         call = _call if tracing.TRACER is None else _traced
         try:
+            if _tensors(data):
+                data = self.stages[0].check_request(data, self.route)
             for stage in self.preprocess:
                 data = await call(stage, data, ctx)
             mark = time.perf_counter()
@@ -92,6 +99,15 @@ class Chain:
             "runner": self.runner.label,
             "postprocess": [s.label for s in self.postprocess],
         }
+
+
+def _tensors(data: Any) -> bool:
+    """Whether ``data`` is named tensors (a v2 request), not a ``/predict`` body."""
+    return (
+        isinstance(data, Mapping)
+        and bool(data)
+        and all(isinstance(v, np.ndarray) for v in data.values())
+    )
 
 
 def _call(stage: LoadedPlugin, data: Any, ctx: RequestContext) -> Awaitable[Any]:

@@ -16,10 +16,11 @@ import numpy as np
 
 from registry.batching import BatchPolicy, Scheduler
 from registry.breaker import CircuitBreaker
-from registry.datatypes import numpy_dtype
 from registry.errors import InvalidInput, PluginError, PluginLoadError, PlugserveError
+from registry.inputs import InputSpec, conform, input_specs
 from registry.manifest import Manifest, RunnerSection
 from registry.stats import RunnerStats
+from registry.tensors import from_json
 from registry.types import PluginInfo, RequestContext
 
 STAGE_METHOD = {"preprocessor": "process", "runner": "infer", "postprocessor": "format"}
@@ -65,7 +66,13 @@ class LoadedPlugin:
     )
     _inline_budget: float = field(init=False, default=0.0, repr=False)
     _metadata: dict[str, Any] | None = field(init=False, default=None, repr=False)
-    _input_dtypes: dict[str, np.dtype[Any]] = field(init=False, default_factory=dict, repr=False)
+    _inputs: tuple[InputSpec, ...] = field(init=False, default=(), repr=False)
+    _input_dtypes: dict[str, np.dtype[Any] | None] = field(
+        init=False, default_factory=dict, repr=False
+    )
+    _validate: Callable[[Mapping[str, np.ndarray]], Any] | None = field(
+        init=False, default=None, repr=False
+    )
 
     def __post_init__(self) -> None:
         name = STAGE_METHOD[self.manifest.type]
@@ -76,6 +83,8 @@ class LoadedPlugin:
         self._is_async = inspect.iscoroutinefunction(method)
         runner = self.manifest.runner
         if runner is not None:
+            validate = getattr(self.component, "validate", None)
+            self._validate = validate if callable(validate) else None
             if not self._is_async:
                 self._executor = ThreadPoolExecutor(runner.instances, thread_name_prefix=self.label)
             self._inline_budget = runner.inline_budget_us / 1e6
@@ -114,11 +123,8 @@ class LoadedPlugin:
             else None
         )
         self._metadata = await await_maybe(metadata)
-        for spec in (self._metadata or {}).get("inputs", []):
-            try:
-                self._input_dtypes[spec["name"]] = numpy_dtype(spec["datatype"])
-            except (KeyError, TypeError):
-                continue
+        self._inputs = input_specs(self._metadata)
+        self._input_dtypes = {spec.name: spec.dtype for spec in self._inputs}
 
     async def close(self) -> None:
         """Run the component's ``close()``; then its thread pool is shut down."""
@@ -143,6 +149,20 @@ class LoadedPlugin:
     def metadata(self) -> dict[str, Any] | None:
         """The component's ``metadata()`` as read at warmup: tensor specs, or ``None``."""
         return self._metadata
+
+    def check_request(
+        self, inputs: Mapping[str, np.ndarray], route: str
+    ) -> Mapping[str, np.ndarray]:
+        """A request's tensors checked against this first stage's declared inputs (if any).
+
+        Names, ranks, fixed dimensions and datatypes must match (400 otherwise);
+        a runner with ``[runner] cast_inputs = true`` takes other datatypes when
+        the cast changes no value.
+        """
+        if not self._inputs:
+            return inputs
+        cast = self.manifest.runner is not None and self.manifest.runner.cast_inputs
+        return conform(self._inputs, inputs, f"route {route!r}", cast)
 
     # -- in-flight accounting (no await between resolving a chain and entering it) ----
 
@@ -175,6 +195,8 @@ class LoadedPlugin:
         """
         if self.scheduler is not None and self.breaker is not None:
             inputs = self.runner_inputs(data)
+            if self._validate is not None:
+                self._run_validate(inputs)
             ctx.rows = _rows(inputs)
             self.breaker.allow()
             started = time.perf_counter()
@@ -191,10 +213,31 @@ class LoadedPlugin:
         try:
             result = self._method(data, ctx)
             return (await result) if self._is_async else result
+        except InvalidInput as exc:
+            raise self._refused(exc) from None
         except PlugserveError:
             raise
         except Exception as exc:
             raise PluginError(self.label, exc) from exc
+
+    def _run_validate(self, inputs: Mapping[str, np.ndarray]) -> None:
+        """The runner's own per-request check, before the request can join a batch."""
+        assert self._validate is not None
+        try:
+            self._validate(inputs)
+        except InvalidInput as exc:
+            raise self._refused(exc) from None
+        except PlugserveError:
+            raise
+        except Exception as exc:
+            raise PluginError(self.label, exc) from exc
+
+    def _refused(self, exc: InvalidInput) -> InvalidInput:
+        """A plugin's :class:`InvalidInput`: its message names the plugin (once)."""
+        if exc.message.startswith(self.label):
+            return exc
+        fields = {**exc.fields, "plugin": self.label}
+        return InvalidInput(f"{self.label}: {exc.message}", **fields)
 
     async def _execute(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """One runner execution on a (batched) input; what the scheduler calls."""
@@ -207,7 +250,11 @@ class LoadedPlugin:
             else:
                 loop = asyncio.get_running_loop()
                 result = await loop.run_in_executor(self._executor, self._timed, inputs)
-        except PlugserveError:
+        except InvalidInput as exc:  # the request's fault, not the runner's: not counted
+            raise self._refused(exc) from None
+        except PlugserveError as exc:
+            if exc.status >= 500:
+                self._failed()
             raise
         except Exception as exc:
             self._failed()
@@ -250,29 +297,39 @@ class LoadedPlugin:
         return result
 
     def runner_inputs(self, data: Any) -> Mapping[str, np.ndarray]:
-        """Turn what reaches a runner into named arrays of its input dtypes.
+        """Turn what reaches a runner into named arrays of its declared inputs.
 
         Named arrays pass through. A JSON object of nested lists becomes arrays
         of the dtypes the runner's ``metadata()`` declares; a bare list or array
-        goes to a runner with exactly one input.
+        goes to a runner with exactly one input. With declared inputs, names,
+        ranks and fixed dimensions are checked and other datatypes cast when no
+        value changes (:func:`registry.inputs.conform`): a 400 otherwise.
         """
         if isinstance(data, Mapping):
             if all(isinstance(v, np.ndarray) for v in data.values()):
-                return data
-            return {str(k): self._as_array(str(k), v) for k, v in data.items()}
-        if isinstance(data, list | np.ndarray) and len(self._input_dtypes) == 1:
+                inputs = data
+            else:
+                inputs = {str(k): self._as_array(str(k), v) for k, v in data.items()}
+        elif isinstance(data, list | np.ndarray) and len(self._input_dtypes) == 1:
             (name,) = self._input_dtypes
-            return {name: self._as_array(name, data)}
-        names = sorted(self._input_dtypes)
-        raise InvalidInput(
-            f"runner {self.label} takes named inputs {names}, got {type(data).__name__}"
-        )
+            inputs = {name: self._as_array(name, data)}
+        else:
+            names = sorted(self._input_dtypes)
+            raise InvalidInput(
+                f"runner {self.label} takes named inputs {names}, got {type(data).__name__}"
+            )
+        if not self._inputs:
+            return inputs
+        return conform(self._inputs, inputs, f"runner {self.label}", cast=True)
 
     def _as_array(self, name: str, value: Any) -> np.ndarray:
         if isinstance(value, np.ndarray):
             return value
+        dtype = self._input_dtypes.get(name)
         try:
-            return np.asarray(value, dtype=self._input_dtypes.get(name))
+            if dtype is None or dtype.kind == "O":
+                return np.asarray(value, dtype=dtype)
+            return from_json(value, dtype)
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"input {name!r} of runner {self.label}: {exc}") from None
 

@@ -21,6 +21,44 @@ Components are plain objects:
 - postprocessor: ``format(data, ctx) -> data``
 - any component: optional ``warmup()`` (run before it takes traffic) and
   ``close()`` (run after its last request), and optional ``metadata()``.
+- runner: optional ``validate(inputs)``, called once per request with that
+  request's own arrays, on the event loop, before it can join a batch: the
+  place for checks its ``metadata()`` cannot express. Keep it cheap.
+
+Saying "bad input": raise ``InvalidInput``, handed to plugins as
+``ctx.InvalidInput`` (in ``process`` and ``format``) and ``plugin.InvalidInput``
+(to ``plugserve_create_component`` and backend factories; a runner keeps it),
+so no plugin imports plugserve. The client gets a 400 whose message starts
+with the plugin's label, and the runner's circuit breaker does not count it:
+the breaker counts only the runner's own failures (any other exception, a 500).
+A batch that ``infer`` refuses with ``InvalidInput`` is run again one request
+at a time, so only the requests at fault get 400; ``validate`` avoids the
+rerun. Example::
+
+    class Scale:
+        def process(self, data, ctx):
+            rows = np.asarray(data["input"], dtype=np.float32)
+            if rows.ndim != 2 or rows.shape[1] != 4:
+                raise ctx.InvalidInput(f"expected rows of 4 features, got shape {rows.shape}")
+            return {"input": rows}
+
+    class Doubler:
+        def __init__(self, plugin):
+            self.InvalidInput = plugin.InvalidInput
+
+        def validate(self, inputs):
+            if (inputs["x"] < 0).any():
+                raise self.InvalidInput("x must not be negative")
+
+        def infer(self, inputs):
+            return {"y": inputs["x"] * 2}
+
+Declared inputs are checked: when the first stage of a route declares
+``metadata()["inputs"]``, v2 requests must match them (names, ranks, fixed
+dimensions, datatypes) or get a 400 before any plugin runs; a runner converts
+what reaches it to its declared dtypes only when no value changes (and, as a
+first stage, takes another datatype from the client only with ``[runner]
+cast_inputs = true``).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ class RunnerSection:
     inline_budget_us: int = 250
     breaker_failures: int = 5
     breaker_reset_s: float = 10.0
+    cast_inputs: bool = False
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
@@ -179,6 +180,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         inline_budget_us=p.integer(table, "runner.inline_budget_us", 250, minimum=0),
         breaker_failures=p.integer(table, "runner.breaker_failures", 5, minimum=0),
         breaker_reset_s=p.number(table, "runner.breaker_reset_s", 10.0),
+        cast_inputs=p.boolean(table, "runner.cast_inputs", False),
         table=MappingProxyType(dict(table)),
     )
 
@@ -300,6 +302,14 @@ class _Fields:
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ManifestError(self.path, f"must be an integer >= {minimum}", key)
+        return value
+
+    def boolean(self, table: Mapping[str, Any], key: str, default: bool) -> bool:
+        value = self._get(table, key, False)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ManifestError(self.path, "must be true or false", key)
         return value
 
     def number(self, table: Mapping[str, Any], key: str, default: float) -> float:

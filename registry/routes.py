@@ -261,7 +261,8 @@ class RouteEntry:
         key = None
         if self.spec.sticky is not None:
             value = headers.get(self.spec.sticky)
-            key = value.encode() if value else None
+            # aiohttp keeps undecodable header bytes as surrogates: give them back as they came.
+            key = value.encode("utf-8", "surrogateescape") if value else None
         return choice.pick(key).target
 
     def _version_failure(self, version: str) -> _Failure:

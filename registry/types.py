@@ -2,6 +2,11 @@
 
 Plugins never need to import these (duck typing is enough); they exist so that
 the contract is written down once, in code, and checked by mypy.
+
+Both carry ``InvalidInput``, the exception a plugin raises to refuse a request's
+input (a 400, never counted by the circuit breaker) without importing plugserve:
+``raise ctx.InvalidInput("expected 4 features, got 3")`` in a processor,
+``raise self.plugin.InvalidInput(...)`` in a runner that kept its ``plugin``.
 """
 
 from __future__ import annotations
@@ -9,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from structlog.typing import FilteringBoundLogger
 
+from registry.errors import InvalidInput
 from registry.refs import PluginType
 
 
@@ -21,8 +27,11 @@ class PluginInfo:
     """Describes the plugin being created: handed to ``plugserve_create_component``
     and to backend factories.
 
-    ``logger`` is a structlog logger bound to the plugin's type, name and version.
+    ``logger`` is a structlog logger bound to the plugin's type, name and version;
+    ``InvalidInput`` is the exception that refuses a request's input with a 400.
     """
+
+    InvalidInput: ClassVar[type[InvalidInput]] = InvalidInput
 
     name: str
     version: str
@@ -43,8 +52,11 @@ class RequestContext:
     string of a ``/predict`` call); ``protocol`` is ``"v2"`` or ``"predict"``;
     ``state`` is a dict the stages of one request may share. ``deadline``
     (``time.monotonic()`` seconds), ``priority`` and ``tenant`` steer the
-    runner's scheduler.
+    runner's scheduler. ``ctx.InvalidInput(message)`` is the exception that
+    refuses the request's input: a 400 whose message names the plugin.
     """
+
+    InvalidInput: ClassVar[type[InvalidInput]] = InvalidInput
 
     request_id: str
     route: str

@@ -22,6 +22,7 @@ import orjson
 
 from registry.datatypes import V2_TO_NUMPY, v2_datatype
 from registry.errors import InvalidInput, PayloadTooLarge
+from registry.tensors import from_json
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _U32 = struct.Struct("<I")
@@ -56,7 +57,7 @@ class InferRequest:
 
     @property
     def binary_output(self) -> bool:
-        return bool(self.parameters.get("binary_data_output", False))
+        return self.parameters.get("binary_data_output") is True
 
 
 def decode_request(
@@ -92,6 +93,7 @@ def _request(doc: dict[str, Any], binary: memoryview, limits: Limits) -> InferRe
     if len(raw_inputs) > limits.max_inputs:
         raise InvalidInput(f"{len(raw_inputs)} inputs; at most {limits.max_inputs} are accepted")
     parameters = _parameters(doc, "request")
+    _boolean(parameters, "binary_data_output", "request parameter")
     inputs: dict[str, np.ndarray] = {}
     offset = 0
     for raw in raw_inputs:
@@ -115,6 +117,14 @@ def _parameters(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
     return value
 
 
+def _boolean(parameters: Mapping[str, Any], key: str, where: str) -> bool | None:
+    """A boolean parameter, or ``None`` when absent; a string such as ``"false"`` is a 400."""
+    value = parameters.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"{where} {key!r} must be true or false, not {value!r}")
+    return value
+
+
 def _input(
     raw: Any, binary: memoryview, offset: int, limits: Limits
 ) -> tuple[str, np.ndarray, int]:
@@ -132,6 +142,12 @@ def _input(
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
     if len(shape) > limits.max_rank:
         raise InvalidInput(f"input {name!r} has rank {len(shape)}; at most {limits.max_rank}")
+    # Each dimension on its own too: [0, 2**62] holds no element but no array can have it.
+    if any(d > limits.max_elements for d in shape):
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} has a dimension over {limits.max_elements} "
+            "(max_tensor_elements)"
+        )
     count = math.prod(shape)
     if count > limits.max_elements:
         raise PayloadTooLarge(
@@ -151,6 +167,7 @@ def _input(
 
 
 def _from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
+    """The tensor of a JSON ``data`` list: every value must fit ``datatype`` exactly."""
     if not isinstance(data, list):
         data = [data]
     try:
@@ -158,9 +175,9 @@ def _from_json(name: str, datatype: str, shape: list[int], count: int, data: Any
             array = np.asarray(data, dtype=object).reshape(-1)
             array = np.fromiter((_to_bytes(name, v) for v in array), dtype=object, count=array.size)
         else:
-            array = np.asarray(data, dtype=V2_TO_NUMPY[datatype])
+            array = from_json(data, V2_TO_NUMPY[datatype])
     except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidInput(f"input {name!r}: data does not fit {datatype}: {exc}") from None
+        raise InvalidInput(f"input {name!r}: {exc}") from None
     if array.size != count:
         raise InvalidInput(
             f"input {name!r}: shape {shape} needs {count} elements, the data has {array.size}"
@@ -189,6 +206,8 @@ def _from_binary(
             f"input {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
             f"binary_data_size is {len(chunk)}"
         )
+    if datatype == "BOOL" and count and np.frombuffer(chunk, dtype=np.uint8).max() > 1:
+        raise InvalidInput(f"input {name!r}: BOOL elements must be the bytes 0 or 1")
     return np.frombuffer(chunk, dtype=dtype).reshape(shape)
 
 
@@ -220,8 +239,9 @@ def _requested_outputs(raw: Any) -> list[RequestedOutput] | None:
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidInput("each requested output must be an object with a string 'name'")
-        binary = _parameters(item, f"output {item['name']!r}").get("binary_data")
-        outputs.append(RequestedOutput(item["name"], None if binary is None else bool(binary)))
+        where = f"output {item['name']!r}"
+        binary = _boolean(_parameters(item, where), "binary_data", f"{where}: parameter")
+        outputs.append(RequestedOutput(item["name"], binary))
     return outputs
 
 

@@ -23,6 +23,8 @@ T = TypeVar("T")
 UNKNOWN_ROUTE = "_unknown"
 TIMEOUT_HEADER = "X-Request-Timeout"
 TENANT_HEADER = "X-Tenant-ID"
+MAX_TIMEOUT_S = 86400.0
+"""Longer budgets (even ``inf``) count as a day: past that a deadline means nothing."""
 
 
 def deadline_seconds(request: web.Request, parameters: dict[str, Any]) -> float | None:
@@ -31,9 +33,9 @@ def deadline_seconds(request: web.Request, parameters: dict[str, Any]) -> float 
     budgets = []
     if "timeout" in parameters:
         value = parameters["timeout"]
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise InvalidInput("parameter 'timeout' must be a positive number of microseconds")
-        budgets.append(value / 1e6)
+        budgets.append(min(value, MAX_TIMEOUT_S * 1e6) / 1e6)  # 10**400: no OverflowError
     header = request.headers.get(TIMEOUT_HEADER)
     if header is not None:
         try:
@@ -42,7 +44,7 @@ def deadline_seconds(request: web.Request, parameters: dict[str, Any]) -> float 
             seconds = -1.0
         if not seconds > 0:
             raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of seconds")
-        budgets.append(seconds)
+        budgets.append(min(seconds, MAX_TIMEOUT_S))
     return min(budgets) if budgets else None
 
 
@@ -55,7 +57,10 @@ def request_context(
 ) -> RequestContext:
     """The ``ctx`` stages see; deadline, priority and tenant steer the runner's scheduler."""
     priority = parameters.get("priority")
-    if isinstance(priority, str) and priority.isdigit():  # a /predict query string
+    # A /predict query string: ASCII digits only ("²".isdigit() is true, int("²") fails).
+    if isinstance(priority, str) and priority.isascii() and priority.isdecimal():
+        if len(priority) > 18:  # int() refuses 4,300 digits; no level is that high anyway
+            raise InvalidInput(f"parameter 'priority' {priority[:20]}... is out of range")
         priority = int(priority)
     if priority is not None and (
         isinstance(priority, bool) or not isinstance(priority, int) or priority < 0

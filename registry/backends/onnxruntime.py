@@ -30,6 +30,7 @@ from registry.backends.ort_options import (
 from registry.datatypes import numpy_dtype
 from registry.errors import InvalidInput, PluginLoadError
 from registry.hookspecs import hookimpl
+from registry.tensors import cast_exact
 from registry.types import BackendFactory, PluginInfo
 
 # ONNX tensor element types as ONNX Runtime names them, and their v2 datatypes.
@@ -87,6 +88,7 @@ class OnnxRuntimeRunner:
         self._outputs = [_TensorSpec(o.name, o.type, o.shape) for o in session.get_outputs()]
         self._output_names = [o.name for o in self._outputs]
         self._input_names = {i.name for i in self._inputs}
+        self._text_inputs = [i.name for i in self._inputs if i.datatype == "BYTES"]
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -118,6 +120,22 @@ class OnnxRuntimeRunner:
             )
         for _ in range(spec.runs):
             self.infer(feed)
+
+    def validate(self, inputs: Mapping[str, np.ndarray]) -> None:
+        """Per request, before batching: ONNX string tensors need UTF-8 text."""
+        for name in self._text_inputs:
+            array = inputs.get(name)
+            if array is None or array.dtype.kind != "O":
+                continue
+            for index, value in enumerate(array.reshape(-1)):
+                if isinstance(value, bytes):
+                    try:
+                        value.decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise InvalidInput(
+                            f"{self._label}: input {name!r} element {index} is not UTF-8 text, "
+                            "which ONNX string tensors need"
+                        ) from None
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         unknown = set(inputs) - self._input_names
@@ -160,15 +178,17 @@ class OnnxRuntimeRunner:
             )
         if spec.datatype == "BYTES":
             # ONNX Runtime wants str elements; v2 BYTES arrive as bytes.
-            return np.vectorize(_as_text, otypes=[object])(array) if array.size else array
+            try:
+                return np.vectorize(_as_text, otypes=[object])(array) if array.size else array
+            except UnicodeDecodeError:
+                problem = f"{self._label}: input {spec.name!r} is not UTF-8 text"
+                raise InvalidInput(problem) from None
         if spec.dtype is None or array.dtype == spec.dtype:
             return array
-        if not np.can_cast(array.dtype, spec.dtype, casting="same_kind"):
-            raise InvalidInput(
-                f"{self._label}: input {spec.name!r} is {array.dtype}, "
-                f"the model takes {spec.datatype} and it cannot be converted"
-            )
-        return array.astype(spec.dtype)
+        try:
+            return cast_exact(array, spec.dtype)
+        except ValueError as exc:
+            raise InvalidInput(f"{self._label}: input {spec.name!r}: {exc}") from None
 
     def close(self) -> None:
         self._session = None

@@ -49,6 +49,7 @@ def test_full_runner_manifest_is_parsed(plugins_dir: Path) -> None:
     assert m.runner.backend == "onnxruntime" and m.runner.model == "models:iris/2"
     assert (m.runner.max_batch_size, m.runner.max_queue_delay_ms, m.runner.instances) == (8, 1.5, 2)
     assert m.runner.providers == ("CUDAExecutionProvider", "CPUExecutionProvider")
+    assert m.runner.cast_inputs is False  # issue 12, finding 16: datatypes must match by default
     assert m.route_name == "flowers"
     assert m.route.preprocess == (Ref("scale", Version.parse("1.0.0")), Ref("clip"))
     assert m.label == "runner/iris@1.2.3-rc.1"
@@ -76,6 +77,8 @@ def test_full_runner_manifest_is_parsed(plugins_dir: Path) -> None:
          "[route]\npreprocess=['Bad Name']\n", "route.preprocess", "must match"),
         ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n[runner]\nbackend='onnxruntime'\n"
          "[route]\npreprocess=['scale@1.0']\n", "route.preprocess", "semantic version"),
+        ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n[runner]\nbackend='onnxruntime'\n"
+         "cast_inputs='yes'\n", "runner.cast_inputs", "must be true or false"),
     ],
 )  # fmt: skip
 def test_manifest_errors_name_file_and_field(

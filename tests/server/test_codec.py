@@ -1,6 +1,7 @@
 """The v2 codec alone: binary and JSON round trips over generated tensors."""
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from registry.datatypes import V2_TO_NUMPY
-from registry.errors import InvalidInput
+from registry.errors import InvalidInput, PayloadTooLarge
 from server.codec import (
     HEADER_LENGTH,
     InferRequest,
@@ -129,3 +130,112 @@ def test_malformed_bytes_elements_are_rejected() -> None:
     bad = (50).to_bytes(4, "little") + b"hello"
     with pytest.raises(InvalidInput, match="runs past its data"):
         decode_request(header + bad, str(len(header)))
+
+
+def one_input(**fields: Any) -> bytes:
+    entry = {"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0], **fields}
+    return json.dumps({"inputs": [entry]}).encode()
+
+
+def test_a_huge_dimension_of_an_empty_tensor_is_400() -> None:
+    """issue 12, finding 15: shape [0, 2**62] with empty data was a 500 (numpy overflowed)."""
+    for shape in ([0, 2**62], [2**62, 0], [0, 2**62, 2**62]):
+        with pytest.raises(InvalidInput, match=r"has a dimension over \d+ \(max_tensor_elements\)"):
+            decode_request(one_input(shape=shape, data=[]), None)
+        binary = one_input(shape=shape, data=None, parameters={"binary_data_size": 0})
+        with pytest.raises(InvalidInput, match="has a dimension over"):
+            decode_request(binary, str(len(binary)))
+    assert decode_request(one_input(shape=[0, 3], data=[]), None).inputs["x"].shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"parameters": {"binary_data_output": "false"}},
+         "request parameter 'binary_data_output' must be true or false, not 'false'"),
+        ({"parameters": {"binary_data_output": 1}}, "'binary_data_output' must be true or false"),
+        ({"outputs": [{"name": "y", "parameters": {"binary_data": "no"}}]},
+         "output 'y': parameter 'binary_data' must be true or false, not 'no'"),
+    ],
+)  # fmt: skip
+def test_request_parameters_of_the_wrong_type_are_400(doc: dict[str, Any], message: str) -> None:
+    """issue 12, finding 16: binary_data_output "false" (a string) returned binary."""
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}], **doc}
+    with pytest.raises(InvalidInput) as info:
+        decode_request(json.dumps(body).encode(), None)
+    assert message in info.value.message
+    body = {"inputs": body["inputs"], "parameters": {"binary_data_output": False}}
+    assert decode_request(json.dumps(body).encode(), None).binary_output is False
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data", "message"),
+    [
+        ("INT8", [1.5], "input 'x': 1.5 (element 0) does not fit INT8: not an integer"),
+        ("BOOL", ["x"], "input 'x': BOOL takes JSON booleans; the data holds strings"),
+        ("FP16", [1e10], "input 'x': 10000000000.0 (element 0) does not fit FP16"),
+        ("UINT8", [-1], "input 'x': -1 (element 0) does not fit UINT8: outside 0..255"),
+        ("INT32", [True], "input 'x': INT32 takes JSON numbers; the data holds booleans"),
+    ],
+)
+def test_json_data_must_fit_the_datatype_exactly(
+    datatype: str, data: list[Any], message: str
+) -> None:
+    """issue 12, finding 16: values were cast without a word (INT8 1.5 -> 1, BOOL "x" -> true)."""
+    with pytest.raises(InvalidInput) as info:
+        decode_request(one_input(datatype=datatype, data=data), None)
+    assert info.value.message.startswith(message)
+
+
+def test_binary_bool_elements_must_be_0_or_1() -> None:
+    """The binary path's counterpart of finding 16: a BOOL byte of 2 is no boolean."""
+    header = one_input(datatype="BOOL", shape=[2], data=None, parameters={"binary_data_size": 2})
+    with pytest.raises(InvalidInput, match="BOOL elements must be the bytes 0 or 1"):
+        decode_request(header + b"\x01\x02", str(len(header)))
+    ok = decode_request(header + b"\x01\x00", str(len(header)))
+    assert ok.inputs["x"].tolist() == [True, False]
+
+
+hostile = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["name", "datatype", "shape", "data", "parameters", "binary_data_size",
+                         "binary_data_output", "binary_data", "inputs", "outputs", "id"]),
+        inner, max_size=4),
+    max_leaves=20,
+)  # fmt: skip
+datatypes = st.sampled_from([*V2_TO_NUMPY, "BF16", "fp32"])
+shapes = st.lists(st.integers(-1, 2**64) | st.sampled_from([0, 1, 2, 2**62]), max_size=4)
+inputs = st.fixed_dictionaries(
+    {"name": st.sampled_from(["x", "y"]), "datatype": datatypes, "shape": shapes},
+    optional={
+        "data": hostile | st.just([]),
+        "parameters": hostile | st.fixed_dictionaries({"binary_data_size": st.integers(0, 9)}),
+    },
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {"inputs": st.lists(inputs, max_size=3) | hostile},
+        optional={"parameters": hostile, "outputs": hostile, "id": hostile},
+    ),
+    st.binary(max_size=16),
+    st.booleans(),
+)
+def test_no_request_makes_the_decoder_raise_anything_but_a_client_error(
+    doc: dict[str, Any], tail: bytes, binary: bool
+) -> None:
+    """The class of findings 15 and 16: a hostile v2 request is a 4xx, never an escape."""
+    header = json.dumps(doc).encode()
+    body = header + tail if binary else header
+    try:
+        request = decode_request(body, str(len(header)) if binary else None)
+    except (InvalidInput, PayloadTooLarge):
+        return
+    for name, array in request.inputs.items():
+        assert isinstance(name, str) and isinstance(array, np.ndarray)
+    if request.binary_output:  # only a literal true asks for binary ("false" did: finding 16)
+        assert doc["parameters"]["binary_data_output"] is True

@@ -115,6 +115,19 @@ def test_errors_reach_the_client_with_status(triton: httpclient.InferenceServerC
     assert "has shape [1, 3]" in info.value.message()
 
 
+@pytest.mark.parametrize("binary", [False, True])
+def test_a_datatype_mismatch_is_400_naming_both(
+    triton: httpclient.InferenceServerClient, binary: bool
+) -> None:
+    """issue 12, finding 16: numpy's default FP64 sent to an FP32 input was cast silently."""
+    wrong = httpclient.InferInput("x", [1, 4], "FP64")
+    wrong.set_data_from_numpy(np.zeros((1, 4), np.float64), binary_data=binary)
+    with pytest.raises(InferenceServerException) as info:
+        triton.infer("add", [wrong])
+    assert info.value.status() == "400"
+    assert info.value.message() == "input 'x' is FP32; the request sent FP64"
+
+
 def test_declarative_runner_on_a_backend_from_an_installed_package(
     tmp_path: Path, plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:

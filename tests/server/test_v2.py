@@ -212,7 +212,7 @@ async def test_async_module_runner(plugins_dir: Path, client) -> None:  # type: 
         (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1], "data": [1]}]}',
          "non-negative integers"),
         (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": ["a"]}]}',
-         "does not fit FP32"),
+         "FP32 takes JSON numbers; the data holds strings"),
         (b'{"inputs": [{"name": "x", "datatype": "UINT8", "shape": [1], "data": [300]}]}',
          "does not fit UINT8"),
         (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}]}', "neither 'data'"),
@@ -223,7 +223,7 @@ async def test_async_module_runner(plugins_dir: Path, client) -> None:  # type: 
         (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}], "id": 5}',
          "'id' must be a string"),
         (b'{"inputs": [{"name": "q", "datatype": "FP32", "shape": [1,4], "data": [1,2,3,4]}]}',
-         "unknown input(s) ['q']; the model takes ['x']"),
+         "unknown input(s) ['q']; route 'add' takes ['x']"),
     ],
 )  # fmt: skip
 async def test_malformed_requests_are_400_with_a_clear_error(

@@ -220,3 +220,21 @@ def test_warmup_runs_sample_batches_from_the_manifest(tmp_path: Path) -> None:
 def test_explicit_device_is_reported(tmp_path: Path) -> None:
     r = runner(tmp_path, add_model(tmp_path / "a.onnx"), device="cpu:numa0")
     assert r.metadata()["device"] == "cpu:numa0"
+
+
+def test_validate_refuses_bytes_that_are_not_utf8(tmp_path: Path) -> None:
+    """issue 12, finding 14: checked per request (before batching), a 400 naming the input."""
+    r = runner(tmp_path, identity_model(tmp_path / "s.onnx", {"s": TensorProto.STRING}))
+    r.validate({"in_s": np.array([[b"ok", "text"]], dtype=object)})
+    bad = {"in_s": np.array([[b"ok", b"\xff"]], dtype=object)}
+    with pytest.raises(InvalidInput, match="input 'in_s' element 1 is not UTF-8 text"):
+        r.validate(bad)
+    with pytest.raises(InvalidInput, match="input 'in_s' is not UTF-8 text"):
+        r.infer(bad)  # called directly, without validate(): still a 400, never a 500
+
+
+def test_a_conversion_that_would_change_a_value_is_refused(tmp_path: Path) -> None:
+    """issue 12, finding 16: same-kind casts were silent (1e300 -> inf in FP32)."""
+    r = runner(tmp_path, add_model(tmp_path / "a.onnx"))
+    with pytest.raises(InvalidInput, match="does not fit FP32: outside its range"):
+        r.infer({"x": np.full((1, 4), 1e300)})

@@ -1,4 +1,8 @@
-"""Standardize features with a fixed mean and scale. Needs only pluggy and numpy."""
+"""Standardize features with a fixed mean and scale. Needs only pluggy and numpy.
+
+What a client gets wrong is refused with ``ctx.InvalidInput``: a 400 naming this
+plugin, never a 500 and never a mark against the runner's circuit breaker.
+"""
 
 import numpy as np
 import pluggy
@@ -14,12 +18,25 @@ class Scale:
 
     def process(self, data, ctx):
         # v2 sends {"input": array}; /predict may send {"input": [[...]]} or a bare [[...]].
-        rows = data[self.name] if isinstance(data, dict) else data
-        x = np.asarray(rows, dtype=np.float32)
+        if isinstance(data, bytes | bytearray | memoryview):
+            raise ctx.InvalidInput("expects a JSON body: send Content-Type: application/json")
+        if isinstance(data, dict):
+            if self.name not in data:
+                raise ctx.InvalidInput(f"missing input {self.name!r}; got {sorted(data)}")
+            data = data[self.name]
+        try:
+            with np.errstate(over="ignore"):
+                x = np.asarray(data, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise ctx.InvalidInput("expects rows of numbers") from None
         if x.ndim == 1:
             x = x[np.newaxis, :]
-        if x.shape[-1] != self.mean.shape[0]:
-            raise ValueError(f"expected {self.mean.shape[0]} features per row, got {x.shape[-1]}")
+        n = self.mean.shape[0]
+        if x.ndim != 2 or x.shape[-1] != n:
+            shape = list(x.shape)
+            raise ctx.InvalidInput(f"expects rows of {n} features, shape [rows, {n}]; got {shape}")
+        if not np.isfinite(x).all():
+            raise ctx.InvalidInput("features must be finite numbers within FP32's range")
         return {self.name: (x - self.mean) / self.scale}
 
     def metadata(self):
