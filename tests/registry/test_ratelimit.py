@@ -26,7 +26,7 @@ def test_burst_then_the_rate() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "message"),
-    [({"rps": 0}, "rps must be"), ({"rps": 1, "burst": 0}, "burst must be"), (5, "must be a table"),
+    [({"rps": 0}, "rps: must be"), ({"rps": 1, "burst": 0}, "burst: must be"), (5, "must be a table"),
      ({"rps": 1, "per": "minute"}, "must be a table")],
 )  # fmt: skip
 def test_invalid_limits(raw: object, message: str) -> None:
