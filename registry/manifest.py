@@ -184,6 +184,7 @@ def _parse(raw: Mapping[str, Any], folder: Path, p: _Fields) -> Manifest:
 
     module = p.string(plugin, "plugin.module")
     if module is not None:
+        validation.relative_path(module, "plugin.module")
         _check_relative(path, folder, module, "plugin.module")
     runner = _runner_section(p, raw, folder) if kind == "runner" else None
     if kind != "runner":
@@ -214,6 +215,8 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
     if backend is None:  # a backend declares more keys: the loader checks those (check_runner_keys)
         p.no_unknown_keys(table, "runner", RUNNER_KEYS)
     model = p.string(table, "runner.model")
+    if model is not None:
+        validation.relative_path(model, "runner.model")
     if model is not None and not model.startswith("models:"):
         _check_relative(p.path, folder, model, "runner.model")
     providers = _provider_names(p, table)

@@ -93,6 +93,15 @@ def text(value: Any, field: str, *, max_length: int = MAX_TEXT, multiline: bool 
     return value
 
 
+def relative_path(value: Any, field: str) -> str:
+    """A path text the file system can take: at most 1024 characters, each part at most
+    255 bytes (longer ones make ``stat`` raise instead of answering "no such file")."""
+    path = text(value, field, max_length=1024)
+    if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in path.split("/")):
+        raise ValueProblem(field, "has a path part longer than 255 bytes")
+    return path
+
+
 def name(value: Any, field: str) -> str:
     """A plugin or route name: ``[a-z0-9][a-z0-9_-]{0,63}``, nothing before or after."""
     if not isinstance(value, str) or not is_valid_name(value):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 EDGE_VALUES: list[Any] = [
     float("inf"), float("-inf"), float("nan"), 1e300, -1e300, 1e-300, 1e-5, -0.0, 0.0, 0.5,
     0, 1, -1, 2**31, 2**53 + 1, 2**63 - 1, -(2**63), True, False,
-    "", " ", "\n", "\x00", "\x1b[2J", "iris\n", "a" * 5000, "../../etc", "/abs", "models:../x",
+    "", " ", "\n", "\x00", "\x1b[2J", "iris\n", "a" * 300, "a" * 5000, "../../etc", "/abs", "models:../x",
     "add", "add@1.0.0", "add@1.0.0\n", "add@9.9.9", "x-user-id", "\ud800",
 ]  # fmt: skip
 
