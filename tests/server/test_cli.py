@@ -87,6 +87,7 @@ def test_bad_config_exits_2_with_a_message(tmp_path: Path) -> None:
         (b"drain_timeout_s = inf\n", "drain_timeout_s: must be a finite number"),
         (b"port = " + b"[" * 500 + b"]" * 500 + b"\n", "deeper than"),
         (b'host = "\xff"\n', "not UTF-8"),
+        (b'host = "' + b"a" * 64 + b'"\n', "cannot listen on"),
     ],
 )
 def test_hostile_config_exits_2_with_a_message_and_no_traceback(
