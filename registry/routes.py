@@ -153,7 +153,7 @@ def _parse_route(name: str, entry: dict[str, Any], source: str) -> RouteSpec:
         runner_ref = Ref(variants[0].runner.name)
     elif isinstance(runner, str):
         try:
-            runner_ref = Ref.parse(validation.text(runner, "runner", max_length=256))
+            runner_ref = Ref.parse(validation.text(runner, "", max_length=256))
         except ValueError as exc:
             raise RouteSpecError(f".runner: {exc}") from None
     else:
@@ -182,7 +182,8 @@ def _parse_route(name: str, entry: dict[str, Any], source: str) -> RouteSpec:
     try:
         rate_limit = RateLimit.parse(entry["rate_limit"]) if "rate_limit" in entry else None
     except validation.ValueProblem as exc:
-        raise RouteSpecError(f".rate_limit{'.' if exc.field else ''}{exc}") from None
+        where = f".rate_limit.{exc.field}" if exc.field else ".rate_limit"
+        raise RouteSpecError(f"{where}: {exc.reason}") from None
     return RouteSpec(
         name,
         runner_ref,
@@ -205,7 +206,7 @@ def _variants(table: dict[Any, Any]) -> tuple[Variant, ...]:
     for text, weight in table.items():
         where = f".runner.{validation.shown(text)}"
         try:
-            ref = Ref.parse(validation.text(text, "runner", max_length=256))
+            ref = Ref.parse(validation.text(text, "", max_length=256))
         except ValueError as exc:
             raise RouteSpecError(f"{where}: {exc}") from None
         if ref.version is None:

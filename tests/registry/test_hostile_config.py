@@ -23,7 +23,7 @@ from registry.errors import ManifestError, PluginLoadError, RoutesFileError
 from registry.manifest import RUNNER_KEYS, Manifest, check_runner_keys, load_manifest
 from registry.ratelimit import MAX_BURST, MAX_RPS, MIN_RPS, RateLimit
 from registry.refs import is_valid_name
-from registry.routes import load_routes_file
+from registry.routes import RouteSpecError, load_routes_file, parse_route
 from tests.hostile import names, nested, rate_limits, toml_document, values
 
 FAST = settings(
@@ -147,3 +147,17 @@ def test_deep_nesting_in_a_routes_file_is_a_routes_file_error(tmp_path: Path, de
     path.write_text(f'[routes.x]\nrunner = "add"\npreprocess = {nested(depth)}\n')
     with pytest.raises(RoutesFileError, match="deeper than 32"):
         load_routes_file(path)
+
+
+@FAST
+@given(name=names, entry=route_entries)
+def test_parse_route_raises_route_spec_errors_only(name: str, entry: Any) -> None:
+    """What the admin API and fleet mode hand it, straight from JSON or etcd."""
+    try:
+        spec = parse_route(name, entry, "admin")
+    except RouteSpecError as exc:
+        message = str(exc)  # it starts at the entry, for the caller to prefix
+    else:
+        assert is_valid_name(spec.name) and _rate_limit_in_bounds(spec.rate_limit)
+        return
+    assert message.startswith((":", ".")), message
