@@ -25,6 +25,8 @@ MAX_TEXT = 4096
 """Longest string accepted where no other limit is given."""
 MAX_ITEMS = 10_000
 """Longest list or table accepted where no other limit is given."""
+MAX_FILE_BYTES = 16 * 1024 * 1024
+"""Largest TOML file read (a manifest, ``routes.toml``, the config file)."""
 MAX_INTEGER = 2**53
 MAX_NUMBER = 1e15
 
@@ -146,17 +148,20 @@ def shallow(value: Any, field: str = "", *, max_depth: int = MAX_DEPTH) -> None:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
-    """Read a UTF-8 TOML file no deeper than :data:`MAX_DEPTH`.
+    """Read a UTF-8 TOML file of at most :data:`MAX_FILE_BYTES`, no deeper than :data:`MAX_DEPTH`.
 
     Raises ``FileNotFoundError`` when it is absent (each source decides what
     that means) and :class:`ValueProblem` for anything else that is wrong.
     """
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise ValueProblem("", f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueProblem("", f"larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB")
     return parse_toml(data)
 
 

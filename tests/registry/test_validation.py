@@ -96,6 +96,13 @@ def test_toml_failures_are_value_problems(tmp_path: Path, data: bytes, message: 
         validation.read_toml(path)
 
 
+def test_toml_files_are_bounded_in_size(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_bytes(b"# " + b"x" * validation.MAX_FILE_BYTES)
+    with pytest.raises(ValueProblem, match="larger than 16 MiB"):
+        validation.read_toml(path)
+
+
 def test_toml_read_of_a_folder_is_a_value_problem(tmp_path: Path) -> None:
     with pytest.raises(ValueProblem, match="cannot read"):
         validation.read_toml(tmp_path)
