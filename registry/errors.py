@@ -7,7 +7,11 @@ carrying its HTTP status. The server turns them into JSON in one middleware
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+MAX_RETRY_AFTER_S = 3600
+"""The longest ``Retry-After`` ever sent: a client told to wait longer would rather be told so."""
 
 
 class PlugserveError(Exception):
@@ -76,12 +80,27 @@ class PayloadTooLarge(PlugserveError):
 
 
 class TooManyRequests(PlugserveError):
-    """A queue is full or a rate limit applies; ``retry_after_s`` becomes ``Retry-After``."""
+    """A queue is full or a rate limit applies; ``retry_after_s`` becomes ``Retry-After``,
+    whole seconds from 1 to :data:`MAX_RETRY_AFTER_S`."""
 
     status = 429
 
+    def __init__(self, message: str, **fields: Any) -> None:
+        if "retry_after_s" in fields:
+            fields["retry_after_s"] = retry_after(fields["retry_after_s"])
+        super().__init__(message, **fields)
+
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.fields.get("retry_after_s", 1))}
+
+
+def retry_after(seconds: float) -> int:
+    """``seconds`` rounded up into ``1..MAX_RETRY_AFTER_S`` (a non-number: 1)."""
+    if isinstance(seconds, int) and not isinstance(seconds, bool):
+        return min(max(seconds, 1), MAX_RETRY_AFTER_S)
+    if isinstance(seconds, float) and not math.isnan(seconds):
+        return MAX_RETRY_AFTER_S if seconds > MAX_RETRY_AFTER_S else max(math.ceil(seconds), 1)
+    return 1
 
 
 class Unavailable(PlugserveError):

@@ -109,7 +109,9 @@ def plugserve_backends() -> Mapping[str, BackendFactory]:
     A declarative runner (``[runner] backend = "name"``) is built by the
     factory registered under that name, called as
     ``factory(plugin, runner, model_path)`` with the manifest's ``[runner]``
-    table and the resolved model file (or ``None``). The built-in
+    table and the resolved model file (or ``None``). A factory's
+    ``runner_keys`` attribute lists the ``[runner]`` keys it reads beyond
+    plugserve's own; any other key fails the load. The built-in
     ``onnxruntime`` backend is registered through this hook too. Installed
     packages add backends through the entry-point group ``plugserve``; a name
     claimed by two providers is an error that lists both.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from registry import validation
 from registry.errors import PluginLoadError
 from registry.fingerprint import Fingerprinter
 
@@ -21,14 +22,22 @@ def verify_checksums(folder: Path, fingerprinter: Fingerprinter, label: str) -> 
     sums = folder / SUMS_FILE
     if not sums.is_file():
         return 0
+    try:
+        text = sums.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PluginLoadError(f"{label}: {SUMS_FILE} cannot be read: {exc}") from None
     count = 0
-    for number, line in enumerate(sums.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         match = _LINE.match(line.strip())
         if match is None:
             raise PluginLoadError(f"{label}: {SUMS_FILE} line {number} is not '<sha256>  <file>'")
         expected, name = match.group(1).lower(), match.group(2)
+        try:
+            validation.relative_path(name, f"{SUMS_FILE} line {number}")
+        except validation.ValueProblem as exc:
+            raise PluginLoadError(f"{label}: {exc}") from None
         path = (folder / name).resolve()
         if Path(name).is_absolute() or not path.is_relative_to(folder.resolve()):
             raise PluginLoadError(f"{label}: {SUMS_FILE} names {name!r}, outside the folder")

@@ -22,7 +22,7 @@ from registry.fingerprint import Fingerprinter
 from registry.imports import forget, import_plugin, package_name
 from registry.integrity import verify_checksums
 from registry.manager import PluginHost
-from registry.manifest import Manifest, load_manifest
+from registry.manifest import Manifest, check_runner_keys, load_manifest
 from registry.models import MODELS_SCHEME, resolve_model
 from registry.types import PluginInfo
 
@@ -153,6 +153,7 @@ class Loader:
         if factory is None:
             known = ", ".join(sorted(factories)) or "none"
             raise PluginLoadError(f"{manifest.label}: unknown backend {backend!r} (known: {known})")
+        check_runner_keys(manifest, backend, getattr(factory, "runner_keys", ()))
         return factory(info, manifest.runner.table, model)
 
     async def release(self, loaded: LoadedPlugin) -> None:

@@ -7,13 +7,13 @@ API or the log knows what to fix.
 from __future__ import annotations
 
 import os
-import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from registry import validation
 from registry.errors import ManifestError
 from registry.ratelimit import RateLimit
 from registry.refs import NAME_PATTERN, PLUGIN_TYPES, PluginType, Ref, is_valid_name
@@ -23,6 +23,33 @@ MANIFEST_NAME = "plugin.toml"
 
 _PLUGIN_KEYS = {"name", "version", "type", "module", "description"}
 _ROUTE_KEYS = {"name", "preprocess", "postprocess", "rate_limit"}
+_TABLES = {"plugin", "config", "runner", "route"}
+RUNNER_KEYS = frozenset(
+    {
+        "backend",
+        "model",
+        "providers",
+        "max_batch_size",
+        "max_queue_delay_ms",
+        "instances",
+        "max_queue_size",
+        "preferred_batch_sizes",
+        "priority_levels",
+        "default_priority_level",
+        "tenant_weights",
+        "inline_budget_us",
+        "breaker_failures",
+        "breaker_reset_s",
+        "cast_inputs",
+    }
+)
+"""The ``[runner]`` keys plugserve reads itself; a backend declares its own (``runner_keys``)."""
+
+# Bounds of the [runner] numbers: generous, but finite and far from overflowing anything.
+MAX_BATCH_SIZE = 1_000_000
+MAX_INSTANCES = 1024
+MAX_QUEUE_DELAY_MS = 3_600_000.0
+MAX_PRIORITY_LEVELS = 1000
 
 
 @dataclass(frozen=True)
@@ -93,20 +120,44 @@ def load_manifest(folder: Path) -> Manifest:
     """
     path = folder / MANIFEST_NAME
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = validation.read_toml(path)
     except FileNotFoundError:
         raise ManifestError(path, "no plugin.toml in the plugin folder") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(path, f"cannot read: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ManifestError(path, f"invalid TOML: {exc}") from None
+    except validation.ValueProblem as exc:
+        raise ManifestError(path, exc.reason) from None
     return parse_manifest(raw, folder)
 
 
 def parse_manifest(raw: Mapping[str, Any], folder: Path) -> Manifest:
-    """Validate a parsed manifest ``raw`` found in ``folder``."""
+    """Validate a parsed manifest ``raw`` from ``folder``; raises :class:`ManifestError` only."""
     path = folder / MANIFEST_NAME
-    p = _Fields(path)
+    try:
+        validation.shallow(raw)
+        return _parse(raw, folder, _Fields(path))
+    except ManifestError:
+        raise
+    except validation.ValueProblem as exc:
+        raise ManifestError(path, exc.reason, exc.field or None) from None
+    except Exception as exc:  # outside data: whatever a check missed is this file's error
+        raise ManifestError(path, f"invalid: {type(exc).__name__}: {exc}") from None
+
+
+def check_runner_keys(manifest: Manifest, backend: str, declared: Iterable[str]) -> None:
+    """Refuse ``[runner]`` keys that neither plugserve nor the backend reads (a typo such
+    as ``max_batch_sise`` must not pass silently); ``declared`` is the backend's ``runner_keys``."""
+    if manifest.runner is None:
+        return
+    try:
+        validation.known_keys(manifest.runner.table, "runner", RUNNER_KEYS | set(declared))
+    except validation.ValueProblem as exc:
+        raise ManifestError(
+            manifest.path / MANIFEST_NAME, f"{exc.reason} (with backend {backend!r})", "runner"
+        ) from None
+
+
+def _parse(raw: Mapping[str, Any], folder: Path, p: _Fields) -> Manifest:
+    path = p.path
+    p.no_unknown_keys(raw, "", _TABLES)
     plugin = p.table(raw, "plugin", required=True)
     p.no_unknown_keys(plugin, "plugin", _PLUGIN_KEYS)
 
@@ -134,6 +185,7 @@ def parse_manifest(raw: Mapping[str, Any], folder: Path) -> Manifest:
 
     module = p.string(plugin, "plugin.module")
     if module is not None:
+        validation.relative_path(module, "plugin.module")
         _check_relative(path, folder, module, "plugin.module")
     runner = _runner_section(p, raw, folder) if kind == "runner" else None
     if kind != "runner":
@@ -151,7 +203,7 @@ def parse_manifest(raw: Mapping[str, Any], folder: Path) -> Manifest:
         name=name,
         version=version,
         module=module,
-        description=p.string(plugin, "plugin.description") or "",
+        description=p.string(plugin, "plugin.description", multiline=True) or "",
         config=MappingProxyType(dict(p.table(raw, "config"))),
         runner=runner,
         route=_route_section(p, raw) if kind == "runner" else RouteSection(),
@@ -160,26 +212,31 @@ def parse_manifest(raw: Mapping[str, Any], folder: Path) -> Manifest:
 
 def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerSection:
     table = p.table(raw, "runner")
+    backend = p.string(table, "runner.backend")
+    if backend is None:  # a backend declares more keys: the loader checks those (check_runner_keys)
+        p.no_unknown_keys(table, "runner", RUNNER_KEYS)
     model = p.string(table, "runner.model")
+    if model is not None:
+        validation.relative_path(model, "runner.model")
     if model is not None and not model.startswith("models:"):
         _check_relative(p.path, folder, model, "runner.model")
     providers = _provider_names(p, table)
-    levels = p.integer(table, "runner.priority_levels", 1, minimum=1)
+    levels = p.integer(table, "runner.priority_levels", 1, 1, MAX_PRIORITY_LEVELS)
     return RunnerSection(
-        backend=p.string(table, "runner.backend"),
+        backend=backend,
         model=model,
         providers=tuple(providers),
-        max_batch_size=p.integer(table, "runner.max_batch_size", 0, minimum=0),
-        max_queue_delay_ms=p.number(table, "runner.max_queue_delay_ms", 0.0),
-        instances=p.integer(table, "runner.instances", 1, minimum=1),
-        max_queue_size=p.integer(table, "runner.max_queue_size", 0, minimum=0),
+        max_batch_size=p.integer(table, "runner.max_batch_size", 0, 0, MAX_BATCH_SIZE),
+        max_queue_delay_ms=p.number(table, "runner.max_queue_delay_ms", 0.0, MAX_QUEUE_DELAY_MS),
+        instances=p.integer(table, "runner.instances", 1, 1, MAX_INSTANCES),
+        max_queue_size=p.integer(table, "runner.max_queue_size", 0, 0, validation.MAX_INTEGER),
         preferred_batch_sizes=_preferred_sizes(p, table),
         priority_levels=levels,
         default_priority_level=_default_level(p, table, levels),
         tenant_weights=_tenant_weights(p, table),
-        inline_budget_us=p.integer(table, "runner.inline_budget_us", 250, minimum=0),
-        breaker_failures=p.integer(table, "runner.breaker_failures", 5, minimum=0),
-        breaker_reset_s=p.number(table, "runner.breaker_reset_s", 10.0),
+        inline_budget_us=p.integer(table, "runner.inline_budget_us", 250, 0, 60_000_000),
+        breaker_failures=p.integer(table, "runner.breaker_failures", 5, 0, 1_000_000),
+        breaker_reset_s=p.number(table, "runner.breaker_reset_s", 10.0, 86_400.0),
         cast_inputs=p.boolean(table, "runner.cast_inputs", False),
         table=MappingProxyType(dict(table)),
     )
@@ -190,42 +247,43 @@ def _provider_names(p: _Fields, table: Mapping[str, Any]) -> list[str]:
     items = table.get("providers", [])
     names = [
         i if isinstance(i, str) else i.get("name") if isinstance(i, dict) else None
-        for i in (items if isinstance(items, list) else [None])
+        for i in (items if isinstance(items, list) and len(items) <= 64 else [None])
     ]
     if not all(isinstance(n, str) for n in names):
         raise ManifestError(
             p.path, "must be a list of names or tables with a 'name'", "runner.providers"
         )
-    return [str(n) for n in names]
+    return [
+        validation.text(n, f"runner.providers[{i}]", max_length=256) for i, n in enumerate(names)
+    ]
 
 
 def _preferred_sizes(p: _Fields, table: Mapping[str, Any]) -> tuple[int, ...]:
     sizes = table.get("preferred_batch_sizes", [])
-    if not isinstance(sizes, list) or not all(
-        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes
-    ):
+    if not isinstance(sizes, list) or len(sizes) > 1000:
         raise ManifestError(
             p.path, "must be a list of positive integers", "runner.preferred_batch_sizes"
         )
-    return tuple(sorted(set(sizes)))
+    where = "runner.preferred_batch_sizes"
+    return tuple(sorted({validation.integer(n, where, low=1, high=MAX_BATCH_SIZE) for n in sizes}))
 
 
 def _default_level(p: _Fields, table: Mapping[str, Any], levels: int) -> int | None:
     if "default_priority_level" not in table:
         return None
-    level = p.integer(table, "runner.default_priority_level", levels, minimum=1)
-    if level > levels:
-        raise ManifestError(p.path, f"must be in 1..{levels}", "runner.default_priority_level")
-    return level
+    return p.integer(table, "runner.default_priority_level", levels, 1, levels)
 
 
 def _tenant_weights(p: _Fields, table: Mapping[str, Any]) -> Mapping[str, float]:
-    weights = table.get("tenant_weights", {})
-    if not isinstance(weights, dict) or not all(
-        isinstance(w, int | float) and not isinstance(w, bool) and w > 0 for w in weights.values()
-    ):
-        raise ManifestError(p.path, "must be a table of positive numbers", "runner.tenant_weights")
-    return MappingProxyType({str(k): float(v) for k, v in weights.items()})
+    weights = p.table(table, "runner.tenant_weights")
+    return MappingProxyType(
+        {
+            validation.text(k, "runner.tenant_weights", max_length=256): validation.number(
+                w, f"runner.tenant_weights.{k}", low=0.0, high=1e6, above=True
+            )
+            for k, w in weights.items()
+        }
+    )
 
 
 def _route_section(p: _Fields, raw: Mapping[str, Any]) -> RouteSection:
@@ -238,8 +296,9 @@ def _route_section(p: _Fields, raw: Mapping[str, Any]) -> RouteSection:
     if "rate_limit" in table:
         try:
             rate_limit = RateLimit.parse(table["rate_limit"])
-        except ValueError as exc:
-            raise ManifestError(p.path, str(exc), "route.rate_limit") from None
+        except validation.ValueProblem as exc:
+            field = f"route.rate_limit.{exc.field}" if exc.field else "route.rate_limit"
+            raise ManifestError(p.path, exc.reason, field) from None
     return RouteSection(
         name=name,
         preprocess=p.refs(table, "route.preprocess"),
@@ -257,7 +316,7 @@ def _check_relative(path: Path, folder: Path, relative: str, key: str) -> None:
 
 @dataclass(frozen=True)
 class _Fields:
-    """Typed field access that raises :class:`ManifestError` naming file and field."""
+    """Typed field access over :mod:`registry.validation`; problems name the dotted field."""
 
     path: Path
 
@@ -271,17 +330,17 @@ class _Fields:
 
     def table(self, raw: Mapping[str, Any], key: str, required: bool = False) -> Mapping[str, Any]:
         value = self._get(raw, key, required)
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise ManifestError(self.path, "must be a table", key)
-        return value
+        return {} if value is None else validation.table(value, key)
 
-    def string(self, table: Mapping[str, Any], key: str, required: bool = False) -> str | None:
+    def string(
+        self, table: Mapping[str, Any], key: str, required: bool = False, multiline: bool = False
+    ) -> str | None:
         value = self._get(table, key, required)
-        if value is not None and not isinstance(value, str):
-            raise ManifestError(self.path, f"must be a string, not {type(value).__name__}", key)
-        return value
+        if value is None:
+            return None
+        return validation.text(
+            value, key, max_length=65_536 if multiline else 1024, multiline=multiline
+        )
 
     def required_string(self, table: Mapping[str, Any], key: str) -> str:
         value = self.string(table, key, required=True)
@@ -290,19 +349,15 @@ class _Fields:
 
     def string_list(self, table: Mapping[str, Any], key: str) -> list[str]:
         value = self._get(table, key, False)
-        if value is None:
-            return []
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ManifestError(self.path, "must be a list of strings", key)
-        return value
+        return [] if value is None else validation.text_list(value, key, max_items=256)
 
-    def integer(self, table: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
+    def integer(
+        self, table: Mapping[str, Any], key: str, default: int, minimum: int, maximum: int
+    ) -> int:
         value = self._get(table, key, False)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ManifestError(self.path, f"must be an integer >= {minimum}", key)
-        return value
+        return (
+            default if value is None else validation.integer(value, key, low=minimum, high=maximum)
+        )
 
     def boolean(self, table: Mapping[str, Any], key: str, default: bool) -> bool:
         value = self._get(table, key, False)
@@ -312,13 +367,9 @@ class _Fields:
             raise ManifestError(self.path, "must be true or false", key)
         return value
 
-    def number(self, table: Mapping[str, Any], key: str, default: float) -> float:
+    def number(self, table: Mapping[str, Any], key: str, default: float, maximum: float) -> float:
         value = self._get(table, key, False)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ManifestError(self.path, "must be a number >= 0", key)
-        return float(value)
+        return default if value is None else validation.number(value, key, low=0.0, high=maximum)
 
     def refs(self, table: Mapping[str, Any], key: str) -> tuple[Ref, ...]:
         refs = []
@@ -329,8 +380,5 @@ class _Fields:
                 raise ManifestError(self.path, str(exc), key) from None
         return tuple(refs)
 
-    def no_unknown_keys(self, table: Mapping[str, Any], name: str, known: set[str]) -> None:
-        unknown = sorted(set(table) - known)
-        if unknown:
-            allowed = ", ".join(sorted(known))
-            raise ManifestError(self.path, f"unknown key(s) {unknown}; known: {allowed}", name)
+    def no_unknown_keys(self, table: Mapping[str, Any], name: str, known: Iterable[str]) -> None:
+        validation.known_keys(table, name, known)

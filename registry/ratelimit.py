@@ -7,6 +7,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from registry import validation
+
+MIN_RPS = 0.001
+"""The smallest rate accepted: one request in 1000 s (smaller ones mean "closed")."""
+MAX_RPS = 1_000_000.0
+MAX_BURST = 1_000_000
+
 
 @dataclass(frozen=True)
 class RateLimit:
@@ -15,16 +22,19 @@ class RateLimit:
 
     @classmethod
     def parse(cls, raw: Any) -> RateLimit:
-        """``{ rps = <requests per second>, burst = <bucket size> }``; raises ``ValueError``."""
+        """``{ rps = <requests per second>, burst = <bucket size> }``.
+
+        ``rps`` from :data:`MIN_RPS` to :data:`MAX_RPS`, ``burst`` from 1 to
+        :data:`MAX_BURST` (default: ``rps`` rounded down, at least 1). Raises
+        :class:`~registry.validation.ValueProblem` (a ``ValueError``) naming the field.
+        """
         if not isinstance(raw, Mapping) or set(raw) - {"rps", "burst"}:
-            raise ValueError("must be a table { rps = <per second>, burst = <requests> }")
-        rps = raw.get("rps")
-        if isinstance(rps, bool) or not isinstance(rps, int | float) or rps <= 0:
-            raise ValueError("rps must be a number > 0")
+            raise validation.ValueProblem(
+                "", "must be a table { rps = <per second>, burst = <requests> }"
+            )
+        rps = validation.number(raw.get("rps"), "rps", low=MIN_RPS, high=MAX_RPS)
         burst = raw.get("burst", max(1, int(rps)))
-        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
-            raise ValueError("burst must be an integer >= 1")
-        return cls(float(rps), burst)
+        return cls(rps, validation.integer(burst, "burst", low=1, high=MAX_BURST))
 
 
 class TokenBucket:

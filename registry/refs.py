@@ -12,12 +12,12 @@ PluginType = Literal["preprocessor", "runner", "postprocessor"]
 PLUGIN_TYPES: tuple[PluginType, ...] = ("preprocessor", "runner", "postprocessor")
 
 NAME_PATTERN = r"[a-z0-9][a-z0-9_-]{0,63}"
-_NAME = re.compile(rf"^{NAME_PATTERN}$")
+_NAME = re.compile(NAME_PATTERN)
 
 
 def is_valid_name(name: str) -> bool:
-    """A plugin or route name: ``[a-z0-9][a-z0-9_-]{0,63}``."""
-    return bool(_NAME.match(name))
+    """A plugin or route name: ``[a-z0-9][a-z0-9_-]{0,63}``, whole (no trailing newline)."""
+    return bool(_NAME.fullmatch(name))
 
 
 def is_ignored_name(name: str) -> bool:

@@ -300,15 +300,21 @@ class Registry:
     # -- routes ------------------------------------------------------------------------
 
     def sync_routes_file(self) -> str:
-        """Re-read ``routes.toml`` if its content changed: unchanged, applied or invalid."""
+        """Re-read ``routes.toml`` if its content changed: unchanged, applied or invalid.
+
+        The content counts as seen only once it has been judged, so a read that
+        did not finish is tried again by the next rescan.
+        """
         fingerprint = self.fingerprinter.file(self.routes_file)
         if fingerprint == self._routes_fingerprint:
             return "unchanged"
+        applied = self.reload_routes_file()
         self._routes_fingerprint = fingerprint
-        return "applied" if self.reload_routes_file() else "invalid"
+        return "applied" if applied else "invalid"
 
     def reload_routes_file(self) -> bool:
-        """Re-read ``routes.toml``; an invalid file keeps the previous routes and says why."""
+        """Re-read ``routes.toml``; an invalid file keeps the previous routes and says why
+        (``routes_file_error``: in ``GET /admin/routes`` and the log)."""
         try:
             self.file_routes = load_routes_file(self.routes_file)
         except RoutesFileError as exc:

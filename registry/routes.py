@@ -10,13 +10,13 @@ lookups, and a rebuild replaces the whole snapshot in one assignment.
 from __future__ import annotations
 
 import re
-import tomllib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from registry import validation
 from registry.chain import Chain
 from registry.components import LoadedPlugin
 from registry.errors import (
@@ -33,7 +33,9 @@ from registry.variants import Candidate, WeightedChoice, salt_of
 
 ROUTES_FILE = "routes.toml"
 _ROUTE_KEYS = {"runner", "preprocess", "postprocess", "sticky", "rate_limit"}
-_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")  # fullmatch: no trailing newline
+MAX_ROUTES = 10_000
+MAX_CHAIN = 64
 
 
 class RouteSpecError(ValueError):
@@ -95,24 +97,27 @@ def load_routes_file(path: Path) -> dict[str, RouteSpec]:
     manifest's list; an empty list means none.
     """
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = validation.read_toml(path)
     except FileNotFoundError:
         return {}
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+    except validation.ValueProblem as exc:
         raise RoutesFileError(f"{path}: {exc}", file=str(path)) from None
     unknown = sorted(set(raw) - {"routes"})
     if unknown:
         raise RoutesFileError(f"{path}: unknown table(s) {unknown}; known: routes", file=str(path))
     routes = raw.get("routes", {})
-    if not isinstance(routes, dict):
-        raise RoutesFileError(f"{path}: routes must be a table", file=str(path))
+    if not isinstance(routes, dict) or len(routes) > MAX_ROUTES:
+        raise RoutesFileError(
+            f"{path}: routes must be a table of at most {MAX_ROUTES} routes", file=str(path)
+        )
     specs = {}
     for name, entry in routes.items():
         try:
             specs[name] = parse_route(name, entry, ROUTES_FILE)
         except RouteSpecError as exc:
+            shown = name if is_valid_name(name) else validation.shown(name)
             raise RoutesFileError(
-                f"{path}: routes.{name}{exc}", file=str(path), route=name
+                f"{path}: routes.{shown}{exc}", file=str(path), route=shown
             ) from None
     return specs
 
@@ -120,15 +125,27 @@ def load_routes_file(path: Path) -> dict[str, RouteSpec]:
 def parse_route(name: str, entry: Any, source: str) -> RouteSpec:
     """One route entry, from ``routes.toml``, the admin API or etcd.
 
-    Raises :class:`RouteSpecError`.
+    Every value is checked (types, bounds, names, nesting); raises
+    :class:`RouteSpecError` and nothing else, whatever ``entry`` holds.
     """
     if not isinstance(name, str) or not is_valid_name(name):
         raise RouteSpecError(f": the route name must match {NAME_PATTERN}")
-    if not isinstance(entry, dict):
-        raise RouteSpecError(": must be a table")
-    unknown = sorted(set(entry) - _ROUTE_KEYS)
-    if unknown:
-        raise RouteSpecError(f": unknown key(s) {unknown}; known: {', '.join(sorted(_ROUTE_KEYS))}")
+    try:
+        validation.table(entry, "")
+        validation.shallow(entry)
+        validation.known_keys(entry, "", _ROUTE_KEYS)
+        return _parse_route(name, entry, source)
+    except RouteSpecError:
+        raise
+    except validation.ValueProblem as exc:
+        raise RouteSpecError(
+            f".{exc.field}: {exc.reason}" if exc.field else f": {exc.reason}"
+        ) from None
+    except Exception as exc:  # outside data: whatever a check missed is this entry's error
+        raise RouteSpecError(f": invalid: {type(exc).__name__}: {exc}") from None
+
+
+def _parse_route(name: str, entry: dict[str, Any], source: str) -> RouteSpec:
     runner = entry.get("runner")
     variants: tuple[Variant, ...] = ()
     if isinstance(runner, dict):
@@ -136,7 +153,7 @@ def parse_route(name: str, entry: Any, source: str) -> RouteSpec:
         runner_ref = Ref(variants[0].runner.name)
     elif isinstance(runner, str):
         try:
-            runner_ref = Ref.parse(runner)
+            runner_ref = Ref.parse(validation.text(runner, "", max_length=256))
         except ValueError as exc:
             raise RouteSpecError(f".runner: {exc}") from None
     else:
@@ -144,15 +161,19 @@ def parse_route(name: str, entry: Any, source: str) -> RouteSpec:
             ".runner: is required: a runner name, name@version, or a table of name@version = weight"
         )
     sticky = entry.get("sticky")
-    if sticky is not None and (not isinstance(sticky, str) or not _HEADER_NAME.match(sticky)):
+    if sticky is not None and (not isinstance(sticky, str) or not _HEADER_NAME.fullmatch(sticky)):
         raise RouteSpecError(".sticky: must be an HTTP header name, such as x-user-id")
 
     def refs(key: str) -> tuple[Ref, ...] | None:
         if key not in entry:
             return None
         value = entry[key]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise RouteSpecError(f".{key}: must be a list of plugin names")
+        if (
+            not isinstance(value, list)
+            or len(value) > MAX_CHAIN
+            or not all(isinstance(v, str) and len(v) <= 256 for v in value)
+        ):
+            raise RouteSpecError(f".{key}: must be a list of at most {MAX_CHAIN} plugin names")
         try:
             return tuple(Ref.parse(v) for v in value)
         except ValueError as exc:
@@ -160,8 +181,9 @@ def parse_route(name: str, entry: Any, source: str) -> RouteSpec:
 
     try:
         rate_limit = RateLimit.parse(entry["rate_limit"]) if "rate_limit" in entry else None
-    except ValueError as exc:
-        raise RouteSpecError(f".rate_limit: {exc}") from None
+    except validation.ValueProblem as exc:
+        where = f".rate_limit.{exc.field}" if exc.field else ".rate_limit"
+        raise RouteSpecError(f"{where}: {exc.reason}") from None
     return RouteSpec(
         name,
         runner_ref,
@@ -178,11 +200,13 @@ def _variants(table: dict[Any, Any]) -> tuple[Variant, ...]:
     """``{ "iris@1.0.0" = 90, "iris@2.0.0" = 10 }``: pinned versions of one runner."""
     if not table:
         raise RouteSpecError(".runner: a weighted runner table needs at least one name@version")
+    if len(table) > MAX_CHAIN:
+        raise RouteSpecError(f".runner: a weighted runner table has at most {MAX_CHAIN} entries")
     variants = []
     for text, weight in table.items():
-        where = f".runner.{text!r}"
+        where = f".runner.{validation.shown(text)}"
         try:
-            ref = Ref.parse(str(text))
+            ref = Ref.parse(validation.text(text, "", max_length=256))
         except ValueError as exc:
             raise RouteSpecError(f"{where}: {exc}") from None
         if ref.version is None:

@@ -6,11 +6,12 @@ import re
 from dataclasses import dataclass, field
 from functools import total_ordering
 
+# Matched whole (``fullmatch``): ``$`` would let a trailing newline through.
 _SEMVER = re.compile(
-    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(?:-([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?$"
+    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?",
+    re.ASCII,
 )
-_INTEGER = re.compile(r"^[1-9]\d*$")
+_INTEGER = re.compile(r"[1-9]\d*", re.ASCII)
 
 
 def _prerelease_key(part: str) -> tuple[int, int | str]:
@@ -36,7 +37,7 @@ class Version:
     @classmethod
     def parse(cls, text: str) -> Version:
         """Parse a semantic version; raise ``ValueError`` on anything else."""
-        match = _SEMVER.match(text)
+        match = _SEMVER.fullmatch(text)
         if match is None:
             raise ValueError(f"{text!r} is not a semantic version MAJOR.MINOR.PATCH[-prerelease]")
         major, minor, patch, pre = match.groups()
@@ -48,7 +49,7 @@ class Version:
 
         An integer ``N`` sorts as ``N.0.0``.
         """
-        if _INTEGER.match(text):
+        if _INTEGER.fullmatch(text):
             return cls(int(text), 0, 0, (), text)
         return cls.parse(text)
 

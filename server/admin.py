@@ -8,6 +8,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from registry import validation
 from registry.errors import InvalidInput, NotFound, PluginLoadError, TooManyRequests
 from registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
 from registry.registry import Registry
@@ -48,7 +49,7 @@ def _if_match(request: web.Request) -> int | None:
         revision = int(raw.strip().strip('"'))
     except ValueError:
         revision = -1
-    if revision < 0:
+    if not 0 <= revision < 2**63:
         raise InvalidInput('If-Match must be a route entry\'s revision, such as "12"')
     return revision
 
@@ -62,9 +63,11 @@ async def put_route(request: web.Request) -> web.Response:
     last saw).
     """
     name = request.match_info["route"]
+    if not is_valid_name(name):
+        raise InvalidInput(f"route name {validation.shown(name)} must match {NAME_PATTERN}")
     try:
-        entry = await request.json()
-    except ValueError as exc:
+        entry = validation.parse_json(await request.read())
+    except validation.ValueProblem as exc:
         raise InvalidInput(f"the body must be a JSON route entry: {exc}") from None
     try:
         spec = parse_route(name, entry, "admin")
@@ -83,7 +86,7 @@ async def delete_route(request: web.Request) -> web.Response:
     """Remove a route's runtime entry: what ``routes.toml`` or its runner says applies again."""
     name = request.match_info["route"]
     if not is_valid_name(name):
-        raise InvalidInput(f"route name {name!r} must match {NAME_PATTERN}")
+        raise InvalidInput(f"route name {validation.shown(name)} must match {NAME_PATTERN}")
     store = request.app[ROUTE_STORE]
     revision = await store.delete(name, _if_match(request))
     entry = request.app[REGISTRY].routes.entries.get(name)

@@ -126,9 +126,10 @@ def _sockets(settings: Settings) -> list[socket.socket]:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a host name IDNA cannot encode
             sock.close()
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            reason = exc.strerror if isinstance(exc, OSError) else exc
+            raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None
         sock.listen(1024)
         sock.setblocking(False)
         sockets.append(sock)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from registry import validation
 from registry.errors import ConfigError
 from server.codec import Limits
 
@@ -22,6 +22,19 @@ TOKENS = ("admin_token", "inference_token")
 """Each token setting has a ``<name>_file`` twin and the env vars ``PLUGSERVE_<NAME>[_FILE]``."""
 ETCD_PASSWORD_ENV = "PLUGSERVE_ETCD_PASSWORD"
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Every number setting is finite and inside these bounds; one not listed: |x| <= 2**53.
+_BOUNDS: dict[str, tuple[float, float]] = {
+    "port": (0, 65535),
+    "admin_port": (1, 65535),
+    "drain_timeout_s": (0, 86_400),
+    "max_body_bytes": (1, 2**40),
+    "reload_debounce_ms": (0, 3_600_000),
+    "max_inputs": (1, 1_000_000),
+    "max_tensor_rank": (1, 64),
+    "max_tensor_elements": (1, 2**40),
+    "fleet_lease_ttl_s": (2, 86_400),
+    "fleet_startup_wait_s": (0, 3600),
+}
 
 
 def bundled_dir(name: str) -> Path:
@@ -100,6 +113,7 @@ class Settings:
             raise ConfigError(
                 "max_body_bytes must be >= 1, drain_timeout_s and reload_debounce_ms >= 0"
             )
+        _check_numbers(self)
 
     def _check_tokens(self) -> None:
         """A token that is set must be usable: never empty, never an open door."""
@@ -111,6 +125,22 @@ class Settings:
                 raise ConfigError(f"{name} is set but empty: set a token or remove the setting")
         if self.inference_token is not None and self.inference_token == self.admin_token:
             raise ConfigError("inference_token must differ from admin_token")
+
+
+def _check_numbers(settings: Settings) -> None:
+    """Every number setting finite and in its bounds (``inf``, ``nan``, ``1e999`` refused)."""
+    for name in (f.name for f in dataclasses.fields(settings)):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        low, high = _BOUNDS.get(name, (-validation.MAX_INTEGER, validation.MAX_INTEGER))
+        try:
+            if isinstance(value, int):
+                validation.integer(value, name, low=int(low), high=int(high))
+            else:
+                validation.number(value, name, low=low, high=high)
+        except validation.ValueProblem as exc:
+            raise ConfigError(str(exc)) from None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -146,7 +176,10 @@ def load_settings(
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for key in _PATHS & values.keys():
         # Absolute, but symlinks kept: the watcher follows a folder's symlink swap.
-        values[key] = Path(os.path.abspath(Path(values[key]).expanduser()))
+        try:
+            values[key] = Path(os.path.abspath(Path(values[key]).expanduser()))
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ConfigError(f"{key}: {exc}") from None
     for name in TOKENS:
         if values.get(f"{name}_file") and values.get(name) is None:
             values[name] = _read_token(name, Path(values[f"{name}_file"]))
@@ -186,18 +219,31 @@ def _read_token(name: str, path: Path) -> str:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
+    """The settings of a TOML file, each of its setting's type; raises :class:`ConfigError`."""
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raw = validation.read_toml(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except validation.ValueProblem as exc:
         raise ConfigError(f"{path}: {exc}") from None
     unknown = sorted(set(raw) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"{path}: unknown setting(s) {unknown}; known: {', '.join(_FIELDS)}")
+    for key, value in raw.items():
+        if isinstance(value, str):
+            try:
+                validation.text(value, key)
+            except validation.ValueProblem as exc:
+                raise ConfigError(f"{path}: {exc}") from None
+        elif key in _PATHS:
+            raise ConfigError(
+                f"{path}: {key} must be a path (a string), not {type(value).__name__}"
+            )
     for key in TOKENS + tuple(f"{name}_file" for name in TOKENS):
         if isinstance(raw.get(key), str):
             raw[key] = _token_text(raw[key], f"{path}: {key}")
     for key in _PATHS & raw.keys():
-        raw[key] = path.parent / str(raw[key])
+        raw[key] = path.parent / raw[key]
     for key, value in raw.items():
         expected = _expected_type(key)
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):

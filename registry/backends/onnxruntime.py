@@ -22,6 +22,7 @@ import numpy as np
 
 from registry.backends.ort_options import (
     DEFAULT_PROVIDERS,
+    RUNNER_KEYS,
     OrtOptions,
     Provider,
     cache_dir,
@@ -290,6 +291,7 @@ def create_runner(
 
 
 create_runner.model_filename = "model.onnx"  # type: ignore[attr-defined]  # factories may carry it
+create_runner.runner_keys = RUNNER_KEYS  # type: ignore[attr-defined]  # the [runner] keys it reads
 
 
 @hookimpl

@@ -35,6 +35,21 @@ from typing import Any
 from registry.datatypes import V2_TO_NUMPY
 from registry.errors import PluginLoadError
 
+RUNNER_KEYS = frozenset(
+    {
+        "providers",
+        "require",
+        "device",
+        "graph_optimization_level",
+        "intra_op_threads",
+        "inter_op_threads",
+        "session_config",
+        "optimized_model_cache",
+        "io_binding",
+        "warmup",
+    }
+)
+"""The ``[runner]`` keys this backend reads, declared as its factory's ``runner_keys``."""
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
 LEVELS = ("disable", "basic", "extended", "all")
 CACHE_ENV = "PLUGSERVE_CACHE_DIR"

@@ -32,7 +32,7 @@ import queue
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -111,6 +111,9 @@ class Cuda:
 
 @dataclass(frozen=True)
 class TrtOptions:
+    KEYS: ClassVar[frozenset[str]] = frozenset({"device_id", "fp16", "workspace_mb", "profile"})
+    """The ``[runner]`` keys this backend reads, declared as its factory's ``runner_keys``."""
+
     device_id: int = 0
     fp16: bool = False
     workspace_mb: int = 1024
@@ -368,6 +371,7 @@ def create_runner(
 
 
 create_runner.model_filename = "model.plan"  # type: ignore[attr-defined]  # factories may carry it
+create_runner.runner_keys = TrtOptions.KEYS  # type: ignore[attr-defined]  # the [runner] keys it reads
 
 
 @hookimpl

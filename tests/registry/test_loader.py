@@ -1,6 +1,7 @@
 """Loading plugin folders: module isolation, sibling imports, failures, and leaving nothing behind."""
 
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -199,4 +200,48 @@ async def test_components_get_plugin_info_and_config(plugins_dir: Path, loader: 
     )
     loaded = await loader.load(folder)
     assert loaded.component.seen == ("info", "0.1.0", "preprocessor", folder, 3)
+    await loader.release(loaded)
+
+
+async def test_runner_keys_neither_plugserve_nor_the_backend_reads_fail_the_load(
+    plugins_dir: Path, models_dir: Path, loader: Loader
+) -> None:
+    """issue 12, finding 18: a typo in [runner] (``max_batch_sise``) fails the load, naming
+    the key and listing the known ones; the backend's declared keys are among them."""
+    from tests.helpers import write_add_runner
+
+    folder = write_add_runner(plugins_dir, "add", "1.0.0", runner="max_batch_sise = 8\n")
+    with pytest.raises(
+        PluginLoadError, match=r"runner: unknown key\(s\) \['max_batch_sise'\]"
+    ) as info:
+        await loader.load(folder)
+    for known in ("max_batch_size", "intra_op_threads", "session_config", "cast_inputs"):
+        assert known in info.value.message
+    assert "onnxruntime" in info.value.message
+
+
+async def test_every_key_a_builtin_backend_declares_is_accepted(
+    plugins_dir: Path, loader: Loader
+) -> None:
+    """What works today keeps working: the onnxruntime keys, plugserve's own and cast_inputs."""
+    from tests.helpers import write_add_runner
+
+    runner = """
+        providers = ["CPUExecutionProvider"]
+        require = false
+        graph_optimization_level = "all"
+        intra_op_threads = 1
+        inter_op_threads = 1
+        session_config = { "session.intra_op.allow_spinning" = "0" }
+        optimized_model_cache = false
+        io_binding = false
+        warmup = { runs = 1, batch_size = 1 }
+        max_batch_size = 4
+        max_queue_delay_ms = 1.0
+        instances = 1
+        cast_inputs = false
+    """
+    folder = write_add_runner(plugins_dir, "add", "1.0.0", runner=textwrap.dedent(runner))
+    loaded = await loader.load(folder)
+    assert loaded.manifest.runner is not None and loaded.manifest.runner.max_batch_size == 4
     await loader.release(loaded)

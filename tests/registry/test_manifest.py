@@ -111,3 +111,90 @@ def test_processor_needs_module_and_no_runner_table(plugins_dir: Path) -> None:
     )
     with pytest.raises(ManifestError, match=r"only runners have a \[runner\]"):
         load_manifest(folder)
+
+
+HEAD = "[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n"
+RUNNER = HEAD + "[runner]\nbackend='onnxruntime'\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "message"),
+    [
+        (RUNNER + "[route]\nrate_limit = { rps = inf }\n", "route.rate_limit.rps", "finite"),
+        (RUNNER + "[route]\nrate_limit = { rps = nan }\n", "route.rate_limit.rps", "finite"),
+        (RUNNER + "[route]\nrate_limit = { rps = 1e999 }\n", "route.rate_limit.rps", "finite"),
+        (RUNNER + "[route]\nrate_limit = { rps = 1e-300 }\n", "route.rate_limit.rps", ">= 0.001"),
+        (RUNNER + "[route]\nrate_limit = { rps = 1, burst = 9223372036854775807 }\n",
+         "route.rate_limit.burst", "<= 1000000"),
+        (RUNNER + "max_queue_delay_ms = inf\n", "runner.max_queue_delay_ms", "finite"),
+        (RUNNER + "max_queue_delay_ms = nan\n", "runner.max_queue_delay_ms", "finite"),
+        (RUNNER + "breaker_reset_s = -inf\n", "runner.breaker_reset_s", "finite"),
+        (RUNNER + "instances = 9223372036854775807\n", "runner.instances", "<= 1024"),
+        (RUNNER + "max_batch_size = 1e3\n", "runner.max_batch_size", "integer"),
+        (RUNNER + "preferred_batch_sizes = [4, inf]\n", "runner.preferred_batch_sizes", "integer"),
+        (RUNNER + "tenant_weights = { gold = inf }\n", "runner.tenant_weights.gold", "finite"),
+        (RUNNER + "tenant_weights = [1]\n", "runner.tenant_weights", "must be a table"),
+        (RUNNER + 'model = "a\\u0000b.onnx"\n', "runner.model", "control characters"),
+        (RUNNER + f'model = "{"a" * 300}.onnx"\n', "runner.model", "longer than 255 bytes"),
+        (RUNNER + f'model = "models:iris/1/{"a" * 300}"\n', "runner.model", "longer than 255"),
+        (HEAD + f'module = "{"a/" * 600}p.py"\n', "plugin.module", "at most 1024"),
+        (HEAD + 'module = "plugin.py\\n"\n[runner]\n', "plugin.module", "control characters"),
+        (HEAD + "[runner]\nbackend='onnxruntime'\n[route]\nname = \"iris\\n\"\n", "route.name",
+         "control characters"),
+    ],
+)  # fmt: skip
+def test_hostile_numbers_and_texts_are_manifest_errors(
+    plugins_dir: Path, text: str, field: str, message: str
+) -> None:
+    """issue 12, finding 1: non-finite, huge or tiny numbers and control characters in a
+    manifest are a ManifestError naming the field (inf escaped as OverflowError before)."""
+    folder = _folder(plugins_dir, text)
+    with pytest.raises(ManifestError, match=message) as info:
+        load_manifest(folder)
+    assert info.value.fields["field"] == field
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (HEAD.encode() + b"[config]\nx = " + b"[" * 500 + b"]" * 500 + b"\n", "deeper than"),
+        (HEAD.encode() + b"[config]\nx = " + b"[" * 60 + b"]" * 60 + b"\n", "deeper than"),
+        (HEAD.encode() + b"description = '\xff'\n", "not UTF-8"),
+    ],
+)
+def test_deep_nesting_and_bad_bytes_are_manifest_errors(
+    plugins_dir: Path, data: bytes, message: str
+) -> None:
+    """issue 12, finding 1: a plugin.toml nested ~500 deep (RecursionError before) or not
+    UTF-8 is a failed load with its reason."""
+    folder = _folder(plugins_dir, "")
+    (folder / "plugin.toml").write_bytes(data)
+    with pytest.raises(ManifestError, match=message):
+        load_manifest(folder)
+
+
+def test_unknown_runner_keys_are_refused_when_no_backend_declares_them(plugins_dir: Path) -> None:
+    """issue 12, finding 18: ``max_batch_sise`` in a module runner's [runner] is an error."""
+    folder = _folder(plugins_dir, HEAD + "module='plugin.py'\n[runner]\nmax_batch_sise = 8\n")
+    with pytest.raises(ManifestError, match=r"unknown key\(s\) \['max_batch_sise'\]") as info:
+        load_manifest(folder)
+    assert "max_batch_size" in info.value.message and "cast_inputs" in info.value.message
+    assert info.value.fields["field"] == "runner"
+
+
+def test_unknown_top_level_tables_are_refused(plugins_dir: Path) -> None:
+    folder = _folder(plugins_dir, RUNNER + "[route]\n[runer]\nmax_batch_size = 8\n")
+    with pytest.raises(ManifestError, match=r"unknown key\(s\) \['runer'\]"):
+        load_manifest(folder)
+
+
+def test_multiline_descriptions_and_bounded_numbers_still_load(plugins_dir: Path) -> None:
+    folder = _folder(
+        plugins_dir,
+        HEAD.replace("type='runner'", "type='runner'\ndescription = '''two\nlines'''")
+        + "[runner]\nbackend='onnxruntime'\nmax_queue_delay_ms = 2\nbreaker_reset_s = 0.5\n"
+        + "cast_inputs = true\n[route]\nrate_limit = { rps = 0.001 }\n",
+    )
+    m = load_manifest(folder)
+    assert m.description == "two\nlines" and m.route.rate_limit is not None
+    assert m.route.rate_limit.rps == 0.001 and m.route.rate_limit.burst == 1

@@ -1,6 +1,7 @@
 import pytest
 
-from registry.ratelimit import RateLimit, TokenBucket
+from registry.errors import MAX_RETRY_AFTER_S, TooManyRequests
+from registry.ratelimit import MIN_RPS, RateLimit, TokenBucket
 
 
 class Clock:
@@ -26,7 +27,7 @@ def test_burst_then_the_rate() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "message"),
-    [({"rps": 0}, "rps must be"), ({"rps": 1, "burst": 0}, "burst must be"), (5, "must be a table"),
+    [({"rps": 0}, "rps: must be"), ({"rps": 1, "burst": 0}, "burst: must be"), (5, "must be a table"),
      ({"rps": 1, "per": "minute"}, "must be a table")],
 )  # fmt: skip
 def test_invalid_limits(raw: object, message: str) -> None:
@@ -37,3 +38,33 @@ def test_invalid_limits(raw: object, message: str) -> None:
 def test_burst_defaults_to_one_second_of_rate() -> None:
     assert RateLimit.parse({"rps": 20}) == RateLimit(20.0, 20)
     assert RateLimit.parse({"rps": 0.5}) == RateLimit(0.5, 1)
+
+
+@pytest.mark.parametrize(
+    "rps", [1e-300, 0.0009, float("inf"), float("nan"), 1e999, 10**400, 2_000_000, True, "5"]
+)
+def test_rates_out_of_bounds_are_refused(rps: object) -> None:
+    """issue 12, findings 1 and 18: inf (OverflowError before), nan ("cannot convert float
+    NaN to integer" before) and absurdly small rates are refused at parse time."""
+    with pytest.raises(ValueError, match=r"^rps: must be a finite number >= 0.001 and <= 1e\+06"):
+        RateLimit.parse({"rps": rps})
+
+
+def test_the_smallest_rate_waits_at_most_its_documented_bound() -> None:
+    clock = Clock()
+    bucket = TokenBucket(RateLimit.parse({"rps": MIN_RPS}), clock)
+    assert bucket.take() == 0.0
+    assert bucket.take() == pytest.approx(1 / MIN_RPS)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "header"),
+    [(10**300, "3600"), (1e300, "3600"), (float("inf"), "3600"), (float("nan"), "1"),
+     (0.2, "1"), (-5, "1"), (2.5, "3"), (3600, "3600"), (3601, "3600")],
+)  # fmt: skip
+def test_retry_after_is_whole_seconds_from_1_to_an_hour(seconds: float, header: str) -> None:
+    """issue 12, finding 18: ``rps = 1e-300`` gave a Retry-After of ~300 digits."""
+    error = TooManyRequests("over the limit", retry_after_s=seconds)
+    assert error.headers() == {"Retry-After": header}
+    assert error.to_json()["retry_after_s"] == int(header)
+    assert MAX_RETRY_AFTER_S == 3600

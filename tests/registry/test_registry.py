@@ -178,6 +178,39 @@ async def test_invalid_routes_file_keeps_the_previous_routes(
     assert "alias" in registry.routes.entries
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b'[routes.x]\nrunner = "add"\nrate_limit = { rps = inf }\n', "rate_limit.rps: must be a finite"),
+        (b'[routes.x]\nrunner = "add"\nrate_limit = { rps = nan }\n', "rate_limit.rps: must be a finite"),
+        (b'[routes.x]\nrunner = "add"\nrate_limit = { rps = 1e999 }\n', "rate_limit.rps: must be a finite"),
+        (b'[routes.x]\nrunner = "add"\nrate_limit = { rps = 1e-300 }\n', ">= 0.001"),
+        (b'[routes.x]\nrunner = "add"\nrate_limit = { rps = 1, burst = -1 }\n', "rate_limit.burst"),
+        (b'[routes.x]\nrunner = "add"\nsticky = "x-user\\n"\n', "sticky"),
+        (b'[routes."x\\n"]\nrunner = "add"\n', "route name must match"),
+        (b'[routes.x]\nrunner = "add\\u0000"\n', "control characters"),
+        (b"[routes.x]\nrunner = " + b"[" * 500 + b"]" * 500 + b"\n", "deeper than"),
+        (b'[routes.x]\nrunner = "\xff"\n', "not UTF-8"),
+    ],
+)  # fmt: skip
+async def test_a_hostile_routes_file_is_reported_once_and_the_table_kept(
+    plugins_dir: Path, registry: Registry, data: bytes, message: str
+) -> None:
+    """issue 12, finding 1: rps = inf (OverflowError before), nesting, bad bytes in routes.toml
+    are the file's error: shown, the previous table kept, and not forgotten by the next rescan."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    (plugins_dir / "routes.toml").write_text('[routes.alias]\nrunner = "add"\n')
+    await registry.start()
+    (plugins_dir / "routes.toml").write_bytes(data)
+    assert registry.sync_routes_file() == "invalid"
+    assert message in (registry.routes_file_error or "")
+    assert "alias" in registry.routes.entries and "x" not in registry.routes.entries
+    assert registry.sync_routes_file() == "unchanged"
+    assert message in (registry.routes_file_error or "")
+    assert (await registry.sync()).routes_file == "unchanged"
+    assert await run(registry, "alias", 1.0) == 2.0
+
+
 async def test_two_runners_claiming_one_route_is_reported(
     plugins_dir: Path, registry: Registry
 ) -> None:

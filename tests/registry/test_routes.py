@@ -1,5 +1,6 @@
 """Weighted routes over real runner versions: only ready variants serve, sticky keys hold."""
 
+import json
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -145,3 +146,27 @@ async def test_without_a_request_a_weighted_route_gives_its_primary_variant(
     assert {registry.routes.resolve("canary").variant for _ in range(100)} == {"add@1.0.0"}
     await registry.unload(("runner", "add", "1.0.0"))
     assert registry.routes.resolve("canary").variant == "add@2.0.0"
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"runner": "add", "rate_limit": 5}, ".rate_limit: must be a table"),
+        ({"runner": "add", "rate_limit": {"rps": float("nan")}}, ".rate_limit.rps: must be a finite"),
+        ({"runner": "add", "rate_limit": {"rps": 1e999}}, ".rate_limit.rps: must be a finite"),
+        ({"runner": "add\n"}, ".runner: must not hold control characters"),
+        ({"runner": {"add@1.0.0\x00": 1}}, ".runner.'add@1.0.0\\x00': must not hold"),
+        ({"runner": "add@1.0.0\n"}, ".runner: must not hold control characters"),
+        ({"runner": "add", "sticky": "x-user-id\n"}, ".sticky: must be an HTTP header name"),
+        ({"runner": "add", "preprocess": ["a"] * 65}, ".preprocess: must be a list of at most 64"),
+        ({"runner": "add", "postprocess": json.loads("[" * 40 + "]" * 40)},
+         ": nests tables or arrays deeper than 32"),
+    ],
+)  # fmt: skip
+def test_hostile_entries_are_route_spec_errors_naming_the_field(
+    entry: dict[str, object], message: str
+) -> None:
+    """issue 12, findings 1 and 16: the check every source of a route entry goes through."""
+    with pytest.raises(RouteSpecError) as info:
+        parse_route("x", entry, "admin")
+    assert str(info.value).startswith(message), str(info.value)

@@ -169,3 +169,66 @@ def test_runtime_routes_survive_a_restart_with_a_state_file(
     second = server(*args)
     status, headers, _ = second.request("POST", "/v2/models/add/infer", X)
     assert status == 200 and headers["X-Plugserve-Variant"] == "add@1.0.0"
+
+
+async def test_hostile_route_bodies_are_400_naming_the_field(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    """issue 12, finding 1: ``rps: 1e999`` was a 500 and ``rps: NaN`` a 400 saying "cannot
+    convert float NaN to integer"; both now name the field. Deep nesting and bad bytes: 400."""
+    two_versions(plugins_dir)
+    cli = await client()
+    json_headers = {"Content-Type": "application/json"}
+    for raw, message in [
+        (b'{"runner": "add", "rate_limit": {"rps": 1e999}}', "rate_limit.rps: must be a finite"),
+        (b'{"runner": "add", "rate_limit": {"rps": NaN}}', "rate_limit.rps: must be a finite"),
+        (b'{"runner": "add", "rate_limit": {"rps": -Infinity}}', "rate_limit.rps"),
+        (b'{"runner": "add", "rate_limit": {"rps": 1e-300}}', ">= 0.001"),
+        (b'{"runner": "add", "rate_limit": {"rps": 1, "burst": 1e999}}', "rate_limit.burst"),
+        (b'{"runner": {"add@1.0.0": 1e999}}', "weight must be an integer"),
+        (b'{"runner": "add\\u0000"}', "control characters"),
+        (b'{"runner": "add", "sticky": "x-user\\n"}', "sticky"),
+        (b'{"runner": "add", "preprocess": ' + b"[" * 500 + b"]" * 500 + b"}", "deeper than"),
+        (b"[" * 100_000, "deeper than"),
+        (b'{"runner": "\xff"}', "JSON"),
+    ]:
+        resp = await cli.put("/admin/routes/add", data=raw, headers=json_headers)
+        assert resp.status == 400, (raw[:60], await resp.text())
+        assert message in (await resp.json())["error"], raw[:60]
+    assert await infer(cli) == ("add@2.0.0", 2.0)
+
+
+async def test_route_names_with_control_characters_are_400(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    """issue 12, finding 16: ``PUT /admin/routes/iris%0a`` created a route named "iris\\n"."""
+    two_versions(plugins_dir)
+    cli = await client()
+    for quoted in ("add%0a", "add%0d", "add%00", "add%0a%0a", "%0aadd"):
+        resp = await cli.put(f"/admin/routes/{quoted}", json={"runner": "add"})
+        assert resp.status == 400, quoted
+        assert "must match" in (await resp.json())["error"]
+        assert (await cli.delete(f"/admin/routes/{quoted}")).status == 400
+    names = [r["name"] for r in (await (await cli.get("/admin/routes")).json())["routes"]]
+    assert names == ["add"]
+
+
+async def test_if_match_revisions_are_bounded(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    two_versions(plugins_dir)
+    cli = await client()
+    for value in ('"99999999999999999999999"', '"-1"', '"x"', '"1e3"'):
+        resp = await cli.put(
+            "/admin/routes/add", json={"runner": "add"}, headers={"If-Match": value}
+        )
+        assert resp.status == 400, value
+
+
+async def test_the_smallest_rate_answers_429_with_a_bounded_retry_after(
+    plugins_dir: Path,
+    client,  # type: ignore[no-untyped-def]
+) -> None:
+    """issue 12, finding 18: Retry-After is whole seconds, at most 3600, for the slowest rate."""
+    two_versions(plugins_dir)
+    cli = await client()
+    entry = {"runner": "add", "rate_limit": {"rps": 0.001}}
+    assert (await cli.put("/admin/routes/add", json=entry)).status == 200
+    assert (await cli.post("/v2/models/add/infer", json=X)).status == 200
+    resp = await cli.post("/v2/models/add/infer", json=X)
+    assert resp.status == 429
+    assert resp.headers["Retry-After"] == "1000"

@@ -81,6 +81,27 @@ def test_bad_config_exits_2_with_a_message(tmp_path: Path) -> None:
     assert "port must be" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"drain_timeout_s = inf\n", "drain_timeout_s: must be a finite number"),
+        (b"port = " + b"[" * 500 + b"]" * 500 + b"\n", "deeper than"),
+        (b'host = "\xff"\n', "not UTF-8"),
+        (b'host = "' + b"a" * 64 + b'"\n', "cannot listen on"),
+    ],
+)
+def test_hostile_config_exits_2_with_a_message_and_no_traceback(
+    tmp_path: Path, data: bytes, message: str
+) -> None:
+    """issue 12, finding 1: a config file with inf, ~500-deep nesting or bad bytes stops the
+    start with a clean message and exit 2 (RecursionError and UnicodeDecodeError escaped before)."""
+    config = tmp_path / "plugserve.toml"
+    config.write_bytes(data)
+    result = plugserve("serve", "--config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
 def test_json_logs_carry_request_id_and_tracebacks_stay_in_the_log(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:

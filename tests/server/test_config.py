@@ -64,3 +64,41 @@ def test_the_etcd_password_comes_from_the_environment_and_is_never_shown() -> No
     assert settings.etcd_password == "hunter2" and "hunter2" not in repr(settings)
     assert _shown_registry("etcds://svc:hunter2@e1:2379/team") == "etcds://svc@e1:2379/team"
     assert _shown_registry("local") == "local"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"drain_timeout_s = inf\n", "drain_timeout_s: must be a finite number"),
+        (b"drain_timeout_s = nan\n", "drain_timeout_s: must be a finite number"),
+        (b"drain_timeout_s = 1e999\n", "drain_timeout_s: must be a finite number"),
+        (b"drain_timeout_s = 1e300\n", "<= 86400"),
+        (b"fleet_startup_wait_s = -inf\n", "fleet_startup_wait_s"),
+        (b"max_body_bytes = 9223372036854775807\n", "max_body_bytes: must be an integer"),
+        (b"reload_debounce_ms = 99999999999\n", "reload_debounce_ms"),
+        (b"max_tensor_rank = 100000\n", "max_tensor_rank"),
+        (b"plugins_dir = 5\n", "plugins_dir must be a path"),
+        (b'plugins_dir = "a\\u0000b"\n', "control characters"),
+        (b'host = "127.0.0.1\\n"\n', "host: must not hold control characters"),
+        (b"port = " + b"[" * 500 + b"]" * 500 + b"\n", "deeper than"),
+        (b'host = "\xff"\n', "not UTF-8"),
+    ],
+)
+def test_hostile_config_values_are_config_errors(tmp_path: Path, data: bytes, message: str) -> None:
+    """issue 12, finding 1: non-finite, huge and negative numbers, control characters, deep
+    nesting and bad bytes in the config file are a ConfigError naming the setting."""
+    config = tmp_path / "plugserve.toml"
+    config.write_bytes(data)
+    with pytest.raises(ConfigError, match=message):
+        load_settings(config, environ={})
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0, 10**20])
+def test_settings_refuse_non_finite_and_out_of_bound_numbers(value: float) -> None:
+    with pytest.raises(ConfigError, match="drain_timeout_s"):
+        Settings(drain_timeout_s=value)
+
+
+def test_a_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_settings(tmp_path / "absent.toml", environ={})

@@ -143,9 +143,13 @@ def test_declarative_runner_on_a_backend_from_an_installed_package(
             def infer(self, inputs):
                 return {"y": inputs["x"] * self.factor}
 
+        def create(plugin, runner, model_path):
+            return Scaled(runner["factor"])
+        create.runner_keys = {"factor"}  # the [runner] keys this backend reads
+
         @hookimpl
         def plugserve_backends():
-            return {"scaled": lambda plugin, runner, model_path: Scaled(runner["factor"])}
+            return {"scaled": create}
     """
     fake_distribution(
         site, "plugserve_scaled", {"scaled": "plugserve_scaled"}, {"plugserve_scaled": scaled}

@@ -1,0 +1,193 @@
+"""Checks for values from outside: ``plugin.toml``, ``routes.toml``, the config file, admin bodies.
+
+Every check takes a value and the field it came from, and returns the value
+typed or raises :class:`ValueProblem` naming the field. Numbers are finite and
+bounded, texts short and free of control characters, nesting shallow. Each
+source turns a problem into its own error (a failed load, a 400, a config
+error at start), so nothing read from outside escapes as a stray exception.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+import unicodedata
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from registry.refs import NAME_PATTERN, is_valid_name
+
+MAX_DEPTH = 32
+"""Deepest nesting of tables and arrays accepted in a file or body."""
+MAX_TEXT = 4096
+"""Longest string accepted where no other limit is given."""
+MAX_ITEMS = 10_000
+"""Longest list or table accepted where no other limit is given."""
+MAX_FILE_BYTES = 16 * 1024 * 1024
+"""Largest TOML file read (a manifest, ``routes.toml``, the config file)."""
+MAX_INTEGER = 2**53
+MAX_NUMBER = 1e15
+
+
+class ValueProblem(ValueError):
+    """A value from outside that is not valid: ``field`` says where, ``reason`` what."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field = field
+        self.reason = reason
+
+
+def shown(value: Any) -> str:
+    """A short rendering of a bad value for an error message (never the whole of it)."""
+    if isinstance(value, bool | int | float):
+        text = (
+            repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge integer"
+        )
+        return text
+    if isinstance(value, str):
+        return repr(value[:40] + "...") if len(value) > 40 else repr(value)
+    return f"a {type(value).__name__}"
+
+
+def number(
+    value: Any, field: str, *, low: float = 0.0, high: float = MAX_NUMBER, above: bool = False
+) -> float:
+    """A finite int or float in ``[low, high]`` (``(low, high]`` when ``above``)."""
+    lower = f"> {low:g}" if above else f">= {low:g}"
+    wanted = f"must be a finite number {lower} and <= {high:g}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueProblem(field, f"{wanted}, not {shown(value)}")
+    if isinstance(value, int) and abs(value) > MAX_INTEGER:
+        raise ValueProblem(field, f"{wanted}, not {shown(value)}")
+    result = float(value)
+    if not math.isfinite(result) or result > high or result < low or (above and result == low):
+        raise ValueProblem(field, f"{wanted}, not {shown(value)}")
+    return result
+
+
+def integer(value: Any, field: str, *, low: int = 0, high: int = MAX_INTEGER) -> int:
+    """An int (not a bool, not a float) in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueProblem(field, f"must be an integer >= {low} and <= {high}, not {shown(value)}")
+    return value
+
+
+def boolean(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueProblem(field, f"must be true or false, not {shown(value)}")
+    return value
+
+
+def text(value: Any, field: str, *, max_length: int = MAX_TEXT, multiline: bool = False) -> str:
+    """A string of at most ``max_length`` characters, without control characters
+    (``multiline`` allows newlines and tabs) or unpaired surrogates."""
+    if not isinstance(value, str):
+        raise ValueProblem(field, f"must be a string, not {shown(value)}")
+    if len(value) > max_length:
+        raise ValueProblem(field, f"must be at most {max_length} characters, not {len(value)}")
+    allowed = "\n\t\r" if multiline else ""
+    for char in value:
+        if char not in allowed and unicodedata.category(char) in ("Cc", "Cs"):
+            raise ValueProblem(field, f"must not hold control characters ({char!r})")
+    return value
+
+
+def relative_path(value: Any, field: str) -> str:
+    """A path text the file system can take: at most 1024 characters, each part at most
+    255 bytes (longer ones make ``stat`` raise instead of answering "no such file")."""
+    path = text(value, field, max_length=1024)
+    if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in path.split("/")):
+        raise ValueProblem(field, "has a path part longer than 255 bytes")
+    return path
+
+
+def name(value: Any, field: str) -> str:
+    """A plugin or route name: ``[a-z0-9][a-z0-9_-]{0,63}``, nothing before or after."""
+    if not isinstance(value, str) or not is_valid_name(value):
+        raise ValueProblem(field, f"{shown(value)} must match {NAME_PATTERN}")
+    return value
+
+
+def table(value: Any, field: str, *, max_items: int = MAX_ITEMS) -> Mapping[str, Any]:
+    """A table (a TOML table, a JSON object) of at most ``max_items`` keys."""
+    if not isinstance(value, dict):
+        raise ValueProblem(field, f"must be a table, not {shown(value)}")
+    if len(value) > max_items:
+        raise ValueProblem(field, f"must have at most {max_items} keys, not {len(value)}")
+    return value
+
+
+def text_list(value: Any, field: str, *, max_items: int = MAX_ITEMS) -> list[str]:
+    """A list of strings, each checked by :func:`text`."""
+    if not isinstance(value, list) or len(value) > max_items:
+        raise ValueProblem(field, f"must be a list of at most {max_items} strings")
+    return [text(v, f"{field}[{i}]") for i, v in enumerate(value)]
+
+
+def known_keys(value: Mapping[str, Any], field: str, known: Iterable[str]) -> None:
+    """Refuse keys outside ``known``, listing the known ones (a typo is never ignored)."""
+    allowed = set(known)
+    unknown = sorted(str(k) for k in set(value) - allowed)
+    if unknown:
+        raise ValueProblem(field, f"unknown key(s) {unknown}; known: {', '.join(sorted(allowed))}")
+
+
+def shallow(value: Any, field: str = "", *, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse tables and arrays nested deeper than ``max_depth`` (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= max_depth:
+                raise ValueProblem(field, f"nests tables or arrays deeper than {max_depth}")
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Read a UTF-8 TOML file of at most :data:`MAX_FILE_BYTES`, no deeper than :data:`MAX_DEPTH`.
+
+    Raises ``FileNotFoundError`` when it is absent (each source decides what
+    that means) and :class:`ValueProblem` for anything else that is wrong.
+    """
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ValueProblem("", f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueProblem("", f"larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB")
+    return parse_toml(data)
+
+
+def parse_toml(data: bytes) -> dict[str, Any]:
+    """Parse TOML bytes; any failure (encoding, syntax, nesting) is a :class:`ValueProblem`."""
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueProblem("", f"not UTF-8 (byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueProblem("", f"invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ValueProblem("", f"nests tables or arrays deeper than {MAX_DEPTH}") from None
+    except (ValueError, OverflowError, MemoryError) as exc:
+        raise ValueProblem("", f"invalid TOML: {type(exc).__name__}: {exc}") from None
+    shallow(raw)
+    return raw
+
+
+def parse_json(data: bytes) -> Any:
+    """Parse a JSON body (UTF-8, -16 or -32); any failure is a :class:`ValueProblem`."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise ValueProblem("", f"nests objects or arrays deeper than {MAX_DEPTH}") from None
+    except (ValueError, OverflowError, MemoryError) as exc:
+        raise ValueProblem("", f"invalid JSON: {exc}") from None
+    shallow(value)
+    return value
