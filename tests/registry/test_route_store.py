@@ -1,11 +1,12 @@
 """The local runtime-route store: revisions, compare-and-swap, one rebuild per change."""
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
-from registry.errors import Conflict, NotFound, Unavailable
+from registry.errors import ConfigError, Conflict, NotFound, Unavailable
 from registry.registry import Registry
 from registry.route_store import Replica, RouteStore
 from registry.routes import parse_route
@@ -91,15 +92,78 @@ async def test_a_change_that_cannot_be_saved_is_not_made(tmp_path: Path, store: 
     assert store.registry.runtime_routes == {} and saving.revision == 0
 
 
-async def test_an_unreadable_state_file_starts_empty_and_a_bad_entry_is_left_out(
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"\xff\xfe",
+        b"[1, 2]",
+        b'{"revision": "x", "routes": {}}',
+        b'{"revision": 1, "routes": {"a": {"entry": {"runner": "add"}, "revision": -1}}}',
+        b'{"revision": 1, "routes": {"a": {"entry": {"rate_limit": {"rps": 1e999}}, "revision": 1}}}',
+        b'{"revision": NaN, "routes": {}}',
+        b'{"revision": 1, "routes": {"a": 5}}',
+        b"[" * 100_000 + b"]" * 100_000,
+    ],
+    ids=["json", "utf8", "array", "revision", "negative", "inf", "nan", "item", "deep"],
+)
+async def test_a_state_file_that_cannot_be_read_stops_the_start(
+    tmp_path: Path, store: RouteStore, content: bytes
+) -> None:
+    """issue 12, finding 3: starting empty would overwrite the saved entries at the next
+    change; a file that is not a saved state is a ConfigError that names it."""
+    state = tmp_path / "routes.json"
+    state.write_bytes(content)
+    with pytest.raises(ConfigError, match="routes.json"):
+        await RouteStore(store.registry, store.replica, state).start()
+    assert state.read_bytes() == content  # left as it was for the operator
+
+
+async def test_a_saved_entry_no_longer_valid_is_kept_shown_and_replaceable(
     tmp_path: Path, store: RouteStore
 ) -> None:
+    """issue 12, finding 3: an entry a stricter check refuses is not served, is listed with
+    its reason, stays in the file across changes, and is replaced by a PUT at its revision."""
     state = tmp_path / "routes.json"
-    state.write_text("{not json")
-    await RouteStore(store.registry, store.replica, state).start()
-    assert store.registry.runtime_routes == {}
     good = {"entry": {"runner": "add@1.0.0"}, "revision": 4}
     bad = {"entry": {"runner": {"add@1.0.0": -1}}, "revision": 5}
     state.write_text(json.dumps({"revision": 5, "routes": {"good": good, "bad": bad}}))
-    await RouteStore(store.registry, store.replica, state).start()
+    restored = RouteStore(store.registry, store.replica, state)
+    await restored.start()
     assert list(store.registry.runtime_routes) == ["good"]
+    assert "integer from 0" in restored.invalid["bad"]["error"]
+    assert (await restored.fleet())["invalid"]["bad"]["revision"] == 5
+    await restored.put(parse_route("other", {"runner": "add@2.0.0"}, "admin"))
+    assert json.loads(state.read_text())["routes"]["bad"] == bad  # kept, not dropped
+    with pytest.raises(Conflict):
+        await restored.put(parse_route("bad", {"runner": "add@2.0.0"}, "admin"), if_revision=0)
+    fixed = await restored.put(parse_route("bad", {"runner": "add@2.0.0"}, "admin"), 5)
+    assert fixed.revision == 7 and not restored.invalid
+    assert json.loads(state.read_text())["routes"]["bad"]["entry"] == {"runner": "add@2.0.0"}
+
+
+async def test_concurrent_changes_are_each_saved_with_their_own_revision(
+    tmp_path: Path, store: RouteStore
+) -> None:
+    """issue 12, finding 3: check, save and apply are one step; every acknowledged write
+    is in the file, revisions never repeat, and If-Match "0" lets exactly one through."""
+    state = tmp_path / "routes.json"
+    saving = RouteStore(store.registry, store.replica, state)
+    await saving.start()
+    names = [f"r{i}" for i in range(20)]
+    stored = await asyncio.gather(
+        *(saving.put(parse_route(n, {"runner": "add@1.0.0"}, "admin")) for n in names)
+    )
+    assert sorted(s.revision for s in stored) == list(range(1, 21))  # type: ignore[type-var]
+    saved = json.loads(state.read_text())
+    assert saved["revision"] == 20 and sorted(saved["routes"]) == sorted(names)
+    outcomes = await asyncio.gather(
+        *(
+            saving.put(parse_route("once", {"runner": "add@2.0.0"}, "admin"), if_revision=0)
+            for _ in range(8)
+        ),
+        return_exceptions=True,
+    )
+    assert sum(not isinstance(o, Exception) for o in outcomes) == 1
+    assert all(isinstance(o, Conflict) for o in outcomes if isinstance(o, Exception))
+    assert not list(state.parent.glob(".*.tmp"))
