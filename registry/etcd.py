@@ -18,6 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
+
+MAX_WATCH_MESSAGE = 256 * 2**20
+"""The largest watch response read (one JSON line). etcd takes values up to 1.5 MiB by
+default and may send many in one response; aiohttp's own line limit (512 KiB) broke the
+watch on one large value. A longer message ends the watch: the next session reads it all."""
 
 
 class EtcdError(Exception):
@@ -252,7 +258,7 @@ class EtcdClient:
             ) as resp:
                 if resp.status != 200:
                     raise EtcdError(f"{url}: HTTP {resp.status}: {await resp.text()}")
-                async for line in resp.content:
+                while line := await resp.content.readuntil(b"\n", max_size=MAX_WATCH_MESSAGE):
                     if not line.strip():
                         continue
                     try:
@@ -264,7 +270,7 @@ class EtcdClient:
         except EtcdAuthExpired:
             self._token = None  # the next session authenticates again
             raise
-        except (aiohttp.ClientError, OSError, ValueError) as exc:
+        except (aiohttp.ClientError, HttpProcessingError, OSError, ValueError) as exc:
             self._current = (self._current + 1) % len(self.endpoints)
             raise EtcdError(f"watch on {url} broke: {exc!r}") from None
         raise EtcdError(f"watch on {url} ended")

@@ -122,3 +122,22 @@ async def test_with_authentication_the_client_logs_in_and_again_when_its_token_i
         assert await client.keepalive(lease) == 5
     finally:
         await client.close()
+
+
+async def test_a_watch_carries_values_larger_than_a_line_buffer(client: EtcdClient) -> None:
+    """issue 12, finding 2 (found by the property tests): a value over ~390 KiB (512 KiB
+    once base64) broke every replica's watch with aiohttp's LineTooLong."""
+    start = await client.put("/big/start", b"")
+    value = b"x" * 1_400_000  # under etcd's default request limit of 1.5 MiB
+    sizes: list[int] = []
+
+    async def follow() -> None:
+        async for batch in client.watch("/big/", start + 1):
+            sizes.extend(len(e.kv.value) for e in batch.events)
+            return
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.2)
+    await client.put("/big/value", value)
+    await asyncio.wait_for(task, 5)
+    assert sizes == [len(value)]

@@ -270,3 +270,16 @@ async def test_a_replica_record_that_is_not_one_is_listed_as_invalid(
     assert fleet["invalid_replicas"]["z"]["error"].startswith("replicas.z: ")
     json.dumps(fleet, allow_nan=False)
     assert a.connected and a.disconnects == 0
+
+
+async def test_a_large_value_does_not_break_the_watch(replicas, etcd: EtcdProcess) -> None:  # type: ignore[no-untyped-def]
+    """issue 12, finding 2: a 1.4 MB value reached the watch as one line longer than
+    aiohttp reads, and the replica disconnected."""
+    a = await replicas("a")
+    client = EtcdClient([etcd.endpoint])
+    await client.put("/plugserve/routes/big", b'{"runner": "' + b"x" * 1_400_000 + b'"}')
+    await client.put("/plugserve/routes/add", b'{"runner": "add@1.0.0"}')
+    await client.close()
+    await until(lambda: "big" in a.invalid and serving(a) == "add@1.0.0")
+    assert a.connected and a.disconnects == 0
+    assert len(a.invalid["big"]["error"]) <= 500
