@@ -297,11 +297,10 @@ class EtcdRouteStore(RouteStore):
         try:
             return self._change(routes, kv, deleted, was)
         except Exception as exc:
-            key = _shown(kv.key)
-            self.log.exception("fleet_key_failed", key=key, revision=kv.mod_revision)
+            self.log.exception("fleet_key_failed", key=_shown(kv.key), revision=kv.mod_revision)
             if not kv.key.startswith(self._routes_key):
                 return None
-            name = key[len(self.routes_prefix) :]
+            name = _shown(kv.key[len(self._routes_key) :])
             routes.pop(name, None)
             self._invalid_route(name, kv.mod_revision, f": could not be applied: {exc!r}")
             return name
@@ -454,6 +453,8 @@ class EtcdRouteStore(RouteStore):
 
 MAX_REASON = 500
 """The longest reason kept for an invalid entry (a hostile value can make a long one)."""
+MAX_NAME = 1000
+"""The longest key name shown (in logs, and as the invalid entry's name)."""
 
 _REPLICA_FIELDS: dict[str, type | tuple[type, ...]] = {
     "id": str,
@@ -523,7 +524,10 @@ def _clipped(text: str) -> str:
 
 
 def _shown(raw: bytes) -> str:
-    """A key (or part of one) as text: UTF-8, other bytes shown as ``\\xff``."""
+    """A key (or part of one) as text: UTF-8, other bytes shown as ``\\xff``; a long
+    one cut at :data:`MAX_NAME` bytes (no valid route name is that long)."""
+    if len(raw) > MAX_NAME:
+        return raw[:MAX_NAME].decode("utf-8", errors="backslashreplace") + "..."
     return raw.decode("utf-8", errors="backslashreplace")
 
 
