@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from registry.errors import ConfigError, Conflict, NotFound, Unavailable
 from registry.registry import Registry
@@ -167,3 +169,56 @@ async def test_concurrent_changes_are_each_saved_with_their_own_revision(
     assert sum(not isinstance(o, Exception) for o in outcomes) == 1
     assert all(isinstance(o, Conflict) for o in outcomes if isinstance(o, Exception))
     assert not list(state.parent.glob(".*.tmp"))
+
+
+async def test_a_state_file_path_that_is_a_folder_stops_the_start(
+    tmp_path: Path, store: RouteStore
+) -> None:
+    """issue 12, finding 3: an unreadable state file is a ConfigError, not an empty start."""
+    with pytest.raises(ConfigError, match="cannot be read"):
+        await RouteStore(store.registry, store.replica, tmp_path).start()
+
+
+_numbers = st.floats() | st.integers(-(10**400), 10**400) | st.sampled_from([True, None, -1])
+_values = st.recursive(
+    _numbers | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=8,
+)
+_items = st.fixed_dictionaries(
+    {"entry": _values | st.fixed_dictionaries({"runner": _values}), "revision": _numbers}
+)
+_states = st.one_of(
+    st.binary(max_size=60),
+    _values.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries(
+        {"revision": _numbers, "routes": st.dictionaries(st.text(max_size=8), _items | _values)}
+    ).map(lambda v: json.dumps(v).encode()),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(content=_states)
+def test_whatever_the_state_file_holds_the_start_fails_cleanly_or_restores(
+    content: bytes, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """issue 12, finding 3 (the class): hostile state files (inf, NaN, huge and negative
+    numbers, non-UTF-8, wrong types) are a ConfigError or a start with valid and invalid
+    entries; nothing else escapes, and revisions stay ahead of every saved entry."""
+    folder = tmp_path_factory.mktemp("state")
+    (folder / "routes.json").write_bytes(content)
+    registry = Registry(folder / "plugins", folder / "models")
+    store = RouteStore(registry, Replica("me", "http://me"), folder / "routes.json")
+    refused: ConfigError | None = None
+    try:
+        routes = store._read_state()
+    except ConfigError as exc:
+        refused = exc
+    if refused is not None:
+        assert "routes.json" in refused.message
+        return
+    revisions = [s.revision for s in routes.values()] + [
+        i["revision"] for i in store.invalid.values()
+    ]
+    assert all(store.revision >= r for r in revisions)  # type: ignore[operator]
+    json.dumps(store.invalid, allow_nan=False)
