@@ -301,7 +301,6 @@ class EtcdRouteStore(RouteStore):
             if not kv.key.startswith(self._routes_key):
                 return None
             name = _shown(kv.key[len(self._routes_key) :])
-            routes.pop(name, None)
             self._invalid_route(name, kv.mod_revision, f": could not be applied: {exc!r}")
             return name
 

@@ -60,7 +60,8 @@ class RouteStore:
 
     Changes last until the server stops, or, with ``state_file``, across restarts:
     each change is written there (to a temporary file, then renamed) before it is
-    applied, and the file is read back at start.
+    applied, and the file is read back at start. Changes are made one at a time
+    (check, save, apply), so revisions never repeat and ``If-Match`` is exact.
     """
 
     mode = "local"
@@ -111,6 +112,7 @@ class RouteStore:
                 spec = parse_route(name, entry, "admin")
             except Exception as exc:  # a saved entry that a stricter check now refuses
                 error = f"routes.{name}{exc}" if isinstance(exc, RouteSpecError) else repr(exc)
+                error = error if len(error) <= 500 else error[:497] + "..."
                 self.invalid[name] = {"entry": entry, "revision": entry_revision, "error": error}
                 bound.warning("runtime_route_invalid", route=name, error=error)
                 continue
