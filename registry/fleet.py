@@ -108,6 +108,8 @@ class EtcdRouteStore(RouteStore):
         self.last_error: str | None = None
         self.disconnects = 0
         self.synced_count = 0
+        self.apply_errors = 0
+        """Keys or rebuilds whose application raised (a bug, logged with its traceback)."""
         self.replicas: dict[str, dict[str, Any]] = {}
         self.invalid: dict[str, dict[str, Any]] = {}
         """Route keys whose value is not a valid entry: revision and reason, by route."""
@@ -163,6 +165,7 @@ class EtcdRouteStore(RouteStore):
             "disconnected_since": self.disconnected_since,
             "last_error": self.last_error,
             "disconnects": self.disconnects,
+            "apply_errors": self.apply_errors,
         }
 
     async def _run(self) -> None:
@@ -284,6 +287,7 @@ class EtcdRouteStore(RouteStore):
         try:
             self.registry.set_runtime_routes(routes)
         except Exception:  # a bug in the rebuild must not take the replica off the fleet
+            self.apply_errors += 1
             self.log.exception("fleet_routes_rebuild_failed", routes=sorted(routes))
 
     def _change_safely(
@@ -297,6 +301,7 @@ class EtcdRouteStore(RouteStore):
         try:
             return self._change(routes, kv, deleted, was)
         except Exception as exc:
+            self.apply_errors += 1
             self.log.exception("fleet_key_failed", key=_shown(kv.key), revision=kv.mod_revision)
             if not kv.key.startswith(self._routes_key):
                 return None

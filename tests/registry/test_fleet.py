@@ -225,6 +225,7 @@ async def test_a_bad_route_value_is_invalid_and_everything_else_applies(
     await client.close()
     await until(lambda: "bad" in a.invalid and serving(a) == "add@1.0.0")
     assert a.connected and a.disconnects == 0 and a.invalid["bad"]["error"].startswith("routes.bad")
+    assert a.apply_errors == 0  # handled as a bad value, not by the safety net
     b = await replicas("b")  # started meanwhile: reads the same table, ready
     assert b.ready and b.connected and serving(b) == "add@1.0.0" and "bad" in b.invalid
     await b.put(spec({"runner": "add@2.0.0"}))
