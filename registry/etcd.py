@@ -18,6 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
+
+MAX_WATCH_MESSAGE = 256 * 2**20
+"""The largest watch response read (one JSON line). etcd takes values up to 1.5 MiB by
+default and may send many in one response; aiohttp's own line limit (512 KiB) broke the
+watch on one large value. A longer message ends the watch: the next session reads it all."""
 
 
 class EtcdError(Exception):
@@ -34,7 +40,9 @@ class WatchCompacted(EtcdError):
 
 @dataclass(frozen=True)
 class KeyValue:
-    key: str
+    """One key as etcd holds it: key and value are bytes, UTF-8 or not."""
+
+    key: bytes
     value: bytes
     mod_revision: int
     lease: int = 0
@@ -70,13 +78,17 @@ def prefix_end(prefix: str) -> str:
     return _b64(bytes(raw))
 
 
-def _kv(raw: dict[str, Any]) -> KeyValue:
-    return KeyValue(
-        key=base64.b64decode(raw["key"]).decode(),
-        value=base64.b64decode(raw.get("value", "")),
-        mod_revision=int(raw.get("mod_revision", 0)),
-        lease=int(raw.get("lease", 0)),
-    )
+def _kv(raw: Any) -> KeyValue:
+    """A key-value of the gateway's answer; :class:`EtcdError` when it is not one."""
+    try:
+        return KeyValue(
+            key=base64.b64decode(raw["key"], validate=True),
+            value=base64.b64decode(raw.get("value", ""), validate=True),
+            mod_revision=int(raw.get("mod_revision", 0)),
+            lease=int(raw.get("lease", 0)),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise EtcdError(f"etcd sent a malformed key-value: {exc!r}") from None
 
 
 class EtcdClient:
@@ -166,12 +178,12 @@ class EtcdClient:
         data = await self.call("kv/range", {"key": _b64(prefix), "range_end": prefix_end(prefix)})
         return int(data["header"]["revision"]), [_kv(kv) for kv in data.get("kvs", [])]
 
-    async def get(self, key: str) -> KeyValue | None:
+    async def get(self, key: str | bytes) -> KeyValue | None:
         data = await self.call("kv/range", {"key": _b64(key)})
         kvs = data.get("kvs", [])
         return _kv(kvs[0]) if kvs else None
 
-    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+    async def put(self, key: str | bytes, value: bytes, lease: int = 0) -> int:
         body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
         if lease:
             body["lease"] = str(lease)
@@ -246,16 +258,19 @@ class EtcdClient:
             ) as resp:
                 if resp.status != 200:
                     raise EtcdError(f"{url}: HTTP {resp.status}: {await resp.text()}")
-                async for line in resp.content:
+                while line := await resp.content.readuntil(b"\n", max_size=MAX_WATCH_MESSAGE):
                     if not line.strip():
                         continue
-                    batch = _watch_batch(json.loads(line))
+                    try:
+                        batch = _watch_batch(json.loads(line))
+                    except (KeyError, TypeError, AttributeError) as exc:
+                        raise EtcdError(f"etcd sent a malformed watch response: {exc!r}") from None
                     if batch is not None:
                         yield batch
         except EtcdAuthExpired:
             self._token = None  # the next session authenticates again
             raise
-        except (aiohttp.ClientError, OSError, ValueError) as exc:
+        except (aiohttp.ClientError, HttpProcessingError, OSError, ValueError) as exc:
             self._current = (self._current + 1) % len(self.endpoints)
             raise EtcdError(f"watch on {url} broke: {exc!r}") from None
         raise EtcdError(f"watch on {url} ended")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field, replace
@@ -107,9 +108,16 @@ class EtcdRouteStore(RouteStore):
         self.last_error: str | None = None
         self.disconnects = 0
         self.synced_count = 0
+        self.apply_errors = 0
+        """Keys or rebuilds whose application raised (a bug, logged with its traceback)."""
         self.replicas: dict[str, dict[str, Any]] = {}
         self.invalid: dict[str, dict[str, Any]] = {}
-        self._seen: dict[str, int] = {}  # key -> revision of the last change applied
+        """Route keys whose value is not a valid entry: revision and reason, by route."""
+        self.invalid_replicas: dict[str, dict[str, Any]] = {}
+        """Replica keys whose value is not a replica record: revision and reason, by id."""
+        self._routes_key = self.routes_prefix.encode()
+        self._replicas_key = self.replicas_prefix.encode()
+        self._seen: dict[bytes, int] = {}  # key -> revision of the last change applied
         self._lease = 0
         self._publish = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -157,6 +165,7 @@ class EtcdRouteStore(RouteStore):
             "disconnected_since": self.disconnected_since,
             "last_error": self.last_error,
             "disconnects": self.disconnects,
+            "apply_errors": self.apply_errors,
         }
 
     async def _run(self) -> None:
@@ -231,23 +240,30 @@ class EtcdRouteStore(RouteStore):
             self._publish.set()
 
     # -- applying etcd's state ---------------------------------------------------------
+    #
+    # Every value under the prefix is outside data: anyone with write access to etcd
+    # can put anything there. Whatever a key holds, applying it never raises: a bad
+    # route entry or replica record becomes an ``invalid`` entry with its reason,
+    # and every other key applies as usual.
 
     def _load_snapshot(self, revision: int, kvs: Iterable[KeyValue]) -> None:
         """Everything under the prefix, as read at ``revision``: replaces what we had."""
         self._seen = {}
         self.replicas = {}
+        invalid_replicas, self.invalid_replicas = self.invalid_replicas, {}
         routes = dict(self.registry.runtime_routes)
         present = set()
         for kv in kvs:
             self._seen[kv.key] = kv.mod_revision
-            name = self._change(routes, kv, deleted=False)
+            name = self._change_safely(routes, kv, deleted=False, was=invalid_replicas)
             if name is not None:
                 present.add(name)
         for name in [n for n in routes if n not in present]:
             del routes[name]
-            self.invalid.pop(name, None)
+        for name in [n for n in self.invalid if n not in present]:
+            del self.invalid[name]
         self.revision = revision
-        self.registry.set_runtime_routes(routes)
+        self._set_routes(routes)
 
     def _apply(self, batch: WatchBatch) -> None:
         """One watch response: every change in it lands in one table rebuild."""
@@ -259,45 +275,111 @@ class EtcdRouteStore(RouteStore):
             if revision <= self._seen.get(kv.key, 0):
                 continue  # already applied (our own write)
             self._seen[kv.key] = revision
-            changed |= self._change(routes, kv, deleted=event.kind == "DELETE") is not None
+            deleted = event.kind == "DELETE"
+            changed |= self._change_safely(routes, kv, deleted=deleted) is not None
         self.revision = max(self.revision, batch.revision)
         if changed:
-            self.registry.set_runtime_routes(routes)
+            self._set_routes(routes)
             self.log.info("fleet_routes_applied", revision=batch.revision, routes=sorted(routes))
 
-    def _change(self, routes: dict[str, RouteSpec], kv: KeyValue, deleted: bool) -> str | None:
+    def _set_routes(self, routes: dict[str, RouteSpec]) -> None:
+        """Hand the registry the runtime layer; a failed rebuild is logged, never a disconnect."""
+        try:
+            self.registry.set_runtime_routes(routes)
+        except Exception:  # a bug in the rebuild must not take the replica off the fleet
+            self.apply_errors += 1
+            self.log.exception("fleet_routes_rebuild_failed", routes=sorted(routes))
+
+    def _change_safely(
+        self,
+        routes: dict[str, RouteSpec],
+        kv: KeyValue,
+        deleted: bool,
+        was: dict[str, dict[str, Any]] | None = None,
+    ) -> str | None:
+        """:meth:`_change`, with a bug in applying one key confined to that key."""
+        try:
+            return self._change(routes, kv, deleted, was)
+        except Exception as exc:
+            self.apply_errors += 1
+            self.log.exception("fleet_key_failed", key=_shown(kv.key), revision=kv.mod_revision)
+            if not kv.key.startswith(self._routes_key):
+                return None
+            name = _shown(kv.key[len(self._routes_key) :])
+            self._invalid_route(name, kv.mod_revision, f": could not be applied: {exc!r}")
+            return name
+
+    def _change(
+        self,
+        routes: dict[str, RouteSpec],
+        kv: KeyValue,
+        deleted: bool,
+        was: dict[str, dict[str, Any]] | None = None,
+    ) -> str | None:
         """Apply one key to ``routes`` (or the replica list); the route name if a route."""
-        if kv.key.startswith(self.replicas_prefix):
-            replica_id = kv.key[len(self.replicas_prefix) :]
-            if deleted:
-                self.replicas.pop(replica_id, None)
-            else:
-                with contextlib.suppress(ValueError):
-                    self.replicas[replica_id] = json.loads(kv.value)
+        if kv.key.startswith(self._replicas_key):
+            self._replica_change(_shown(kv.key[len(self._replicas_key) :]), kv, deleted, was)
             return None
-        if not kv.key.startswith(self.routes_prefix):
+        if not kv.key.startswith(self._routes_key):
             return None
-        name = kv.key[len(self.routes_prefix) :]
+        name = _shown(kv.key[len(self._routes_key) :])
         if deleted:
             routes.pop(name, None)
             self.invalid.pop(name, None)
             return name
         try:
-            spec = parse_route(name, json.loads(kv.value), "etcd")
-        except (ValueError, RouteSpecError) as exc:
-            # Someone wrote a bad entry by hand: keep what served, say why.
-            self.invalid[name] = {"revision": kv.mod_revision, "error": f"routes.{name}{exc}"}
-            self.log.error(
-                "fleet_route_invalid", route=name, revision=kv.mod_revision, error=str(exc)
-            )
+            spec = parse_route(name, _outside_json(kv.value), "etcd")
+        except RouteSpecError as exc:
+            reason = str(exc)
+        except Exception as exc:  # parsing outside data: whatever it raises, the entry is bad
+            reason = f": {_reason(exc)}"
+        else:
+            self.invalid.pop(name, None)
+            routes[name] = replace(spec, revision=kv.mod_revision)
             return name
-        self.invalid.pop(name, None)
-        routes[name] = replace(spec, revision=kv.mod_revision)
+        # Someone wrote a bad entry by hand: keep what served, say why.
+        self._invalid_route(name, kv.mod_revision, reason)
         return name
+
+    def _invalid_route(self, name: str, revision: int, reason: str) -> None:
+        """Record ``name`` as invalid at ``revision``; logged once per bad value."""
+        error = _clipped(f"routes.{name}{reason}")
+        if self.invalid.get(name) != {"revision": revision, "error": error}:
+            self.log.warning("fleet_route_invalid", route=name, revision=revision, error=error)
+        self.invalid[name] = {"revision": revision, "error": error}
+
+    def _replica_change(
+        self,
+        replica_id: str,
+        kv: KeyValue,
+        deleted: bool,
+        was: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """A replica's record: kept when it is one, else listed as invalid with its reason."""
+        self.replicas.pop(replica_id, None)
+        before = self.invalid_replicas.pop(replica_id, None)
+        if was is not None:
+            before = was.get(replica_id)
+        if deleted:
+            return
+        try:
+            self.replicas[replica_id] = _replica_record(kv.value)
+            return
+        except Exception as exc:  # outside data, as for routes
+            error = _clipped(f"replicas.{replica_id}: {_reason(exc)}")
+        invalid = {"revision": kv.mod_revision, "error": error}
+        if before != invalid:
+            self.log.warning(
+                "fleet_replica_invalid",
+                replica_id=replica_id,
+                revision=kv.mod_revision,
+                error=error,
+            )
+        self.invalid_replicas[replica_id] = invalid
 
     def _record(self, name: str, spec: RouteSpec | None, revision: int) -> None:
         """Apply our own successful write now (read-your-writes); the watch then skips it."""
-        key = self.routes_prefix + name
+        key = (self.routes_prefix + name).encode()
         if revision <= self._seen.get(key, 0):
             return
         self._seen[key] = revision
@@ -307,7 +389,7 @@ class EtcdRouteStore(RouteStore):
         else:
             routes[name] = spec
         self.invalid.pop(name, None)
-        self.registry.set_runtime_routes(routes)
+        self._set_routes(routes)
 
     # -- writes ------------------------------------------------------------------------
 
@@ -369,14 +451,96 @@ class EtcdRouteStore(RouteStore):
             "replicas": replicas,
             "routes": describe_entries(self.registry.runtime_routes),
             "invalid": self.invalid,
+            "invalid_replicas": self.invalid_replicas,
         }
 
 
-def _json_or_text(value: bytes) -> Any:
+MAX_REASON = 500
+"""The longest reason kept for an invalid entry (a hostile value can make a long one)."""
+MAX_NAME = 1000
+"""The longest key name shown (in logs, and as the invalid entry's name)."""
+
+_REPLICA_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "id": str,
+    "url": str,
+    "started_at": (int, float),
+    "updated_at": (int, float),
+    "ready": list,
+}
+
+
+class _BadValue(ValueError):
+    """A value read from etcd that is not the JSON expected; the message says why."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _BadValue(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise _BadValue(f"the number {text[:40]} is out of range")
+    return number
+
+
+def _outside_json(raw: bytes) -> Any:
+    """Strict JSON from etcd: UTF-8, finite numbers only. Raises :class:`_BadValue`."""
     try:
-        return json.loads(value)
-    except ValueError:
-        return value.decode(errors="replace")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _BadValue(f"not UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _BadValue:
+        raise
+    except RecursionError:
+        raise _BadValue("nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and ints of more digits than Python converts
+        raise _BadValue(f"not JSON: {exc}") from None
+
+
+def _replica_record(raw: bytes) -> dict[str, Any]:
+    """A replica's record, its known fields checked; raises :class:`_BadValue`."""
+    record = _outside_json(raw)
+    if not isinstance(record, dict):
+        raise _BadValue(f"a replica record is a JSON object, not {type(record).__name__}")
+    for key, kind in _REPLICA_FIELDS.items():
+        value = record.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise _BadValue(f".{key}: missing or not {_kind_name(kind)}")
+    if not all(isinstance(label, str) for label in record["ready"]):
+        raise _BadValue(".ready: must be a list of strings")
+    return {key: record[key] for key in _REPLICA_FIELDS}
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    return "a number" if isinstance(kind, tuple) else f"a {kind.__name__}"
+
+
+def _reason(exc: Exception) -> str:
+    """An exception from parsing outside data, as a reason to show."""
+    return str(exc) if isinstance(exc, _BadValue) else f"{type(exc).__name__}: {exc}"
+
+
+def _clipped(text: str) -> str:
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
+
+
+def _shown(raw: bytes) -> str:
+    """A key (or part of one) as text: UTF-8, other bytes shown as ``\\xff``; a long
+    one cut at :data:`MAX_NAME` bytes (no valid route name is that long)."""
+    if len(raw) > MAX_NAME:
+        return raw[:MAX_NAME].decode("utf-8", errors="backslashreplace") + "..."
+    return raw.decode("utf-8", errors="backslashreplace")
+
+
+def _json_or_text(value: bytes) -> Any:
+    """A value read from etcd, for a client: its JSON when it is strict JSON, else text."""
+    try:
+        return _outside_json(value)
+    except _BadValue:
+        return _clipped(value.decode("utf-8", errors="replace"))
 
 
 async def _first_to_fail(work: list[Awaitable[None]]) -> None:

@@ -9,22 +9,26 @@ registry its whole runtime layer at once, so every change is one table rebuild.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
 import os
 import socket
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
-from registry.errors import Conflict, NotFound, Unavailable
+from registry.errors import ConfigError, Conflict, NotFound, Unavailable
 from registry.registry import Registry
 from registry.routes import RouteSpec, RouteSpecError, parse_route
 
 log = structlog.get_logger("plugserve.routes")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class RouteStore:
 
     Changes last until the server stops, or, with ``state_file``, across restarts:
     each change is written there (to a temporary file, then renamed) before it is
-    applied, and the file is read back at start.
+    applied, and the file is read back at start. Changes are made one at a time
+    (check, save, apply), so revisions never repeat and ``If-Match`` is exact.
     """
 
     mode = "local"
@@ -68,39 +73,58 @@ class RouteStore:
         self.replica = replica
         self.state_file = state_file
         self.revision = 0
+        self.invalid: dict[str, dict[str, Any]] = {}
+        """Saved entries that are no longer valid: kept in the file, not served, by route."""
+        self._lock = asyncio.Lock()  # check, save and apply: one change at a time
+        self._saving: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
-        """Called once plugins are loaded, before the server takes traffic."""
+        """Called once plugins are loaded, before the server takes traffic.
+
+        Raises :class:`ConfigError` when the state file exists but cannot be read
+        as one: starting empty would drop its entries at the next change.
+        """
         if self.state_file is not None:
             self.registry.set_runtime_routes(await asyncio.to_thread(self._read_state))
 
     def _read_state(self) -> dict[str, RouteSpec]:
-        """The saved entries; an unreadable file or entry is logged and left out."""
+        """The saved entries; an entry no longer valid is kept aside in :attr:`invalid`."""
         assert self.state_file is not None
         bound = log.bind(file=str(self.state_file))
         try:
-            raw = json.loads(self.state_file.read_text(encoding="utf-8"))
-            self.revision = int(raw["revision"])
-            saved = dict(raw["routes"])
+            saved = _saved_state(self.state_file.read_bytes())
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            bound.error("runtime_routes_unreadable", error=repr(exc))
-            return {}
+        except OSError as exc:
+            raise ConfigError(
+                f"runtime_routes_file {self.state_file}: cannot be read: {exc.strerror}"
+            ) from None
+        except Exception as exc:  # outside data: whatever parsing raises, the file is bad
+            raise ConfigError(
+                f"runtime_routes_file {self.state_file}: not a saved route state ({exc}); "
+                "fix or remove it"
+            ) from None
+        revision, items = saved
         routes = {}
-        for name, item in saved.items():
+        for name, (entry, entry_revision) in items.items():
+            self.revision = max(self.revision, entry_revision)
             try:
-                spec = parse_route(name, item["entry"], "admin")
-                routes[name] = replace(spec, revision=int(item["revision"]))
-            except (RouteSpecError, KeyError, TypeError, ValueError) as exc:
-                bound.error("runtime_route_invalid", route=name, error=str(exc))
+                spec = parse_route(name, entry, "admin")
+            except Exception as exc:  # a saved entry that a stricter check now refuses
+                error = f"routes.{name}{exc}" if isinstance(exc, RouteSpecError) else repr(exc)
+                error = error if len(error) <= 500 else error[:497] + "..."
+                self.invalid[name] = {"entry": entry, "revision": entry_revision, "error": error}
+                bound.warning("runtime_route_invalid", route=name, error=error)
+                continue
+            routes[name] = replace(spec, revision=entry_revision)
+        self.revision = max(self.revision, revision)
         bound.info("runtime_routes_restored", routes=sorted(routes), revision=self.revision)
         return routes
 
     async def _commit(self, routes: dict[str, RouteSpec], revision: int) -> None:
         """Save (when configured), then apply: a change that cannot be saved is not made."""
         if self.state_file is not None:
-            state = {"revision": revision, "routes": describe_entries(routes)}
+            state = {"revision": revision, "routes": self._saved_entries(routes)}
             try:
                 await asyncio.to_thread(_write_atomically, self.state_file, state)
             except OSError as exc:
@@ -110,8 +134,34 @@ class RouteStore:
         self.revision = revision
         self.registry.set_runtime_routes(routes)
 
+    def _saved_entries(self, routes: Mapping[str, RouteSpec]) -> dict[str, Any]:
+        """What the state file holds: every entry, the invalid ones as they were read."""
+        kept = {
+            name: {"entry": item["entry"], "revision": item["revision"]}
+            for name, item in self.invalid.items()
+            if name not in routes
+        }
+        return {**kept, **describe_entries(routes)}
+
+    async def _serialized(self, change: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``change`` alone (check, save, apply), to its end even if the caller leaves."""
+        task = asyncio.ensure_future(self._locked(change))
+        self._saving.add(task)
+        task.add_done_callback(self._saved)
+        return await asyncio.shield(task)
+
+    def _saved(self, task: asyncio.Task[Any]) -> None:
+        self._saving.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved here too: a caller that left cannot
+
+    async def _locked(self, change: Coroutine[Any, Any, _T]) -> _T:
+        async with self._lock:
+            return await change
+
     async def close(self) -> None:
-        """Called at shutdown."""
+        """Called at shutdown: a change being saved finishes first."""
+        await asyncio.gather(*self._saving, return_exceptions=True)
 
     @property
     def ready(self) -> bool:
@@ -123,6 +173,8 @@ class RouteStore:
         return {"mode": self.mode, "revision": self.revision, "state_file": saved}
 
     def current_revision(self, name: str) -> int:
+        if name in self.invalid:
+            return int(self.invalid[name]["revision"])
         spec = self.registry.runtime_routes.get(name)
         return 0 if spec is None or spec.revision is None else spec.revision
 
@@ -136,20 +188,33 @@ class RouteStore:
 
     async def put(self, spec: RouteSpec, if_revision: int | None = None) -> RouteSpec:
         """Set ``spec`` as the runtime entry of its route; returns it with its revision."""
+        return await self._serialized(self._put(spec, if_revision))
+
+    async def _put(self, spec: RouteSpec, if_revision: int | None) -> RouteSpec:
         self._check(spec.name, if_revision)
         revision = self.revision + 1
         stored = replace(spec, source="admin", revision=revision)
         await self._commit({**self.registry.runtime_routes, spec.name: stored}, revision)
+        self.invalid.pop(spec.name, None)
         return stored
 
     async def delete(self, name: str, if_revision: int | None = None) -> int:
         """Remove the runtime entry of ``name``; returns the revision of the deletion."""
-        if name not in self.registry.runtime_routes:
+        return await self._serialized(self._delete(name, if_revision))
+
+    async def _delete(self, name: str, if_revision: int | None) -> int:
+        if name not in self.registry.runtime_routes and name not in self.invalid:
             raise NotFound(f"route {name!r} has no runtime entry to delete")
         self._check(name, if_revision)
         routes = dict(self.registry.runtime_routes)
-        del routes[name]
-        await self._commit(routes, self.revision + 1)
+        routes.pop(name, None)
+        invalid = self.invalid.pop(name, None)
+        try:
+            await self._commit(routes, self.revision + 1)
+        except Exception:
+            if invalid is not None:
+                self.invalid[name] = invalid
+            raise
         return self.revision
 
     async def fleet(self) -> dict[str, Any]:
@@ -159,6 +224,10 @@ class RouteStore:
             "replica": self.replica.id,
             "replicas": [{**self.replica.describe(self.registry), "self": True}],
             "routes": describe_entries(self.registry.runtime_routes),
+            "invalid": {
+                name: {"revision": item["revision"], "error": item["error"]}
+                for name, item in self.invalid.items()
+            },
         }
 
 
@@ -170,12 +239,71 @@ def describe_entries(routes: Mapping[str, RouteSpec]) -> dict[str, Any]:
     }
 
 
+def _saved_state(raw: bytes) -> tuple[int, dict[str, tuple[Any, int]]]:
+    """The state file's revision and its entries (entry, revision) by route; raises
+    ``ValueError`` (or whatever strict JSON parsing raises) when it is not one."""
+    state = json.loads(
+        raw.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float
+    )
+    if not isinstance(state, dict) or not isinstance(state.get("routes"), dict):
+        raise ValueError("expected an object with revision and routes")
+    revision = _revision(state.get("revision"), "revision")
+    items = {}
+    for name, item in state["routes"].items():
+        if not isinstance(item, dict) or "entry" not in item:
+            raise ValueError(f"routes.{name}: expected an object with entry and revision")
+        items[name] = (item["entry"], _revision(item.get("revision"), f"routes.{name}.revision"))
+    return revision, items
+
+
+def _revision(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(f"{where} must be an integer from 0 to 2**63 - 1")
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return number
+
+
 def _write_atomically(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` so that a crash leaves the old file or the new one, never half."""
+    """Write JSON to ``path`` so that a crash leaves the old file or the new one, never half.
+
+    A temporary file of its own in the same folder (two writers never share one),
+    flushed to disk, renamed over ``path``; then the folder is flushed so the
+    rename itself survives a power cut.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    with temporary.open("w", encoding="utf-8") as out:
-        json.dump(data, out, indent=2, sort_keys=True)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(data, out, indent=2, sort_keys=True, allow_nan=False)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flush a folder's entries; where the file system cannot (some refuse), the rename stands."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

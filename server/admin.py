@@ -28,14 +28,14 @@ async def list_plugins(request: web.Request) -> web.Response:
 
 
 async def list_routes(request: web.Request) -> web.Response:
-    registry = request.app[REGISTRY]
+    registry, store = request.app[REGISTRY], request.app[ROUTE_STORE]
     table = registry.routes
     return web.json_response(
         {
             "routes": table.describe(),
             "errors": list(table.errors),
             "routes_file": {"path": str(registry.routes_file), "error": registry.routes_file_error},
-            "runtime": request.app[ROUTE_STORE].health(),
+            "runtime": {**store.health(), "invalid": store.invalid},
         }
     )
 

@@ -217,6 +217,12 @@ class _FleetCollector(Collector):
             "Replicas publishing under the fleet prefix, as last seen from etcd.",
             value=len(store.replicas),
         )
+        yield GaugeMetricFamily(
+            "plugserve_fleet_invalid_entries",
+            "Keys under the fleet prefix whose value is not a valid route entry or replica "
+            "record (listed with their reasons in GET /admin/fleet).",
+            value=len(store.invalid) + len(store.invalid_replicas),
+        )
         yield CounterMetricFamily(
             "plugserve_fleet_disconnects",
             "Times this replica lost etcd after having been connected.",

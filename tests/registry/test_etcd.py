@@ -40,7 +40,14 @@ async def test_range_prefix_sees_only_its_prefix(client: EtcdClient) -> None:
     for key in ("/a/1", "/a/2", "/ab", "/b/1"):
         await client.put(key, key.encode())
     revision, kvs = await client.range_prefix("/a/")
-    assert [kv.key for kv in kvs] == ["/a/1", "/a/2"] and revision >= 4
+    assert [kv.key for kv in kvs] == [b"/a/1", b"/a/2"] and revision >= 4
+
+
+async def test_keys_and_values_are_bytes_utf8_or_not(client: EtcdClient) -> None:
+    """issue 12, finding 2: a key that is not UTF-8 is read back, not an error."""
+    await client.put(b"/u/\xff\xfe", b"\x80")
+    _, kvs = await client.range_prefix("/u/")
+    assert [(kv.key, kv.value) for kv in kvs] == [(b"/u/\xff\xfe", b"\x80")]
 
 
 async def test_a_lease_keeps_its_keys_until_it_lapses(client: EtcdClient) -> None:
@@ -58,7 +65,7 @@ async def test_watch_streams_changes_in_order_and_breaks_when_etcd_dies(
     client: EtcdClient, etcd: EtcdProcess
 ) -> None:
     start = await client.put("/w/start", b"")
-    seen: list[tuple[str, str]] = []
+    seen: list[tuple[str, bytes]] = []
 
     async def follow() -> None:
         async for batch in client.watch("/w/", start + 1):
@@ -74,7 +81,7 @@ async def test_watch_streams_changes_in_order_and_breaks_when_etcd_dies(
         if len(seen) == 2:
             break
         await asyncio.sleep(0.02)
-    assert seen == [("PUT", "/w/a"), ("DELETE", "/w/a")]
+    assert seen == [("PUT", b"/w/a"), ("DELETE", b"/w/a")]
     etcd.stop()
     with pytest.raises(EtcdError):
         await asyncio.wait_for(task, 5)
@@ -115,3 +122,22 @@ async def test_with_authentication_the_client_logs_in_and_again_when_its_token_i
         assert await client.keepalive(lease) == 5
     finally:
         await client.close()
+
+
+async def test_a_watch_carries_values_larger_than_a_line_buffer(client: EtcdClient) -> None:
+    """issue 12, finding 2 (found by the property tests): a value over ~390 KiB (512 KiB
+    once base64) broke every replica's watch with aiohttp's LineTooLong."""
+    start = await client.put("/big/start", b"")
+    value = b"x" * 1_400_000  # under etcd's default request limit of 1.5 MiB
+    sizes: list[int] = []
+
+    async def follow() -> None:
+        async for batch in client.watch("/big/", start + 1):
+            sizes.extend(len(e.kv.value) for e in batch.events)
+            return
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.2)
+    await client.put("/big/value", value)
+    await asyncio.wait_for(task, 5)
+    assert sizes == [len(value)]

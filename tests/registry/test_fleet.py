@@ -198,3 +198,89 @@ async def test_a_fleet_with_etcd_authentication(
     finally:
         await store.close()
         await registry.close()
+
+
+BAD_ROUTE_VALUES = {
+    "inf": b'{"runner": "add@1.0.0", "rate_limit": {"rps": 1e999}}',
+    "huge int": b'{"runner": "add@1.0.0", "rate_limit": {"rps": 1' + b"0" * 400 + b"}}",
+    "not json": b"{runner",
+    "not utf-8": b'{"runner": "add\xff"}',
+    "wrong type": b'{"runner": 5}',
+    "not an object": b"[1, 2]",
+    "deep": b"[" * 50_000 + b"]" * 50_000,
+    "NaN": b'{"runner": "add@1.0.0", "rate_limit": {"rps": NaN}}',
+}
+
+
+@pytest.mark.parametrize("value", BAD_ROUTE_VALUES.values(), ids=BAD_ROUTE_VALUES.keys())
+async def test_a_bad_route_value_is_invalid_and_everything_else_applies(
+    replicas, etcd: EtcdProcess, value: bytes
+) -> None:  # type: ignore[no-untyped-def]
+    """issue 12, finding 2: one bad value under the routes prefix is an invalid entry with
+    its reason; the replica stays connected, writes work, a new replica becomes ready."""
+    a = await replicas("a")
+    client = EtcdClient([etcd.endpoint])
+    await client.put("/plugserve/routes/bad", value)
+    await client.put("/plugserve/routes/add", json.dumps({"runner": "add@1.0.0"}).encode())
+    await client.close()
+    await until(lambda: "bad" in a.invalid and serving(a) == "add@1.0.0")
+    assert a.connected and a.disconnects == 0 and a.invalid["bad"]["error"].startswith("routes.bad")
+    assert a.apply_errors == 0  # handled as a bad value, not by the safety net
+    b = await replicas("b")  # started meanwhile: reads the same table, ready
+    assert b.ready and b.connected and serving(b) == "add@1.0.0" and "bad" in b.invalid
+    await b.put(spec({"runner": "add@2.0.0"}))
+    await until(lambda: serving(a) == "add@2.0.0")
+    assert a.connected and b.connected
+    fleet = await a.fleet()
+    json.dumps(fleet, allow_nan=False)  # what GET /admin/fleet sends is strict JSON
+    assert fleet["invalid"]["bad"]["revision"] > 0
+
+
+async def test_a_key_that_is_not_utf8_is_an_invalid_entry(replicas, etcd: EtcdProcess) -> None:  # type: ignore[no-untyped-def]
+    """issue 12, finding 2: a non-UTF-8 key under the routes prefix used to disconnect
+    every replica (the key was decoded as UTF-8)."""
+    a = await replicas("a")
+    client = EtcdClient([etcd.endpoint])
+    await client.put(b"/plugserve/routes/x\xff", b'{"runner": "add@1.0.0"}')
+    await client.put(b"/plugserve/replicas/r\xfe", b"{}")
+    await client.close()
+    await until(lambda: "x\\xff" in a.invalid and "r\\xfe" in a.invalid_replicas)
+    assert a.connected and a.disconnects == 0
+    b = await replicas("b")
+    assert b.ready and "x\\xff" in b.invalid
+    await a.put(spec({"runner": "add@1.0.0"}))
+    await until(lambda: serving(b) == "add@1.0.0")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"5", b"[1, 2]", b"\xff", b'{"id": "z"}', b'{"id": "z", "url": 1}', b"null", b"1e999"],
+)
+async def test_a_replica_record_that_is_not_one_is_listed_as_invalid(
+    replicas, etcd: EtcdProcess, value: bytes
+) -> None:  # type: ignore[no-untyped-def]
+    """issue 12, finding 2: a replica record that is not an object made GET /admin/fleet
+    a 500 on every replica; it is listed under invalid_replicas with its reason."""
+    a = await replicas("a")
+    client = EtcdClient([etcd.endpoint])
+    await client.put("/plugserve/replicas/z", value)
+    await client.close()
+    await until(lambda: "z" in a.invalid_replicas and "a" in a.replicas)
+    fleet = await a.fleet()
+    assert [r["id"] for r in fleet["replicas"]] == ["a"]
+    assert fleet["invalid_replicas"]["z"]["error"].startswith("replicas.z: ")
+    json.dumps(fleet, allow_nan=False)
+    assert a.connected and a.disconnects == 0
+
+
+async def test_a_large_value_does_not_break_the_watch(replicas, etcd: EtcdProcess) -> None:  # type: ignore[no-untyped-def]
+    """issue 12, finding 2: a 1.4 MB value reached the watch as one line longer than
+    aiohttp reads, and the replica disconnected."""
+    a = await replicas("a")
+    client = EtcdClient([etcd.endpoint])
+    await client.put("/plugserve/routes/big", b'{"runner": "' + b"x" * 1_400_000 + b'"}')
+    await client.put("/plugserve/routes/add", b'{"runner": "add@1.0.0"}')
+    await client.close()
+    await until(lambda: "big" in a.invalid and serving(a) == "add@1.0.0")
+    assert a.connected and a.disconnects == 0
+    assert len(a.invalid["big"]["error"]) <= 500

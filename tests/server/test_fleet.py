@@ -162,3 +162,51 @@ async def test_a_replica_that_never_read_the_fleet_table_is_not_ready_but_serves
             break
         await asyncio.sleep(0.05)
     assert resp.status == 200 and (await resp.json())["fleet"]["connected"] is True
+
+
+def test_bad_values_in_etcd_leave_every_replica_connected_and_listed(
+    tmp_path: Path, models_dir: Path, etcd: EtcdProcess, server
+) -> None:  # type: ignore[no-untyped-def]
+    """issue 12, finding 2: a route value with rps 1e999 or a key that is not UTF-8 took
+    every replica off etcd (503 for writes, a new replica never ready); a replica record
+    that is not an object made GET /admin/fleet a 500."""
+    import asyncio
+
+    from registry.etcd import EtcdClient
+
+    write_add_runner(tmp_path / "plugins", "add", "1.0.0")
+    write_add_runner(tmp_path / "plugins", "add", "2.0.0", amount=2.0)
+    args = ["--plugins-dir", str(tmp_path / "plugins"), "--models-dir", str(models_dir)]
+    args += ["--registry", etcd.url("/bad")]
+    first = server(*args, "--replica-id", "r0")
+
+    async def write_bad() -> None:
+        client = EtcdClient([etcd.endpoint])
+        await client.put("/bad/routes/inf", b'{"runner": "add", "rate_limit": {"rps": 1e999}}')
+        await client.put(b"/bad/routes/\xff", b'{"runner": "add"}')
+        await client.put("/bad/replicas/five", b"5")
+        await client.put("/bad/replicas/list", b"[1, 2]")
+        await client.close()
+
+    asyncio.run(write_bad())
+    assert put(first, {"runner": "add@1.0.0"})[0] == 200
+    second = server(*args, "--replica-id", "r1")  # started meanwhile: becomes ready
+    for replica in (first, second):
+        until(lambda r=replica: b'"five"' in r.request("GET", "/admin/fleet")[2], 5.0)
+        status, _, body = replica.request("GET", "/admin/fleet")
+        assert status == 200, body
+        view = json.loads(body)
+        assert sorted(r["id"] for r in view["replicas"]) == ["r0", "r1"]
+        assert sorted(view["invalid_replicas"]) == ["five", "list"]
+        assert sorted(view["invalid"]) == ["\\xff", "inf"]
+        assert view["connected"] is True and view["disconnects"] == 0
+        _, _, routes = replica.request("GET", "/admin/routes")
+        assert sorted(json.loads(routes)["runtime"]["invalid"]) == ["\\xff", "inf"]
+        _, _, metrics = replica.request("GET", "/metrics")
+        assert b"plugserve_fleet_invalid_entries 4.0" in metrics
+    assert infer(second) == "add@1.0.0"
+    status, body = put(second, {"runner": "add@2.0.0"})
+    assert status == 200, body
+    assert all_switch([first, second], "add@2.0.0")[0] < 1.0
+    assert "Traceback" not in first.log()
+    assert first.log().count("fleet_route_invalid") == 2  # logged once each
