@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field, replace
@@ -29,6 +28,7 @@ from urllib.parse import unquote, urlsplit
 
 import structlog
 
+from registry import validation
 from registry.errors import ConfigError, Conflict, NotFound, Unavailable
 from registry.etcd import EtcdClient, EtcdError, KeyValue, WatchBatch
 from registry.registry import LifecycleEvent, Registry
@@ -469,48 +469,26 @@ _REPLICA_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
-class _BadValue(ValueError):
-    """A value read from etcd that is not the JSON expected; the message says why."""
-
-
-def _refuse_constant(name: str) -> Any:
-    raise _BadValue(f"{name} is not a number JSON allows")
-
-
-def _finite_float(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise _BadValue(f"the number {text[:40]} is out of range")
-    return number
+_BadValue = validation.ValueProblem
+"""A value read from etcd that is not the JSON expected; the message says why."""
 
 
 def _outside_json(raw: bytes) -> Any:
     """Strict JSON from etcd: UTF-8, finite numbers only. Raises :class:`_BadValue`."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _BadValue(f"not UTF-8 (byte {exc.start})") from None
-    try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except _BadValue:
-        raise
-    except RecursionError:
-        raise _BadValue("nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, and ints of more digits than Python converts
-        raise _BadValue(f"not JSON: {exc}") from None
+    return validation.parse_json(raw, strict=True)
 
 
 def _replica_record(raw: bytes) -> dict[str, Any]:
     """A replica's record, its known fields checked; raises :class:`_BadValue`."""
     record = _outside_json(raw)
     if not isinstance(record, dict):
-        raise _BadValue(f"a replica record is a JSON object, not {type(record).__name__}")
+        raise _BadValue("", f"a replica record is a JSON object, not {type(record).__name__}")
     for key, kind in _REPLICA_FIELDS.items():
         value = record.get(key)
         if isinstance(value, bool) or not isinstance(value, kind):
-            raise _BadValue(f".{key}: missing or not {_kind_name(kind)}")
+            raise _BadValue("", f".{key}: missing or not {_kind_name(kind)}")
     if not all(isinstance(label, str) for label in record["ready"]):
-        raise _BadValue(".ready: must be a list of strings")
+        raise _BadValue("", ".ready: must be a list of strings")
     return {key: record[key] for key in _REPLICA_FIELDS}
 
 

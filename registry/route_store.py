@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import socket
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from registry import validation
 from registry.errors import ConfigError, Conflict, NotFound, Unavailable
 from registry.registry import Registry
 from registry.routes import RouteSpec, RouteSpecError, parse_route
@@ -241,10 +241,8 @@ def describe_entries(routes: Mapping[str, RouteSpec]) -> dict[str, Any]:
 
 def _saved_state(raw: bytes) -> tuple[int, dict[str, tuple[Any, int]]]:
     """The state file's revision and its entries (entry, revision) by route; raises
-    ``ValueError`` (or whatever strict JSON parsing raises) when it is not one."""
-    state = json.loads(
-        raw.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float
-    )
+    ``ValueError`` when it is not one."""
+    state = validation.parse_json(raw, strict=True)
     if not isinstance(state, dict) or not isinstance(state.get("routes"), dict):
         raise ValueError("expected an object with revision and routes")
     revision = _revision(state.get("revision"), "revision")
@@ -260,17 +258,6 @@ def _revision(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
         raise ValueError(f"{where} must be an integer from 0 to 2**63 - 1")
     return value
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def _finite_float(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise ValueError(f"the number {text[:40]} is out of range")
-    return number
 
 
 def _write_atomically(path: Path, data: Any) -> None:

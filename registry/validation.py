@@ -181,13 +181,38 @@ def parse_toml(data: bytes) -> dict[str, Any]:
     return raw
 
 
-def parse_json(data: bytes) -> Any:
-    """Parse a JSON body (UTF-8, -16 or -32); any failure is a :class:`ValueProblem`."""
+def parse_json(data: bytes, *, strict: bool = False) -> Any:
+    """Parse JSON bytes; any failure (encoding, syntax, nesting) is a :class:`ValueProblem`.
+
+    Lenient by default (``NaN`` and ``1e999`` parse, so the field's own check
+    can name them); ``strict`` wants UTF-8 and finite numbers only, for stored
+    state (etcd values, the runtime routes file) that no check reads after.
+    """
     try:
-        value = json.loads(data)
+        if not strict:
+            value = json.loads(data)
+        else:
+            value = json.loads(
+                data.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float
+            )
+    except UnicodeDecodeError as exc:
+        raise ValueProblem("", f"not UTF-8 (byte {exc.start})") from None
+    except ValueProblem:
+        raise
     except RecursionError:
         raise ValueProblem("", f"nests objects or arrays deeper than {MAX_DEPTH}") from None
     except (ValueError, OverflowError, MemoryError) as exc:
         raise ValueProblem("", f"invalid JSON: {exc}") from None
     shallow(value)
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueProblem("", f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueProblem("", f"the number {text[:40]} is out of range")
     return value
