@@ -55,7 +55,10 @@ class EtcdLocation:
 
     @classmethod
     def parse(cls, url: str, password: str | None = None) -> EtcdLocation:
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+        except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+            raise ConfigError(f"registry: not a URL: {exc}") from None
         if parts.scheme not in ("etcd", "etcds") or not parts.netloc:
             raise ConfigError("registry: expected etcd://[user@]host:port[,host:port]/prefix")
         userinfo, _, hostlist = parts.netloc.rpartition("@")

@@ -19,6 +19,8 @@ ADMIN_TOKEN_FILE_ENV = "PLUGSERVE_ADMIN_TOKEN_FILE"
 INFERENCE_TOKEN_ENV = "PLUGSERVE_INFERENCE_TOKEN"
 INFERENCE_TOKEN_FILE_ENV = "PLUGSERVE_INFERENCE_TOKEN_FILE"
 TOKENS = ("admin_token", "inference_token")
+MAX_TOKEN_FILE_BYTES = 64 * 1024
+"""A token file larger than this is refused (it is a secret, not a document)."""
 """Each token setting has a ``<name>_file`` twin and the env vars ``PLUGSERVE_<NAME>[_FILE]``."""
 ETCD_PASSWORD_ENV = "PLUGSERVE_ETCD_PASSWORD"
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -211,7 +213,11 @@ def _token_text(value: str, source: str) -> str:
 def _read_token(name: str, path: Path) -> str:
     """A token from a file (a mounted secret); its value is never logged."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as secret:  # bounded: a token file may be anything, /dev/zero too
+            data = secret.read(MAX_TOKEN_FILE_BYTES + 1)
+        if len(data) > MAX_TOKEN_FILE_BYTES:
+            raise ConfigError(f"{name}_file {path}: larger than {MAX_TOKEN_FILE_BYTES} bytes")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"{name}_file {path}: {reason}") from None
@@ -229,6 +235,9 @@ def _read_config(path: Path) -> dict[str, Any]:
     unknown = sorted(set(raw) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"{path}: unknown setting(s) {unknown}; known: {', '.join(_FIELDS)}")
+    for key in TOKENS + tuple(f"{name}_file" for name in TOKENS):
+        if isinstance(raw.get(key), str):
+            raw[key] = _token_text(raw[key], f"{path}: {key}")
     for key, value in raw.items():
         if isinstance(value, str):
             try:
@@ -239,9 +248,6 @@ def _read_config(path: Path) -> dict[str, Any]:
             raise ConfigError(
                 f"{path}: {key} must be a path (a string), not {type(value).__name__}"
             )
-    for key in TOKENS + tuple(f"{name}_file" for name in TOKENS):
-        if isinstance(raw.get(key), str):
-            raw[key] = _token_text(raw[key], f"{path}: {key}")
     for key in _PATHS & raw.keys():
         raw[key] = path.parent / raw[key]
     for key, value in raw.items():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import Conflict, NotFound, Unavailable
+from registry.errors import ConfigError, Conflict, NotFound, Unavailable
 from registry.etcd import EtcdClient
 from registry.fleet import EtcdLocation, EtcdRouteStore
 from registry.registry import Registry
@@ -66,6 +66,13 @@ def test_etcd_urls() -> None:
     assert loc.endpoints == ("http://a:2379", "http://b:2379") and loc.prefix == "/team/models"
     assert EtcdLocation.parse("etcds://a:1").prefix == "/plugserve"
     assert EtcdLocation.parse("etcds://a:1").endpoints == ("https://a:1",)
+
+
+@pytest.mark.parametrize("url", ["etcd://[::1", "etcd://", "etcd:///prefix", "etcd://@/p"])
+def test_a_malformed_etcd_url_is_a_config_error(url: str) -> None:
+    """Attack round after issue 12: ``etcd://[::1`` escaped as a ValueError traceback at start."""
+    with pytest.raises(ConfigError, match="registry"):
+        EtcdLocation.parse(url)
 
 
 async def test_a_write_on_one_replica_is_applied_by_the_other(replicas) -> None:  # type: ignore[no-untyped-def]

@@ -51,7 +51,13 @@ def test_an_empty_token_file_path_in_the_config_file_is_refused(tmp_path: Path, 
 @pytest.mark.parametrize("name", TOKENS)
 @pytest.mark.parametrize(
     ("content", "reason"),
-    [(b"", "empty"), (b" \n\n", "empty"), (b"\xff\xfe", "not UTF-8"), (None, "No such file")],
+    [
+        (b"", "empty"),
+        (b" \n\n", "empty"),
+        (b"\xff\xfe", "not UTF-8"),
+        (None, "No such file"),
+        (b"x" * (64 * 1024 + 1), "larger than 65536 bytes"),
+    ],
 )
 def test_a_token_file_must_hold_a_token(
     tmp_path: Path, name: str, content: bytes | None, reason: str
@@ -70,6 +76,14 @@ def test_a_token_file_must_hold_a_token(
             config.write_text(config_text)
         with pytest.raises(ConfigError, match=reason):
             load_settings(config, environ=environ)
+
+
+def test_a_token_file_that_never_ends_is_refused(tmp_path: Path) -> None:
+    """Attack round after issue 12: ``admin_token_file = "/dev/zero"`` was read to the end."""
+    config = tmp_path / "plugserve.toml"
+    config.write_text('admin_token_file = "/dev/zero"\n')
+    with pytest.raises(ConfigError, match="larger than"):
+        load_settings(config, environ={})
 
 
 def test_a_directly_built_settings_refuses_an_empty_token() -> None:
