@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,8 +23,11 @@ from registry.manager import PluginHost
 from server import __version__
 from server.app import create_app
 from server.config import Settings, bundled_dir, load_settings
-from server.logs import configure_logging
+from server.logs import configure_logging, flush_std_streams, protect_std_streams
 from server.shutdown import install_signal_handlers
+
+THREAD_GRACE_S = 0.5
+"""How long the process waits, after shutdown, for threads other than its own to end."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,6 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
         "runtime_routes_file": args.runtime_routes_file,
     }
     settings = load_settings(args.config, flags)
+    protect_std_streams()
     configure_logging(settings.log_format, settings.log_level)
     log = structlog.get_logger("plugserve.server")
     log.info(
@@ -104,7 +111,30 @@ def _serve(args: argparse.Namespace) -> int:
         # Our drain (server/shutdown.py) has already waited for in-flight requests.
         shutdown_timeout=1.0,
     )
+    _leave_lingering_threads(log)
     return 0
+
+
+def _leave_lingering_threads(log: structlog.typing.FilteringBoundLogger) -> None:
+    """Exit now if threads a plugin started (not daemon ones) would keep the process up.
+
+    The plugins are closed by now; a thread still running after a short grace
+    would keep the interpreter waiting forever, so the process exits with
+    ``os._exit`` instead, once the log is flushed (``exit_with_threads`` names them).
+    """
+    deadline = time.monotonic() + THREAD_GRACE_S
+    for thread in _lingering_threads():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = _lingering_threads()
+    if left:
+        log.warning("exit_with_threads", threads=sorted(t.name for t in left))
+        flush_std_streams()
+        os._exit(0)
+
+
+def _lingering_threads() -> list[threading.Thread]:
+    main = threading.main_thread()
+    return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
 
 
 def _shown_registry(url: str) -> str:

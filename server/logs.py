@@ -1,12 +1,21 @@
-"""structlog setup: key-value events with bound context, for a console or as JSON."""
+"""structlog setup: key-value events with bound context, for a console or as JSON.
+
+Logging never stops or breaks serving: a log call never raises (a line that
+cannot be rendered is replaced by one saying so), the streams written to never
+raise (:class:`SafeStream`), and tracebacks never show local variables, so
+request data stays out of the log.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterable, MutableMapping, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
@@ -34,13 +43,118 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 _LEVELS["error"] = logging.ERROR
 
 
+class SafeStream:
+    """A text stream whose ``write`` and ``flush`` never raise.
+
+    On the first failure (the reader of a pipe gone: ``BrokenPipeError``; a
+    full disk; a closed file) the file descriptor beneath is pointed at
+    ``/dev/null``, so nothing written later fails either, the interpreter's own
+    flush at exit included. ``dropped`` counts the writes lost.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.dropped = 0
+        self._silenced = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError):
+            self._lost()
+            return len(text)
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            self._lost()
+
+    def isatty(self) -> bool:
+        try:
+            return self.stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+    def _lost(self) -> None:
+        self.dropped += 1
+        if self._silenced:
+            return
+        self._silenced = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self.stream.fileno())
+            finally:
+                os.close(devnull)
+        except (OSError, ValueError):
+            pass  # no descriptor of its own: writes keep failing, and keep being swallowed
+
+
+def protect_std_streams() -> None:
+    """Make ``sys.stdout`` and ``sys.stderr`` :class:`SafeStream` s (once; the server's own)."""
+    if not isinstance(sys.stdout, SafeStream):
+        sys.stdout = SafeStream(sys.stdout)
+    if not isinstance(sys.stderr, SafeStream):
+        sys.stderr = SafeStream(sys.stderr)
+
+
+def flush_std_streams() -> None:
+    """Flush stdout and stderr, ignoring a reader that has gone."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
+class _NeverRaising:
+    """Runs the processors; a line they cannot render becomes a line saying so."""
+
+    def __init__(self, processors: Sequence[structlog.typing.Processor], as_json: bool) -> None:
+        self.processors = processors
+        self.as_json = as_json
+
+    def __call__(self, logger: Any, name: str, event: MutableMapping[str, Any]) -> Any:
+        result: Any = event
+        original = event.get("event")  # before a renderer pops it
+        try:
+            for processor in self.processors:
+                result = processor(logger, name, result)
+        except structlog.DropEvent:
+            raise
+        except Exception as exc:
+            line = {"event": "log_line_unrenderable", "level": name, "error": type(exc).__name__}
+            line["original_event"] = _safe_str(original)
+            if self.as_json:
+                return json.dumps(line)
+            return " ".join(f"{k}={v}" for k, v in line.items())
+        return result
+
+
+def _safe_str(value: object) -> str:
+    try:
+        return str(value)
+    except Exception:
+        return f"<unprintable {type(value).__name__}>"
+
+
 def configure_logging(log_format: str = "console", level: str = "info") -> None:
     """Route structlog (and the standard library's ``logging``) to stderr.
 
     Every event carries the request id of the request being served (one
     ContextVar, set per request: cheaper than re-binding structlog's context),
     anything bound with ``structlog.contextvars``, and the logger's own
-    bindings (plugin, version).
+    bindings (plugin, version). Tracebacks are plain, without local variables
+    (structlog would show them through rich or better-exceptions where installed).
     """
     numeric = _LEVELS[level]
     shared: list[structlog.typing.Processor] = [
@@ -54,9 +168,11 @@ def configure_logging(log_format: str = "console", level: str = "info") -> None:
         renderer = structlog.processors.JSONRenderer()
         shared.append(structlog.processors.format_exc_info)
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
     structlog.configure(
-        processors=[*shared, renderer],
+        processors=[_NeverRaising([*shared, renderer], as_json=log_format == "json")],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
