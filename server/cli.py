@@ -111,11 +111,11 @@ def _serve(args: argparse.Namespace) -> int:
         # Our drain (server/shutdown.py) has already waited for in-flight requests.
         shutdown_timeout=1.0,
     )
-    _leave_lingering_threads(log)
+    _leave_lingering_threads(0)
     return 0
 
 
-def _leave_lingering_threads(log: structlog.typing.FilteringBoundLogger) -> None:
+def _leave_lingering_threads(code: int) -> None:
     """Exit now if threads a plugin started (not daemon ones) would keep the process up.
 
     The plugins are closed by now; a thread still running after a short grace
@@ -127,9 +127,10 @@ def _leave_lingering_threads(log: structlog.typing.FilteringBoundLogger) -> None
         thread.join(max(0.0, deadline - time.monotonic()))
     left = _lingering_threads()
     if left:
+        log = structlog.get_logger("plugserve.server")
         log.warning("exit_with_threads", threads=sorted(t.name for t in left))
         flush_std_streams()
-        os._exit(0)
+        os._exit(code)
 
 
 def _lingering_threads() -> list[threading.Thread]:
@@ -181,7 +182,9 @@ def _validate(args: argparse.Namespace) -> int:
     models_dir = (args.models_dir or bundled_dir("models")).resolve()
     report = asyncio.run(validate(args.folder.resolve(), models_dir))
     print(json.dumps(report, indent=2))
-    return 0 if report["valid"] else 1
+    code = 0 if report["valid"] else 1
+    _leave_lingering_threads(code)
+    return code
 
 
 async def validate(folder: Path, models_dir: Path) -> dict[str, object]:
