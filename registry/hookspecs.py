@@ -21,6 +21,9 @@ Components are plain objects:
 - postprocessor: ``format(data, ctx) -> data``
 - any component: optional ``warmup()`` (run before it takes traffic) and
   ``close()`` (run after its last request), and optional ``metadata()``.
+  Outside requests plugin code is bounded: import, create, ``warmup()`` and
+  ``metadata()`` within ``load_timeout_s``, ``close()`` within
+  ``close_timeout_s``; sync ones run on a thread of their own.
 """
 
 from __future__ import annotations
@@ -95,6 +98,9 @@ def plugserve_startup(app: web.Application) -> None:
         the router is frozen).
     :return: nothing; a returned awaitable is awaited.
 
+    Bounded by ``load_timeout_s``; a sync implementation runs on a thread of
+    its own (make it ``async`` to use the event loop).
+
     Example::
 
         @hookimpl
@@ -109,6 +115,9 @@ def plugserve_shutdown(app: web.Application) -> None:
 
     :param app: the aiohttp application.
     :return: nothing; a returned awaitable is awaited.
+
+    All implementations run at once, within ``close_timeout_s``; a sync one on
+    a thread of its own.
 
     Example::
 
