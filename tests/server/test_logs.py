@@ -139,7 +139,7 @@ def test_a_reader_that_goes_away_neither_breaks_serving_nor_holds_sigterm(
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
-        assert time.monotonic() - started < 2 + 3
+        assert time.monotonic() - started < 2 + 5
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -75,6 +75,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(slow_server: ServerPr
     assert "draining" in log
     assert "CLOSED" in log  # every plugin closed
     assert log.index("draining") < log.index("CLOSED")
+    assert "exit_with_threads" not in log  # nothing of ours lingers
 
 
 def test_a_request_longer_than_the_drain_timeout_does_not_hold_shutdown(
@@ -177,7 +178,7 @@ def test_sigterm_exits_in_time_when_a_plugin_close_never_returns(
     assert srv.request("POST", "/predict/hang", {"x": [1.0]})[0] == 200
     code, seconds = _sigterm_and_time(srv, 2)
     assert code == 0, srv.log()
-    assert seconds < 2 + 3, srv.log()
+    assert seconds < 2 + 5, srv.log()
     assert "plugin_call_timeout" in srv.log()
 
 
@@ -204,9 +205,11 @@ def test_sigterm_exits_when_a_plugin_left_a_non_daemon_thread_running(
     assert srv.request("POST", "/predict/hang", {"x": [1.0]})[0] == 200
     code, seconds = _sigterm_and_time(srv, 2)
     assert code == 0, srv.log()
-    assert seconds < 2 + 3, srv.log()
-    assert "exit_with_threads" in srv.log()
-    assert ("from-create" if create else "from-infer") in srv.log()
+    assert seconds < 2 + 5, srv.log()
+    left = [line for line in srv.log().splitlines() if "exit_with_threads" in line]
+    assert len(left) == 1, srv.log()
+    assert ("from-create" if create else "from-infer") in left[0]
+    assert "asyncio" not in left[0] and "ThreadPoolExecutor" not in left[0]  # only the plugin's
 
 
 def test_a_second_signal_stops_at_once(
@@ -228,6 +231,6 @@ def test_a_second_signal_stops_at_once(
     started = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(10) == 0, srv.log()
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 4
     assert "shutdown_forced" in srv.log()
     assert "CLOSED" in srv.log()
