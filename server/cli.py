@@ -23,8 +23,9 @@ from registry.manager import PluginHost
 from server import __version__
 from server.app import create_app
 from server.config import Settings, bundled_dir, load_settings
-from server.logs import configure_logging, flush_std_streams, protect_std_streams
+from server.logs import configure_logging
 from server.shutdown import install_signal_handlers
+from server.streams import flush_std_streams, protect_std_streams
 
 THREAD_GRACE_S = 0.5
 """How long the process waits, after shutdown, for threads other than its own to end."""

@@ -2,20 +2,18 @@
 
 Logging never stops or breaks serving: a log call never raises (a line that
 cannot be rendered is replaced by one saying so), the streams written to never
-raise (:class:`SafeStream`), and tracebacks never show local variables, so
+raise or block (``server/streams.py``), and tracebacks never show local variables, so
 request data stays out of the log.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import sys
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import MutableMapping, Sequence
 from contextvars import ContextVar
-from typing import Any, TextIO
+from typing import Any
 
 import structlog
 
@@ -41,79 +39,6 @@ def add_request_id(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableM
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 _LEVELS["error"] = logging.ERROR
-
-
-class SafeStream:
-    """A text stream whose ``write`` and ``flush`` never raise.
-
-    On the first failure (the reader of a pipe gone: ``BrokenPipeError``; a
-    full disk; a closed file) the file descriptor beneath is pointed at
-    ``/dev/null``, so nothing written later fails either, the interpreter's own
-    flush at exit included. ``dropped`` counts the writes lost.
-    """
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.dropped = 0
-        self._silenced = False
-
-    def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except (OSError, ValueError):
-            self._lost()
-            return len(text)
-
-    def writelines(self, lines: Iterable[str]) -> None:
-        for line in lines:
-            self.write(line)
-
-    def flush(self) -> None:
-        try:
-            self.stream.flush()
-        except (OSError, ValueError):
-            self._lost()
-
-    def isatty(self) -> bool:
-        try:
-            return self.stream.isatty()
-        except (OSError, ValueError):
-            return False
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.stream, name)
-
-    def _lost(self) -> None:
-        self.dropped += 1
-        if self._silenced:
-            return
-        self._silenced = True
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(devnull, self.stream.fileno())
-            finally:
-                os.close(devnull)
-        except (OSError, ValueError):
-            pass  # no descriptor of its own: writes keep failing, and keep being swallowed
-
-
-def protect_std_streams() -> None:
-    """Make ``sys.stdout`` and ``sys.stderr`` :class:`SafeStream` s (once; the server's own)."""
-    if not isinstance(sys.stdout, SafeStream):
-        sys.stdout = SafeStream(sys.stdout)
-    if not isinstance(sys.stderr, SafeStream):
-        sys.stderr = SafeStream(sys.stderr)
-
-
-def flush_std_streams() -> None:
-    """Flush stdout and stderr, ignoring a reader that has gone."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
 
 
 class _NeverRaising:

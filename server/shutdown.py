@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
 from registry.errors import Unavailable
-from server.logs import flush_std_streams
+from server.streams import flush_std_streams
 
 log = structlog.get_logger("plugserve.server")
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from server.logs import SafeStream, configure_logging
+from server.logs import configure_logging
+from server.streams import SafeStream
 from tests.helpers import ROOT, ServerProcess, free_port, wait_until_ok, write_plugin
 
 RUNNER = """
@@ -70,6 +72,36 @@ def test_a_closed_pipe_is_swallowed_and_what_follows_goes_nowhere() -> None:
     assert stream.dropped >= 1
     assert os.readlink(f"/proc/self/fd/{write_end}") == os.devnull
     stream.stream.close()
+
+
+def test_a_reader_that_stops_reading_costs_lines_never_a_blocked_writer() -> None:
+    """Found after the fixes (issue 12, class "logging can never stop serving"): with the
+    pipe full (``plugserve serve | less``, not scrolled) every log write blocked the loop."""
+    read_end, write_end = os.pipe()
+    stream = SafeStream(io.TextIOWrapper(os.fdopen(write_end, "wb", 0), write_through=True))
+    started = time.monotonic()
+    for number in range(20_000):  # 20 MB against a 64 KiB pipe nobody reads
+        stream.write(f"{number:09d} {'x' * 989}\n")
+    assert time.monotonic() - started < 5
+    assert stream.dropped > 10_000
+    received = bytearray()
+    reader = threading.Thread(target=lambda: received.extend(_read_all(read_end)))
+    reader.start()
+    assert stream.drain(10)
+    stream.stream.close()
+    reader.join(10)
+    numbers = [int(line[:9]) for line in received.decode().splitlines()]
+    assert numbers[:3] == [0, 1, 2]
+    assert numbers == sorted(numbers)  # what is written keeps its order
+    assert all(len(line) == 999 for line in received.decode().splitlines())  # whole lines
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
 
 
 @pytest.mark.parametrize("log_format", ["console", "json"])
@@ -136,6 +168,36 @@ def test_a_reader_that_goes_away_neither_breaks_serving_nor_holds_sigterm(
         status, body = _call(url + "/predict/leaky", {"token": ["t"]})
         assert status == 500
         assert "cannot handle this input" in json.loads(body)["error"]  # JSON: the middleware's
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert time.monotonic() - started < 2 + 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_reader_that_stops_reading_does_not_stall_the_server(
+    plugins_dir: Path, models_dir: Path, tmp_path: Path
+) -> None:
+    """Found after the fixes (issue 12, class "logging can never stop serving"): started as
+    ``plugserve serve | less`` and left unscrolled, the server stopped answering once the
+    pipe was full (about 300 access-log lines)."""
+    _write_runner(plugins_dir)
+    config = tmp_path / "stalled.toml"
+    config.write_text("access_log = true\ndrain_timeout_s = 2\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "server", "serve", "--port", str(port),
+               "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+               "--config", str(config)]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until_ok(proc, url + "/v2/health/ready", 30, lambda: "")
+        for _ in range(1500):  # ~250 KB of access log against a 64 KiB pipe nobody reads
+            assert _call(url + "/v2/health/ready")[0] == 200
+        assert _call(url + "/predict/leaky", {"x": [1.0]})[0] == 200
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
