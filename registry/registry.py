@@ -153,11 +153,14 @@ class Registry:
         for batch in (with_module, declarative):
             outcomes = await asyncio.gather(*(self.load(f, force=force) for f in batch))
             for folder, outcome in zip(batch, outcomes, strict=True):
-                report.add(self.records[self.key_of(folder)], outcome)
+                record = self.records.get(self.key_of(folder))
+                if record is not None:  # else its folder went, and the watcher with it
+                    report.add(record, outcome)
         on_disk = {self.key_of(f) for f in folders}
         for key in [k for k in self.records if k not in on_disk]:
-            record = self.records[key]
-            report.add(record, await self.unload(key, forget=True))
+            record = self.records.get(key)
+            if record is not None:  # else unloaded meanwhile
+                report.add(record, await self.unload(key, forget=True))
         return report
 
     async def sync_version(self, key: Key) -> Outcome:
