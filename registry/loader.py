@@ -133,7 +133,7 @@ class Loader:
                 f"{manifest.label}: importing {manifest.module} failed: {type(exc).__name__}: {exc}"
             ) from exc
         try:
-            self.host.register(module, package)
+            self.host.register(module, package, manifest.label)
         except PlugserveError as exc:
             forget(package)
             detail = exc.message.replace(f"{package}: ", "", 1).replace(package, manifest.label)

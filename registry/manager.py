@@ -38,9 +38,12 @@ class PluginHost:
         self._pm.add_hookspecs(hookspecs)
         # Plugins load on worker threads; pluggy itself is not thread-safe.
         self._lock = threading.RLock()
+        self._labels: dict[str, str] = {}
 
-    def register(self, plugin: object, name: str) -> None:
+    def register(self, plugin: object, name: str, label: str | None = None) -> None:
         """Register a module or object implementing ``plugserve_*`` hooks.
+
+        ``label`` (``type/name@version``) names it in the log instead of ``name``.
 
         Raises :class:`PluginLoadError` when it implements an unknown
         ``plugserve_*`` hook or a hook with a wrong signature.
@@ -53,6 +56,8 @@ class PluginHost:
                 if self._pm.is_registered(plugin):
                     self._pm.unregister(plugin)
                 raise PluginLoadError(f"{name}: {exc}") from None
+            if label is not None:
+                self._labels[name] = label
 
     def unregister(self, name: str) -> None:
         """Drop a registration; a name never registered is ignored."""
@@ -60,6 +65,7 @@ class PluginHost:
             plugin = self._pm.get_plugin(name)
             if plugin is not None:
                 self._pm.unregister(plugin, name=name)
+            self._labels.pop(name, None)
 
     def names(self) -> list[str]:
         return [name for name, _ in self._pm.list_name_plugin()]
@@ -158,8 +164,11 @@ class PluginHost:
         # Each implementation on its own, so one failure does not skip the rest.
         call = functools.partial(impl.function, app=app)
         try:
-            await call_plugin(call, within, impl.plugin_name, hook, setting)
+            await call_plugin(call, within, self._label(impl.plugin_name), hook, setting)
         except PluginCallTimeout:
             pass  # logged as plugin_call_timeout
         except Exception:
-            log.exception("lifecycle_hook_failed", hook=hook, plugin=impl.plugin_name)
+            log.exception("lifecycle_hook_failed", hook=hook, plugin=self._label(impl.plugin_name))
+
+    def _label(self, name: str) -> str:
+        return self._labels.get(name, name)

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 
 from server.app import create_app
 from server.config import Settings
@@ -103,5 +105,11 @@ async def test_shutdown_closes_within_its_budget_whatever_plugins_do(
     server = TestServer(app)
     await server.start_server()
     started = time.monotonic()
-    await asyncio.wait_for(server.close(), 10)
+    with structlog.testing.capture_logs() as events:
+        await asyncio.wait_for(server.close(), 10)
     assert time.monotonic() - started < 3
+    timeouts = {(e["plugin"], e["call"]) for e in events if e["event"] == "plugin_call_timeout"}
+    assert timeouts == {
+        ("preprocessor/stuck@1.0.0", "plugserve_shutdown"),
+        ("preprocessor/stuck@1.0.0", "close"),
+    }
