@@ -16,6 +16,7 @@ import numpy as np
 
 from registry.batching import BatchPolicy, Scheduler
 from registry.breaker import CircuitBreaker
+from registry.calls import call_plugin
 from registry.errors import InvalidInput, PluginError, PluginLoadError, PlugserveError
 from registry.inputs import InputSpec, conform, input_specs
 from registry.manifest import Manifest, RunnerSection
@@ -114,37 +115,37 @@ class LoadedPlugin:
 
     # -- lifecycle -----------------------------------------------------------------
 
-    async def warmup(self) -> None:
-        """Run the component's ``warmup()`` (sync ones off the loop) and read its metadata."""
-        await self._call_optional("warmup")
-        metadata = (
-            self.component.metadata()
-            if callable(getattr(self.component, "metadata", None))
-            else None
-        )
-        self._metadata = await await_maybe(metadata)
+    async def warmup(self, within: float) -> None:
+        """Run the component's ``warmup()``, then read its ``metadata()``, within ``within`` s.
+
+        Raises :class:`PluginCallTimeout` past the bound (``load_timeout_s``).
+        """
+        deadline = time.monotonic() + within
+        await self._call_optional("warmup", within, "load_timeout_s")
+        left = deadline - time.monotonic()
+        self._metadata = await self._call_optional("metadata", left, "load_timeout_s")
         self._inputs = input_specs(self._metadata)
         self._input_dtypes = {spec.name: spec.dtype for spec in self._inputs}
 
-    async def close(self) -> None:
-        """Run the component's ``close()``; then its thread pool is shut down."""
+    async def close(self, within: float) -> None:
+        """Run the component's ``close()`` within ``within`` s; then its thread pool is shut down.
+
+        Raises :class:`PluginCallTimeout` past the bound (``close_timeout_s``).
+        """
         if self.scheduler is not None:
             self.scheduler.close()
         try:
-            await self._call_optional("close")
+            await self._call_optional("close", within, "close_timeout_s")
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
 
-    async def _call_optional(self, name: str) -> None:
+    async def _call_optional(self, name: str, within: float, setting: str) -> Any:
         method = getattr(self.component, name, None)
         if not callable(method):
-            return
-        if inspect.iscoroutinefunction(method):
-            await method()
-        else:
-            await await_maybe(await asyncio.to_thread(method))
+            return None
+        return await call_plugin(method, within, self.label, name, setting)
 
     def metadata(self) -> dict[str, Any] | None:
         """The component's ``metadata()`` as read at warmup: tensor specs, or ``None``."""

@@ -144,6 +144,18 @@ class PluginLoadError(PlugserveError):
     status = 400
 
 
+class PluginCallTimeout(PluginLoadError):
+    """A call into plugin code outside a request (create, warmup, close, a hook)
+    did not return within its bound; the server stopped waiting for it."""
+
+    def __init__(self, plugin: str, call: str, seconds: float, setting: str) -> None:
+        super().__init__(
+            f"{plugin}: {call}() did not return within {seconds:g} s ({setting})",
+            plugin=plugin,
+            call=call,
+        )
+
+
 class ManifestError(PluginLoadError):
     """A ``plugin.toml`` is missing, unparsable or invalid; names file and field."""
 

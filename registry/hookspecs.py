@@ -18,12 +18,15 @@ Components are plain objects:
   on a batch whose first axis is the batch, and optionally ``metadata()``
   returning ``{"inputs": [...], "outputs": [...]}`` tensor specs
   (``name``, ``datatype``, ``shape``)
-- postprocessor: ``format(data, ctx) -> data``
-- any component: optional ``warmup()`` (run before it takes traffic) and
-  ``close()`` (run after its last request), and optional ``metadata()``.
 - runner: optional ``validate(inputs)``, called once per request with that
   request's own arrays, on the event loop, before it can join a batch: the
   place for checks its ``metadata()`` cannot express. Keep it cheap.
+- postprocessor: ``format(data, ctx) -> data``
+- any component: optional ``warmup()`` (run before it takes traffic) and
+  ``close()`` (run after its last request), and optional ``metadata()``.
+  Outside requests plugin code is bounded: import, create, ``warmup()`` and
+  ``metadata()`` within ``load_timeout_s``, ``close()`` within
+  ``close_timeout_s``; sync ones run on a thread of their own.
 
 Saying "bad input": raise ``InvalidInput``, handed to plugins as
 ``ctx.InvalidInput`` (in ``process`` and ``format``) and ``plugin.InvalidInput``
@@ -135,6 +138,9 @@ def plugserve_startup(app: web.Application) -> None:
         the router is frozen).
     :return: nothing; a returned awaitable is awaited.
 
+    Bounded by ``load_timeout_s``; a sync implementation runs on a thread of
+    its own (make it ``async`` to use the event loop).
+
     Example::
 
         @hookimpl
@@ -149,6 +155,9 @@ def plugserve_shutdown(app: web.Application) -> None:
 
     :param app: the aiohttp application.
     :return: nothing; a returned awaitable is awaited.
+
+    All implementations run at once, within ``close_timeout_s``; a sync one on
+    a thread of its own.
 
     Example::
 

@@ -9,15 +9,19 @@ module of the load removed from ``sys.modules``.
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import structlog
 
+from registry.calls import call_plugin
 from registry.components import LoadedPlugin
 from registry.confine import Roots
-from registry.errors import PluginLoadError, PlugserveError
+from registry.errors import PluginCallTimeout, PluginLoadError, PlugserveError
 from registry.fingerprint import Fingerprinter
 from registry.imports import forget, import_plugin, package_name
 from registry.integrity import verify_checksums
@@ -30,7 +34,13 @@ log = structlog.get_logger("plugserve.registry")
 
 
 class Loader:
-    """Turns version folders into :class:`LoadedPlugin` instances and back."""
+    """Turns version folders into :class:`LoadedPlugin` instances and back.
+
+    Plugin code runs under bounds: import, create and warmup together within
+    ``load_timeout`` seconds, ``close()`` within ``close_timeout``. A load past
+    its bound fails (its thread, if it ever finishes, drops what it made); a
+    close past its bound is logged and the instance released all the same.
+    """
 
     def __init__(
         self,
@@ -38,11 +48,15 @@ class Loader:
         models_dir: Path,
         fingerprinter: Fingerprinter | None = None,
         plugins_dir: Path | None = None,
+        load_timeout: float = 120.0,
+        close_timeout: float = 10.0,
     ) -> None:
         self.host = host
         self.models_dir = models_dir
         self.fingerprinter = fingerprinter or Fingerprinter()
         self.plugins_dir = plugins_dir
+        self.load_timeout = load_timeout
+        self.close_timeout = close_timeout
 
     def roots(self, folder: Path) -> Roots:
         """Where every path a version reads must really lie (``registry/confine.py``)."""
@@ -55,18 +69,44 @@ class Loader:
         await asyncio.to_thread(self.roots(folder).check_tree, folder)
         manifest = load_manifest(folder)
         await asyncio.to_thread(verify_checksums, folder, self.fingerprinter, manifest.label)
-        loaded = await asyncio.to_thread(self.build, manifest)
+        deadline = time.monotonic() + self.load_timeout
+        package = None
+        if manifest.module is not None:
+            package = package_name(manifest.type, manifest.name, str(manifest.version))
+        abandoned = threading.Event()
         try:
-            await loaded.warmup()
+            loaded: LoadedPlugin = await call_plugin(
+                functools.partial(self.build, manifest, package, abandoned),
+                self.load_timeout,
+                manifest.label,
+                "create",
+                "load_timeout_s",
+            )
+        except PluginCallTimeout:
+            abandoned.set()
+            self._forget(package)
+            raise
+        try:
+            await loaded.warmup(deadline - time.monotonic())
         except Exception as exc:
             await self.release(loaded)
+            if isinstance(exc, PluginCallTimeout):
+                raise
             raise PluginLoadError(
                 f"{manifest.label}: warmup failed: {type(exc).__name__}: {exc}"
             ) from exc
         return loaded
 
-    def build(self, manifest: Manifest) -> LoadedPlugin:
-        """Import, register and create, synchronously (call it off the event loop)."""
+    def build(
+        self,
+        manifest: Manifest,
+        package: str | None = None,
+        abandoned: threading.Event | None = None,
+    ) -> LoadedPlugin:
+        """Import (as ``package``), register and create, synchronously (off the event loop).
+
+        When ``abandoned`` is set meanwhile (the load timed out), what was made is dropped.
+        """
         info = PluginInfo(
             name=manifest.name,
             version=str(manifest.version),
@@ -76,36 +116,41 @@ class Loader:
                 plugin_type=manifest.type, plugin=manifest.name, version=str(manifest.version)
             ),
         )
-        module, package = self._import(manifest)
+        if manifest.module is not None and package is None:
+            package = package_name(manifest.type, manifest.name, str(manifest.version))
+        module = self._import(manifest, package)
         try:
             model_path = self.model_path(manifest)
             component = self._create(manifest, info, module, model_path)
-            return LoadedPlugin(
+            loaded = LoadedPlugin(
                 manifest, info, component, package=package, hook_name=package, model_path=model_path
             )
         except BaseException:
             self._forget(package)
             raise
+        if abandoned is not None and abandoned.is_set():
+            self._forget(package)
+            log.warning("plugin_load_abandoned", plugin=manifest.label)
+        return loaded
 
-    def _import(self, manifest: Manifest) -> tuple[ModuleType | None, str | None]:
-        if manifest.module is None:
-            return None, None
-        package = package_name(manifest.type, manifest.name, str(manifest.version))
+    def _import(self, manifest: Manifest, package: str | None) -> ModuleType | None:
+        if manifest.module is None or package is None:
+            return None
         try:
             module = import_plugin(
                 manifest.path, manifest.module, package, self.roots(manifest.path)
             )
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise PluginLoadError(
                 f"{manifest.label}: importing {manifest.module} failed: {type(exc).__name__}: {exc}"
             ) from exc
         try:
-            self.host.register(module, package)
+            self.host.register(module, package, manifest.label)
         except PlugserveError as exc:
             forget(package)
             detail = exc.message.replace(f"{package}: ", "", 1).replace(package, manifest.label)
             raise PluginLoadError(f"{manifest.label}: invalid hooks: {detail}") from None
-        return module, package
+        return module
 
     def model_path(self, manifest: Manifest) -> Path | None:
         """The model file a runner's manifest resolves to now; raises :class:`PluginLoadError`."""
@@ -139,7 +184,7 @@ class Loader:
             return self.host.create_component(module, info, manifest.config)
         except PlugserveError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise PluginLoadError(
                 f"{manifest.label}: creating the component failed: {type(exc).__name__}: {exc}"
             ) from exc
@@ -159,7 +204,9 @@ class Loader:
     async def release(self, loaded: LoadedPlugin) -> None:
         """``close()`` the component, unregister its hooks and forget its modules."""
         try:
-            await loaded.close()
+            await loaded.close(self.close_timeout)
+        except PluginCallTimeout:
+            pass  # logged as plugin_call_timeout; released all the same
         except Exception:
             log.exception("plugin_close_failed", plugin=loaded.label)
         finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import importlib.metadata
 import inspect
 import threading
@@ -14,7 +16,8 @@ import structlog
 from aiohttp import web
 
 from registry import hookspecs
-from registry.errors import BackendConflict, PluginLoadError
+from registry.calls import call_plugin
+from registry.errors import BackendConflict, PluginCallTimeout, PluginLoadError
 from registry.types import BackendFactory, PluginInfo
 
 ENTRY_POINT_GROUP = "plugserve"
@@ -35,9 +38,12 @@ class PluginHost:
         self._pm.add_hookspecs(hookspecs)
         # Plugins load on worker threads; pluggy itself is not thread-safe.
         self._lock = threading.RLock()
+        self._labels: dict[str, str] = {}
 
-    def register(self, plugin: object, name: str) -> None:
+    def register(self, plugin: object, name: str, label: str | None = None) -> None:
         """Register a module or object implementing ``plugserve_*`` hooks.
+
+        ``label`` (``type/name@version``) names it in the log instead of ``name``.
 
         Raises :class:`PluginLoadError` when it implements an unknown
         ``plugserve_*`` hook or a hook with a wrong signature.
@@ -50,6 +56,8 @@ class PluginHost:
                 if self._pm.is_registered(plugin):
                     self._pm.unregister(plugin)
                 raise PluginLoadError(f"{name}: {exc}") from None
+            if label is not None:
+                self._labels[name] = label
 
     def unregister(self, name: str) -> None:
         """Drop a registration; a name never registered is ignored."""
@@ -57,6 +65,7 @@ class PluginHost:
             plugin = self._pm.get_plugin(name)
             if plugin is not None:
                 self._pm.unregister(plugin, name=name)
+            self._labels.pop(name, None)
 
     def names(self) -> list[str]:
         return [name for name, _ in self._pm.list_name_plugin()]
@@ -128,20 +137,38 @@ class PluginHost:
             raise BackendConflict(f"backend name claimed by more than one plugin: {detail}")
         return merged
 
-    async def startup(self, app: web.Application) -> None:
-        await self._call_lifecycle("plugserve_startup", app)
+    async def startup(self, app: web.Application, within: float = 120.0) -> None:
+        """Call each ``plugserve_startup`` in turn, each within ``within`` s (load_timeout_s)."""
+        hook = "plugserve_startup"
+        for impl in self._impls(hook):
+            await self._call_hook(hook, impl, app, within, "load_timeout_s")
 
-    async def shutdown(self, app: web.Application) -> None:
-        await self._call_lifecycle("plugserve_shutdown", app)
+    async def shutdown(self, app: web.Application, within: float = 10.0) -> None:
+        """Call every ``plugserve_shutdown`` at once, all within ``within`` s (``close_timeout_s``).
 
-    async def _call_lifecycle(self, hook: str, app: web.Application) -> None:
-        # Each implementation is called on its own so one failure does not skip the rest.
+        At once, so that one that hangs costs the others nothing.
+        """
+        hook = "plugserve_shutdown"
+        impls = self._impls(hook)
+        await asyncio.gather(
+            *(self._call_hook(hook, i, app, within, "close_timeout_s") for i in impls)
+        )
+
+    def _impls(self, hook: str) -> list[Any]:
         with self._lock:
-            impls = getattr(self._pm.hook, hook).get_hookimpls()
-        for impl in impls:
-            try:
-                result = impl.function(app=app)
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:
-                log.exception("lifecycle_hook_failed", hook=hook, plugin=impl.plugin_name)
+            return list(getattr(self._pm.hook, hook).get_hookimpls())
+
+    async def _call_hook(
+        self, hook: str, impl: Any, app: web.Application, within: float, setting: str
+    ) -> None:
+        # Each implementation on its own, so one failure does not skip the rest.
+        call = functools.partial(impl.function, app=app)
+        try:
+            await call_plugin(call, within, self._label(impl.plugin_name), hook, setting)
+        except PluginCallTimeout:
+            pass  # logged as plugin_call_timeout
+        except Exception:
+            log.exception("lifecycle_hook_failed", hook=hook, plugin=self._label(impl.plugin_name))
+
+    def _label(self, name: str) -> str:
+        return self._labels.get(name, name)

@@ -35,6 +35,8 @@ log = structlog.get_logger("plugserve.registry")
 
 Key = tuple[str, str, str]
 Outcome = Literal["loaded", "reloaded", "unchanged", "failed", "unloaded", "held"]
+CLOSE_SLACK_S = 0.5
+"""How much longer than its own bound ``close()`` waits for the plugin closes it started."""
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,16 @@ class Registry:
         models_dir: Path,
         host: PluginHost | None = None,
         drain_timeout: float = 30.0,
+        load_timeout: float = 120.0,
+        close_timeout: float = 10.0,
     ) -> None:
         self.plugins_dir = plugins_dir
         self.models_dir = models_dir
         self.host = host or PluginHost()
         self.fingerprinter = Fingerprinter()
-        self.loader = Loader(self.host, models_dir, self.fingerprinter, plugins_dir)
+        self.loader = Loader(
+            self.host, models_dir, self.fingerprinter, plugins_dir, load_timeout, close_timeout
+        )
         self.drain_timeout = drain_timeout
         self.records: dict[Key, VersionRecord] = {}
         self.routes = RouteTable()
@@ -157,11 +163,14 @@ class Registry:
         for batch in (with_module, declarative):
             outcomes = await asyncio.gather(*(self.load(f, force=force) for f in batch))
             for folder, outcome in zip(batch, outcomes, strict=True):
-                report.add(self.records[self.key_of(folder)], outcome)
+                record = self.records.get(self.key_of(folder))
+                if record is not None:  # else its folder went, and the watcher with it
+                    report.add(record, outcome)
         on_disk = {self.key_of(f) for f in folders}
         for key in [k for k in self.records if k not in on_disk]:
-            record = self.records[key]
-            report.add(record, await self.unload(key, forget=True))
+            record = self.records.get(key)
+            if record is not None:  # else unloaded meanwhile
+                report.add(record, await self.unload(key, forget=True))
         return report
 
     async def sync_version(self, key: Key) -> Outcome:
@@ -188,7 +197,7 @@ class Registry:
         extra: list[Path] = []
         try:
             model = self.loader.model_path(load_manifest(folder))
-        except PlugserveError:
+        except Exception:  # the load reports it
             model = None
         if model is not None and not model.is_relative_to(folder):
             extra.append(model)
@@ -200,6 +209,8 @@ class Registry:
         A failure keeps what was serving; the next change to the folder is tried
         again. ``force`` reloads unchanged content; ``explicit`` (an admin call
         for this version) also brings back a version unloaded through the API.
+        Whatever goes wrong becomes the outcome ``failed`` with the record's
+        ``last_error``: nothing raises out of here, no version stays ``loading``.
         """
         key = self.key_of(folder)
         record = self.records.get(key)
@@ -208,7 +219,11 @@ class Registry:
             record = self.records[key] = VersionRecord(kind, key[1], key[2], folder)
             self._rebuild()
         async with record.lock:
-            fingerprint = await asyncio.to_thread(self.fingerprint, folder)
+            try:
+                fingerprint = await asyncio.to_thread(self.fingerprint, folder)
+            except Exception as exc:  # the folder went away or cannot be read
+                record.fingerprint = None
+                return self._failed(record, exc, time.perf_counter())
             if record.state == "unloaded" and not explicit and fingerprint == record.fingerprint:
                 return "held"
             if not (force or explicit) and fingerprint == record.fingerprint:
@@ -223,16 +238,8 @@ class Registry:
             record.state = "loading"
         try:
             new = await self.loader.load(folder)
-        except PlugserveError as exc:
-            record.last_error = exc.message
-            if record.current is None:
-                record.state = "failed"
-            bound.error(
-                "plugin_load_failed", error=exc.message, keeps_serving=record.current is not None
-            )
-            self._rebuild()
-            self._emit(record, "failed", started, exc.message)
-            return "failed"
+        except Exception as exc:
+            return self._failed(record, exc, started)
         old = record.current
         record.current, record.state, record.last_error = new, "ready", None
         self._rebuild()
@@ -242,6 +249,26 @@ class Registry:
         if old is not None:
             await self._retire(record, old)
         return outcome
+
+    def _failed(self, record: VersionRecord, exc: Exception, started: float) -> Outcome:
+        """Record a failed load: what was serving keeps serving; the error is kept and logged."""
+        if isinstance(exc, PlugserveError):
+            message, exc_info = exc.message, None
+        else:  # not an error of ours: a bug somewhere, keep its traceback in the log
+            message, exc_info = f"{record.label}: {type(exc).__name__}: {exc}", exc
+        record.last_error = message
+        if record.current is None:
+            record.state = "failed"
+        log.error(
+            "plugin_load_failed",
+            plugin=record.label,
+            error=message,
+            keeps_serving=record.current is not None,
+            exc_info=exc_info,
+        )
+        self._rebuild()
+        self._emit(record, "failed", started, message)
+        return "failed"
 
     async def unload(self, key: Key, forget: bool = False) -> Outcome:
         """Stop routing to a version, drain it, release it.
@@ -269,10 +296,31 @@ class Registry:
         self._emit(record, "unloaded", started)
         return "unloaded"
 
-    async def close(self) -> None:
-        """Unload everything (at shutdown, after the server's own drain: no second wait)."""
+    async def close(self, within: float | None = None) -> None:
+        """Unload everything at shutdown, within ``within`` seconds (default: the close timeout).
+
+        The server has drained already: no second wait for requests. Every
+        ``close()`` runs at once, each bounded; a version whose lock a load
+        still holds past the bound is left as it is (logged as ``close_timeout``).
+        """
         self.drain_timeout = 0.0
-        await asyncio.gather(*(self.unload(key, forget=True) for key in list(self.records)))
+        budget = self.loader.close_timeout if within is None else max(within, 0.0)
+        self.loader.close_timeout = min(self.loader.close_timeout, budget)
+        unloads = {
+            asyncio.create_task(self.unload(key, forget=True)): self.records[key].label
+            for key in list(self.records)
+        }
+        if not unloads:
+            return
+        done, pending = await asyncio.wait(unloads, timeout=budget + CLOSE_SLACK_S)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("plugin_unload_failed", plugin=unloads[task], exc_info=task.exception())
+        if pending:
+            stuck = sorted(unloads[t] for t in pending)
+            log.error("close_timeout", plugins=stuck, timeout_s=budget)
+            for task in pending:
+                task.cancel()
 
     async def _retire(self, record: VersionRecord, old: LoadedPlugin) -> None:
         record.draining.append(old)
@@ -375,5 +423,5 @@ def _is_declarative(folder: Path) -> bool:
     """A plugin without a module; a broken manifest counts as not (it fails on load anyway)."""
     try:
         return load_manifest(folder).module is None
-    except PlugserveError:
+    except Exception:
         return False

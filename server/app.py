@@ -18,7 +18,7 @@ from server import admin, auth, openapi, predict, v2
 from server.config import Settings
 from server.metrics import Metrics
 from server.middleware import request_middleware
-from server.shutdown import Drain
+from server.shutdown import CLOSE_FLOOR_S, Drain, within
 from server.state import DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 log = structlog.get_logger("plugserve.server")
@@ -42,7 +42,7 @@ async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
     if tracing.configure():
         log.info("tracing", provider=type(trace_provider()).__name__)
     await registry.start()
-    await registry.host.startup(app)
+    await registry.host.startup(app, settings.load_timeout_s)
     store = app[ROUTE_STORE]
     await store.start()
     # What start-up loaded lives as long as the server: keep it out of the
@@ -51,12 +51,28 @@ async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
     watcher = Watcher(registry, settings.reload_debounce_ms / 1000) if settings.watch else None
     task = asyncio.create_task(watcher.run()) if watcher else None
     yield
-    if watcher is not None and task is not None:
+    await _shut_down(app, watcher, task)
+
+
+async def _shut_down(
+    app: web.Application, watcher: Watcher | None, watching: asyncio.Task[None] | None
+) -> None:
+    """Stop watching, close the route store, run the shutdown hooks, close every plugin.
+
+    All of it within the closing budget (``close_timeout_s``, and after a signal
+    what the drain left), whatever plugins do: each step stops being waited for
+    when the budget runs out; plugin closes always get ``CLOSE_FLOOR_S`` at least.
+    """
+    registry = app[REGISTRY]
+    loop = asyncio.get_running_loop()
+    budget = app[DRAIN].closing_budget(app[SETTINGS].close_timeout_s)
+    deadline = loop.time() + budget
+    if watcher is not None and watching is not None:
         watcher.stop.set()
-        await task
-    await store.close()
-    await registry.host.shutdown(app)
-    await registry.close()
+        await within(watching, budget, "watcher")
+    await within(app[ROUTE_STORE].close(), deadline - loop.time(), "route_store")
+    await registry.host.shutdown(app, deadline - loop.time())  # bounded, never raises
+    await registry.close(max(deadline - loop.time(), CLOSE_FLOOR_S))
 
 
 def route_store(settings: Settings, registry: Registry) -> RouteStore:
@@ -81,7 +97,11 @@ def create_app(settings: Settings, registry: Registry | None = None) -> web.Appl
     )
     app[SETTINGS] = settings
     app[REGISTRY] = registry or Registry(
-        settings.plugins_dir, settings.models_dir, drain_timeout=settings.drain_timeout_s
+        settings.plugins_dir,
+        settings.models_dir,
+        drain_timeout=settings.drain_timeout_s,
+        load_timeout=settings.load_timeout_s,
+        close_timeout=settings.close_timeout_s,
     )
     app[METRICS] = Metrics()
     app[DRAIN] = Drain(settings.drain_timeout_s)

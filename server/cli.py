@@ -8,6 +8,8 @@ import json
 import os
 import socket
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +25,10 @@ from server.app import create_app
 from server.config import Settings, bundled_dir, load_settings
 from server.logs import configure_logging
 from server.shutdown import install_signal_handlers
+from server.streams import flush_std_streams, protect_std_streams
+
+THREAD_GRACE_S = 0.5
+"""How long the process waits, after shutdown, for threads other than its own to end."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,6 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
         "runtime_routes_file": args.runtime_routes_file,
     }
     settings = load_settings(args.config, flags)
+    protect_std_streams()
     configure_logging(settings.log_format, settings.log_level)
     log = structlog.get_logger("plugserve.server")
     log.info(
@@ -106,7 +113,31 @@ def _serve(args: argparse.Namespace) -> int:
         # Our drain (server/shutdown.py) has already waited for in-flight requests.
         shutdown_timeout=1.0,
     )
+    _leave_lingering_threads(0)
     return 0
+
+
+def _leave_lingering_threads(code: int) -> None:
+    """Exit now if threads a plugin started (not daemon ones) would keep the process up.
+
+    The plugins are closed by now; a thread still running after a short grace
+    would keep the interpreter waiting forever, so the process exits with
+    ``os._exit`` instead, once the log is flushed (``exit_with_threads`` names them).
+    """
+    deadline = time.monotonic() + THREAD_GRACE_S
+    for thread in _lingering_threads():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = _lingering_threads()
+    if left:
+        log = structlog.get_logger("plugserve.server")
+        log.warning("exit_with_threads", threads=sorted(t.name for t in left))
+        flush_std_streams()
+        os._exit(code)
+
+
+def _lingering_threads() -> list[threading.Thread]:
+    main = threading.main_thread()
+    return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
 
 
 def _shown_registry(url: str) -> str:
@@ -155,7 +186,9 @@ def _validate(args: argparse.Namespace) -> int:
     # Not resolved: a version folder that is a symlink out must be judged where it is linked.
     report = asyncio.run(validate(Path(os.path.abspath(args.folder)), models_dir))
     print(json.dumps(report, indent=2))
-    return 0 if report["valid"] else 1
+    code = 0 if report["valid"] else 1
+    _leave_lingering_threads(code)
+    return code
 
 
 async def validate(folder: Path, models_dir: Path) -> dict[str, object]:

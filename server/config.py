@@ -60,6 +60,10 @@ class Settings:
     log_format: str = "console"
     log_level: str = "info"
     drain_timeout_s: float = 30.0
+    load_timeout_s: float = 120.0
+    """The bound on a version's import, create and warmup, and on each startup hook."""
+    close_timeout_s: float = 10.0
+    """The bound on a component's ``close()`` and on the shutdown hooks."""
     max_body_bytes: int = 64 * 1024 * 1024
     watch: bool = True
     reload_debounce_ms: int = 200
@@ -109,6 +113,10 @@ class Settings:
                 "registry must be 'local' or etcd://[user@]host:port/prefix "
                 f"(etcds:// for TLS), not a {self.registry.partition(':')[0]!r} URL"
             )
+        for name in ("load_timeout_s", "close_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < 1e6:  # also refuses NaN
+                raise ConfigError(f"{name} must be a number of seconds, > 0 and < 1e6, not {value}")
         if self.fleet_lease_ttl_s < 2 or self.fleet_startup_wait_s < 0:
             raise ConfigError("fleet_lease_ttl_s must be >= 2 and fleet_startup_wait_s >= 0")
         if self.max_body_bytes < 1 or self.drain_timeout_s < 0 or self.reload_debounce_ms < 0:
@@ -271,6 +279,8 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "watch": bool,
         "access_log": bool,
         "drain_timeout_s": (int, float),
+        "load_timeout_s": (int, float),
+        "close_timeout_s": (int, float),
         "fleet_lease_ttl_s": int,
         "fleet_startup_wait_s": (int, float),
     }

@@ -1,10 +1,17 @@
-"""structlog setup: key-value events with bound context, for a console or as JSON."""
+"""structlog setup: key-value events with bound context, for a console or as JSON.
+
+Logging never stops or breaks serving: a log call never raises (a line that
+cannot be rendered is replaced by one saying so), the streams written to never
+raise or block (``server/streams.py``), and tracebacks never show local variables, so
+request data stays out of the log.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -34,13 +41,45 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 _LEVELS["error"] = logging.ERROR
 
 
+class _NeverRaising:
+    """Runs the processors; a line they cannot render becomes a line saying so."""
+
+    def __init__(self, processors: Sequence[structlog.typing.Processor], as_json: bool) -> None:
+        self.processors = processors
+        self.as_json = as_json
+
+    def __call__(self, logger: Any, name: str, event: MutableMapping[str, Any]) -> Any:
+        result: Any = event
+        original = event.get("event")  # before a renderer pops it
+        try:
+            for processor in self.processors:
+                result = processor(logger, name, result)
+        except structlog.DropEvent:
+            raise
+        except Exception as exc:
+            line = {"event": "log_line_unrenderable", "level": name, "error": type(exc).__name__}
+            line["original_event"] = _safe_str(original)
+            if self.as_json:
+                return json.dumps(line)
+            return " ".join(f"{k}={v}" for k, v in line.items())
+        return result
+
+
+def _safe_str(value: object) -> str:
+    try:
+        return str(value)
+    except Exception:
+        return f"<unprintable {type(value).__name__}>"
+
+
 def configure_logging(log_format: str = "console", level: str = "info") -> None:
     """Route structlog (and the standard library's ``logging``) to stderr.
 
     Every event carries the request id of the request being served (one
     ContextVar, set per request: cheaper than re-binding structlog's context),
     anything bound with ``structlog.contextvars``, and the logger's own
-    bindings (plugin, version).
+    bindings (plugin, version). Tracebacks are plain, without local variables
+    (structlog would show them through rich or better-exceptions where installed).
     """
     numeric = _LEVELS[level]
     shared: list[structlog.typing.Processor] = [
@@ -54,9 +93,11 @@ def configure_logging(log_format: str = "console", level: str = "info") -> None:
         renderer = structlog.processors.JSONRenderer()
         shared.append(structlog.processors.format_exc_info)
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
     structlog.configure(
-        processors=[*shared, renderer],
+        processors=[_NeverRaising([*shared, renderer], as_json=log_format == "json")],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,

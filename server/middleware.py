@@ -40,7 +40,9 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
 
     :class:`PlugserveError` carries its status; aiohttp's own HTTP errors (unknown
     path, wrong method, body too large) keep theirs; anything else is a 500
-    whose details go to the log only.
+    whose details go to the log only. Only 500s (server faults) log at error
+    level; other refusals are expected outcomes and log at debug. Tracebacks
+    never show local variables (server/logs.py).
     """
     request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
     REQUEST_ID.set(request_id)
@@ -51,8 +53,10 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     except PlugserveError as exc:
         if isinstance(exc, PluginError):
             log.error("plugin_raised", error=exc.message, exc_info=exc.exc)
-        elif exc.status >= 500:
+        elif exc.status == 500:
             log.error("request_failed", error=exc.message, status=exc.status)
+        else:  # refused or timed out (503, 504, 429) or the client's mistake: expected
+            log.debug("request_failed", error=exc.message, status=exc.status)
         response = error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:

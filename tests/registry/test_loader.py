@@ -1,12 +1,14 @@
 """Loading plugin folders: module isolation, sibling imports, failures, and leaving nothing behind."""
 
+import asyncio
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from registry.errors import PluginLoadError
+from registry.errors import PluginCallTimeout, PluginLoadError
 from registry.loader import Loader
 from registry.manager import PluginHost
 from tests.helpers import write_plugin
@@ -129,6 +131,13 @@ async def test_module_may_be_a_package_folder(plugins_dir: Path, loader: Loader)
     [
         ("raise RuntimeError('boom at import')", "importing plugin.py failed: RuntimeError: boom"),
         ("x = (", "importing plugin.py failed: SyntaxError"),
+        # issue 12, class "any exception while loading becomes a failed load"
+        ("raise SystemExit(3)", "importing plugin.py failed: SystemExit: 3"),
+        (
+            "import pluggy, sys\nh = pluggy.HookimplMarker('plugserve')\n"
+            "@h\ndef plugserve_create_component(plugin, config):\n    sys.exit('no')\n",
+            "creating the component failed: SystemExit: no",
+        ),
         ("import pluggy\n", "implements no plugserve_create_component"),
         (
             "import pluggy\nh = pluggy.HookimplMarker('plugserve')\n"
@@ -245,3 +254,115 @@ async def test_every_key_a_builtin_backend_declares_is_accepted(
     loaded = await loader.load(folder)
     assert loaded.manifest.runner is not None and loaded.manifest.runner.max_batch_size == 4
     await loader.release(loaded)
+
+
+# A component whose {where} waits until the test writes a file named "go" into its folder.
+HANGING = """
+    import asyncio, pathlib, time
+    import pluggy
+    hookimpl = pluggy.HookimplMarker("plugserve")
+    HERE = pathlib.Path(__file__).parent
+
+    def wait_for_go():
+        while not (HERE / "go").exists():
+            time.sleep(0.02)
+
+    class C:
+        def process(self, data, ctx):
+            return data
+
+        {method}
+
+        def close(self):
+            (HERE / "closed").touch()
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        if {hang_create}:
+            wait_for_go()
+        return C()
+"""
+
+
+def _hanging(plugins_dir: Path, method: str = "", hang_create: bool = False) -> Path:
+    source = HANGING.replace("{method}", method).replace("{hang_create}", str(hang_create))
+    return write_plugin(plugins_dir, "preprocessor", "hang", "1.0.0", files={"plugin.py": source})
+
+
+def _modules(package: str | None) -> list[str]:
+    return [m for m in sys.modules if package and m.startswith(package)]
+
+
+async def test_a_create_that_never_returns_fails_the_load_and_leaves_nothing_behind(
+    plugins_dir: Path, loader: Loader
+) -> None:
+    """issue 12, finding 4: create is bounded by load_timeout_s; what it registered is dropped,
+    also when its thread finishes after the load was given up."""
+    loader.load_timeout = 0.5
+    folder = _hanging(plugins_dir, hang_create=True)
+    names_before = set(loader.host.names())
+    started = time.monotonic()
+    with pytest.raises(PluginCallTimeout, match=r"create\(\) did not return within 0.5 s") as info:
+        await asyncio.wait_for(loader.load(folder), 10)
+    assert time.monotonic() - started < 3
+    assert "load_timeout_s" in info.value.message
+    assert set(loader.host.names()) == names_before
+    assert not [m for m in sys.modules if m.startswith("_plugserve_preprocessor_hang")]
+    (folder / "go").touch()  # the abandoned create returns now: what it made is dropped
+    await asyncio.sleep(0.3)
+    assert set(loader.host.names()) == names_before
+    assert not [m for m in sys.modules if m.startswith("_plugserve_preprocessor_hang")]
+
+
+@pytest.mark.parametrize(
+    "warmup",
+    [
+        "def warmup(self):\n            wait_for_go()",
+        "async def warmup(self):\n            await asyncio.sleep(3600)",
+    ],
+)
+async def test_a_warmup_that_never_returns_fails_the_load_and_closes_it(
+    plugins_dir: Path, loader: Loader, warmup: str
+) -> None:
+    """issue 12, finding 4: warmup shares the load's bound; the instance is closed and released."""
+    loader.load_timeout = 0.5
+    folder = _hanging(plugins_dir, method=warmup)
+    started = time.monotonic()
+    with pytest.raises(PluginCallTimeout, match=r"warmup\(\) did not return"):
+        await asyncio.wait_for(loader.load(folder), 10)
+    assert time.monotonic() - started < 3
+    assert (folder / "closed").exists()
+    assert not [m for m in sys.modules if m.startswith("_plugserve_preprocessor_hang")]
+    (folder / "go").touch()
+
+
+@pytest.mark.parametrize(
+    "close",
+    [
+        "def close(self):\n            wait_for_go()",
+        "async def close(self):\n            await asyncio.Event().wait()",
+    ],
+)
+async def test_a_close_that_never_returns_is_given_up_and_the_instance_released(
+    plugins_dir: Path, loader: Loader, close: str
+) -> None:
+    """issue 12, finding 4: close() is bounded by close_timeout_s; the release goes on."""
+    loader.close_timeout = 0.3
+    source = (
+        HANGING.replace("{hang_create}", "False")
+        .replace("{method}", "")
+        .replace(
+            '        def close(self):\n            (HERE / "closed").touch()', "        " + close
+        )
+    )
+    folder = write_plugin(plugins_dir, "preprocessor", "hang", "1.0.0", files={"plugin.py": source})
+    loaded = await loader.load(folder)
+    package = loaded.package
+    assert _modules(package)
+    started = time.monotonic()
+    await asyncio.wait_for(loader.release(loaded), 10)
+    assert time.monotonic() - started < 2
+    assert loaded.component is None
+    assert _modules(package) == []
+    assert package not in loader.host.names()
+    (folder / "go").touch()

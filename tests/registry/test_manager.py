@@ -1,5 +1,8 @@
 """The typed facade over pluggy: built-ins, entry points (through a fake .dist-info), conflicts."""
 
+import asyncio
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -127,3 +130,39 @@ async def test_a_failing_lifecycle_hook_does_not_stop_the_others() -> None:
     app = web.Application()
     await host.shutdown(app)
     assert calls == [app]
+
+
+@pytest.mark.parametrize("hook", ["plugserve_startup", "plugserve_shutdown"])
+async def test_a_lifecycle_hook_that_never_returns_is_given_up_and_the_others_run(
+    hook: str,
+) -> None:
+    """issue 12, class "every call into plugin code that is not a request has a bound":
+    startup and shutdown hooks, sync (on a thread) or async, each stop being waited for."""
+    calls: list[str] = []
+    release = threading.Event()
+
+    def sync_hang(app: web.Application) -> None:
+        calls.append("sync")
+        release.wait()
+
+    async def async_hang(app: web.Application) -> None:
+        calls.append("async")
+        await asyncio.Event().wait()
+
+    def good(app: web.Application) -> None:
+        calls.append("good")
+
+    from registry.hookspecs import hookimpl
+
+    host = PluginHost()
+    for function in (sync_hang, async_hang, good):
+        plugin = type(function.__name__, (), {hook: staticmethod(hookimpl(function))})
+        host.register(plugin, function.__name__)
+    started = time.monotonic()
+    if hook == "plugserve_startup":
+        await asyncio.wait_for(host.startup(web.Application(), 0.3), 10)
+    else:
+        await asyncio.wait_for(host.shutdown(web.Application(), 0.3), 10)
+    assert time.monotonic() - started < 2
+    assert sorted(calls) == ["async", "good", "sync"]
+    release.set()

@@ -303,3 +303,88 @@ async def test_symlinks_leading_out_of_the_plugins_dir_are_refused(
     assert "helper.py leads outside the plugins dir" in (pre.last_error or "")
     ok = registry.records[("runner", "ok", "1.0.0")]
     assert ok.state == "ready", ok.last_error
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "[route]\nrate_limit = { rps = inf }\n",  # OverflowError at fa78c15
+        "[config]\nx = " + "[" * 500 + "]" * 500 + "\n",  # RecursionError at fa78c15
+    ],
+    ids=["inf", "deep"],
+)
+async def test_any_exception_while_loading_is_a_failed_load(
+    plugins_dir: Path, registry: Registry, hostile: str
+) -> None:
+    """issue 12, class "any exception while loading becomes a failed load" (finding 1's
+    symptom): never stuck in ``loading``, never raised out of a rescan."""
+    write_add_runner(plugins_dir, "good", "1.0.0")
+    folder = write_add_runner(plugins_dir, "bad", "1.0.0")
+    manifest = folder / "plugin.toml"
+    manifest.write_text(manifest.read_text() + hostile)
+    await registry.start()
+    bad = registry.records[("runner", "bad", "1.0.0")]
+    assert bad.state == "failed"
+    assert bad.last_error
+    assert await run(registry, "good", 1) == 2
+    report = await registry.sync(force=True)
+    assert [f["plugin"] for f in report.failed] == ["runner/bad@1.0.0"]
+    # a serving version whose manifest turns hostile keeps serving
+    good = write_add_runner(plugins_dir, "good", "1.0.0")
+    (good / "plugin.toml").write_text((good / "plugin.toml").read_text() + hostile)
+    assert await registry.load(good) == "failed"
+    record = registry.records[("runner", "good", "1.0.0")]
+    assert (record.state, bool(record.last_error)) == ("ready", True)
+    assert await run(registry, "good", 1) == 2
+
+
+HANGING_CLOSE = """
+    import asyncio, pathlib, time
+    import pluggy
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Pre:
+        def process(self, data, ctx):
+            return data
+
+        {close}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Pre()
+"""
+
+
+@pytest.mark.parametrize(
+    "close",
+    [
+        "def close(self):\n            while True:\n                time.sleep(1)",
+        "async def close(self):\n            while True:\n                await asyncio.sleep(1)",
+    ],
+    ids=["sync", "async"],
+)
+async def test_a_close_that_never_returns_holds_no_reload_unload_or_close(
+    plugins_dir: Path, models_dir: Path, close: str
+) -> None:
+    """issue 12, finding 4: a close() that never returns once hung that version's reload,
+    then every later reload, unload and rescan."""
+    source = HANGING_CLOSE.replace("{close}", close)
+    folder = write_plugin(
+        plugins_dir, "preprocessor", "stuck", "1.0.0", files={"plugin.py": source}
+    )
+    registry = Registry(plugins_dir, models_dir, drain_timeout=1, close_timeout=0.3)
+    await registry.start()
+    key = ("preprocessor", "stuck", "1.0.0")
+    started = asyncio.get_running_loop().time()
+
+    async def bounded(step: object) -> object:
+        return await asyncio.wait_for(step, 5)  # type: ignore[arg-type]
+
+    assert await bounded(registry.load(folder, force=True)) == "reloaded"
+    assert await bounded(registry.load(folder, force=True)) == "reloaded"
+    assert (await bounded(registry.sync(force=True))).reloaded == ["preprocessor/stuck@1.0.0"]
+    assert await bounded(registry.unload(key)) == "unloaded"
+    assert await bounded(registry.load(folder, explicit=True)) == "loaded"
+    await bounded(registry.close())
+    assert registry.records == {}
+    assert asyncio.get_running_loop().time() - started < 5

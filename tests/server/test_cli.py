@@ -73,6 +73,34 @@ def test_validate_reports_a_broken_plugin(plugins_dir: Path) -> None:
     assert "preprocessor/bad@1.0.0" in report["error"]
 
 
+def test_validate_exits_when_the_plugin_left_a_thread_running(plugins_dir: Path) -> None:
+    """issue 12, finding 6, for validate: a non-daemon thread a plugin starts kept the
+    command from exiting."""
+    source = """
+        import threading, time
+        import pluggy
+        hookimpl = pluggy.HookimplMarker("plugserve")
+
+        class Pre:
+            def process(self, data, ctx):
+                return data
+
+        def spin():
+            while True:
+                time.sleep(0.1)
+
+        @hookimpl
+        def plugserve_create_component(plugin, config):
+            threading.Thread(target=spin, name="left-running", daemon=False).start()
+            return Pre()
+    """
+    folder = write_plugin(plugins_dir, "preprocessor", "spin", "1.0.0", files={"plugin.py": source})
+    result = plugserve("validate", str(folder))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["valid"] is True
+    assert "exit_with_threads" in result.stderr and "left-running" in result.stderr
+
+
 def test_bad_config_exits_2_with_a_message(tmp_path: Path) -> None:
     config = tmp_path / "plugserve.toml"
     config.write_text("port = 'eighty'\n")
