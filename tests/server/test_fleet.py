@@ -193,6 +193,8 @@ def test_bad_values_in_etcd_leave_every_replica_connected_and_listed(
     second = server(*args, "--replica-id", "r1")  # started meanwhile: becomes ready
     for replica in (first, second):
         until(lambda r=replica: b'"five"' in r.request("GET", "/admin/fleet")[2], 5.0)
+        # r1 publishes its record once ready; r0 sees it through its watch a moment later.
+        until(lambda r=replica: b'"id": "r1"' in r.request("GET", "/admin/fleet")[2], 5.0)
         status, _, body = replica.request("GET", "/admin/fleet")
         assert status == 200, body
         view = json.loads(body)
