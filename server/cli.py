@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
-from aiohttp import web
 
 from registry.errors import ConfigError, PlugserveError
 from registry.fleet import EtcdLocation
@@ -20,8 +19,19 @@ from registry.manager import PluginHost
 from server import __version__
 from server.app import create_app
 from server.config import Settings, bundled_dir, load_settings
+from server.connections import (
+    ConnectionLimits,
+    Listener,
+    default_max_connections,
+    raise_open_files_limit,
+    run_app,
+)
 from server.logs import configure_logging
 from server.shutdown import install_signal_handlers
+from server.state import METRICS
+
+KEEPALIVE_TIMEOUT_S = 75.0
+"""An idle keep-alive connection is closed after this long (aiohttp's default)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,16 +105,38 @@ def _serve(args: argparse.Namespace) -> int:
     )
     app = create_app(settings)
     app.on_startup.append(install_signal_handlers)
-    web.run_app(
+    sockets = _sockets(settings)
+    listeners = _listeners(settings, len(sockets))
+    app[METRICS].collect_connections(listeners)
+    run_app(
         app,
-        sock=_sockets(settings),
+        sockets,
+        listeners,
+        _event_loop(settings.event_loop),
         access_log=None,
-        print=None,
-        loop=_event_loop(settings.event_loop),
+        keepalive_timeout=KEEPALIVE_TIMEOUT_S,
         # Our drain (server/shutdown.py) has already waited for in-flight requests.
         shutdown_timeout=1.0,
     )
     return 0
+
+
+def _listeners(settings: Settings, count: int) -> list[Listener]:
+    """The data plane's listener, and the control plane's (its own cap) when it has a port."""
+    open_files = raise_open_files_limit()
+    limits = ConnectionLimits(
+        settings.header_timeout_s,
+        settings.body_timeout_s,
+        settings.max_connections or default_max_connections(open_files),
+    )
+    structlog.get_logger("plugserve.server").info(
+        "connections",
+        max_connections=limits.max_connections,
+        open_files_limit=open_files,
+        header_timeout_s=limits.header_timeout_s,
+        body_timeout_s=limits.body_timeout_s,
+    )
+    return [Listener(name, limits) for name in ("data", "admin")[:count]]
 
 
 def _shown_registry(url: str) -> str:

@@ -59,6 +59,19 @@ class Settings:
     """This replica's name in the fleet; default ``<hostname>:<port>``."""
     fleet_lease_ttl_s: int = 10
     fleet_startup_wait_s: float = 5.0
+    # Connections and bodies (server/connections.py, server/bodies.py).
+    header_timeout_s: float = 10.0
+    """A request's headers must be complete this long after the connection opened or the
+    request's first byte arrived; else 408 and the connection is closed."""
+    body_timeout_s: float = 60.0
+    """A request's whole body must arrive within this long of its headers; else 408."""
+    max_connections: int | None = None
+    """Open client connections per listener; more are answered 503 and closed. Default:
+    the open-files limit less 256, at most 4096."""
+    body_threads: int = 2
+    """Threads that parse large request bodies and encode large responses."""
+    max_large_bodies: int = 8
+    """Large bodies (over 256 KiB, or compressed) parsed or waiting at once; more get 429."""
 
     @functools.cached_property
     def limits(self) -> Limits:
@@ -86,10 +99,21 @@ class Settings:
             )
         if self.fleet_lease_ttl_s < 2 or self.fleet_startup_wait_s < 0:
             raise ConfigError("fleet_lease_ttl_s must be >= 2 and fleet_startup_wait_s >= 0")
+        self._check_connections()
         if self.max_body_bytes < 1 or self.drain_timeout_s < 0 or self.reload_debounce_ms < 0:
             raise ConfigError(
                 "max_body_bytes must be >= 1, drain_timeout_s and reload_debounce_ms >= 0"
             )
+
+    def _check_connections(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value <= 86400:  # also refuses NaN
+                raise ConfigError(f"{name} must be a number of seconds in (0, 86400], not {value}")
+        if self.max_connections is not None and not 1 <= self.max_connections <= 1_000_000:
+            raise ConfigError(f"max_connections must be 1..1000000, not {self.max_connections}")
+        if not 1 <= self.body_threads <= 64 or not 1 <= self.max_large_bodies <= 10_000:
+            raise ConfigError("body_threads must be 1..64 and max_large_bodies 1..10000")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -170,5 +194,11 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "drain_timeout_s": (int, float),
         "fleet_lease_ttl_s": int,
         "fleet_startup_wait_s": (int, float),
+        # connections and bodies
+        "header_timeout_s": (int, float),
+        "body_timeout_s": (int, float),
+        "max_connections": int,
+        "body_threads": int,
+        "max_large_bodies": int,
     }
     return types.get(key, str)

@@ -17,6 +17,7 @@ from aiohttp import web
 from registry.chain import Chain
 from registry.errors import InvalidInput, PluginError
 from server.serving import deadline_seconds, measured, request_context, serve
+from server.state import BODIES, REGISTRY
 
 
 def is_json(content_type: str) -> bool:
@@ -54,14 +55,21 @@ async def predict(request: web.Request) -> web.Response:
     return await measured(request, route, "predict", _predict(request, route))
 
 
+def _parse_json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"the body is not valid JSON: {exc}") from None
+
+
 async def _predict(request: web.Request, route: str) -> web.Response:
-    body = await request.read()
+    # 404/503 before a byte of the body is read or parsed; serve() resolves again.
+    request.app[REGISTRY].routes.resolve(route, None, request.headers)
+    bodies = request.app[BODIES]
+    body = await bodies.read(request)
     data: Any = body
     if is_json(request.content_type):
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidInput(f"the body is not valid JSON: {exc}") from None
+        data = await bodies.parse(request, body, _parse_json)
 
     deadline = deadline_seconds(request, {})
     ctx = request_context(request, route, "predict", dict(request.query), deadline)

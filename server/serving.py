@@ -15,6 +15,7 @@ from registry import tracing
 from registry.chain import Chain
 from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError, TooManyRequests
 from registry.types import RequestContext
+from server.connections import cancel_on_hangup
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.state import DRAIN, METRICS, REGISTRY
 
@@ -23,6 +24,8 @@ T = TypeVar("T")
 UNKNOWN_ROUTE = "_unknown"
 TIMEOUT_HEADER = "X-Request-Timeout"
 TENANT_HEADER = "X-Tenant-ID"
+CLIENT_CLOSED_REQUEST = 499
+"""The status counted for a request whose client hung up before its answer (as nginx does)."""
 
 
 def deadline_seconds(request: web.Request, parameters: dict[str, Any]) -> float | None:
@@ -79,11 +82,15 @@ async def measured(
 ) -> T:
     """Await ``work`` (decode, chain, encode) and record its status and duration.
 
+    The work is cancelled if the client hangs up first (counted as 499): a
+    request waiting in a runner's queue leaves it without running.
+
     A route not in the table is labelled ``_unknown``, so clients cannot grow
     the metric series by asking for made-up routes.
     """
     started = time.perf_counter()
     status = 200
+    cancel_on_hangup(request)
     drain = request.app[DRAIN]
     try:
         drain.enter()
@@ -98,6 +105,9 @@ async def measured(
         raise
     except web.HTTPException as exc:
         status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED_REQUEST
         raise
     except BaseException:
         status = 500
