@@ -34,6 +34,14 @@ class InvalidInput(PlugserveError):
     status = 400
 
 
+class UnreadableBody(InvalidInput):
+    """The body cannot be read (a broken compressed body or chunk framing): the rest of
+    it is never read, so the connection closes after the answer."""
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
 class Unauthorized(PlugserveError):
     """An admin call without the bearer token, or with a wrong one."""
 

@@ -17,8 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from aiohttp import hdrs, web
+from aiohttp.web_protocol import RequestPayloadError
 
-from registry.errors import PayloadTooLarge, TooManyRequests
+from registry.errors import PayloadTooLarge, TooManyRequests, UnreadableBody
 
 T = TypeVar("T")
 
@@ -43,11 +44,22 @@ class Bodies:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="plugserve-body")
 
     async def read(self, request: web.BaseRequest) -> bytes:
-        """The whole body, inflated; 413 as soon as it passes ``max_body_bytes``.
+        """The whole body, inflated; 413 as soon as it passes ``max_body_bytes``, 400 if
+        it cannot be inflated (or its chunked framing is broken).
 
         Read chunk by chunk (``request.read()`` would raise aiohttp's buffer to
         the whole limit, which inflates a compressed body in one step).
         """
+        try:
+            return await self._read(request)
+        except RequestPayloadError as exc:
+            # Nothing more is read from this body: aiohttp would otherwise read on after
+            # the answer, meet the error again and log it with a traceback.
+            request.content.feed_eof()
+            request.protocol.close()  # after the answer: the rest of the body is unread
+            raise UnreadableBody(f"the request body cannot be read: {_reason(exc)}") from None
+
+    async def _read(self, request: web.BaseRequest) -> bytes:
         limit = self.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:
@@ -113,6 +125,12 @@ class Bodies:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _reason(exc: RequestPayloadError) -> str:
+    """aiohttp's message for a body it could not read, without its status prefix."""
+    cause = exc.__cause__ or exc
+    return str(getattr(cause, "message", cause)).strip() or type(cause).__name__
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:

@@ -101,3 +101,20 @@ async def test_a_cancelled_parse_keeps_its_place_until_its_thread_is_done() -> N
     await asyncio.sleep(0.1)
     assert bodies.large == 0
     bodies.close()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+async def test_a_body_that_cannot_be_inflated_is_400(  # type: ignore[no-untyped-def]
+    plugins_dir: Path, client, encoding: str
+) -> None:
+    """A broken compressed body is the client's mistake: 400 naming it, not a 500."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    cli = await client()
+    for path in ("/v2/models/add/infer", "/predict/add"):
+        resp = await cli.post(path, data=b"not compressed", headers={"Content-Encoding": encoding})
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+        assert (
+            error == f"the request body cannot be read: Can not decode content-encoding: {encoding}"
+        )
+    assert (await cli.post("/v2/models/add/infer", json=X)).status == 200
