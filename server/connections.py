@@ -6,16 +6,19 @@ closes, with a 408, a connection whose request headers are not complete
 ``header_timeout_s`` after it opened or after that request's first byte, and one
 whose body has not fully arrived ``body_timeout_s`` after its headers. An idle
 keep-alive connection (no byte of a next request) is aiohttp's: it closes after
-its keep-alive timeout. Past ``max_connections`` open connections on a listener,
-a new one is answered 503 at once and closed. An inference request is cancelled
-when its client hangs up (:func:`cancel_on_hangup`), so it leaves its runner's
-queue instead of running for nobody.
+its keep-alive timeout, or at once to make room for a new connection when
+``max_connections`` are open. Past ``max_connections`` open connections on a
+listener with none idle, a new one is answered 503 at once and closed. An
+inference request is cancelled when its client hangs up
+(:func:`cancel_on_hangup`), so it leaves its runner's queue instead of running
+for nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import resource
 import time
 from collections.abc import Callable
@@ -38,6 +41,9 @@ MAX_REFUSING = 64
 FD_HEADROOM = 256
 """Open files kept for everything else (plugins, models, logs, etcd) below the limit."""
 DEFAULT_MAX_CONNECTIONS = 4096
+IDLE_EVICTABLE_S = 1.0
+"""At max_connections, a keep-alive connection idle this long may be closed for a new one."""
+EVICTION_SCAN = 32
 CANCEL_ON_HANGUP = web.RequestKey("cancel_on_hangup", bool)
 
 
@@ -66,8 +72,11 @@ class Listener:
         self.name = name
         self.limits = limits
         self.open: set[Connection] = set()
+        self.idle: set[Connection] = set()
+        """Keep-alive connections between requests, no byte of the next one received."""
         self.refusing: set[Refusal] = set()
         self.refused = 0
+        self.evicted = 0
         self.timed_out = {"headers": 0, "body": 0}
         self._reported = (0, 0, 0)
         self._task: asyncio.Task[None] | None = None
@@ -82,12 +91,27 @@ class Listener:
         """The protocol factory for ``loop.create_server``, around aiohttp's ``make``."""
 
         def protocol() -> asyncio.Protocol:
-            if len(self.open) < self.limits.max_connections:
+            if len(self.open) < self.limits.max_connections or self._evict_idle():
                 return Connection(self, make())
             self.refused += 1
             return Refusal(self, reset=len(self.refusing) >= MAX_REFUSING)
 
         return protocol
+
+    def _evict_idle(self) -> bool:
+        """Close a keep-alive connection idle for a second or more, its answer all sent,
+        to make room; ``False`` if there is none."""
+        now = time.monotonic()
+        for conn in itertools.islice(self.idle, EVICTION_SCAN):
+            transport = conn.transport
+            if transport is None or transport.is_closing():
+                continue
+            if now - conn.since >= IDLE_EVICTABLE_S and not transport.get_write_buffer_size():
+                self.idle.discard(conn)
+                transport.close()
+                self.evicted += 1
+                return True
+        return False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._sweep_forever())
@@ -154,7 +178,8 @@ class Connection(asyncio.Protocol):
         self.waiting_since: float | None = None
         """Since when the next request's headers are awaited (``None``: idle keep-alive)."""
         self.request: web.BaseRequest | None = None
-        """The request being handled; ``since`` is when its headers were complete."""
+        """The request being handled; ``since`` is when its headers were complete (or,
+        between requests, when the last one ended)."""
         self.since = 0.0
         self.task: asyncio.Task[Any] | None = None
         self.served = 0
@@ -168,6 +193,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.waiting_since is None and self.request is None:
             self.waiting_since = time.monotonic()  # the first byte of the next request
+            self.listener.idle.discard(self)
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -175,6 +201,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.listener.open.discard(self)
+        self.listener.idle.discard(self)
         request, task = self.request, self.task
         if request is not None and task is not None and request.get(CANCEL_ON_HANGUP):
             task.cancel()
@@ -191,10 +218,14 @@ class Connection(asyncio.Protocol):
         self.task = asyncio.current_task()
         self.since = time.monotonic()
         self.waiting_since = None
+        self.listener.idle.discard(self)
 
     def end(self) -> None:
         self.request = self.task = None
         self.served += 1
+        if self.waiting_since is None and self.transport is not None:
+            self.since = time.monotonic()  # idle since
+            self.listener.idle.add(self)
 
     def overdue(self, now: float, limits: ConnectionLimits) -> str | None:
         """``"headers"`` or ``"body"`` when that part has taken too long, else ``None``."""

@@ -250,6 +250,11 @@ class _ConnectionCollector(Collector):
             "Connections answered 503 and closed because max_connections were open.",
             labels=["listener"],
         )
+        evicted = CounterMetricFamily(
+            "plugserve_connections_evicted",
+            "Idle keep-alive connections closed to make room for a new one at max_connections.",
+            labels=["listener"],
+        )
         timed_out = CounterMetricFamily(
             "plugserve_connections_timed_out",
             "Connections closed (408) because a request's headers (header_timeout_s) or body "
@@ -259,6 +264,7 @@ class _ConnectionCollector(Collector):
         for listener in self._listeners:
             opened.add_metric([listener.name], len(listener.open))
             refused.add_metric([listener.name], listener.refused)
+            evicted.add_metric([listener.name], listener.evicted)
             for phase, count in listener.timed_out.items():
                 timed_out.add_metric([listener.name, phase], count)
-        yield from (opened, refused, timed_out)
+        yield from (opened, refused, evicted, timed_out)

@@ -3,6 +3,7 @@ and hang-ups that leave the queue. Real server subprocesses, real sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import socket
@@ -191,6 +192,35 @@ def test_connections_over_the_cap_get_a_clear_503_and_room_comes_back(
     assert live_seconds(srv) < 1.0
     assert metric(srv, 'plugserve_connections_refused_total{listener="data"}') >= 1
     assert metric(srv, "plugserve_connections_open") <= 2
+
+
+def test_idle_keep_alive_connections_make_room_at_the_cap(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """issue 12, finding 12 (the class): clients that hold the cap with idle keep-alive
+    connections do not lock new clients out: the idlest are closed to make room."""
+    srv = start(server, tmp_path, plugins_dir, max_connections=10)
+    request = b"GET /v2/health/live HTTP/1.1\r\nHost: plugserve\r\n\r\n"
+    idle = [connect(srv) for _ in range(10)]
+    for sock in idle:
+        sock.sendall(request)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
+    time.sleep(1.5)
+    newcomers = [connect(srv) for _ in range(3)]  # each takes the place of an idle one
+    for sock in newcomers:
+        sock.sendall(request)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
+    closed = 0
+    for sock in idle:
+        sock.settimeout(0.5)
+        with contextlib.suppress(TimeoutError):  # still open: no answer, no close
+            closed += sock.recv(65536) == b""
+        sock.close()
+    assert closed == 3
+    for sock in newcomers:
+        sock.close()
+    assert metric(srv, 'plugserve_connections_evicted_total{listener="data"}') == 3
+    assert metric(srv, 'plugserve_connections_refused_total{listener="data"}') == 0
 
 
 def test_connection_settings_are_validated() -> None:
