@@ -13,7 +13,13 @@ from aiohttp import web
 
 from registry import tracing
 from registry.chain import Chain
-from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError, TooManyRequests
+from registry.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    PlugserveError,
+    TooManyRequests,
+    Unavailable,
+)
 from registry.types import RequestContext
 from server.connections import cancel_on_hangup
 from server.logs import REQUEST_CHAIN, REQUEST_ID
@@ -91,13 +97,10 @@ async def measured(
     started = time.perf_counter()
     status = 200
     cancel_on_hangup(request)
-    drain = request.app[DRAIN]
-    try:
-        drain.enter()
-    except PlugserveError:
+    if request.app[DRAIN].draining:
         work.close()  # never awaited: close it
         request.app[METRICS].observe(UNKNOWN_ROUTE, protocol, 503, 0.0)
-        raise
+        raise Unavailable("the server is shutting down")
     try:
         return await work
     except PlugserveError as exc:
@@ -113,7 +116,6 @@ async def measured(
         status = 500
         raise
     finally:
-        drain.leave()
         known = route in request.app[REGISTRY].routes.entries
         chain = REQUEST_CHAIN.get()
         request.app[METRICS].observe(
@@ -159,6 +161,10 @@ async def serve(
             f"route {route!r} is over its rate limit of {bucket.limit.rps:g} requests/s",
             retry_after_s=math.ceil(wait),
         )
+    # Counted in for the shutdown drain only now that its body is in: a client still
+    # uploading never holds a shutdown up (503 if the drain began meanwhile).
+    drain = request.app[DRAIN]
+    drain.enter()
     chain.enter()
     REQUEST_CHAIN.set(chain)
     span = None
@@ -176,5 +182,6 @@ async def serve(
             raise DeadlineExceeded(f"the request's deadline of {deadline_s:g} s passed") from None
     finally:
         chain.leave()
+        drain.leave()
         if span is not None:
             span.__exit__(*sys.exc_info())

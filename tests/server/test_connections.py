@@ -223,6 +223,27 @@ def test_idle_keep_alive_connections_make_room_at_the_cap(
     assert metric(srv, 'plugserve_connections_refused_total{listener="data"}') == 0
 
 
+def test_clients_still_uploading_never_hold_a_shutdown_up(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """issue 12 (the class): a request is counted in for the drain once its body is in, so
+    stalled uploads do not keep SIGTERM waiting for drain_timeout_s."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    srv = start(server, tmp_path, plugins_dir, drain_timeout_s=30)
+    uploads = [connect(srv) for _ in range(20)]
+    for sock in uploads:
+        sock.sendall(
+            b"POST /v2/models/add/infer HTTP/1.1\r\nHost: plugserve\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert srv.stop() == 0
+    assert time.monotonic() - started < 10
+    for sock in uploads:
+        sock.close()
+
+
 def test_connection_settings_are_validated() -> None:
     for bad in ({"header_timeout_s": float("nan")}, {"body_timeout_s": 0}, {"max_connections": 0}):
         with pytest.raises(ConfigError):
