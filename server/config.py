@@ -64,7 +64,8 @@ class Settings:
     """A request's headers must be complete this long after the connection opened or the
     request's first byte arrived; else 408 and the connection is closed."""
     body_timeout_s: float = 60.0
-    """A request's whole body must arrive within this long of its headers; else 408."""
+    """A request's whole body must arrive within this long of its headers (else 408), and a
+    client that reads nothing of its answer for this long is dropped."""
     max_connections: int | None = None
     """Open client connections per listener; more are answered 503 and closed. Default:
     the open-files limit less 256, at most 4096."""

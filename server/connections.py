@@ -77,8 +77,8 @@ class Listener:
         self.refusing: set[Refusal] = set()
         self.refused = 0
         self.evicted = 0
-        self.timed_out = {"headers": 0, "body": 0}
-        self._reported = (0, 0, 0)
+        self.timed_out = {"headers": 0, "body": 0, "send": 0}
+        self._reported = (0, 0, 0, 0)
         self._task: asyncio.Task[None] | None = None
         self.refusal = _response(
             "503 Service Unavailable",
@@ -142,8 +142,9 @@ class Listener:
 
     def _report(self) -> None:
         """One log line per sweep that saw refusals or timeouts, never one per connection."""
-        current = (self.refused, self.timed_out["headers"], self.timed_out["body"])
-        refused, headers, body = (c - r for c, r in zip(current, self._reported, strict=True))
+        timed_out = self.timed_out
+        current = (self.refused, timed_out["headers"], timed_out["body"], timed_out["send"])
+        refused, headers, body, send = (c - r for c, r in zip(current, self._reported, strict=True))
         self._reported = current
         if refused:
             log.warning(
@@ -153,8 +154,10 @@ class Listener:
                 open=len(self.open),
                 max_connections=self.limits.max_connections,
             )
-        if headers or body:
-            log.info("connections_timed_out", listener=self.name, headers=headers, body=body)
+        if headers or body or send:
+            log.info(
+                "connections_timed_out", listener=self.name, headers=headers, body=body, send=send
+            )
 
 
 class Connection(asyncio.Protocol):
@@ -168,6 +171,8 @@ class Connection(asyncio.Protocol):
         "since",
         "task",
         "transport",
+        "unsent",
+        "unsent_since",
         "waiting_since",
     )
 
@@ -183,6 +188,9 @@ class Connection(asyncio.Protocol):
         self.since = 0.0
         self.task: asyncio.Task[Any] | None = None
         self.served = 0
+        self.unsent = 0
+        """Answer bytes waiting to be sent, at the last sweep; since ``unsent_since``."""
+        self.unsent_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -228,7 +236,10 @@ class Connection(asyncio.Protocol):
             self.listener.idle.add(self)
 
     def overdue(self, now: float, limits: ConnectionLimits) -> str | None:
-        """``"headers"`` or ``"body"`` when that part has taken too long, else ``None``."""
+        """``"headers"`` or ``"body"`` when that part has taken too long, ``"send"`` when
+        the client has read nothing of its answer for ``body_timeout_s``, else ``None``."""
+        if self._stalled_send(now, limits.body_timeout_s):
+            return "send"
         request = self.request
         if request is None:
             since = self.waiting_since
@@ -238,10 +249,23 @@ class Connection(asyncio.Protocol):
             return "body"
         return None
 
+    def _stalled_send(self, now: float, limit: float) -> bool:
+        """Whether answer bytes have waited, none taken by the client, for ``limit`` s."""
+        transport = self.transport
+        pending = transport.get_write_buffer_size() if transport is not None else 0
+        if not pending or pending < self.unsent:
+            self.unsent, self.unsent_since = pending, now  # nothing waits, or it moves
+            return False
+        self.unsent = pending
+        return now - self.unsent_since > limit
+
     def time_out(self) -> None:
         """Answer 408 where no response has begun on this connection yet, and close."""
         transport = self.transport
         if transport is None or transport.is_closing():
+            return
+        if self.unsent:  # a client that does not read: drop what waits for it
+            transport.abort()
             return
         request = self.request
         if request is None:

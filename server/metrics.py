@@ -257,8 +257,8 @@ class _ConnectionCollector(Collector):
         )
         timed_out = CounterMetricFamily(
             "plugserve_connections_timed_out",
-            "Connections closed (408) because a request's headers (header_timeout_s) or body "
-            "(body_timeout_s) took too long.",
+            "Connections closed because a request's headers (header_timeout_s) or body "
+            "(body_timeout_s) took too long (408), or its answer went unread (send).",
             labels=["listener", "phase"],
         )
         for listener in self._listeners:

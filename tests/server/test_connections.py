@@ -168,6 +168,41 @@ def test_an_idle_keep_alive_connection_outlives_the_header_timeout(
             time.sleep(2.5)
 
 
+def test_a_client_that_stops_reading_its_answer_is_dropped(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """issue 12, finding 12 (the class): a client that asks for a large answer and never
+    reads it holds its connection (and the answer's memory) only for body_timeout_s."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    srv = start(server, tmp_path, plugins_dir, body_timeout_s=1)
+    rows = 1 << 20  # a 16 MiB binary answer, more than the kernel's buffers hold
+    doc = {
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [rows, 4],
+             "parameters": {"binary_data_size": rows * 16}}
+        ],
+        "parameters": {"binary_data_output": True},
+    }  # fmt: skip
+    header = json.dumps(doc).encode()
+    body = header + bytes(rows * 16)
+    extra = b"Inference-Header-Content-Length: %d\r\n" % len(header)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", srv.port))
+    sock.sendall(
+        b"POST /v2/models/add/infer HTTP/1.1\r\nHost: plugserve\r\n"
+        b"Content-Type: application/octet-stream\r\nContent-Length: %d\r\n%s\r\n%s"
+        % (len(body), extra, body)
+    )
+    deadline = time.monotonic() + 15
+    name = 'plugserve_connections_timed_out_total{listener="data",phase="send"}'
+    while metric(srv, name) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(srv, name) == 1
+    assert metric(srv, "plugserve_connections_open") <= 1  # the /metrics call itself
+    sock.close()
+
+
 def test_connections_over_the_cap_get_a_clear_503_and_room_comes_back(
     server: Server, tmp_path: Path, plugins_dir: Path
 ) -> None:
