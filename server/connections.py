@@ -262,10 +262,12 @@ class Connection(asyncio.Protocol):
     def time_out(self) -> None:
         """Answer 408 where no response has begun on this connection yet, and close."""
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport is None:
             return
-        if self.unsent:  # a client that does not read: drop what waits for it
+        if self.unsent:  # a client that does not read (closing or not): drop what waits
             transport.abort()
+            return
+        if transport.is_closing():
             return
         request = self.request
         if request is None:
@@ -309,8 +311,13 @@ class Refusal(asyncio.Protocol):
         self.listener.refusing.discard(self)
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport
+        if transport is None:
+            return
+        if transport.get_write_buffer_size():  # the 503 still unread: do not wait for it
+            transport.abort()
+        else:
+            transport.close()
 
 
 @web.middleware
