@@ -16,6 +16,7 @@ from aiohttp import web
 
 from registry.chain import Chain
 from registry.errors import InvalidInput, PluginError
+from server.bodies import LARGE_BODY_BYTES
 from server.serving import deadline_seconds, measured, request_context, serve
 from server.state import BODIES, REGISTRY
 
@@ -50,6 +51,17 @@ def encode_result(chain: Chain, result: Any) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
+def _size(result: Any) -> int:
+    """Roughly how large a result is: its arrays (a dict of them) or its bytes."""
+    if isinstance(result, np.ndarray):
+        return int(result.nbytes)
+    if isinstance(result, bytes | bytearray | str):
+        return len(result)
+    if isinstance(result, dict):
+        return sum(int(v.nbytes) for v in result.values() if isinstance(v, np.ndarray))
+    return 0
+
+
 async def predict(request: web.Request) -> web.Response:
     route = request.match_info["route"]
     return await measured(request, route, "predict", _predict(request, route))
@@ -76,7 +88,10 @@ async def _predict(request: web.Request, route: str) -> web.Response:
 
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)
-        return encode_result(chain, await chain.run(data, ctx))
+        result = await chain.run(data, ctx)
+        if _size(result) <= LARGE_BODY_BYTES:
+            return encode_result(chain, result)
+        return await bodies.run(lambda: encode_result(chain, result))  # off the event loop
 
     return await serve(request, route, None, run, deadline)
 
