@@ -24,6 +24,7 @@ from server.connections import (
     Listener,
     default_max_connections,
     raise_open_files_limit,
+    refusing_budget,
     run_app,
 )
 from server.logs import configure_logging
@@ -124,10 +125,12 @@ def _serve(args: argparse.Namespace) -> int:
 def _listeners(settings: Settings, count: int) -> list[Listener]:
     """The data plane's listener, and the control plane's (its own cap) when it has a port."""
     open_files = raise_open_files_limit()
+    max_connections = settings.max_connections or default_max_connections(open_files)
     limits = ConnectionLimits(
         settings.header_timeout_s,
         settings.body_timeout_s,
-        settings.max_connections or default_max_connections(open_files),
+        max_connections,
+        refusing_budget(open_files, max_connections),
     )
     structlog.get_logger("plugserve.server").info(
         "connections",

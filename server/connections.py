@@ -36,8 +36,8 @@ log = structlog.get_logger("plugserve.server")
 SWEEP_INTERVAL_S = 1.0
 REFUSAL_LINGER_S = 2.0
 """How long a refused connection may stay open to read its 503 before it is closed."""
-MAX_REFUSING = 64
-"""Refused connections lingering at once; past this a refused connection is reset."""
+MIN_REFUSING, MAX_REFUSING = 64, 1024
+"""Bounds on refused connections lingering at once; past it a refused connection is reset."""
 FD_HEADROOM = 256
 """Open files kept for everything else (plugins, models, logs, etcd) below the limit."""
 DEFAULT_MAX_CONNECTIONS = 4096
@@ -63,6 +63,8 @@ class ConnectionLimits:
     header_timeout_s: float
     body_timeout_s: float
     max_connections: int
+    max_refusing: int = MIN_REFUSING
+    """Refused connections reading their 503 at once; past it, refused ones are reset."""
 
 
 class Listener:
@@ -94,7 +96,7 @@ class Listener:
             if len(self.open) < self.limits.max_connections or self._evict_idle():
                 return Connection(self, make())
             self.refused += 1
-            return Refusal(self, reset=len(self.refusing) >= MAX_REFUSING)
+            return Refusal(self, reset=len(self.refusing) >= self.limits.max_refusing)
 
         return protocol
 
@@ -355,6 +357,12 @@ def raise_open_files_limit() -> int:
 def default_max_connections(open_files: int) -> int:
     """The open-files limit less headroom, at most ``DEFAULT_MAX_CONNECTIONS``."""
     return max(16, min(DEFAULT_MAX_CONNECTIONS, open_files - FD_HEADROOM))
+
+
+def refusing_budget(open_files: int, max_connections: int) -> int:
+    """How many refused connections may read their 503 at once: the open files left."""
+    spare = open_files - max_connections - FD_HEADROOM // 2
+    return max(MIN_REFUSING, min(MAX_REFUSING, spare))
 
 
 def run_app(
