@@ -17,6 +17,7 @@ import pytest
 
 from registry.errors import ConfigError
 from server.config import Settings
+from server.connections import default_max_connections, refusing_budget
 from tests.helpers import ServerProcess, write_add_runner, write_plugin
 
 Server = Callable[..., ServerProcess]
@@ -277,6 +278,15 @@ def test_clients_still_uploading_never_hold_a_shutdown_up(
     assert time.monotonic() - started < 10
     for sock in uploads:
         sock.close()
+
+
+def test_the_default_cap_leaves_open_files_for_the_rest() -> None:
+    assert default_max_connections(1024) == 1024 - 256
+    assert default_max_connections(1 << 20) == 4096
+    assert default_max_connections(100) == 16
+    assert refusing_budget(1 << 20, 4096) == 1024
+    assert refusing_budget(1024, 768) == 128  # 1024 - 768 - 128 kept back
+    assert refusing_budget(1024, 1000) == 64
 
 
 def test_connection_settings_are_validated() -> None:
