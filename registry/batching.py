@@ -17,7 +17,8 @@ Requests queue per runner instance and leave it in batches:
   fair queueing between tenants (weighted by ``tenant_weights``), so one
   tenant's burst cannot starve another; arrival breaks ties.
 - The queue is bounded (``max_queue_size``: 429 when full), and a request whose
-  deadline passed before it reached execution gets 504 without running.
+  deadline passed before it reached execution gets 504 without running. A
+  request cancelled while queued (its client hung up) leaves the queue at once.
 - A batch the runner refuses with :class:`InvalidInput` is run again one request
   at a time, so only the requests at fault get 400 and their batch-mates their
   answers. (Runners check what they can per request before batching, through
@@ -173,7 +174,12 @@ class Scheduler:
                 self._running -= 1
                 if self._queue:
                     self.pump()
-        return await self.enqueue(inputs, deadline, level, tenant, timings)
+        future = self.enqueue(inputs, deadline, level, tenant, timings)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._abandon(future)
+            raise
 
     def enqueue(
         self,
@@ -207,6 +213,16 @@ class Scheduler:
         self._queue.append(request)
         self.pump()
         return future
+
+    def _abandon(self, future: asyncio.Future[Arrays]) -> None:
+        """A queued request's caller gave up (its client hung up): it leaves the queue now,
+        freeing its place, and never runs. One already in a batch runs with the batch."""
+        for index, request in enumerate(self._queue):
+            if request.future is future:
+                del self._queue[index]
+                if request.span is not None:
+                    request.span.end()
+                return
 
     def _level(self, priority: int | None) -> int:
         """The queue level of a v2 ``priority`` (0 or none: the runner's default)."""

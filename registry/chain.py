@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ class Chain:
         the request in the runner version's statistics.
         """
         started = time.perf_counter()
-        ok = False
+        ok = cancelled = False
         call = _call if tracing.TRACER is None else _traced
         try:
             if _tensors(data):
@@ -78,8 +79,11 @@ class Chain:
             ctx.timings["compute_output"] = time.perf_counter() - mark
             ok = True
             return data
+        except asyncio.CancelledError:  # the client hung up: neither a success nor a failure
+            cancelled = True
+            raise
         finally:
-            if self.runner.stats is not None:
+            if self.runner.stats is not None and not cancelled:
                 took = time.perf_counter() - started
                 self.runner.stats.record_request(ok, took, ctx.timings, ctx.rows)
 

@@ -38,6 +38,14 @@ class InvalidInput(PlugserveError):
     status = 400
 
 
+class UnreadableBody(InvalidInput):
+    """The body cannot be read (a broken compressed body or chunk framing): the rest of
+    it is never read, so the connection closes after the answer."""
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
 class Unauthorized(PlugserveError):
     """A call without the bearer token it needs (admin or inference), or with a wrong one."""
 

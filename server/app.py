@@ -14,12 +14,13 @@ from registry.fleet import EtcdLocation, EtcdRouteStore
 from registry.registry import Registry
 from registry.route_store import Replica, RouteStore
 from registry.watcher import Watcher
-from server import admin, auth, openapi, predict, v2
+from server import admin, auth, connections, openapi, predict, v2
+from server.bodies import Bodies
 from server.config import Settings
 from server.metrics import Metrics
 from server.middleware import request_middleware
 from server.shutdown import CLOSE_FLOOR_S, Drain, within
-from server.state import DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+from server.state import BODIES, DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 log = structlog.get_logger("plugserve.server")
 
@@ -75,6 +76,10 @@ async def _shut_down(
     await registry.close(max(deadline - loop.time(), CLOSE_FLOOR_S))
 
 
+async def _close_bodies(app: web.Application) -> None:
+    app[BODIES].close()
+
+
 def route_store(settings: Settings, registry: Registry) -> RouteStore:
     """Where runtime route changes live: this process, or etcd in fleet mode."""
     replica = Replica.default(settings.host, settings.port, settings.replica_id)
@@ -92,7 +97,7 @@ def route_store(settings: Settings, registry: Registry) -> RouteStore:
 def create_app(settings: Settings, registry: Registry | None = None) -> web.Application:
     """Build the application; plugins load when it starts (``cleanup_ctx``)."""
     app = web.Application(
-        middlewares=[request_middleware, *auth.middlewares(settings)],
+        middlewares=[connections.middleware, request_middleware, *auth.middlewares(settings)],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
@@ -105,6 +110,8 @@ def create_app(settings: Settings, registry: Registry | None = None) -> web.Appl
     )
     app[METRICS] = Metrics()
     app[DRAIN] = Drain(settings.drain_timeout_s)
+    app[BODIES] = Bodies(settings.max_body_bytes, settings.body_threads, settings.max_large_bodies)
+    app.on_cleanup.append(_close_bodies)
     app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
     app[ROUTE_STORE] = route_store(settings, app[REGISTRY])
     app[METRICS].collect_from(app[REGISTRY], app[ROUTE_STORE])

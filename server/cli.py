@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
-from aiohttp import web
 
 from registry.errors import ConfigError, PlugserveError
 from registry.fleet import EtcdLocation
@@ -23,12 +22,24 @@ from registry.manager import PluginHost
 from server import __version__
 from server.app import create_app
 from server.config import Settings, bundled_dir, load_settings
+from server.connections import (
+    ConnectionLimits,
+    Listener,
+    default_max_connections,
+    raise_open_files_limit,
+    refusing_budget,
+    run_app,
+)
 from server.logs import configure_logging
 from server.shutdown import install_signal_handlers
+from server.state import METRICS
 from server.streams import flush_std_streams, protect_std_streams
 
 THREAD_GRACE_S = 0.5
 """How long the process waits, after shutdown, for threads other than its own to end."""
+
+KEEPALIVE_TIMEOUT_S = 75.0
+"""An idle keep-alive connection is closed after this long (aiohttp's default)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,12 +115,16 @@ def _serve(args: argparse.Namespace) -> int:
     )
     app = create_app(settings)
     app.on_startup.append(install_signal_handlers)
-    web.run_app(
+    sockets = _sockets(settings)
+    listeners = _listeners(settings, len(sockets))
+    app[METRICS].collect_connections(listeners)
+    run_app(
         app,
-        sock=_sockets(settings),
+        sockets,
+        listeners,
+        _event_loop(settings.event_loop),
         access_log=None,
-        print=None,
-        loop=_event_loop(settings.event_loop),
+        keepalive_timeout=KEEPALIVE_TIMEOUT_S,
         # Our drain (server/shutdown.py) has already waited for in-flight requests.
         shutdown_timeout=1.0,
     )
@@ -138,6 +153,26 @@ def _leave_lingering_threads(code: int) -> None:
 def _lingering_threads() -> list[threading.Thread]:
     main = threading.main_thread()
     return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+
+
+def _listeners(settings: Settings, count: int) -> list[Listener]:
+    """The data plane's listener, and the control plane's (its own cap) when it has a port."""
+    open_files = raise_open_files_limit()
+    max_connections = settings.max_connections or default_max_connections(open_files)
+    limits = ConnectionLimits(
+        settings.header_timeout_s,
+        settings.body_timeout_s,
+        max_connections,
+        refusing_budget(open_files, max_connections),
+    )
+    structlog.get_logger("plugserve.server").info(
+        "connections",
+        max_connections=limits.max_connections,
+        open_files_limit=open_files,
+        header_timeout_s=limits.header_timeout_s,
+        body_timeout_s=limits.body_timeout_s,
+    )
+    return [Listener(name, limits) for name in ("data", "admin")[:count]]
 
 
 def _shown_registry(url: str) -> str:

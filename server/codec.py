@@ -91,7 +91,7 @@ def _request(doc: dict[str, Any], binary: memoryview, limits: Limits) -> InferRe
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list")
     if len(raw_inputs) > limits.max_inputs:
-        raise InvalidInput(f"{len(raw_inputs)} inputs; at most {limits.max_inputs} are accepted")
+        raise InvalidInput(f"{len(raw_inputs)} inputs; at most {limits.max_inputs} (max_inputs)")
     parameters = _parameters(doc, "request")
     _boolean(parameters, "binary_data_output", "request parameter")
     inputs: dict[str, np.ndarray] = {}
@@ -141,7 +141,9 @@ def _input(
     ):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
     if len(shape) > limits.max_rank:
-        raise InvalidInput(f"input {name!r} has rank {len(shape)}; at most {limits.max_rank}")
+        raise InvalidInput(
+            f"input {name!r} has rank {len(shape)}; at most {limits.max_rank} (max_tensor_rank)"
+        )
     # Each dimension on its own too: [0, 2**62] holds no element but no array can have it.
     if any(d > limits.max_elements for d in shape):
         raise InvalidInput(
@@ -151,7 +153,8 @@ def _input(
     count = math.prod(shape)
     if count > limits.max_elements:
         raise PayloadTooLarge(
-            f"input {name!r} has {count} elements; at most {limits.max_elements} are accepted"
+            f"input {name!r} has {count} elements; at most {limits.max_elements} "
+            "(max_tensor_elements)"
         )
     size = _parameters(raw, f"input {name!r}").get("binary_data_size")
     if size is not None:

@@ -36,7 +36,17 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "max_tensor_elements": (1, 2**40),
     "fleet_lease_ttl_s": (2, 86_400),
     "fleet_startup_wait_s": (0, 3600),
+    "load_timeout_s": (0, 1e6),
+    "close_timeout_s": (0, 1e6),
+    "header_timeout_s": (0, 86_400),
+    "body_timeout_s": (0, 86_400),
+    "max_connections": (1, 1_000_000),
+    "body_threads": (1, 64),
+    "max_large_bodies": (1, 10_000),
 }
+"""Each number setting's bounds; any other number is finite and at most 2**53."""
+_ABOVE_LOW = {"load_timeout_s", "close_timeout_s", "header_timeout_s", "body_timeout_s"}
+"""Settings that must be more than their low bound (a zero timeout means nothing)."""
 
 
 def bundled_dir(name: str) -> Path:
@@ -82,6 +92,20 @@ class Settings:
     """This replica's name in the fleet; default ``<hostname>:<port>``."""
     fleet_lease_ttl_s: int = 10
     fleet_startup_wait_s: float = 5.0
+    # Connections and bodies (server/connections.py, server/bodies.py).
+    header_timeout_s: float = 10.0
+    """A request's headers must be complete this long after the connection opened or the
+    request's first byte arrived; else 408 and the connection is closed."""
+    body_timeout_s: float = 60.0
+    """A request's whole body must arrive within this long of its headers (else 408), and a
+    client that reads nothing of its answer for this long is dropped."""
+    max_connections: int | None = None
+    """Open client connections per listener; more are answered 503 and closed. Default:
+    the open-files limit less 256, at most 4096."""
+    body_threads: int = 2
+    """Threads that parse large request bodies and encode large responses."""
+    max_large_bodies: int = 8
+    """Large bodies (over 256 KiB, or compressed) parsed or waiting at once; more get 429."""
     # -- data plane access (docs/security.md) --
     inference_token: str | None = dataclasses.field(default=None, repr=False)
     """With a value, every data-plane call but health and ``/metrics`` needs it (or the
@@ -113,10 +137,6 @@ class Settings:
                 "registry must be 'local' or etcd://[user@]host:port/prefix "
                 f"(etcds:// for TLS), not a {self.registry.partition(':')[0]!r} URL"
             )
-        for name in ("load_timeout_s", "close_timeout_s"):
-            value = getattr(self, name)
-            if not 0 < value < 1e6:  # also refuses NaN
-                raise ConfigError(f"{name} must be a number of seconds, > 0 and < 1e6, not {value}")
         if self.fleet_lease_ttl_s < 2 or self.fleet_startup_wait_s < 0:
             raise ConfigError("fleet_lease_ttl_s must be >= 2 and fleet_startup_wait_s >= 0")
         if self.max_body_bytes < 1 or self.drain_timeout_s < 0 or self.reload_debounce_ms < 0:
@@ -145,10 +165,10 @@ def _check_numbers(settings: Settings) -> None:
             continue
         low, high = _BOUNDS.get(name, (-validation.MAX_INTEGER, validation.MAX_INTEGER))
         try:
-            if isinstance(value, int):
+            if isinstance(value, int) and name not in _ABOVE_LOW:
                 validation.integer(value, name, low=int(low), high=int(high))
             else:
-                validation.number(value, name, low=low, high=high)
+                validation.number(value, name, low=low, high=high, above=name in _ABOVE_LOW)
         except validation.ValueProblem as exc:
             raise ConfigError(str(exc)) from None
 
@@ -283,5 +303,11 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "close_timeout_s": (int, float),
         "fleet_lease_ttl_s": int,
         "fleet_startup_wait_s": (int, float),
+        # connections and bodies
+        "header_timeout_s": (int, float),
+        "body_timeout_s": (int, float),
+        "max_connections": int,
+        "body_threads": int,
+        "max_large_bodies": int,
     }
     return types.get(key, str)

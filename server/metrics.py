@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,6 +27,9 @@ from registry.fleet import EtcdRouteStore
 from registry.refs import PLUGIN_TYPES
 from registry.registry import LifecycleEvent, Registry
 from registry.route_store import RouteStore
+
+if TYPE_CHECKING:
+    from server.connections import Listener
 
 STATES = ("loading", "ready", "failed", "draining", "unloaded")
 
@@ -89,6 +93,10 @@ class Metrics:
         self.registry.register(_RegistryCollector(registry))
         if isinstance(store, EtcdRouteStore):
             self.registry.register(_FleetCollector(store))
+
+    def collect_connections(self, listeners: Sequence[Listener]) -> None:
+        """Add the client connections of the server's listeners (open, refused, timed out)."""
+        self.registry.register(_ConnectionCollector(listeners))
 
     def lifecycle_listener(self, registry: Registry) -> Callable[[LifecycleEvent], None]:
         """A registry listener that counts lifecycle events and refreshes the state gauge."""
@@ -228,3 +236,41 @@ class _FleetCollector(Collector):
             "Times this replica lost etcd after having been connected.",
             value=store.disconnects,
         )
+
+
+class _ConnectionCollector(Collector):
+    """Client connections per listener (``data``, and ``admin`` with its own port)."""
+
+    def __init__(self, listeners: Sequence[Listener]) -> None:
+        self._listeners = listeners
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        opened = GaugeMetricFamily(
+            "plugserve_connections_open", "Client connections open now.", labels=["listener"]
+        )
+        refused = CounterMetricFamily(
+            "plugserve_connections_refused",
+            "Connections answered 503 and closed because max_connections were open.",
+            labels=["listener"],
+        )
+        evicted = CounterMetricFamily(
+            "plugserve_connections_evicted",
+            "Idle keep-alive connections closed to make room for a new one at max_connections.",
+            labels=["listener"],
+        )
+        timed_out = CounterMetricFamily(
+            "plugserve_connections_timed_out",
+            "Connections closed because a request's headers (header_timeout_s) or body "
+            "(body_timeout_s) took too long (408), or its answer went unread (send).",
+            labels=["listener", "phase"],
+        )
+        for listener in self._listeners:
+            opened.add_metric([listener.name], len(listener.open))
+            refused.add_metric([listener.name], listener.refused)
+            evicted.add_metric([listener.name], listener.evicted)
+            for phase, count in listener.timed_out.items():
+                timed_out.add_metric([listener.name, phase], count)
+        yield from (opened, refused, evicted, timed_out)

@@ -11,6 +11,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from registry.errors import PluginError, PlugserveError
+from server.bodies import too_large
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.state import SETTINGS
 
@@ -61,7 +62,10 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = web.json_response({"error": exc.reason}, status=exc.status)
+        reason = exc.reason
+        if isinstance(exc, web.HTTPRequestEntityTooLarge):  # aiohttp's own body limit
+            reason = too_large(request.app[SETTINGS].max_body_bytes).message
+        response = web.json_response({"error": reason}, status=exc.status)
         if "Allow" in exc.headers:
             response.headers["Allow"] = exc.headers["Allow"]
     except Exception:

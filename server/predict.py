@@ -16,7 +16,9 @@ from aiohttp import web
 
 from registry.chain import Chain
 from registry.errors import InvalidInput, PluginError
+from server.bodies import LARGE_BODY_BYTES
 from server.serving import deadline_seconds, measured, request_context, serve
+from server.state import BODIES, REGISTRY
 
 
 def is_json(content_type: str) -> bool:
@@ -49,26 +51,47 @@ def encode_result(chain: Chain, result: Any) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
+def _size(result: Any) -> int:
+    """Roughly how large a result is: its arrays (a dict of them) or its bytes."""
+    if isinstance(result, np.ndarray):
+        return int(result.nbytes)
+    if isinstance(result, bytes | bytearray | str):
+        return len(result)
+    if isinstance(result, dict):
+        return sum(int(v.nbytes) for v in result.values() if isinstance(v, np.ndarray))
+    return 0
+
+
 async def predict(request: web.Request) -> web.Response:
     route = request.match_info["route"]
     return await measured(request, route, "predict", _predict(request, route))
 
 
+def _parse_json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"the body is not valid JSON: {exc}") from None
+
+
 async def _predict(request: web.Request, route: str) -> web.Response:
-    body = await request.read()
+    # 404/503 before a byte of the body is read or parsed; serve() resolves again.
+    request.app[REGISTRY].routes.resolve(route, None, request.headers)
+    bodies = request.app[BODIES]
+    body = await bodies.read(request)
     data: Any = body
     if is_json(request.content_type):
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidInput(f"the body is not valid JSON: {exc}") from None
+        data = await bodies.parse(request, body, _parse_json)
 
     deadline = deadline_seconds(request, {})
     ctx = request_context(request, route, "predict", dict(request.query), deadline)
 
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)
-        return encode_result(chain, await chain.run(data, ctx))
+        result = await chain.run(data, ctx)
+        if _size(result) <= LARGE_BODY_BYTES:
+            return encode_result(chain, result)
+        return await bodies.run(lambda: encode_result(chain, result))  # off the event loop
 
     return await serve(request, route, None, run, deadline)
 

@@ -13,8 +13,15 @@ from aiohttp import web
 
 from registry import tracing
 from registry.chain import Chain
-from registry.errors import DeadlineExceeded, InvalidInput, PlugserveError, TooManyRequests
+from registry.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    PlugserveError,
+    TooManyRequests,
+    Unavailable,
+)
 from registry.types import RequestContext
+from server.connections import cancel_on_hangup
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.state import DRAIN, METRICS, REGISTRY
 
@@ -25,6 +32,8 @@ TIMEOUT_HEADER = "X-Request-Timeout"
 TENANT_HEADER = "X-Tenant-ID"
 MAX_TIMEOUT_S = 86400.0
 """Longer budgets (even ``inf``) count as a day: past that a deadline means nothing."""
+CLIENT_CLOSED_REQUEST = 499
+"""The status counted for a request whose client hung up before its answer (as nginx does)."""
 
 
 def deadline_seconds(request: web.Request, parameters: dict[str, Any]) -> float | None:
@@ -84,18 +93,19 @@ async def measured(
 ) -> T:
     """Await ``work`` (decode, chain, encode) and record its status and duration.
 
+    The work is cancelled if the client hangs up first (counted as 499): a
+    request waiting in a runner's queue leaves it without running.
+
     A route not in the table is labelled ``_unknown``, so clients cannot grow
     the metric series by asking for made-up routes.
     """
     started = time.perf_counter()
     status = 200
-    drain = request.app[DRAIN]
-    try:
-        drain.enter()
-    except PlugserveError:
+    cancel_on_hangup(request)
+    if request.app[DRAIN].draining:
         work.close()  # never awaited: close it
         request.app[METRICS].observe(UNKNOWN_ROUTE, protocol, 503, 0.0)
-        raise
+        raise Unavailable("the server is shutting down")
     try:
         return await work
     except PlugserveError as exc:
@@ -104,11 +114,13 @@ async def measured(
     except web.HTTPException as exc:
         status = exc.status
         raise
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED_REQUEST
+        raise
     except BaseException:
         status = 500
         raise
     finally:
-        drain.leave()
         known = route in request.app[REGISTRY].routes.entries
         chain = REQUEST_CHAIN.get()
         request.app[METRICS].observe(
@@ -154,6 +166,10 @@ async def serve(
             f"route {route!r} is over its rate limit of {bucket.limit.rps:g} requests/s",
             retry_after_s=math.ceil(wait),
         )
+    # Counted in for the shutdown drain only now that its body is in: a client still
+    # uploading never holds a shutdown up (503 if the drain began meanwhile).
+    drain = request.app[DRAIN]
+    drain.enter()
     chain.enter()
     REQUEST_CHAIN.set(chain)
     span = None
@@ -171,5 +187,6 @@ async def serve(
             raise DeadlineExceeded(f"the request's deadline of {deadline_s:g} s passed") from None
     finally:
         chain.leave()
+        drain.leave()
         if span is not None:
             span.__exit__(*sys.exc_info())

@@ -6,6 +6,7 @@ from aiohttp import web
 
 from registry.registry import Registry
 from registry.route_store import RouteStore
+from server.bodies import Bodies
 from server.config import Settings
 from server.metrics import Metrics
 from server.shutdown import Drain
@@ -15,3 +16,4 @@ REGISTRY = web.AppKey("registry", Registry)
 METRICS = web.AppKey("metrics", Metrics)
 DRAIN = web.AppKey("drain", Drain)
 ROUTE_STORE = web.AppKey("route_store", RouteStore)
+BODIES = web.AppKey("bodies", Bodies)

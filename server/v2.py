@@ -11,9 +11,10 @@ from aiohttp import web
 from registry.chain import Chain
 from registry.errors import PluginError, Unavailable
 from server import __version__
+from server.bodies import LARGE_BODY_BYTES
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import deadline_seconds, measured, request_context, serve
-from server.state import DRAIN, REGISTRY, ROUTE_STORE, SETTINGS
+from server.state import BODIES, DRAIN, REGISTRY, ROUTE_STORE, SETTINGS
 
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
@@ -83,8 +84,15 @@ async def infer(request: web.Request) -> web.Response:
 
 
 async def _infer(request: web.Request, route: str) -> web.Response:
-    body = await request.read()
-    decoded = decode_request(body, request.headers.get(HEADER_LENGTH), request.app[SETTINGS].limits)
+    app = request.app
+    # 404/503 before a byte of the body is read or parsed; serve() resolves again.
+    app[REGISTRY].routes.resolve(route, request.match_info.get("version"), request.headers)
+    bodies = app[BODIES]
+    body = await bodies.read(request)
+    header_length, limits = request.headers.get(HEADER_LENGTH), app[SETTINGS].limits
+    decoded = await bodies.parse(
+        request, body, lambda raw: decode_request(raw, header_length, limits)
+    )
 
     deadline = deadline_seconds(request, decoded.parameters)
     ctx = request_context(request, route, "v2", decoded.parameters, deadline)
@@ -93,7 +101,13 @@ async def _infer(request: web.Request, route: str) -> web.Response:
         ctx.versions = dict(chain.versions)
         result = await chain.run(decoded.inputs, ctx)
         outputs = _outputs(chain, result)
-        payload, headers = encode_response(decoded, route, chain.runner_version, outputs)
+        version = chain.runner_version
+        if sum(a.nbytes for a in outputs.values()) <= LARGE_BODY_BYTES:
+            payload, headers = encode_response(decoded, route, version, outputs)
+        else:  # a large response is encoded off the event loop
+            payload, headers = await bodies.run(
+                lambda: encode_response(decoded, route, version, outputs)
+            )
         if len(headers) == 1:  # JSON: no header dict to build
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, headers=headers)

@@ -408,3 +408,46 @@ async def test_submit_runs_a_lone_request_in_its_own_task_and_batches_the_rest()
     assert (scheduler.executions, scheduler.rows) == (2, 4)
     with pytest.raises(DeadlineExceeded):
         await scheduler.submit(rows(1), deadline=fake.now - 1)
+
+
+async def test_a_cancelled_submit_leaves_the_queue_at_once_and_never_runs() -> None:
+    """issue 12, finding 13: a queued request whose caller is cancelled (its client hung up)
+    frees its place in the queue at once and is never executed; a batch already running
+    finishes for its other members."""
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=4, max_queue_size=2))
+    running = asyncio.ensure_future(scheduler.submit(rows(1, 1.0)))
+    kept = asyncio.ensure_future(scheduler.submit(rows(1, 2.0)))
+    await settle()
+    abandoned = asyncio.ensure_future(scheduler.submit(rows(1, 9.0)))
+    await settle()
+    assert scheduler.queued == 2 and runner.sizes() == [1]  # the queue is full
+    abandoned.cancel()
+    await settle()
+    assert scheduler.queued == 1  # before any batch ran: the place is free now
+    fresh = asyncio.ensure_future(scheduler.submit(rows(1, 3.0)))  # not 429
+    await settle()
+    runner.release()
+    await settle()
+    assert runner.sizes() == [1, 2]  # the abandoned request is in no batch
+    assert [b["x"][:, 0].tolist() for b in runner.batches][1] == [2.0, 3.0]
+    runner.release()
+    assert (await kept)["y"][0, 0] == 4 and (await fresh)["y"][0, 0] == 6
+    assert (await running)["y"][0, 0] == 2
+    assert abandoned.cancelled()
+
+
+async def test_a_request_cancelled_mid_batch_leaves_the_others_their_answers() -> None:
+    """issue 12, finding 13: cancelling one member of a running batch fails no other."""
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=4))
+    first = asyncio.ensure_future(scheduler.submit(rows(1, 1.0)))
+    await settle()
+    members = [asyncio.ensure_future(scheduler.submit(rows(1, float(v)))) for v in (2, 3)]
+    await settle()
+    runner.release()
+    await settle()
+    assert runner.sizes() == [1, 2]
+    members[0].cancel()
+    runner.release()
+    assert (await members[1])["y"][0, 0] == 6
+    assert (await first)["y"][0, 0] == 2
+    assert members[0].cancelled()

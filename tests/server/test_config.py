@@ -40,9 +40,9 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         ("registry = 'redis://x:1'\n", "registry must be 'local' or etcd://"),
         ("fleet_lease_ttl_s = 1\n", "fleet_lease_ttl_s must be >= 2"),
         ("fleet_lease_ttl_s = 2.5\n", "fleet_lease_ttl_s must be"),
-        ("load_timeout_s = 0\n", "load_timeout_s must be a number of seconds, > 0"),
-        ("close_timeout_s = nan\n", "close_timeout_s must be a number of seconds"),
-        ("close_timeout_s = inf\n", "close_timeout_s must be a number of seconds"),
+        ("load_timeout_s = 0\n", "load_timeout_s: must be a finite number > 0"),
+        ("close_timeout_s = nan\n", "close_timeout_s: must be a finite number"),
+        ("close_timeout_s = inf\n", "close_timeout_s: must be a finite number"),
         ("close_timeout_s = '10'\n", "close_timeout_s must be"),
     ],
 )
