@@ -27,6 +27,18 @@ _ID_PREFIX = os.urandom(8).hex()
 _ID_COUNTER = itertools.count()
 
 
+MAX_REQUEST_ID = 128
+"""Longest ``X-Request-ID`` taken from a client; a longer or odd one is replaced."""
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's request id if it is short printable ASCII without spaces, else ``None``:
+    it is echoed in a header and written to every log line of the request."""
+    if value and len(value) <= MAX_REQUEST_ID and value.isascii() and value.isprintable():
+        return None if " " in value else value
+    return None
+
+
 def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
@@ -45,7 +57,7 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     level; other refusals are expected outcomes and log at debug. Tracebacks
     never show local variables (server/logs.py).
     """
-    request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
+    request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or new_request_id()
     REQUEST_ID.set(request_id)
     REQUEST_CHAIN.set(None)
     started = time.perf_counter()

@@ -169,6 +169,20 @@ async def test_every_response_carries_a_request_id(plugins_dir: Path, client) ->
     assert len(resp.headers["X-Request-ID"]) == 32
 
 
+@pytest.mark.parametrize("given", ["a" * 129, "two words", "tab\there", "caf\u00e9", "\udcff"])
+async def test_an_odd_client_request_id_is_replaced(plugins_dir: Path, client, given: str) -> None:  # type: ignore[no-untyped-def]
+    """Attack round after issue 12: an 8,000-character X-Request-ID was echoed and written to
+    every log line of its request; an id must be short printable ASCII, else one is made."""
+    cli = await client()
+    resp = await cli.get(
+        "/v2/health/live",
+        headers={"X-Request-ID": given.encode("utf-8", "surrogateescape").decode("latin-1")},
+    )
+    assert resp.status == 200
+    shown = resp.headers["X-Request-ID"]
+    assert shown != given and len(shown) == 32
+
+
 async def test_priority_and_tenant_reach_the_scheduler(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
     write_slow(plugins_dir, 0.0, runner="[runner]\npriority_levels = 2\n")
     cli = await client()
