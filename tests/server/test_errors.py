@@ -253,7 +253,7 @@ FLAKY_RUNNER = """
 
 
 async def test_a_failing_runner_opens_its_circuit_and_recovers(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
-    write_plugin(plugins_dir, "runner", "flaky", "1.0.0", "[runner]\nbreaker_failures = 3\nbreaker_reset_s = 0.3\n",
+    write_plugin(plugins_dir, "runner", "flaky", "1.0.0", "[runner]\nbreaker_failures = 3\nbreaker_reset_s = 1.5\n",
                  {"plugin.py": FLAKY_RUNNER})  # fmt: skip
     cli = await client()
 
@@ -273,7 +273,7 @@ async def test_a_failing_runner_opens_its_circuit_and_recovers(plugins_dir: Path
     assert (row["circuit"], row["circuit_trips"]) == ("open", 1)
     metrics = await (await cli.get("/metrics")).text()
     assert 'plugserve_circuit_open{name="flaky",type="runner",version="1.0.0"} 1.0' in metrics
-    await asyncio.sleep(0.35)
+    await asyncio.sleep(1.55)
     assert await call(1) == 200  # the half-open probe succeeds: closed again
     row = (await (await cli.get("/admin/plugins")).json())["plugins"][0]
     assert row["circuit"] == "closed"
