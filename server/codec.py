@@ -35,6 +35,7 @@ class Limits:
     max_inputs: int = 64
     max_rank: int = 16
     max_elements: int = 1 << 26
+    max_bytes_elements: int = 1 << 20
 
 
 DEFAULT_LIMITS = Limits()
@@ -155,6 +156,11 @@ def _input(
         raise PayloadTooLarge(
             f"input {name!r} has {count} elements; at most {limits.max_elements} "
             "(max_tensor_elements)"
+        )
+    if datatype == "BYTES" and count > limits.max_bytes_elements:
+        raise PayloadTooLarge(
+            f"input {name!r} has {count} BYTES elements; at most {limits.max_bytes_elements} "
+            "(max_bytes_elements)"
         )
     size = _parameters(raw, f"input {name!r}").get("binary_data_size")
     if size is not None:

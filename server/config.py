@@ -34,6 +34,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "max_inputs": (1, 1_000_000),
     "max_tensor_rank": (1, 64),
     "max_tensor_elements": (1, 2**40),
+    "max_bytes_elements": (1, 2**40),
     "fleet_lease_ttl_s": (2, 86_400),
     "fleet_startup_wait_s": (0, 3600),
     "load_timeout_s": (0, 1e6),
@@ -82,6 +83,8 @@ class Settings:
     max_inputs: int = 64
     max_tensor_rank: int = 16
     max_tensor_elements: int = 1 << 26
+    max_bytes_elements: int = 1 << 20
+    """Elements per BYTES tensor: each one is a Python object, built and checked one by one."""
     registry: str = "local"
     """Where runtime routes live: ``local`` (this process) or ``etcd://host:port/prefix``."""
     etcd_password: str | None = dataclasses.field(default=None, repr=False)
@@ -114,7 +117,12 @@ class Settings:
 
     @functools.cached_property
     def limits(self) -> Limits:
-        return Limits(self.max_inputs, self.max_tensor_rank, self.max_tensor_elements)
+        return Limits(
+            self.max_inputs,
+            self.max_tensor_rank,
+            self.max_tensor_elements,
+            self.max_bytes_elements,
+        )
 
     def __post_init__(self) -> None:
         self._check_tokens()
@@ -296,6 +304,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "max_inputs": int,
         "max_tensor_rank": int,
         "max_tensor_elements": int,
+        "max_bytes_elements": int,
         "watch": bool,
         "access_log": bool,
         "drain_timeout_s": (int, float),

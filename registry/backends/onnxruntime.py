@@ -128,15 +128,15 @@ class OnnxRuntimeRunner:
             array = inputs.get(name)
             if array is None or array.dtype.kind != "O":
                 continue
-            for index, value in enumerate(array.reshape(-1)):
-                if isinstance(value, bytes):
-                    try:
-                        value.decode("utf-8")
-                    except UnicodeDecodeError:
-                        raise InvalidInput(
-                            f"{self._label}: input {name!r} element {index} is not UTF-8 text, "
-                            "which ONNX string tensors need"
-                        ) from None
+            elements = array.reshape(-1).tolist()
+            if _all_utf8(elements):
+                continue
+            for index, value in enumerate(elements):
+                if isinstance(value, bytes) and not _all_utf8([value]):
+                    raise InvalidInput(
+                        f"{self._label}: input {name!r} element {index} is not UTF-8 text, "
+                        "which ONNX string tensors need"
+                    )
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         unknown = set(inputs) - self._input_names
@@ -297,3 +297,13 @@ create_runner.runner_keys = RUNNER_KEYS  # type: ignore[attr-defined]  # the [ru
 @hookimpl
 def plugserve_backends() -> dict[str, BackendFactory]:
     return {"onnxruntime": create_runner}
+
+
+def _all_utf8(elements: list[Any]) -> bool:
+    """Whether every ``bytes`` element is UTF-8, in one decode: joined by NUL, which no
+    multi-byte sequence holds, two broken halves can never pass as one character."""
+    try:
+        b"\0".join(e for e in elements if isinstance(e, bytes)).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

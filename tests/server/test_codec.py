@@ -14,6 +14,7 @@ from registry.errors import InvalidInput, PayloadTooLarge
 from server.codec import (
     HEADER_LENGTH,
     InferRequest,
+    Limits,
     RequestedOutput,
     decode_request,
     encode_response,
@@ -146,6 +147,26 @@ def test_a_huge_dimension_of_an_empty_tensor_is_400() -> None:
         with pytest.raises(InvalidInput, match="has a dimension over"):
             decode_request(binary, str(len(binary)))
     assert decode_request(one_input(shape=[0, 3], data=[]), None).inputs["x"].shape == (0, 3)
+
+
+def test_a_bytes_tensor_over_its_element_limit_is_413_before_any_element_is_built() -> None:
+    """After issue 12: a gzip bomb of 16 M empty BYTES elements was built and checked one
+    Python object at a time, stalling every client for seconds; BYTES tensors have their
+    own element limit (max_bytes_elements), checked before a single element is made."""
+    limits = Limits(max_bytes_elements=3)
+    strings = one_input(datatype="BYTES", shape=[4], data=["a", "b", "c", "d"])
+    with pytest.raises(
+        PayloadTooLarge, match=r"4 BYTES elements; at most 3 \(max_bytes_elements\)"
+    ):
+        decode_request(strings, None, limits)
+    header = json.dumps({"inputs": [{"name": "s", "datatype": "BYTES", "shape": [4],
+                                     "parameters": {"binary_data_size": 16}}]}).encode()  # fmt: skip
+    with pytest.raises(PayloadTooLarge, match="max_bytes_elements"):
+        decode_request(header + bytes(16), str(len(header)), limits)
+    three = one_input(datatype="BYTES", shape=[3], data=["a", "b", "c"])
+    assert decode_request(three, None, limits).inputs["x"].tolist() == [b"a", b"b", b"c"]
+    numbers = one_input(shape=[4], data=[1.0, 2.0, 3.0, 4.0])  # other datatypes: not this limit
+    assert decode_request(numbers, None, limits).inputs["x"].shape == (4,)
 
 
 @pytest.mark.parametrize(
