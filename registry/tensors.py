@@ -36,6 +36,8 @@ def from_json(values: Any, dtype: np.dtype[Any]) -> np.ndarray:
         got = "booleans among numbers"
     if got != want:
         raise ValueError(f"{v2_datatype(dtype)} takes JSON {want}; the data holds {got}")
+    if raw.dtype.kind in "iu" and dtype.kind == "f" and dtype.itemsize >= 4:
+        return raw.astype(dtype)  # any int64 lies within float32's range: rounding only
     if raw.dtype.kind == "f" and dtype.kind in "iu" and dtype.itemsize == 8:
         # Integers beyond int64 beside others are inferred as float64, which rounds
         # them: read them as the target type, where numpy range-checks each one.
