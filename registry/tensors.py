@@ -87,6 +87,8 @@ def cast_exact(array: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
 
 def _within(array: np.ndarray, limit: float) -> bool:
     """Whether every value lies in [-limit, limit] (the fast path; NaN says no)."""
+    if array.size <= 64:  # a small request's tensor: two numpy reductions cost more
+        return all(-limit <= value <= limit for value in array.reshape(-1).tolist())
     return bool(-limit <= array.min()) and bool(array.max() <= limit)
 
 
