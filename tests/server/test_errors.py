@@ -222,7 +222,7 @@ async def test_no_request_makes_the_server_allocate_for_a_shape_it_does_not_carr
     plugins_dir: Path, client
 ) -> None:  # type: ignore[no-untyped-def]
     write_add_runner(plugins_dir, "add", "1.0.0")
-    cli = await client()
+    cli = await client(max_bytes_elements=1 << 26)  # by default 2^25 BYTES elements get 413
     header = json.dumps({"inputs": [{"name": "s", "datatype": "BYTES", "shape": [1 << 25],
                                      "parameters": {"binary_data_size": 8}}]}).encode()  # fmt: skip
     resp = await cli.post("/v2/models/add/infer", data=header + b"\x00" * 8,
