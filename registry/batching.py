@@ -113,8 +113,11 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         timer: Timer | None = None,
         on_execution: Callable[[int, float], None] | None = None,
+        busy: Callable[[], int] = lambda: 0,
     ) -> None:
         self.execute = execute
+        self.busy = busy
+        """Executions still running on a thread after their request was cancelled."""
         self.on_execution = on_execution
         self.policy = policy
         self.label = label
@@ -155,7 +158,7 @@ class Scheduler:
         of its own; requests arriving meanwhile queue and batch as usual.
         """
         level = self._level(priority)
-        if not self._queue and self._running == 0 and not self._closed:
+        if not self._queue and self._running == 0 and not self._closed and not self.busy():
             if deadline is not None and self.clock() >= deadline:
                 raise DeadlineExceeded(f"the request's deadline passed before {self.label} ran it")
             self._running += 1

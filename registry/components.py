@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections import deque
@@ -54,9 +55,13 @@ class LoadedPlugin:
     model_path: Path | None = None
     loaded_at: float = field(default_factory=time.time)
     in_flight: int = 0
+    executing: int = 0
+    """Runner calls still on a worker thread; one whose request was cancelled (its client
+    hung up, its deadline passed) keeps the instance busy until the thread returns."""
     _method: Callable[..., Any] = field(init=False, repr=False)
     _is_async: bool = field(init=False, repr=False)
     _executor: ThreadPoolExecutor | None = field(init=False, default=None, repr=False)
+    _loop: asyncio.AbstractEventLoop | None = field(init=False, default=None, repr=False)
     _idle: asyncio.Event | None = field(init=False, default=None, repr=False)
     scheduler: Scheduler | None = field(init=False, default=None, repr=False)
     breaker: CircuitBreaker | None = field(init=False, default=None, repr=False)
@@ -95,6 +100,7 @@ class LoadedPlugin:
                 batch_policy(runner),
                 self.label,
                 on_execution=self.stats.record_execution,
+                busy=lambda: self.executing,
             )
             self.breaker = CircuitBreaker(
                 self.label, runner.breaker_failures, runner.breaker_reset_s
@@ -172,12 +178,27 @@ class LoadedPlugin:
 
     def leave(self) -> None:
         self.in_flight -= 1
-        if self.in_flight == 0 and self._idle is not None:
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self.in_flight == 0 and self.executing == 0 and self._idle is not None:
             self._idle.set()
 
+    def _executed(self, _: object) -> None:
+        """A worker thread returned (from the thread: handed to the loop)."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(self._thread_returned)
+
+    def _thread_returned(self) -> None:
+        self.executing -= 1
+        self._check_idle()
+
     async def wait_idle(self, within: float) -> bool:
-        """Wait until no request uses this instance; ``False`` if ``within`` seconds pass first."""
-        if self.in_flight == 0:
+        """Wait until no request uses this instance and no call of it is still running on a
+        thread; ``False`` if ``within`` seconds pass first."""
+        if self.in_flight == 0 and self.executing == 0:
             return True
         if self._idle is None:
             self._idle = asyncio.Event()
@@ -249,8 +270,12 @@ class LoadedPlugin:
                 self.inline_executions += 1
                 result = self._timed(inputs)
             else:
-                loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(self._executor, self._timed, inputs)
+                assert self._executor is not None
+                self._loop = asyncio.get_running_loop()
+                work = self._executor.submit(self._timed, inputs)
+                self.executing += 1
+                work.add_done_callback(self._executed)
+                result = await asyncio.wrap_future(work)
         except InvalidInput as exc:  # the request's fault, not the runner's: not counted
             raise self._refused(exc) from None
         except PlugserveError as exc:

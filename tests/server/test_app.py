@@ -113,3 +113,55 @@ async def test_shutdown_closes_within_its_budget_whatever_plugins_do(
         ("preprocessor/stuck@1.0.0", "plugserve_shutdown"),
         ("preprocessor/stuck@1.0.0", "close"),
     }
+
+
+SLOW_RUNNER = """
+    import time
+    import pluggy
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Slow:
+        def __init__(self, log):
+            self.log = log
+
+        def infer(self, inputs):
+            with open(self.log, "a") as out:
+                out.write(f"start {time.monotonic()}\\n")
+            time.sleep(0.6)
+            with open(self.log, "a") as out:
+                out.write(f"end {time.monotonic()}\\n")
+            return {"y": inputs["x"]}
+
+        def close(self):
+            with open(self.log, "a") as out:
+                out.write(f"close {time.monotonic()}\\n")
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Slow(config["log"])
+"""
+
+
+async def test_a_cancelled_request_keeps_its_instance_busy_until_its_thread_returns(
+    plugins_dir: Path, tmp_path: Path, client: Callable[..., object]
+) -> None:
+    """Review of issue 12: a request whose deadline passed (or whose client hung up) left the
+    instance's count while its call still ran on a thread, so an unload closed the runner
+    mid-inference and the next request ran beside the abandoned one."""
+    log = tmp_path / "calls.log"
+    write_plugin(plugins_dir, "runner", "slow", "1.0.0",
+                 f'[config]\nlog = "{log}"\n[runner]\nmax_batch_size = 0\ninline_budget_us = 0\n',
+                 {"plugin.py": SLOW_RUNNER})  # fmt: skip
+    cli = await client(drain_timeout_s=5)  # type: ignore[operator]
+    x = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
+    late = await cli.post("/v2/models/slow/infer", json=x, headers={"X-Request-Timeout": "0.1"})
+    assert late.status == 504
+    # The next request waits for the abandoned call to return instead of running beside it.
+    assert (await cli.post("/v2/models/slow/infer", json=x)).status == 200
+    late = await cli.post("/v2/models/slow/infer", json=x, headers={"X-Request-Timeout": "0.1"})
+    assert late.status == 504
+    # An unload drains the abandoned call before close() runs.
+    assert (await cli.post("/admin/plugins/runner/slow/1.0.0/unload")).status == 200
+    events = [line.split() for line in log.read_text().splitlines()]
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["start", "end", "start", "end", "start", "end", "close"], kinds
