@@ -83,6 +83,11 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     except Exception:
         log.exception("internal_error", path=request.path)
         response = web.json_response({"error": "internal server error"}, status=500)
+    if response.status >= 400 and _large_body_left(request):
+        # Refused before its body was read (404, 401, 429, 413 ...): aiohttp would read,
+        # and inflate, the rest for up to 10 s after the answer. Close the connection instead.
+        request.content.feed_eof()
+        response.force_close()
     response.headers[REQUEST_ID_HEADER] = request_id
     chain = REQUEST_CHAIN.get()
     if chain is not None:
@@ -97,3 +102,17 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
             remote=request.remote,
         )
     return response
+
+
+LINGER_BYTES = 64 * 1024
+"""An unread body larger than this (or compressed, or of unknown length) is not read after
+an error answer: the connection closes. A smaller one is read and dropped, as aiohttp does,
+so that the client sees the answer rather than a reset."""
+
+
+def _large_body_left(request: web.Request) -> bool:
+    if request.content.is_eof():
+        return False
+    length = request.content_length
+    compressed = request.headers.get("Content-Encoding", "identity").lower() != "identity"
+    return compressed or length is None or length > LINGER_BYTES

@@ -17,8 +17,8 @@ from aiohttp import web
 from registry.chain import Chain
 from registry.errors import InvalidInput, PluginError
 from server.bodies import LARGE_BODY_BYTES
-from server.serving import deadline_seconds, measured, request_context, serve
-from server.state import BODIES, REGISTRY
+from server.serving import admit, deadline_seconds, measured, request_context, serve
+from server.state import BODIES
 
 
 def is_json(content_type: str) -> bool:
@@ -75,8 +75,8 @@ def _parse_json(body: bytes) -> Any:
 
 
 async def _predict(request: web.Request, route: str) -> web.Response:
-    # 404/503 before a byte of the body is read or parsed; serve() resolves again.
-    request.app[REGISTRY].routes.resolve(route, None, request.headers)
+    # 404/503/429 before a byte of the body is read or parsed; serve() resolves again.
+    admit(request, route, None)
     bodies = request.app[BODIES]
     body = await bodies.read(request)
     data: Any = body

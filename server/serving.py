@@ -144,6 +144,20 @@ def _request_span(request: web.Request, route: str, chain: Chain) -> Any:
     )
 
 
+def admit(request: web.Request, route: str, version: str | None) -> None:
+    """Before a byte of the body is read: 404/503 for a route or version not served here,
+    429 for a route over its rate limit. :func:`serve` resolves the chain again after
+    decoding (the table may have changed meanwhile; a lookup costs well under 1 µs)."""
+    registry = request.app[REGISTRY]
+    registry.routes.resolve(route, version)
+    bucket = registry.buckets.get(route)
+    if bucket is not None and (wait := bucket.take()) > 0:
+        raise TooManyRequests(
+            f"route {route!r} is over its rate limit of {bucket.limit.rps:g} requests/s",
+            retry_after_s=math.ceil(wait),
+        )
+
+
 async def serve(
     request: web.Request,
     route: str,
@@ -158,14 +172,7 @@ async def serve(
     A request still running at its deadline answers 504 (a runner call already
     on a thread finishes there, unobserved; a queued one never starts).
     """
-    registry = request.app[REGISTRY]
-    chain = registry.routes.resolve(route, version, request.headers)
-    bucket = registry.buckets.get(route)
-    if bucket is not None and (wait := bucket.take()) > 0:
-        raise TooManyRequests(
-            f"route {route!r} is over its rate limit of {bucket.limit.rps:g} requests/s",
-            retry_after_s=math.ceil(wait),
-        )
+    chain = request.app[REGISTRY].routes.resolve(route, version, request.headers)
     # Counted in for the shutdown drain only now that its body is in: a client still
     # uploading never holds a shutdown up (503 if the drain began meanwhile).
     drain = request.app[DRAIN]

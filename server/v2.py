@@ -13,7 +13,7 @@ from registry.errors import PluginError, Unavailable
 from server import __version__
 from server.bodies import LARGE_BODY_BYTES
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
-from server.serving import deadline_seconds, measured, request_context, serve
+from server.serving import admit, deadline_seconds, measured, request_context, serve
 from server.state import BODIES, DRAIN, REGISTRY, ROUTE_STORE, SETTINGS
 
 EXTENSIONS = ["binary_tensor_data", "statistics"]
@@ -85,8 +85,8 @@ async def infer(request: web.Request) -> web.Response:
 
 async def _infer(request: web.Request, route: str) -> web.Response:
     app = request.app
-    # 404/503 before a byte of the body is read or parsed; serve() resolves again.
-    app[REGISTRY].routes.resolve(route, request.match_info.get("version"), request.headers)
+    # 404/503/429 before a byte of the body is read or parsed; serve() resolves again.
+    admit(request, route, request.match_info.get("version"))
     bodies = app[BODIES]
     body = await bodies.read(request)
     header_length, limits = request.headers.get(HEADER_LENGTH), app[SETTINGS].limits

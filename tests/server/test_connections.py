@@ -111,6 +111,49 @@ def test_a_gzip_bomb_is_404_at_once_for_an_unknown_route_and_never_stalls_health
     assert max(waits) < max(0.5, 0.35 * seconds), (seconds, sorted(waits)[-5:])
 
 
+def test_a_refusal_before_the_body_closes_the_connection_instead_of_reading_on(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Review of issue 12: a 404, 401 or 429 answered before the body was read left aiohttp
+    reading (and inflating) the rest of a large body for up to 10 s; the rate limit was
+    checked only after the body was read and decoded. Now the answer comes at once, the
+    connection closes, and a small body still gets a normal keep-alive answer."""
+    write_add_runner(
+        plugins_dir, "add", "1.0.0", route="[route]\nrate_limit = { rps = 0.01, burst = 1 }\n"
+    )
+    srv = start(server, tmp_path, plugins_dir)
+    x = json.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+    )
+    assert (
+        srv.request(
+            "POST", "/v2/models/add/infer", x.encode(), {"Content-Type": "application/json"}
+        )[0]
+        == 200
+    )
+    for path, status in (
+        ("/v2/models/nope/infer", 404),
+        ("/predict/nope", 404),
+        ("/v2/models/add/infer", 429),
+    ):
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {50 << 20}\r\n\r\n"
+            sock.sendall(head.encode() + b"0" * 65536)  # 64 KiB of 50 MiB, then nothing
+            started = time.perf_counter()
+            answer = b""
+            while chunk := sock.recv(65536):  # until the server closes
+                answer += chunk
+            assert time.perf_counter() - started < 2.0, path
+            assert answer.startswith(f"HTTP/1.1 {status}".encode()), answer[:80]
+    # A small body refused the same way keeps its keep-alive connection.
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
+        for _ in range(2):
+            sock.sendall(
+                b"POST /v2/models/nope/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+            )
+            assert sock.recv(65536).startswith(b"HTTP/1.1 404")
+
+
 # -- finding 12: header and body timeouts, a connection cap with a clear refusal
 
 PARTIAL = b"POST /v2/models/add/infer HTTP/1.1\r\nHost: plugserve\r\nContent-Type: applic"
