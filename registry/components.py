@@ -279,7 +279,7 @@ class LoadedPlugin:
         except InvalidInput as exc:  # the request's fault, not the runner's: not counted
             raise self._refused(exc) from None
         except PlugserveError as exc:
-            if exc.status >= 500:
+            if exc.status == 500:  # its own 503 or 504 is not a failure of the runner
                 self._failed()
             raise
         except Exception as exc:

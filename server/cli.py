@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ from server import __version__
 from server.app import create_app
 from server.config import Settings, bundled_dir, load_settings
 from server.connections import (
+    MIN_REFUSING,
     ConnectionLimits,
     Listener,
     default_max_connections,
@@ -38,6 +40,8 @@ from server.streams import flush_std_streams, protect_std_streams
 THREAD_GRACE_S = 0.5
 """How long the process waits, after shutdown, for threads other than its own to end."""
 
+ADMIN_CONNECTIONS = 64
+"""Open connections on the control plane's own listener (``admin_port``)."""
 KEEPALIVE_TIMEOUT_S = 75.0
 """An idle keep-alive connection is closed after this long (aiohttp's default)."""
 
@@ -158,6 +162,8 @@ def _lingering_threads() -> list[threading.Thread]:
 def _listeners(settings: Settings, count: int) -> list[Listener]:
     """The data plane's listener, and the control plane's (its own cap) when it has a port."""
     open_files = raise_open_files_limit()
+    if count > 1:  # the control plane's own listener: a small share, out of the same files
+        open_files -= ADMIN_CONNECTIONS + MIN_REFUSING
     max_connections = settings.max_connections or default_max_connections(open_files)
     limits = ConnectionLimits(
         settings.header_timeout_s,
@@ -172,7 +178,10 @@ def _listeners(settings: Settings, count: int) -> list[Listener]:
         header_timeout_s=limits.header_timeout_s,
         body_timeout_s=limits.body_timeout_s,
     )
-    return [Listener(name, limits) for name in ("data", "admin")[:count]]
+    admin = dataclasses.replace(
+        limits, max_connections=ADMIN_CONNECTIONS, max_refusing=MIN_REFUSING
+    )
+    return [Listener("data", limits), Listener("admin", admin)][:count]
 
 
 def _shown_registry(url: str) -> str:

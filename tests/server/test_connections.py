@@ -275,6 +275,32 @@ def test_connections_over_the_cap_get_a_clear_503_and_room_comes_back(
     assert metric(srv, "plugserve_connections_open") <= 2
 
 
+def test_the_admin_listener_has_a_small_cap_of_its_own(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Review of issue 12: with admin_port set, both listeners took the whole open-files
+    budget each, together twice what the process may open. The control plane's listener
+    now holds at most 64 connections, out of the same budget."""
+    from server.cli import ADMIN_CONNECTIONS
+    from tests.helpers import free_port
+
+    admin_port = free_port()
+    srv = start(server, tmp_path, plugins_dir, admin_port=admin_port, header_timeout_s=2)
+    held = [
+        socket.create_connection(("127.0.0.1", admin_port), timeout=10)
+        for _ in range(ADMIN_CONNECTIONS)
+    ]
+    for sock in held:
+        sock.sendall(PARTIAL)
+    time.sleep(0.3)
+    with socket.create_connection(("127.0.0.1", admin_port), timeout=10) as sock:
+        sock.sendall(b"GET /admin/plugins HTTP/1.1\r\nHost: plugserve\r\n\r\n")
+        assert read_all(sock).startswith(b"HTTP/1.1 503 Service Unavailable")
+    assert live_seconds(srv) < 1.0  # the data plane is not affected
+    for sock in held:
+        sock.close()
+
+
 def test_idle_keep_alive_connections_make_room_at_the_cap(
     server: Server, tmp_path: Path, plugins_dir: Path
 ) -> None:
