@@ -20,7 +20,7 @@ from typing import Any, Literal
 import structlog
 
 from registry.components import LoadedPlugin
-from registry.errors import NotFound, PlugserveError, RoutesFileError, Unavailable
+from registry.errors import NotFound, PlugserveError, RoutesFileError
 from registry.fingerprint import Fingerprinter
 from registry.loader import Loader
 from registry.manager import PluginHost
@@ -148,14 +148,20 @@ class Registry:
         Plugins with a module load first: one may provide a backend that a
         declarative runner uses. ``force`` reloads unchanged versions too
         (versions unloaded through the admin API stay unloaded). While the
-        plugins dir is missing (being replaced), what is loaded stays: 503.
+        plugins dir is missing (being replaced), nothing is rescanned and what is
+        loaded stays; the report lists the missing folder among the failures.
         """
-        if self.records and not self.plugins_dir.is_dir():
-            raise Unavailable(
-                f"the plugins dir {self.plugins_dir} is missing: nothing rescanned, "
-                "what is loaded keeps serving until it is back"
-            )
         report = SyncReport()
+        if self.records and not self.plugins_dir.is_dir():
+            report.failed.append(
+                {
+                    "plugins_dir": str(self.plugins_dir),
+                    "error": f"the plugins dir {self.plugins_dir} is missing: nothing "
+                    "rescanned, what is loaded keeps serving until it is back",
+                }
+            )
+            report.unchanged = len(self.records)
+            return report
         report.routes_file = self.sync_routes_file()
         folders = self.discover()
         with_module = [f for f in folders if not _is_declarative(f)]
