@@ -33,8 +33,40 @@ def too_large(limit: int) -> PayloadTooLarge:
     )
 
 
+class Slot:
+    """One of the ``max_large_bodies`` places a large body holds from its first byte read
+    until it is parsed (or its request ends); released once."""
+
+    __slots__ = ("_bodies",)
+
+    def __init__(self, bodies: Bodies) -> None:
+        self._bodies: Bodies | None = bodies
+
+    def release(self) -> None:
+        if self._bodies is not None:
+            self._bodies.large -= 1
+            self._bodies = None
+
+
+SLOT = web.RequestKey("large_body_slot", Slot)
+"""The slot a request's large body holds; the request middleware frees one never handed
+to a parser (a body a plugin takes as bytes) when the request ends."""
+
+
+def release_slot(request: web.BaseRequest) -> None:
+    """Free the request's large-body slot, if it still holds one."""
+    slot = request.get(SLOT)
+    if slot is not None:
+        slot.release()
+
+
 class Bodies:
-    """Reads request bodies and runs parsers of large ones on its own threads."""
+    """Reads request bodies and runs parsers of large ones on its own threads.
+
+    A large body (declared over ``LARGE_BODY_BYTES``, compressed, or growing past
+    it) takes one of ``max_large_bodies`` slots before more of it is read, and
+    holds it until parsed: at most that many large bodies are in memory at once.
+    """
 
     def __init__(self, max_body_bytes: int, threads: int, max_large: int) -> None:
         self.max_body_bytes = max_body_bytes
@@ -52,6 +84,13 @@ class Bodies:
         """
         try:
             return await self._read(request)
+        except BaseException:
+            release_slot(request)
+            raise
+
+    async def _read(self, request: web.BaseRequest) -> bytes:
+        try:
+            return await self._read_body(request)
         except RequestPayloadError as exc:
             # Nothing more is read from this body: aiohttp would otherwise read on after
             # the answer, meet the error again and log it with a traceback.
@@ -59,11 +98,13 @@ class Bodies:
             request.protocol.close()  # after the answer: the rest of the body is unread
             raise UnreadableBody(f"the request body cannot be read: {_reason(exc)}") from None
 
-    async def _read(self, request: web.BaseRequest) -> bytes:
+    async def _read_body(self, request: web.BaseRequest) -> bytes:
         limit = self.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:
             raise too_large(limit)
+        if (length is not None and length > LARGE_BODY_BYTES) or _compressed(request):
+            self.take(request)
         content = request.content
         first = await content.readany()
         if content.at_eof():  # the usual case: the whole body came with the headers
@@ -82,46 +123,41 @@ class Bodies:
             body += chunk
             if len(body) > limit:
                 raise too_large(limit)
+            if len(body) > LARGE_BODY_BYTES and request.get(SLOT) is None:
+                self.take(request)  # chunked, of no declared length: large after all
 
-    def is_large(self, request: web.BaseRequest, body: bytes) -> bool:
-        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity")
-        return len(body) > LARGE_BODY_BYTES or encoding.lower() != "identity"
-
-    async def parse(self, request: web.BaseRequest, body: bytes, parse: Callable[[bytes], T]) -> T:
-        """``parse(body)``: inline for a small body, on the pool for a large one."""
-        if not self.is_large(request, body):
-            return parse(body)
-        return await self.offload(parse, body)
-
-    async def offload(self, work: Callable[[bytes], T], body: bytes) -> T:
-        """Run ``work(body)`` on the pool, counted against ``max_large_bodies``.
-
-        A request cancelled meanwhile (its client hung up) stops waiting; its
-        slot is freed only when the thread is done with it.
-        """
+    def take(self, request: web.BaseRequest) -> None:
+        """Give the request a large-body slot; 429 when all ``max_large_bodies`` are held."""
         if self.large >= self.max_large:
             raise TooManyRequests(
-                f"{self.large} large request bodies are being parsed, the limit "
+                f"{self.large} large request bodies are being read or parsed, the limit "
                 f"(max_large_bodies = {self.max_large}); try again shortly",
                 retry_after_s=1,
             )
         self.large += 1
+        request[SLOT] = Slot(self)
+
+    async def parse(self, request: web.BaseRequest, body: bytes, parse: Callable[[bytes], T]) -> T:
+        """``parse(body)``: inline for a small body, on the pool for a large one, which
+        hands its slot to the thread: a request cancelled meanwhile (its client hung up)
+        stops waiting, and the slot is freed only when the thread is done with it."""
+        slot = request.get(SLOT)
+        if slot is None:
+            return parse(body)
+        del request[SLOT]
         loop = asyncio.get_running_loop()
         try:
-            future = self._pool.submit(work, body)
+            future = self._pool.submit(parse, body)
         except BaseException:
-            self.large -= 1
+            slot.release()
             raise
-        future.add_done_callback(lambda _: _call_soon(loop, self._release))
+        future.add_done_callback(lambda _: _call_soon(loop, slot.release))
         return await asyncio.wrap_future(future)
 
     async def run(self, work: Callable[[], T]) -> T:
         """Run ``work()`` on the pool (encoding a large response); not counted."""
         future: Future[T] = self._pool.submit(work)
         return await asyncio.wrap_future(future)
-
-    def _release(self) -> None:
-        self.large -= 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -137,3 +173,7 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) ->
     """Schedule ``callback`` on ``loop`` from any thread; nothing once the loop is closed."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(callback)
+
+
+def _compressed(request: web.BaseRequest) -> bool:
+    return request.headers.get(hdrs.CONTENT_ENCODING, "identity").lower() != "identity"

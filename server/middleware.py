@@ -11,7 +11,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from registry.errors import PluginError, PlugserveError
-from server.bodies import too_large
+from server.bodies import release_slot, too_large
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.state import SETTINGS
 
@@ -49,6 +49,13 @@ def error_response(exc: PlugserveError) -> web.Response:
 
 @web.middleware
 async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await _answer(request, handler)
+    finally:
+        release_slot(request)  # a large body never handed to a parser gives its place back
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bind a request id to the log context, answer every error as ``{"error": ...}`` JSON.
 
     :class:`PlugserveError` carries its status; aiohttp's own HTTP errors (unknown

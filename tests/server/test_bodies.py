@@ -9,9 +9,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
 from registry.errors import TooManyRequests
 from server.bodies import Bodies
+from server.state import BODIES
 from tests.helpers import write_add_runner
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}
@@ -64,8 +66,9 @@ async def test_an_unknown_route_is_404_before_the_body_is_read(plugins_dir: Path
 
 
 async def test_large_body_parses_are_bounded() -> None:
-    """issue 12, finding 11 (the class): at most max_large_bodies parses run or wait on the
-    pool; the next gets 429 with Retry-After, and its place comes back when one ends."""
+    """issue 12, finding 11 (the class): at most max_large_bodies large bodies are held
+    (read or parsed) at once; the next gets 429 with Retry-After, and its place comes back
+    when one ends."""
     bodies = Bodies(1 << 20, threads=1, max_large=2)
     gate = threading.Event()
 
@@ -73,18 +76,28 @@ async def test_large_body_parses_are_bounded() -> None:
         gate.wait(10)
         return len(body)
 
-    running = [asyncio.ensure_future(bodies.offload(held, b"x" * n)) for n in (1, 2)]
+    requests = [make_mocked_request("POST", "/") for _ in range(4)]
+    for request in requests[:2]:
+        bodies.take(request)
+    running = [
+        asyncio.ensure_future(bodies.parse(r, b"x" * n, held))
+        for r, n in zip(requests, (1, 2), strict=False)
+    ]
     await asyncio.sleep(0.05)
     assert bodies.large == 2
     with pytest.raises(TooManyRequests) as refused:
-        await bodies.offload(held, b"x")
+        bodies.take(requests[2])
     assert "max_large_bodies = 2" in refused.value.message
     assert refused.value.headers() == {"Retry-After": "1"}
     gate.set()
     assert await asyncio.gather(*running) == [1, 2]
     await asyncio.sleep(0.05)
     assert bodies.large == 0
-    assert await bodies.offload(len, b"abc") == 3
+    bodies.take(requests[3])
+    assert await bodies.parse(requests[3], b"abc", len) == 3
+    await asyncio.sleep(0.05)
+    assert bodies.large == 0
+    assert await bodies.parse(make_mocked_request("POST", "/"), b"abc", len) == 3  # small: inline
     bodies.close()
 
 
@@ -92,7 +105,9 @@ async def test_a_cancelled_parse_keeps_its_place_until_its_thread_is_done() -> N
     """A hung-up client's parse still occupies the pool: it is counted until it ends."""
     bodies = Bodies(1 << 20, threads=1, max_large=1)
     gate = threading.Event()
-    task = asyncio.ensure_future(bodies.offload(lambda body: gate.wait(10), b"x"))
+    request = make_mocked_request("POST", "/")
+    bodies.take(request)
+    task = asyncio.ensure_future(bodies.parse(request, b"x", lambda body: gate.wait(10)))
     await asyncio.sleep(0.05)
     task.cancel()
     await asyncio.sleep(0.05)
@@ -101,6 +116,32 @@ async def test_a_cancelled_parse_keeps_its_place_until_its_thread_is_done() -> N
     await asyncio.sleep(0.1)
     assert bodies.large == 0
     bodies.close()
+
+
+async def test_large_bodies_being_uploaded_hold_their_places(  # type: ignore[no-untyped-def]
+    plugins_dir: Path, client
+) -> None:
+    """Review of issue 12: the max_large_bodies bound applied only once a body was read, so
+    any number of 64 MiB uploads could be held in memory at once. A large body now takes its
+    place before it is read; one that never ends gives it back when its request ends."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    cli = await client(max_large_bodies=1)
+    _reader, writer = await asyncio.open_connection(cli.host, cli.port)
+    writer.write(b"POST /v2/models/add/infer HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Length: 1048576\r\n\r\n" + b" " * 300_000)  # fmt: skip
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    big = b" " * 600_000 + b'{"inputs": []}'
+    resp = await cli.post("/v2/models/add/infer", data=big)
+    assert resp.status == 429
+    assert "max_large_bodies = 1" in (await resp.json())["error"]
+    small = await cli.post("/v2/models/add/infer", json=X)
+    assert small.status == 200  # small bodies hold no place
+    writer.close()  # the held upload ends: its place comes back
+    await asyncio.sleep(0.2)
+    resp = await cli.post("/v2/models/add/infer", data=big)
+    assert resp.status == 400  # read and parsed: no inputs
+    assert cli.app[BODIES].large == 0
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
