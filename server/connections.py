@@ -340,14 +340,16 @@ class Starting(asyncio.Protocol):
     answers 200, anything else 503 with ``Retry-After``; then closed, as it is when its
     request's headers do not arrive within ``header_timeout_s``."""
 
-    def __init__(self, limits: ConnectionLimits) -> None:
+    def __init__(self, limits: ConnectionLimits, open_now: set[Starting]) -> None:
         self.limits = limits
+        self.open_now = open_now
         self.head: bytes | None = b""
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)
+        self.open_now.add(self)
         loop = asyncio.get_running_loop()
         self.timer = loop.call_later(self.limits.header_timeout_s, transport.abort)
 
@@ -368,6 +370,7 @@ class Starting(asyncio.Protocol):
         return False  # the client is done: close
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.open_now.discard(self)
         if self.timer is not None:
             self.timer.cancel()
 
@@ -474,13 +477,18 @@ async def serve_app(
 def _starting_or_serving(
     runner: web.AppRunner, listener: Listener
 ) -> Callable[[], asyncio.Protocol]:
-    """A protocol factory: :class:`Starting` until the app has started, then the listener's."""
+    """A protocol factory: :class:`Starting` until the app has started (within the
+    listener's ``max_connections``, refused past it), then the listener's."""
     serving = listener.factory(lambda: _handler(runner))
+    starting: set[Starting] = set()
 
     def protocol() -> asyncio.Protocol:
-        if runner.server is None:
-            return Starting(listener.limits)
-        return serving()
+        if runner.server is not None:
+            return serving()
+        if len(starting) < listener.limits.max_connections:
+            return Starting(listener.limits, starting)
+        listener.refused += 1
+        return Refusal(listener, reset=len(listener.refusing) >= listener.limits.max_refusing)
 
     return protocol
 
