@@ -360,9 +360,10 @@ class Starting(asyncio.Protocol):
         self.head += data
         if b"\r\n\r\n" not in self.head and len(self.head) < STARTING_HEAD_BYTES:
             return
-        line = self.head.split(b"\r\n", 1)[0].split(b" ")
+        method, _, rest = self.head.split(b"\r\n", 1)[0].partition(b" ")
         self.head = None
-        transport.write(LIVE if line[1:2] == [b"/v2/health/live"] else STARTING)
+        answer = LIVE if rest.split(b" ")[0].split(b"?")[0] == b"/v2/health/live" else STARTING
+        transport.write(answer.split(b"\r\n\r\n")[0] + b"\r\n\r\n" if method == b"HEAD" else answer)
         if transport.can_write_eof():
             transport.write_eof()
 

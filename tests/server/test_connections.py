@@ -416,6 +416,7 @@ def test_health_answers_while_the_first_load_runs(
     started = time.monotonic()
     with urllib.request.urlopen(srv.url + "/v2/health/live", timeout=2) as r:
         assert (r.status, json.loads(r.read())) == (200, {"live": True})
+    assert srv.request("HEAD", "/v2/health/live?probe=1")[:3:2] == (200, b"")
     status, headers, body = srv.request("GET", "/v2/health/ready")
     assert status == 503 and headers["Retry-After"] == "1"
     assert json.loads(body) == {"error": "the server is starting: plugins are still loading"}
