@@ -51,6 +51,8 @@ Arrays = Mapping[str, np.ndarray]
 Execute = Callable[[Arrays], Awaitable[Arrays]]
 Timer = Callable[[float, Callable[[], None]], Any]
 RETRY_AFTER_S = 1
+MAX_TENANTS_KEPT = 1024
+"""Past this many tenants' finish tags, only those of tenants still queued are kept."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class Pending:
     future: asyncio.Future[Arrays]
     timings: dict[str, float] | None = None
     span: Any = None  # the "queue" span, while tracing
+    tenant: str = ""
 
     def key(self) -> tuple[int, float, int]:
         return (self.level, self.tag, self.seq)
@@ -211,6 +214,7 @@ class Scheduler:
         request = Pending(
             inputs, rows, sig, now, deadline, level, start, next(self._seq), future, timings
         )
+        request.tenant = name
         if tracing.TRACER is not None:
             request.span = tracing.TRACER.start_span("queue", attributes={"plugserve.rows": rows})
         self._queue.append(request)
@@ -321,8 +325,14 @@ class Scheduler:
             if request.span is not None:
                 request.span.end()
         self._vtime = max(self._vtime, max(r.tag for r in batch))
-        if len(self._tenant_finish) > 1024:
-            self._tenant_finish = {t: f for t, f in self._tenant_finish.items() if f > self._vtime}
+        if len(self._tenant_finish) > MAX_TENANTS_KEPT:
+            # Keep the tags that still order something: those of tenants with requests queued.
+            # (Every request naming a new tenant starts at the virtual time, which then never
+            # moves past their finish tags: without this the table grows with each name.)
+            queued = {r.tenant for r in self._queue}
+            self._tenant_finish = {
+                t: f for t, f in self._tenant_finish.items() if f > self._vtime and t in queued
+            }
         self._running += 1
         task = asyncio.create_task(self._run(batch))
         self._tasks.add(task)

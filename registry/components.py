@@ -27,6 +27,8 @@ from registry.types import PluginInfo, RequestContext
 
 STAGE_METHOD = {"preprocessor": "process", "runner": "infer", "postprocessor": "format"}
 INLINE_MAX_ROWS = 4
+INLINE_MAX_BYTES = 64 * 1024
+"""A batch larger than this never runs inline, whatever its rows: its cost is not measured."""
 SMALL_COSTS_KEPT = 8
 
 
@@ -302,19 +304,19 @@ class LoadedPlugin:
 
         A thread hop costs more than a cheap execution (waking a worker and
         then the loop, 100 us or more on a busy 2-core machine). Batches of at
-        most ``INLINE_MAX_ROWS`` rows run inline once the fastest of the last
-        eight such batches took less than the runner's ``inline_budget_us``;
-        anything larger or slower stays off the loop.
+        most ``INLINE_MAX_ROWS`` rows and ``INLINE_MAX_BYTES`` run inline once
+        the fastest of the last eight such batches took less than the runner's
+        ``inline_budget_us``; anything larger or slower stays off the loop.
         """
         costs = self._small_costs
         if len(costs) < SMALL_COSTS_KEPT or min(costs) > self._inline_budget:
             return False
-        return _rows(inputs) <= INLINE_MAX_ROWS
+        return _small(inputs)
 
     def _timed(self, inputs: Mapping[str, np.ndarray]) -> Any:
         started = time.perf_counter()
         result = self._method(inputs)
-        if _rows(inputs) <= INLINE_MAX_ROWS:
+        if _small(inputs):
             # The least of the last few: a run on a worker thread also counts
             # its wait for the GIL, which says nothing about the work itself.
             self._small_costs.append(time.perf_counter() - started)
@@ -372,6 +374,23 @@ def batch_policy(runner: RunnerSection) -> BatchPolicy:
         default_priority=runner.default_priority_level,
         tenant_weights=runner.tenant_weights,
     )
+
+
+def _small(inputs: Mapping[str, np.ndarray]) -> bool:
+    """Whether a batch is small enough for a measured cost to speak for it: at most
+    ``INLINE_MAX_ROWS`` rows and ``INLINE_MAX_BYTES`` of data, BYTES elements counted."""
+    if _rows(inputs) > INLINE_MAX_ROWS:
+        return False
+    total = 0
+    for array in inputs.values():
+        total += array.nbytes
+        if array.dtype.kind == "O":
+            if array.size > INLINE_MAX_BYTES // 8:
+                return False
+            total += sum(len(v) for v in array.flat if isinstance(v, bytes | str))
+        if total > INLINE_MAX_BYTES:
+            return False
+    return True
 
 
 def _rows(inputs: Mapping[str, np.ndarray]) -> int:

@@ -15,6 +15,9 @@ from typing import Any
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_BATCH_SIZES = 1024
+"""Distinct batch sizes with stats of their own (the first seen); other sizes count in the
+totals only. A request over ``max_batch_size`` runs alone at its own size: clients choose them."""
 # Latency histogram bounds in seconds, from tens of microseconds to tens of seconds.
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -77,7 +80,11 @@ class RunnerStats:
     def record_execution(self, rows: int, seconds: float) -> None:
         """One runner execution of ``rows`` rows (a batch)."""
         self.execution_count += 1
-        self.batches.setdefault(rows, _Duration()).add(seconds)
+        kept = self.batches.get(rows)
+        if kept is None and len(self.batches) < MAX_BATCH_SIZES:
+            kept = self.batches[rows] = _Duration()
+        if kept is not None:
+            kept.add(seconds)
         self.batch_sizes.observe(rows)
 
     def record_request(

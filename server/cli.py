@@ -32,7 +32,7 @@ from server.connections import (
     refusing_budget,
     run_app,
 )
-from server.logs import configure_logging
+from server.logs import configure_logging, protocol_logger
 from server.shutdown import install_signal_handlers
 from server.state import METRICS
 from server.streams import flush_std_streams, protect_std_streams
@@ -128,6 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
         listeners,
         _event_loop(settings.event_loop),
         access_log=None,
+        logger=protocol_logger(),
         keepalive_timeout=KEEPALIVE_TIMEOUT_S,
         # Our drain (server/shutdown.py) has already waited for in-flight requests.
         shutdown_timeout=1.0,

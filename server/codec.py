@@ -245,10 +245,14 @@ def _requested_outputs(raw: Any) -> list[RequestedOutput] | None:
     if not isinstance(raw, list):
         raise InvalidInput("'outputs' must be a list")
     outputs = []
+    names: set[str] = set()
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidInput("each requested output must be an object with a string 'name'")
         where = f"output {item['name']!r}"
+        if item["name"] in names:  # each repeat would be encoded again: a size multiplier
+            raise InvalidInput(f"{where} is requested more than once")
+        names.add(item["name"])
         binary = _boolean(_parameters(item, where), "binary_data", f"{where}: parameter")
         outputs.append(RequestedOutput(item["name"], binary))
     return outputs

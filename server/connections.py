@@ -48,7 +48,10 @@ CANCEL_ON_HANGUP = web.RequestKey("cancel_on_hangup", bool)
 
 
 def _response(status: str, message: str, extra: str = "") -> bytes:
-    body = orjson.dumps({"error": message})
+    return _reply(status, orjson.dumps({"error": message}), extra)
+
+
+def _reply(status: str, body: bytes, extra: str = "") -> bytes:
     head = (
         f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n"
@@ -322,6 +325,57 @@ class Refusal(asyncio.Protocol):
             transport.close()
 
 
+STARTING_HEAD_BYTES = 16 * 1024
+"""What a connection accepted while the server starts may send before it is answered."""
+LIVE = _reply("200 OK", orjson.dumps({"live": True}))
+STARTING = _response(
+    "503 Service Unavailable",
+    "the server is starting: plugins are still loading",
+    "Retry-After: 1\r\n",
+)
+
+
+class Starting(asyncio.Protocol):
+    """A connection accepted while the app starts (its plugins loading): ``/v2/health/live``
+    answers 200, anything else 503 with ``Retry-After``; then closed, as it is when its
+    request's headers do not arrive within ``header_timeout_s``."""
+
+    def __init__(self, limits: ConnectionLimits, open_now: set[Starting]) -> None:
+        self.limits = limits
+        self.open_now = open_now
+        self.head: bytes | None = b""
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)
+        self.open_now.add(self)
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(self.limits.header_timeout_s, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or self.head is None:
+            return  # answered: what else it sends is read, unused
+        self.head += data
+        if b"\r\n\r\n" not in self.head and len(self.head) < STARTING_HEAD_BYTES:
+            return
+        method, _, rest = self.head.split(b"\r\n", 1)[0].partition(b" ")
+        self.head = None
+        answer = LIVE if rest.split(b" ")[0].split(b"?")[0] == b"/v2/health/live" else STARTING
+        transport.write(answer.split(b"\r\n\r\n")[0] + b"\r\n\r\n" if method == b"HEAD" else answer)
+        if transport.can_write_eof():
+            transport.write_eof()
+
+    def eof_received(self) -> bool:
+        return False  # the client is done: close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open_now.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+
+
 @web.middleware
 async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Tell the request's connection when a request is being handled (headers complete)."""
@@ -399,18 +453,19 @@ async def serve_app(
 ) -> None:
     """What ``web.run_app`` does, with each socket's connections behind its listener.
 
-    ``kwargs`` go to aiohttp's :class:`~aiohttp.web.AppRunner` (and its protocol).
+    The sockets answer from the start: while the app starts (the first load of
+    every plugin), :class:`Starting` answers each connection. ``kwargs`` go to
+    aiohttp's :class:`~aiohttp.web.AppRunner` (and its protocol).
     """
     runner = web.AppRunner(app, **kwargs)
-    await runner.setup()
     servers: list[asyncio.AbstractServer] = []
     try:
         loop = asyncio.get_running_loop()
-        assert runner.server is not None
         for sock, listener in zip(sockets, listeners, strict=True):
-            factory = listener.factory(runner.server)
+            factory = _starting_or_serving(runner, listener)
             servers.append(await loop.create_server(factory, sock=sock, backlog=1024))
             listener.start()
+        await runner.setup()
         await asyncio.Event().wait()  # until cancelled (a signal's GracefulExit)
     finally:
         for server in servers:
@@ -418,3 +473,27 @@ async def serve_app(
         for listener in listeners:
             await listener.stop()
         await runner.cleanup()
+
+
+def _starting_or_serving(
+    runner: web.AppRunner, listener: Listener
+) -> Callable[[], asyncio.Protocol]:
+    """A protocol factory: :class:`Starting` until the app has started (within the
+    listener's ``max_connections``, refused past it), then the listener's."""
+    serving = listener.factory(lambda: _handler(runner))
+    starting: set[Starting] = set()
+
+    def protocol() -> asyncio.Protocol:
+        if runner.server is not None:
+            return serving()
+        if len(starting) < listener.limits.max_connections:
+            return Starting(listener.limits, starting)
+        listener.refused += 1
+        return Refusal(listener, reset=len(listener.refusing) >= listener.limits.max_refusing)
+
+    return protocol
+
+
+def _handler(runner: web.AppRunner) -> asyncio.Protocol:
+    assert runner.server is not None
+    return runner.server()

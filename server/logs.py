@@ -16,6 +16,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import structlog
+from aiohttp.http_exceptions import HttpProcessingError
 
 from registry.chain import Chain
 
@@ -70,6 +71,28 @@ def _safe_str(value: object) -> str:
         return str(value)
     except Exception:
         return f"<unprintable {type(value).__name__}>"
+
+
+class ProtocolLogger(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's connection-level logger, for its request handlers (``logger=``).
+
+    A request its parser refuses (not valid HTTP: a 400 sent before any handler)
+    is the client's mistake: logged at debug, without the traceback whose message
+    quotes the bytes sent (headers, tokens). Anything else goes on to aiohttp's logger.
+    """
+
+    def exception(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        error = kwargs.get("exc_info")
+        if isinstance(error, HttpProcessingError) and 400 <= error.code < 500:
+            structlog.get_logger("plugserve.server").debug(
+                "request_unparsable", status=error.code, error=error.message
+            )
+            return
+        self.logger.exception(msg, *args, **kwargs)
+
+
+def protocol_logger() -> ProtocolLogger:
+    return ProtocolLogger(logging.getLogger("aiohttp.server"))
 
 
 def configure_logging(log_format: str = "console", level: str = "info") -> None:

@@ -308,6 +308,22 @@ async def test_tenant_weights_share_in_proportion() -> None:
     assert first_eight.count(2.0) == 2
 
 
+async def test_tenants_that_left_the_queue_are_forgotten() -> None:
+    """Attack round after issue 12: every X-Tenant-ID that queued kept an entry for good when
+    each request named a new tenant (the virtual clock never moved past their tags), so a
+    client growing tenant names grew the server without bound, and each dispatch walked them."""
+    scheduler, runner, _fake = make(BatchPolicy(max_batch_size=0))
+    scheduler.enqueue(rows(1))
+    await settle()
+    for wave in range(5):
+        futures = [scheduler.enqueue(rows(1), tenant=f"t{wave}-{i}") for i in range(1000)]
+        while not all(f.done() for f in futures):
+            runner.release()
+            await settle()
+    assert len(scheduler._tenant_finish) <= 1024  # MAX_TENANTS_KEPT
+    runner.release()
+
+
 async def test_a_failed_execution_fails_each_request_with_its_own_error() -> None:
     scheduler, runner, _fake = make(BatchPolicy(max_batch_size=8))
     scheduler.enqueue(rows(1))

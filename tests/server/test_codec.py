@@ -217,6 +217,21 @@ def test_binary_bool_elements_must_be_0_or_1() -> None:
     assert ok.inputs["x"].tolist() == [True, False]
 
 
+def test_an_output_requested_twice_is_400() -> None:
+    """Attack round after issue 12: each repeat of a requested output was encoded again, so a
+    64 MiB request naming a large output a million times asked for terabytes (out of memory,
+    and below 256 KiB per output the encoding ran on the event loop)."""
+    for outputs in ([{"name": "y"}, {"name": "y"}],
+                    [{"name": "y", "parameters": {"binary_data": True}}, {"name": "z"},
+                     {"name": "y", "parameters": {"binary_data": False}}]):  # fmt: skip
+        with pytest.raises(InvalidInput, match="output 'y' is requested more than once"):
+            decode_request(
+                json.dumps({**json.loads(one_input()), "outputs": outputs}).encode(), None
+            )
+    ok = json.dumps({**json.loads(one_input()), "outputs": [{"name": "y"}, {"name": "z"}]})
+    assert [o.name for o in decode_request(ok.encode(), None).outputs or []] == ["y", "z"]
+
+
 hostile = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=4),

@@ -445,3 +445,54 @@ def test_clients_that_hang_up_leave_the_queue_and_never_run(
     assert calls.read_text().split() == ["1.0", "5.0"]  # the abandoned three never ran
     # Counted as 499 (client closed request), as nginx does.
     assert metric(srv, 'plugserve_requests_total{protocol="v2",route="counting",status="499"') == 3
+
+
+SLOW_WARMUP = """
+    import time
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Slow:
+        def warmup(self):
+            time.sleep(4)
+
+        def infer(self, inputs):
+            return dict(inputs)
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Slow()
+"""
+
+
+def test_health_answers_while_the_first_load_runs(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Attack round after issue 12: the port was open but nothing answered until every
+    plugin had loaded (up to load_timeout_s), so a liveness probe timed out, a readiness
+    probe hung instead of getting 503 (as documented) and clients waited in the backlog."""
+    write_plugin(plugins_dir, "runner", "slow", "1.0.0", files={"plugin.py": SLOW_WARMUP})
+    (tmp_path / "models").mkdir()
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(tmp_path / "models"),
+                 ready=False)  # fmt: skip
+    deadline = time.monotonic() + 10
+    while True:  # until the port accepts (the process is importing)
+        try:
+            socket.create_connection(("127.0.0.1", srv.port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, srv.log()
+            time.sleep(0.05)
+    started = time.monotonic()
+    with urllib.request.urlopen(srv.url + "/v2/health/live", timeout=2) as r:
+        assert (r.status, json.loads(r.read())) == (200, {"live": True})
+    assert srv.request("HEAD", "/v2/health/live?probe=1")[:3:2] == (200, b"")
+    status, headers, body = srv.request("GET", "/v2/health/ready")
+    assert status == 503 and headers["Retry-After"] == "1"
+    assert json.loads(body) == {"error": "the server is starting: plugins are still loading"}
+    status, _, _ = srv.request("POST", "/v2/models/slow/infer", {"inputs": []})
+    assert status == 503
+    assert time.monotonic() - started < 3  # answered, not held until the load ended
+    srv.wait_ready()
+    assert srv.request("GET", "/v2/health/live")[0] == 200

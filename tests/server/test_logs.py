@@ -4,6 +4,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -254,3 +255,26 @@ def test_refusals_log_below_error_and_plugin_failures_at_error(
     assert {e["level"] for e in refused} == {"debug"}
     raised = [e for e in events if e.get("event") == "plugin_raised"]
     assert [e["level"] for e in raised] == ["error"]
+
+
+def test_a_request_that_is_not_valid_http_leaves_no_traceback_nor_its_bytes_in_the_log(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """Attack round after issue 12: aiohttp's parser logged every malformed request at error
+    level with a traceback quoting the offending header line, so an unauthenticated client
+    could fill the log, and an Authorization header with a stray control byte put its
+    token there."""
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    bad = [
+        b"GET /v2 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekrit-token-4242\x01\r\n\r\n",
+        b"POST /v2 HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nsekrit-chunk\r\n",
+        b"GET /v2 HTTP/1.1\r\nHost: x\r\nContent-Length: -4242\r\n\r\n",
+    ]
+    for raw in bad:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
+            sock.sendall(raw)
+            assert sock.recv(4096).startswith(b"HTTP/1.0 400 "), raw
+    assert srv.request("GET", "/v2")[0] == 200  # still serving
+    log = srv.log()
+    assert "Traceback" not in log
+    assert "sekrit" not in log and "4242" not in log
