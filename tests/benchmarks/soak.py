@@ -338,7 +338,7 @@ def report(args: argparse.Namespace, answers: Answers, outcomes: hostile.Outcome
         for kind, table in outcomes.by_kind().items():
             print(f"  {kind}: " + ", ".join(f"{o}: {n}" for o, n in table.items()))
             for outcome, n in table.items():
-                if outcome.startswith(("5", "timeout", "reset", "still held")):
+                if outcome.startswith(("5", "timeout", "reset", "still held past")):
                     suspect[outcome.split(" ")[0]] += n
         print(f"hostile attempts a hardened server should not give (5xx, timeout, reset, "
               f"held to the end): {dict(suspect) or 'none'}")  # fmt: skip
