@@ -272,12 +272,7 @@ class LoadedPlugin:
                 self.inline_executions += 1
                 result = self._timed(inputs)
             else:
-                assert self._executor is not None
-                self._loop = asyncio.get_running_loop()
-                work = self._executor.submit(self._timed, inputs)
-                self.executing += 1
-                work.add_done_callback(self._executed)
-                result = await asyncio.wrap_future(work)
+                result = await self._on_thread(inputs)
         except InvalidInput as exc:  # the request's fault, not the runner's: not counted
             raise self._refused(exc) from None
         except PlugserveError as exc:
@@ -293,6 +288,28 @@ class LoadedPlugin:
             raise PluginError(self.label, problem)
         if self.breaker is not None:
             self.breaker.success()
+        return result
+
+    async def _on_thread(self, inputs: Mapping[str, np.ndarray]) -> Any:
+        """Run ``infer`` on a worker thread, counted in :attr:`executing` until it returns.
+
+        A request cancelled meanwhile (deadline, hang-up) stops waiting, but the
+        thread cannot be stopped: it stays counted until it returns, so no unload
+        closes the instance under it.
+        """
+        assert self._executor is not None
+        work = self._executor.submit(self._timed, inputs)
+        self.executing += 1
+        try:
+            result = await asyncio.wrap_future(work)
+        except asyncio.CancelledError:
+            self._loop = asyncio.get_running_loop()
+            work.add_done_callback(self._executed)  # still running: counted until it returns
+            raise
+        except BaseException:
+            self._thread_returned()
+            raise
+        self._thread_returned()
         return result
 
     def _failed(self) -> None:

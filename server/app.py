@@ -14,7 +14,7 @@ from registry.fleet import EtcdLocation, EtcdRouteStore
 from registry.registry import Registry
 from registry.route_store import Replica, RouteStore
 from registry.watcher import Watcher
-from server import admin, auth, connections, openapi, predict, v2
+from server import admin, auth, openapi, predict, v2
 from server.bodies import Bodies
 from server.config import Settings
 from server.metrics import Metrics
@@ -97,7 +97,7 @@ def route_store(settings: Settings, registry: Registry) -> RouteStore:
 def create_app(settings: Settings, registry: Registry | None = None) -> web.Application:
     """Build the application; plugins load when it starts (``cleanup_ctx``)."""
     app = web.Application(
-        middlewares=[connections.middleware, request_middleware, *auth.middlewares(settings)],
+        middlewares=[request_middleware, *auth.middlewares(settings)],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings

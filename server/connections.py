@@ -28,7 +28,6 @@ from typing import Any, cast
 import orjson
 import structlog
 from aiohttp import web
-from aiohttp.typedefs import Handler
 from aiohttp.web_runner import GracefulExit
 
 log = structlog.get_logger("plugserve.server")
@@ -377,17 +376,16 @@ class Starting(asyncio.Protocol):
 
 
 @web.middleware
-async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Tell the request's connection when a request is being handled (headers complete)."""
+def begin_request(request: web.BaseRequest) -> Connection | None:
+    """Tell the request's connection that a request is being handled (its headers are
+    complete); the caller calls :meth:`Connection.end` when it is answered. ``None`` for
+    a connection that is not behind a listener (an in-process test server)."""
     transport = request.transport
     conn = transport.get_protocol() if transport is not None else None
-    if not isinstance(conn, Connection):  # an in-process test server: no guard
-        return await handler(request)
+    if not isinstance(conn, Connection):
+        return None
     conn.begin(request)
-    try:
-        return await handler(request)
-    finally:
-        conn.end()
+    return conn
 
 
 def cancel_on_hangup(request: web.BaseRequest) -> None:

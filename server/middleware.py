@@ -12,8 +12,9 @@ from aiohttp.typedefs import Handler
 
 from registry.errors import PluginError, PlugserveError
 from server.bodies import release_slot, too_large
+from server.connections import begin_request
 from server.logs import REQUEST_CHAIN, REQUEST_ID
-from server.state import SETTINGS
+from server.state import BODIES, SETTINGS
 
 REQUEST_ID_HEADER = "X-Request-ID"
 VARIANT_HEADER = "X-Plugserve-Variant"
@@ -49,21 +50,29 @@ def error_response(exc: PlugserveError) -> web.Response:
 
 @web.middleware
 async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await _answer(request, handler)
-    finally:
-        release_slot(request)  # a large body never handed to a parser gives its place back
-
-
-async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bind a request id to the log context, answer every error as ``{"error": ...}`` JSON.
 
     :class:`PlugserveError` carries its status; aiohttp's own HTTP errors (unknown
     path, wrong method, body too large) keep theirs; anything else is a 500
     whose details go to the log only. Only 500s (server faults) log at error
     level; other refusals are expected outcomes and log at debug. Tracebacks
-    never show local variables (server/logs.py).
+    never show local variables (server/logs.py). The request's connection knows
+    that a request is being handled (its header and body timeouts,
+    ``server/connections.py``), and a large body never handed to a parser gives
+    its place back when the request ends. One middleware for all of it: aiohttp
+    wraps each middleware anew on every request.
     """
+    connection = begin_request(request)
+    try:
+        return await _answer(request, handler)
+    finally:
+        if connection is not None:
+            connection.end()
+        if request.app[BODIES].large:
+            release_slot(request)
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or new_request_id()
     REQUEST_ID.set(request_id)
     REQUEST_CHAIN.set(None)
