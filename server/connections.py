@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import resource
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -463,6 +464,10 @@ async def serve_app(
             factory = _starting_or_serving(runner, listener)
             servers.append(await loop.create_server(factory, sock=sock, backlog=1024))
             listener.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # While the app starts (the first load), a signal stops at once, exit 0; the
+            # drain takes the signals over when the app has started (server/shutdown.py).
+            loop.add_signal_handler(sig, _raise_graceful_exit)
         await runner.setup()
         await asyncio.Event().wait()  # until cancelled (a signal's GracefulExit)
     finally:
@@ -471,6 +476,10 @@ async def serve_app(
         for listener in listeners:
             await listener.stop()
         await runner.cleanup()
+
+
+def _raise_graceful_exit() -> None:
+    raise GracefulExit()
 
 
 def _starting_or_serving(

@@ -234,3 +234,49 @@ def test_a_second_signal_stops_at_once(
     assert time.monotonic() - started < 4
     assert "shutdown_forced" in srv.log()
     assert "CLOSED" in srv.log()
+
+
+SLOW_WARMUP = """
+    import time
+    import pluggy
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Pre:
+        def warmup(self):
+            time.sleep(30)
+
+        def process(self, data, ctx):
+            return data
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Pre()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_first_load_exits_zero_at_once(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess], sig: int
+) -> None:
+    """Attack round after issue 12: SIGTERM or SIGINT while the plugins first load killed
+    the server with 143 (the drain's handlers are installed only once the app has started);
+    it now stops at once, exit 0."""
+    import urllib.request
+
+    write_plugin(plugins_dir, "preprocessor", "slow", "1.0.0", files={"plugin.py": SLOW_WARMUP})
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir), ready=False)
+    deadline = time.monotonic() + 20
+    while True:  # the port answers liveness while the first load runs
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(srv.url + "/v2/health/live", timeout=2) as answer,
+        ):
+            if answer.status == 200:
+                break
+        assert time.monotonic() < deadline, srv.log()
+        time.sleep(0.1)
+    time.sleep(0.3)  # inside the 30 s warmup
+    started = time.monotonic()
+    srv.proc.send_signal(sig)
+    assert srv.proc.wait(15) == 0, srv.log()
+    assert time.monotonic() - started < 12, srv.log()
