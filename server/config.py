@@ -126,32 +126,20 @@ class Settings:
 
     def __post_init__(self) -> None:
         self._check_tokens()
+        _check_numbers(self)  # every number setting against its bounds in _BOUNDS
         if self.log_format not in ("console", "json"):
             raise ConfigError(f"log_format must be 'console' or 'json', not {self.log_format!r}")
-        if min(self.max_inputs, self.max_tensor_rank, self.max_tensor_elements) < 1:
-            raise ConfigError("max_inputs, max_tensor_rank and max_tensor_elements must be >= 1")
         if self.event_loop not in ("auto", "asyncio", "uvloop"):
             raise ConfigError(f"event_loop must be auto, asyncio or uvloop: {self.event_loop!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(
                 f"log_level must be debug, info, warning or error: {self.log_level!r}"
             )
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be 0..65535, not {self.port}")
-        if self.admin_port is not None and not 0 < self.admin_port <= 65535:
-            raise ConfigError(f"admin_port must be 1..65535, not {self.admin_port}")
         if self.registry != "local" and not self.registry.startswith(("etcd://", "etcds://")):
             raise ConfigError(
                 "registry must be 'local' or etcd://[user@]host:port/prefix "
                 f"(etcds:// for TLS), not a {self.registry.partition(':')[0]!r} URL"
             )
-        if self.fleet_lease_ttl_s < 2 or self.fleet_startup_wait_s < 0:
-            raise ConfigError("fleet_lease_ttl_s must be >= 2 and fleet_startup_wait_s >= 0")
-        if self.max_body_bytes < 1 or self.drain_timeout_s < 0 or self.reload_debounce_ms < 0:
-            raise ConfigError(
-                "max_body_bytes must be >= 1, drain_timeout_s and reload_debounce_ms >= 0"
-            )
-        _check_numbers(self)
 
     def _check_tokens(self) -> None:
         """A token that is set must be usable: never empty, never an open door."""

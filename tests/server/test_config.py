@@ -34,11 +34,11 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     [
         ("prot = 1\n", "unknown setting"),
         ("port = 'x'\n", "port must be"),
-        ("port = 70000\n", "port must be 0..65535"),
+        ("port = 70000\n", "port: must be an integer >= 0 and <= 65535"),
         ("log_format = 'xml'\n", "log_format"),
         ("port = \n", "plugserve.toml"),
         ("registry = 'redis://x:1'\n", "registry must be 'local' or etcd://"),
-        ("fleet_lease_ttl_s = 1\n", "fleet_lease_ttl_s must be >= 2"),
+        ("fleet_lease_ttl_s = 1\n", "fleet_lease_ttl_s: must be an integer >= 2"),
         ("fleet_lease_ttl_s = 2.5\n", "fleet_lease_ttl_s must be"),
         ("load_timeout_s = 0\n", "load_timeout_s: must be a finite number > 0"),
         ("close_timeout_s = nan\n", "close_timeout_s: must be a finite number"),
