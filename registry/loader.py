@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import threading
 import time
 from pathlib import Path
@@ -129,6 +130,7 @@ class Loader:
             self._forget(package)
             raise
         if abandoned is not None and abandoned.is_set():
+            _close_abandoned(component, manifest.label)
             self._forget(package)
             log.warning("plugin_load_abandoned", plugin=manifest.label)
         return loaded
@@ -217,3 +219,19 @@ class Loader:
         if package is not None:
             self.host.unregister(package)
             forget(package)
+
+
+def _close_abandoned(component: Any, label: str) -> None:
+    """Close a component whose load was given up while it was being created (on the
+    thread that created it): whatever it holds (sessions, threads) is not left behind.
+    An ``async`` close() has no event loop here: it is logged as left unclosed."""
+    close = getattr(component, "close", None)
+    if not callable(close):
+        return
+    if inspect.iscoroutinefunction(close):
+        log.warning("plugin_abandoned_not_closed", plugin=label, reason="close() is async")
+        return
+    try:
+        close()
+    except Exception as exc:
+        log.warning("plugin_close_failed", plugin=label, error=f"{type(exc).__name__}: {exc}")

@@ -312,6 +312,7 @@ async def test_a_create_that_never_returns_fails_the_load_and_leaves_nothing_beh
     await asyncio.sleep(0.3)
     assert set(loader.host.names()) == names_before
     assert not [m for m in sys.modules if m.startswith("_plugserve_preprocessor_hang")]
+    assert (folder / "closed").exists()  # and closed (review: it was only forgotten)
 
 
 @pytest.mark.parametrize(
