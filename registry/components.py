@@ -39,6 +39,17 @@ async def await_maybe(value: Any) -> Any:
     return value
 
 
+class Checked(dict[str, np.ndarray]):
+    """A request's tensors already checked against ``by``'s declared inputs
+    (:meth:`LoadedPlugin.check_request`), so that runner does not check them twice."""
+
+    __slots__ = ("by",)
+
+    def __init__(self, inputs: Mapping[str, np.ndarray], by: LoadedPlugin) -> None:
+        super().__init__(inputs)
+        self.by = by
+
+
 @dataclass(eq=False)
 class LoadedPlugin:
     """One load (generation) of one plugin version, ready or about to be.
@@ -171,7 +182,10 @@ class LoadedPlugin:
         if not self._inputs:
             return inputs
         cast = self.manifest.runner is not None and self.manifest.runner.cast_inputs
-        return conform(self._inputs, inputs, f"route {route!r}", cast)
+        checked = conform(self._inputs, inputs, f"route {route!r}", cast)
+        if self.scheduler is None:
+            return checked
+        return Checked(checked, self)  # a runner first in its chain: not checked again
 
     # -- in-flight accounting (no await between resolving a chain and entering it) ----
 
@@ -363,7 +377,7 @@ class LoadedPlugin:
             raise InvalidInput(
                 f"runner {self.label} takes named inputs {names}, got {type(data).__name__}"
             )
-        if not self._inputs:
+        if not self._inputs or (type(data) is Checked and data.by is self):
             return inputs
         return conform(self._inputs, inputs, f"runner {self.label}", cast=True)
 

@@ -60,3 +60,41 @@ async def test_a_large_request_of_few_rows_never_runs_on_the_event_loop(
     assert await _inline_executions(cli) == small
     await infer(4)
     assert await _inline_executions(cli) == small + 1
+
+
+async def test_a_runner_first_in_its_chain_checks_a_request_once(
+    plugins_dir: Path, models_dir: Path, monkeypatch: Any
+) -> None:
+    """Review of issue 12: a v2 request to a route whose first stage is its runner was
+    checked against the runner's declared inputs twice (route, then runner)."""
+    from registry import components
+    from registry.registry import Registry
+    from registry.types import RequestContext
+
+    write_plugin(plugins_dir, "runner", "last", "1.0.0", files={"plugin.py": LAST_COLUMN})
+    registry = Registry(plugins_dir, models_dir)
+    await registry.start()
+    checks: list[str] = []
+    real = components.conform
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        checks.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(components, "conform", counted)
+    try:
+        chain = registry.routes.resolve("last", None)
+        ctx = RequestContext(request_id="r", route="last", parameters={}, headers={},
+                             content_type="application/json")  # fmt: skip
+        chain.enter()
+        try:
+            out = await chain.run({"x": np.ones((1, 3), np.float32)}, ctx)
+        finally:
+            chain.leave()
+        assert out["y"].tolist() == [[1.0]]
+        assert checks == ["route 'last'"]
+        # What a preprocessor hands a runner is checked by the runner, as before.
+        assert components.LoadedPlugin.runner_inputs(chain.runner, {"x": np.ones((1, 3))})
+        assert checks == ["route 'last'", f"runner {chain.runner.label}"]
+    finally:
+        await registry.close()
