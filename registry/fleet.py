@@ -31,8 +31,8 @@ import structlog
 from registry import validation
 from registry.errors import ConfigError, Conflict, NotFound, Unavailable
 from registry.etcd import EtcdClient, EtcdError, KeyValue, WatchBatch
-from registry.registry import LifecycleEvent, Registry
-from registry.route_store import Replica, RouteStore, describe_entries
+from registry.registry import LifecycleEvent
+from registry.route_store import Replica, RouteStore, RouteTarget, describe_entries
 from registry.routes import RouteSpec, RouteSpecError, parse_route
 
 log = structlog.get_logger("plugserve.fleet")
@@ -90,7 +90,7 @@ class EtcdRouteStore(RouteStore):
 
     def __init__(
         self,
-        registry: Registry,
+        registry: RouteTarget,
         replica: Replica,
         location: EtcdLocation,
         lease_ttl_s: int = 10,

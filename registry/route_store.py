@@ -15,20 +15,34 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
 from registry import validation
 from registry.errors import ConfigError, Conflict, NotFound, Unavailable
-from registry.registry import Registry
+from registry.records import VersionRecord
+from registry.registry import Key, LifecycleEvent
 from registry.routes import RouteSpec, RouteSpecError, parse_route
 
 log = structlog.get_logger("plugserve.routes")
 _T = TypeVar("_T")
+
+
+class RouteTarget(Protocol):
+    """What a route store applies runtime routes to: the registry, or a supervisor's workers."""
+
+    listeners: list[Callable[[LifecycleEvent], None]]
+
+    @property
+    def records(self) -> Mapping[Key, VersionRecord]: ...
+    @property
+    def runtime_routes(self) -> Mapping[str, RouteSpec]: ...
+
+    def set_runtime_routes(self, routes: Mapping[str, RouteSpec]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -44,7 +58,7 @@ class Replica:
         shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
         return cls(replica_id or f"{socket.gethostname()}:{port}", f"http://{shown}:{port}")
 
-    def describe(self, registry: Registry) -> dict[str, Any]:
+    def describe(self, registry: RouteTarget) -> dict[str, Any]:
         """The record a replica publishes: who it is and which versions are ready on it."""
         return {
             "id": self.id,
@@ -67,7 +81,7 @@ class RouteStore:
     mode = "local"
 
     def __init__(
-        self, registry: Registry, replica: Replica, state_file: Path | None = None
+        self, registry: RouteTarget, replica: Replica, state_file: Path | None = None
     ) -> None:
         self.registry = registry
         self.replica = replica

@@ -20,12 +20,13 @@ import contextlib
 import os
 import time
 from pathlib import Path
+from typing import Any, Protocol
 
 import structlog
 from watchfiles import Change, DefaultFilter, awatch
 
 from registry.refs import PLUGIN_TYPES, is_ignored_name
-from registry.registry import Registry
+from registry.registry import Key, Outcome
 from registry.routes import ROUTES_FILE
 
 log = structlog.get_logger("plugserve.watcher")
@@ -53,12 +54,29 @@ async def _wait(event: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(event.wait(), seconds)
 
 
+class Report(Protocol):
+    def as_json(self) -> dict[str, Any]: ...
+
+
+class WatchTarget(Protocol):
+    """What the watcher applies changes to: the registry, or a supervisor's workers."""
+
+    plugins_dir: Path
+    models_dir: Path
+    lost_roots: dict[Path, float]
+
+    async def sync(self, force: bool = False) -> Report: ...
+    async def sync_version(self, key: Key) -> Outcome: ...
+    async def sync_model(self, name: str) -> list[tuple[str, Outcome]]: ...
+    def sync_routes_file(self) -> str: ...
+
+
 class Watcher:
     """Runs until its stop event is set; see :meth:`run`."""
 
     def __init__(
         self,
-        registry: Registry,
+        registry: WatchTarget,
         debounce_s: float = DEFAULT_DEBOUNCE_S,
         poll_s: float = ROOT_POLL_S,
     ) -> None:

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from registry import validation
 from registry.errors import InvalidInput, NotFound, PluginLoadError, TooManyRequests
 from registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
 from registry.registry import Registry
-from registry.routes import RouteSpecError, parse_route
+from registry.routes import RouteSpec, RouteSpecError, parse_route
 from registry.versions import Version
 from server import __version__
-from server.auth import ADMIN_PREFIX, admin_only
+from server.auth import ADMIN_PREFIX
+from server.auth import admin_only as protected
 from server.state import METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 PROFILING = web.AppKey("profiling", asyncio.Lock)
@@ -40,7 +44,7 @@ async def list_routes(request: web.Request) -> web.Response:
     )
 
 
-def _if_match(request: web.Request) -> int | None:
+def if_match(request: web.Request) -> int | None:
     """The revision an ``If-Match`` header expects (``"0"``: the entry must not exist yet)."""
     raw = request.headers.get("If-Match")
     if raw is None:
@@ -54,6 +58,37 @@ def _if_match(request: web.Request) -> int | None:
     return revision
 
 
+async def route_entry(request: web.Request) -> RouteSpec:
+    """The route entry a ``PUT /admin/routes/{route}`` sends, checked whole."""
+    name = route_name(request)
+    try:
+        entry = validation.parse_json(await request.read())
+    except validation.ValueProblem as exc:
+        raise InvalidInput(f"the body must be a JSON route entry: {exc}") from None
+    try:
+        return parse_route(name, entry, "admin")
+    except RouteSpecError as exc:
+        raise InvalidInput(f"routes.{name}{exc}") from None
+
+
+def route_name(request: web.Request) -> str:
+    name = request.match_info["route"]
+    if not is_valid_name(name):
+        raise InvalidInput(f"route name {validation.shown(name)} must match {NAME_PATTERN}")
+    return name
+
+
+def put_answer(stored: RouteSpec, described: dict[str, Any]) -> web.Response:
+    return web.json_response(
+        {"route": described, "entry": stored.as_entry(), "revision": stored.revision},
+        headers={"ETag": f'"{stored.revision}"'},
+    )
+
+
+def delete_answer(name: str, revision: int, described: dict[str, Any] | None) -> web.Response:
+    return web.json_response({"deleted": name, "revision": revision, "route": described})
+
+
 async def put_route(request: web.Request) -> web.Response:
     """Set a route's runtime entry: the shape of a ``routes.toml`` entry, as JSON.
 
@@ -62,41 +97,17 @@ async def put_route(request: web.Request) -> web.Response:
     moved on since the revision expected (``If-Match``, else the one this server
     last saw).
     """
-    name = request.match_info["route"]
-    if not is_valid_name(name):
-        raise InvalidInput(f"route name {validation.shown(name)} must match {NAME_PATTERN}")
-    try:
-        entry = validation.parse_json(await request.read())
-    except validation.ValueProblem as exc:
-        raise InvalidInput(f"the body must be a JSON route entry: {exc}") from None
-    try:
-        spec = parse_route(name, entry, "admin")
-    except RouteSpecError as exc:
-        raise InvalidInput(f"routes.{name}{exc}") from None
-    store = request.app[ROUTE_STORE]
-    stored = await store.put(spec, _if_match(request))
-    described = request.app[REGISTRY].routes.entries[name].describe()
-    return web.json_response(
-        {"route": described, "entry": stored.as_entry(), "revision": stored.revision},
-        headers={"ETag": f'"{stored.revision}"'},
-    )
+    spec = await route_entry(request)
+    stored = await request.app[ROUTE_STORE].put(spec, if_match(request))
+    return put_answer(stored, request.app[REGISTRY].routes.entries[spec.name].describe())
 
 
 async def delete_route(request: web.Request) -> web.Response:
     """Remove a route's runtime entry: what ``routes.toml`` or its runner says applies again."""
-    name = request.match_info["route"]
-    if not is_valid_name(name):
-        raise InvalidInput(f"route name {validation.shown(name)} must match {NAME_PATTERN}")
-    store = request.app[ROUTE_STORE]
-    revision = await store.delete(name, _if_match(request))
+    name = route_name(request)
+    revision = await request.app[ROUTE_STORE].delete(name, if_match(request))
     entry = request.app[REGISTRY].routes.entries.get(name)
-    return web.json_response(
-        {
-            "deleted": name,
-            "revision": revision,
-            "route": None if entry is None else entry.describe(),
-        }
-    )
+    return delete_answer(name, revision, None if entry is None else entry.describe())
 
 
 async def fleet(request: web.Request) -> web.Response:
@@ -187,7 +198,9 @@ async def profile(request: web.Request) -> web.Response:
     """Sample the live server's event loop for ``seconds`` (pyinstrument) and return the profile.
 
     ``?format=html`` (default, a self-contained page) or ``speedscope`` (JSON for
-    speedscope.app). One profile at a time: a second call meanwhile gets 429.
+    speedscope.app). One profile at a time: a second call meanwhile gets 429. With
+    several workers, the worker that took the call is profiled; ``X-Plugserve-Pid``
+    names it.
     """
     from pyinstrument import Profiler
     from pyinstrument.renderers import HTMLRenderer, SpeedscopeRenderer
@@ -210,20 +223,31 @@ async def profile(request: web.Request) -> web.Response:
             await asyncio.sleep(seconds)
         finally:
             session = profiler.stop()
+    # Which process was profiled: with several workers, the one that took this call.
+    headers = {"X-Plugserve-Pid": str(os.getpid())}
     if kind == "speedscope":
         return web.Response(
             # Every sample: speedscope filters and zooms itself, and pyinstrument's default
             # pruning (frames under 1 % of the samples) drops short request paths.
             text=SpeedscopeRenderer(processor_options={"filter_threshold": 0}).render(session),
             content_type="application/json",
+            headers=headers,
         )
-    return web.Response(text=HTMLRenderer().render(session), content_type="text/html")
+    return web.Response(
+        text=HTMLRenderer().render(session), content_type="text/html", headers=headers
+    )
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, through: Handler | None = None) -> None:
+    """The control plane; ``through`` answers every call but the profile and the page
+    instead (a worker's supervisor, which answers for the whole server)."""
     app[PROFILING] = asyncio.Lock()
     app[STARTED] = time.monotonic()
     router = app.router
+
+    def admin_only(handler: Handler) -> Handler:
+        return protected(through or handler)
+
     router.add_get(ADMIN_PREFIX + "/plugins", admin_only(list_plugins))
     router.add_get(ADMIN_PREFIX + "/routes", admin_only(list_routes))
     router.add_put(ADMIN_PREFIX + "/routes/{route}", admin_only(put_route))
@@ -233,7 +257,7 @@ def add_routes(app: web.Application) -> None:
     version = ADMIN_PREFIX + "/plugins/{type}/{name}/{version}"
     router.add_post(version + "/reload", admin_only(reload_version))
     router.add_post(version + "/unload", admin_only(unload_version))
-    router.add_post(ADMIN_PREFIX + "/profile", admin_only(profile))
+    router.add_post(ADMIN_PREFIX + "/profile", protected(profile))
     # The page is a static shell with nothing in it: its data comes from /admin/status.
     router.add_get(ADMIN_PREFIX + "/", status_page)
     router.add_get(ADMIN_PREFIX + "/status", admin_only(status))

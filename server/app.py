@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
@@ -12,7 +13,7 @@ from aiohttp import web
 from registry import tracing
 from registry.fleet import EtcdLocation, EtcdRouteStore
 from registry.registry import Registry
-from registry.route_store import Replica, RouteStore
+from registry.route_store import Replica, RouteStore, RouteTarget
 from registry.watcher import Watcher
 from server import admin, auth, openapi, predict, v2
 from server.bodies import Bodies
@@ -21,6 +22,9 @@ from server.metrics import Metrics
 from server.middleware import request_middleware
 from server.shutdown import CLOSE_FLOOR_S, Drain, within
 from server.state import BODIES, DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+
+if TYPE_CHECKING:
+    from server.processes.link import WorkerLink
 
 log = structlog.get_logger("plugserve.server")
 
@@ -46,6 +50,10 @@ async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
     await registry.host.startup(app, settings.load_timeout_s)
     store = app[ROUTE_STORE]
     await store.start()
+    worker = app.get(WORKER)
+    if worker is not None:  # one of several workers: the supervisor has the rest of the state
+        worker.watch_supervisor()
+        await worker.start(app)
     # What start-up loaded lives as long as the server: keep it out of the
     # collector's sight, so full collections stay short on the request path.
     gc.freeze()
@@ -74,13 +82,16 @@ async def _shut_down(
     await within(app[ROUTE_STORE].close(), deadline - loop.time(), "route_store")
     await registry.host.shutdown(app, deadline - loop.time())  # bounded, never raises
     await registry.close(max(deadline - loop.time(), CLOSE_FLOOR_S))
+    worker = app.get(WORKER)
+    if worker is not None:
+        await worker.stop()
 
 
 async def _close_bodies(app: web.Application) -> None:
     app[BODIES].close()
 
 
-def route_store(settings: Settings, registry: Registry) -> RouteStore:
+def route_store(settings: Settings, registry: RouteTarget) -> RouteStore:
     """Where runtime route changes live: this process, or etcd in fleet mode."""
     replica = Replica.default(settings.host, settings.port, settings.replica_id)
     if settings.registry == "local":
@@ -94,8 +105,18 @@ def route_store(settings: Settings, registry: Registry) -> RouteStore:
     )
 
 
-def create_app(settings: Settings, registry: Registry | None = None) -> web.Application:
-    """Build the application; plugins load when it starts (``cleanup_ctx``)."""
+WORKER: web.AppKey[WorkerLink] = web.AppKey("worker")
+
+
+def create_app(
+    settings: Settings, registry: Registry | None = None, worker: WorkerLink | None = None
+) -> web.Application:
+    """Build the application; plugins load when it starts (``cleanup_ctx``).
+
+    With ``worker`` it is one of several worker processes: the admin API,
+    ``/metrics`` and the statistics go through its supervisor, which answers
+    them for the whole server (server/processes/).
+    """
     app = web.Application(
         middlewares=[request_middleware, *auth.middlewares(settings)],
         client_max_size=settings.max_body_bytes,
@@ -116,9 +137,13 @@ def create_app(settings: Settings, registry: Registry | None = None) -> web.Appl
     app[ROUTE_STORE] = route_store(settings, app[REGISTRY])
     app[METRICS].collect_from(app[REGISTRY], app[ROUTE_STORE])
     app.cleanup_ctx.append(_registry_lifetime)
-    v2.add_routes(app)
+    through = None
+    if worker is not None:
+        app[WORKER] = worker
+        through = worker.forward
+    v2.add_routes(app, through)
     predict.add_routes(app)
-    admin.add_routes(app)
-    app.router.add_get("/metrics", metrics)
+    admin.add_routes(app, through)
+    app.router.add_get("/metrics", through or metrics)
     openapi.add_routes(app)
     return app

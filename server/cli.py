@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -37,6 +38,9 @@ from server.shutdown import install_signal_handlers
 from server.state import METRICS
 from server.streams import flush_std_streams, protect_std_streams
 
+if TYPE_CHECKING:
+    from server.processes.link import WorkerLink
+
 THREAD_GRACE_S = 0.5
 """How long the process waits, after shutdown, for threads other than its own to end."""
 
@@ -57,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--models-dir", type=Path, help="default: the bundled models/")
     serve.add_argument("--host", help="default: 127.0.0.1")
     serve.add_argument("--port", type=int, help="default: 8000")
+    serve.add_argument(
+        "--workers",
+        help="HTTP worker processes sharing the port: a number, or auto (one per core); default 1",
+    )
     serve.add_argument("--log-format", choices=["console", "json"])
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
@@ -100,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
         "registry": args.registry,
         "replica_id": args.replica_id,
         "runtime_routes_file": args.runtime_routes_file,
+        "workers": args.workers,
     }
     settings = load_settings(args.config, flags)
     protect_std_streams()
@@ -113,13 +122,29 @@ def _serve(args: argparse.Namespace) -> int:
         admin_token=settings.admin_token is not None,
         inference_token=settings.inference_token is not None,
         registry=_shown_registry(settings.registry),
+        workers=settings.worker_count,
         admin_url=f"http://{settings.admin_host or settings.host}:{settings.admin_port}"
         if settings.admin_port
         else None,
     )
-    app = create_app(settings)
+    workers = settings.worker_count
+    if workers > 1:
+        from server.processes.supervisor import supervise
+
+        return supervise(settings, workers, _event_loop(settings.event_loop))
+    return serve_sockets(settings, _sockets(settings))
+
+
+def serve_sockets(
+    settings: Settings, sockets: list[socket.socket], worker: WorkerLink | None = None
+) -> int:
+    """Serve the app on ``sockets`` until a signal stops it; the exit code.
+
+    A worker (one of several processes) takes connections only once its plugins
+    are loaded: until then its supervisor's other workers, or the backlog, hold them.
+    """
+    app = create_app(settings, worker=worker)
     app.on_startup.append(install_signal_handlers)
-    sockets = _sockets(settings)
     listeners = _listeners(settings, len(sockets))
     app[METRICS].collect_connections(listeners)
     run_app(
@@ -132,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
         keepalive_timeout=KEEPALIVE_TIMEOUT_S,
         # Our drain (server/shutdown.py) has already waited for in-flight requests.
         shutdown_timeout=1.0,
+        accept_while_starting=worker is None,
     )
     _leave_lingering_threads(0)
     return 0

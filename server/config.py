@@ -44,6 +44,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "max_connections": (1, 1_000_000),
     "body_threads": (1, 64),
     "max_large_bodies": (1, 10_000),
+    "workers": (1, 1024),
 }
 """Each number setting's bounds; any other number is finite and at most 2**53."""
 _ABOVE_LOW = {"load_timeout_s", "close_timeout_s", "header_timeout_s", "body_timeout_s"}
@@ -114,6 +115,21 @@ class Settings:
     """With a value, every data-plane call but health and ``/metrics`` needs it (or the
     admin token) as ``Authorization: Bearer <token>``."""
     inference_token_file: Path | None = None
+    # -- processes (server/processes/) --
+    workers: int | str = 1
+    """HTTP worker processes sharing the port: a number, or ``auto`` (one per usable core).
+    With more than one, a supervisor process runs them (docs/operations.md)."""
+
+    @property
+    def worker_count(self) -> int:
+        if self.workers == "auto":
+            return max(
+                1,
+                len(os.sched_getaffinity(0))
+                if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1,
+            )
+        return int(self.workers)
 
     @functools.cached_property
     def limits(self) -> Limits:
@@ -125,6 +141,13 @@ class Settings:
         )
 
     def __post_init__(self) -> None:
+        if isinstance(self.workers, str) and self.workers != "auto":
+            try:
+                object.__setattr__(self, "workers", int(self.workers))  # from the command line
+            except ValueError:
+                raise ConfigError(
+                    f"workers must be a number or 'auto', not {self.workers!r}"
+                ) from None
         self._check_tokens()
         _check_numbers(self)  # every number setting against its bounds in _BOUNDS
         if self.log_format not in ("console", "json"):
@@ -306,5 +329,6 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "max_connections": int,
         "body_threads": int,
         "max_large_bodies": int,
+        "workers": (int, str),
     }
     return types.get(key, str)

@@ -448,27 +448,36 @@ def run_app(
 
 
 async def serve_app(
-    app: web.Application, sockets: list[Any], listeners: list[Listener], **kwargs: Any
+    app: web.Application,
+    sockets: list[Any],
+    listeners: list[Listener],
+    accept_while_starting: bool = True,
+    **kwargs: Any,
 ) -> None:
     """What ``web.run_app`` does, with each socket's connections behind its listener.
 
     The sockets answer from the start: while the app starts (the first load of
-    every plugin), :class:`Starting` answers each connection. ``kwargs`` go to
-    aiohttp's :class:`~aiohttp.web.AppRunner` (and its protocol).
+    every plugin), :class:`Starting` answers each connection. Without
+    ``accept_while_starting`` (a worker among several) they are not accepted
+    before the app has started. ``kwargs`` go to aiohttp's
+    :class:`~aiohttp.web.AppRunner` (and its protocol).
     """
     runner = web.AppRunner(app, **kwargs)
     servers: list[asyncio.AbstractServer] = []
     try:
         loop = asyncio.get_running_loop()
-        for sock, listener in zip(sockets, listeners, strict=True):
-            factory = _starting_or_serving(runner, listener)
-            servers.append(await loop.create_server(factory, sock=sock, backlog=1024))
-            listener.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             # While the app starts (the first load), a signal stops at once, exit 0; the
             # drain takes the signals over when the app has started (server/shutdown.py).
             loop.add_signal_handler(sig, _raise_graceful_exit)
-        await runner.setup()
+        if not accept_while_starting:
+            await runner.setup()
+        for sock, listener in zip(sockets, listeners, strict=True):
+            factory = _starting_or_serving(runner, listener)
+            servers.append(await loop.create_server(factory, sock=sock, backlog=1024))
+            listener.start()
+        if accept_while_starting:
+            await runner.setup()
         await asyncio.Event().wait()  # until cancelled (a signal's GracefulExit)
     finally:
         for server in servers:

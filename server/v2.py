@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from registry.chain import Chain
 from registry.errors import PluginError, Unavailable
@@ -147,16 +148,18 @@ def _outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:
         raise PluginError(last.label, exc) from None
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, through: Handler | None = None) -> None:
+    """The v2 routes; ``through`` answers the statistics instead (a worker's supervisor)."""
+    stats = through or statistics
     r = app.router
     # The router tries resources in order: the hot path first.
     r.add_post("/v2/models/{route}/infer", infer)
     r.add_post("/v2/models/{route}/versions/{version}/infer", infer)
-    r.add_get("/v2/models/stats", statistics)
+    r.add_get("/v2/models/stats", stats)
     r.add_get("/v2", server_metadata)
     r.add_get("/v2/health/live", live)
     r.add_get("/v2/health/ready", ready)
     for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
         r.add_get(prefix, model_metadata)
         r.add_get(prefix + "/ready", model_ready)
-        r.add_get(prefix + "/stats", statistics)
+        r.add_get(prefix + "/stats", stats)

@@ -1,0 +1,1 @@
+"""Several processes behaving as one server: a supervisor and its HTTP workers."""

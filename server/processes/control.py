@@ -1,0 +1,252 @@
+"""The supervisor's control app: whole-server answers to what any worker forwards.
+
+Workers forward the admin API, ``/metrics`` and the statistics extension here
+(over the supervisor's Unix socket); each call is answered from every worker's
+own answer, merged, or made once here (route changes, fleet) and applied by
+every worker before it answers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from registry.errors import PlugserveError, Unavailable
+from registry.fleet import EtcdRouteStore
+from registry.route_store import RouteStore
+from server import __version__, admin
+from server.metrics import Metrics, _FleetCollector
+from server.middleware import error_response
+from server.processes import merge
+from server.processes.pool import Worker, WorkerPool
+from server.processes.unix import Reply, UnixClient
+
+POOL = web.AppKey("pool", WorkerPool)
+STORE = web.AppKey("store", RouteStore)
+WATCHING = web.AppKey("watching", bool)
+STARTED = web.AppKey("started", float)
+ON_REGISTER: web.AppKey[Callable[[int, int], bool]] = web.AppKey("on_register")
+
+
+class SupervisorMetrics:
+    """What only the supervisor knows: its workers, their restarts, and the fleet."""
+
+    def __init__(self, store: RouteStore) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.workers = Gauge(
+            "plugserve_workers", "Worker processes serving now.", registry=self.registry
+        )
+        self.restarts = Counter(
+            "plugserve_worker_restarts",
+            "Worker processes started again after one ended unasked.",
+            ["worker"],
+            registry=self.registry,
+        )
+        if isinstance(store, EtcdRouteStore):
+            self.registry.register(_FleetCollector(store))
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+log = structlog.get_logger("plugserve.supervisor")
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Errors as the workers answer them: ``{"error": ...}`` with the status that fits."""
+    try:
+        return await handler(request)
+    except PlugserveError as exc:
+        return error_response(exc)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("control_call_failed", path=request.path)
+        return web.json_response({"error": "internal server error"}, status=500)
+
+
+SUPERVISOR_METRICS = web.AppKey("supervisor_metrics", SupervisorMetrics)
+
+
+def _reply(reply: Reply) -> web.Response:
+    return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+
+
+def _first_refusal(answers: list[tuple[Worker, Reply]]) -> web.Response | None:
+    if not answers:
+        raise Unavailable("no worker is serving yet")
+    for _, reply in answers:
+        if reply.status != 200:
+            return _reply(reply)
+    return None
+
+
+async def register(request: web.Request) -> web.Response:
+    """A worker that has loaded the plugins dir joins: it gets the runtime routes and the
+    versions unloaded through the API, and takes part in every change from now on."""
+    body = await request.json()
+    index, pid = int(body["index"]), int(body["pid"])
+    if not request.app[ON_REGISTER](index, pid):
+        return web.json_response({"error": f"no worker {index} with pid {pid}"}, status=409)
+    pool = request.app[POOL]
+    worker = Worker(index, pid, float(body["started_at"]), UnixClient(Path(body["socket"])))
+    unloaded = [list(k) for k, r in pool.records.items() if r.state == "unloaded"]
+    pool.add(worker)
+    request.app[SUPERVISOR_METRICS].workers.set(len(pool.workers))
+    return web.json_response({"routes": pool.routes_for_new_worker(), "unloaded": unloaded})
+
+
+async def list_plugins(request: web.Request) -> web.Response:
+    return web.json_response({"plugins": await request.app[POOL].refresh()})
+
+
+async def list_routes(request: web.Request) -> web.Response:
+    reply = await request.app[POOL].call_one("GET", "/admin/routes")
+    if reply is None:
+        raise Unavailable("no worker is serving yet")
+    if reply.status != 200:
+        return _reply(reply)
+    store = request.app[STORE]
+    return web.json_response(
+        {**reply.json(), "runtime": {**store.health(), "invalid": store.invalid}}
+    )
+
+
+async def _described(pool: WorkerPool, name: str) -> dict[str, Any] | None:
+    reply = await pool.call_one("GET", "/admin/routes")
+    routes = reply.json()["routes"] if reply is not None and reply.status == 200 else []
+    return next((r for r in routes if r["name"] == name), None)
+
+
+async def put_route(request: web.Request) -> web.Response:
+    spec = await admin.route_entry(request)
+    pool = request.app[POOL]
+    stored = await request.app[STORE].put(spec, admin.if_match(request))
+    await pool.settled()
+    return admin.put_answer(stored, await _described(pool, spec.name) or {})
+
+
+async def delete_route(request: web.Request) -> web.Response:
+    name = admin.route_name(request)
+    pool = request.app[POOL]
+    revision = await request.app[STORE].delete(name, admin.if_match(request))
+    await pool.settled()
+    return admin.delete_answer(name, revision, await _described(pool, name))
+
+
+async def fleet(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[STORE].fleet())
+
+
+async def reload_all(request: web.Request) -> web.Response:
+    force = request.query.get("force", "false").lower() in ("1", "true", "yes")
+    pool = request.app[POOL]
+    if not pool.workers:
+        raise Unavailable("no worker is serving yet")
+    report = await pool.sync(force=force)
+    return web.json_response(report.as_json())
+
+
+async def version_call(request: web.Request) -> web.Response:
+    """Reload or unload one version on every worker; answers when all have."""
+    pool = request.app[POOL]
+    answers = await pool.call_all("POST", request.path)
+    refused = _first_refusal(answers)
+    if refused is not None:
+        await pool.refresh()
+        return refused
+    first = answers[0][1].json()
+    rows = merge.plugins([(w.pid, [r.json()["plugin"]]) for w, r in answers])
+    label = f"{first['plugin']['type']}/{first['plugin']['name']}@{first['plugin']['version']}"
+    await pool.changed({first["outcome"]: [label]})
+    return web.json_response({**first, "plugin": rows[0]})
+
+
+async def status(request: web.Request) -> web.Response:
+    pool, store = request.app[POOL], request.app[STORE]
+    answers = await pool.call_all("GET", "/admin/status")
+    refused = _first_refusal(answers)
+    if refused is not None:
+        return refused
+    docs = [r.json() for _, r in answers]
+    requests: dict[str, int] = {}
+    for doc in docs:
+        for route, count in doc["requests"].items():
+            requests[route] = requests.get(route, 0) + count
+    return web.json_response(
+        {
+            "version": __version__,
+            "uptime_s": time.monotonic() - request.app[STARTED],
+            "plugins": merge.plugins([(w.pid, r.json()["plugins"]) for w, r in answers]),
+            "routes": docs[0]["routes"],
+            "requests": requests,
+            "fleet": store.health(),
+            "watch": {
+                "enabled": request.app[WATCHING],
+                "lost": [
+                    {"path": str(path), "since": since}
+                    for path, since in sorted(pool.lost_roots.items())
+                ],
+            },
+            "workers": pool.describe_workers(),
+        }
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    answers = await pool.call_all("GET", "/metrics")
+    texts = [(str(w.index), r.body.decode()) for w, r in answers if r.status == 200]
+    body = merge.metrics(texts) + request.app[SUPERVISOR_METRICS].render()
+    response = web.Response(body=body.encode())
+    response.headers["Content-Type"] = Metrics.content_type
+    return response
+
+
+async def statistics(request: web.Request) -> web.Response:
+    answers = await request.app[POOL].call_all("GET", request.path_qs)
+    refused = _first_refusal(answers)
+    if refused is not None:
+        return refused
+    return web.json_response(merge.model_stats(r.json() for _, r in answers))
+
+
+def control_app(
+    pool: WorkerPool,
+    store: RouteStore,
+    watching: bool,
+    on_register: Callable[[int, int], bool],
+) -> web.Application:
+    """The supervisor's app; its socket is reachable by this server's processes only."""
+    app = web.Application(middlewares=[errors], client_max_size=64 * 1024 * 1024)
+    app[POOL] = pool
+    app[STORE] = store
+    app[SUPERVISOR_METRICS] = SupervisorMetrics(store)
+    app[WATCHING] = watching
+    app[STARTED] = time.monotonic()
+    app[ON_REGISTER] = on_register
+    r = app.router
+    r.add_post("/_supervisor/register", register)
+    r.add_get("/admin/plugins", list_plugins)
+    r.add_get("/admin/routes", list_routes)
+    r.add_put("/admin/routes/{route}", put_route)
+    r.add_delete("/admin/routes/{route}", delete_route)
+    r.add_get("/admin/fleet", fleet)
+    r.add_post("/admin/reload", reload_all)
+    version = "/admin/plugins/{type}/{name}/{version}"
+    r.add_post(version + "/reload", version_call)
+    r.add_post(version + "/unload", version_call)
+    r.add_get("/admin/status", status)
+    r.add_get("/metrics", metrics)
+    r.add_get("/v2/models/stats", statistics)
+    for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
+        r.add_get(prefix + "/stats", statistics)
+    return app

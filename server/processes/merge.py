@@ -1,0 +1,199 @@
+"""What the workers answer, merged into the answer of one server.
+
+Counts add up (requests, executions, in-flight, histogram buckets); what every
+worker holds alike (a version's manifest, the route table) is taken once; where
+workers disagree on a version's state, the answer says so per worker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+SUMMED_PLUGIN_FIELDS = (
+    "in_flight",
+    "queued",
+    "executions",
+    "batched_rows",
+    "inline_executions",
+    "circuit_trips",
+)
+STATE_ORDER = ("failed", "loading", "draining", "ready", "unloaded")
+"""When workers disagree on a version's state, the first of these that any of them has."""
+
+
+def plugins(answers: Sequence[tuple[int, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """``/admin/plugins`` lists from each worker (by pid): each version once, counts summed.
+
+    A version's state is the one every worker has; where they differ, the first
+    of :data:`STATE_ORDER` that any has, with ``states`` by pid.
+    """
+    merged: dict[tuple[str, str, str], dict[str, Any]] = {}
+    states: dict[tuple[str, str, str], dict[str, str]] = {}
+    order: list[tuple[str, str, str]] = []
+    for pid, rows in answers:
+        for row in rows:
+            key = (row["type"], row["name"], row["version"])
+            states.setdefault(key, {})[str(pid)] = row["state"]
+            kept = merged.get(key)
+            if kept is None:
+                merged[key] = dict(row)
+                order.append(key)
+                continue
+            for name in SUMMED_PLUGIN_FIELDS:
+                if isinstance(row.get(name), int):
+                    kept[name] = kept.get(name, 0) + row[name]
+            if kept.get("last_error") is None and row.get("last_error") is not None:
+                kept["last_error"] = row["last_error"]
+    out = []
+    for key in order:
+        row, by_pid = merged[key], states[key]
+        distinct = set(by_pid.values())
+        if len(distinct) > 1 or len(by_pid) < len(answers):
+            row["state"] = next(s for s in STATE_ORDER if s in distinct)
+            row["states"] = by_pid
+        out.append(row)
+    return out
+
+
+def counts(first: Any, second: Any) -> Any:
+    """Two answers of the same shape added up: numbers summed, the rest from ``first``.
+
+    Lists of objects with a ``batch_size`` (Triton's ``batch_stats``) add up by
+    batch size; ``last_inference`` (a time) takes the later one.
+    """
+    if isinstance(first, dict) and isinstance(second, dict):
+        out = dict(first)
+        for key, value in second.items():
+            if key not in out:
+                out[key] = value
+            elif key == "last_inference":
+                out[key] = max(out[key] or 0, value or 0)
+            else:
+                out[key] = counts(out[key], value)
+        return out
+    if isinstance(first, list) and isinstance(second, list):
+        if all(isinstance(x, dict) and "batch_size" in x for x in [*first, *second]):
+            by_size = {x["batch_size"]: x for x in first}
+            for item in second:
+                size = item["batch_size"]
+                by_size[size] = counts(by_size[size], item) if size in by_size else item
+            return [by_size[s] for s in sorted(by_size)]
+        return first
+    if _is_number(first) and _is_number(second):
+        return first + second
+    return first
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def model_stats(answers: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Triton statistics from each worker, added up per route and version."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for answer in answers:
+        for entry in answer.get("model_stats", []):
+            key = (entry["name"], entry["version"])
+            merged[key] = counts(merged[key], entry) if key in merged else entry
+    return {"model_stats": [merged[k] for k in sorted(merged)]}
+
+
+def sync_reports(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``POST /admin/reload`` answers: each version listed once, a failure on any worker kept."""
+    if not answers:
+        return {}
+    out: dict[str, Any] = dict(answers[0])
+    for name in ("loaded", "reloaded", "unloaded"):
+        out[name] = sorted({label for a in answers for label in a.get(name, [])})
+    failed: dict[str, dict[str, str]] = {}
+    for answer in answers:
+        for item in answer.get("failed", []):
+            failed.setdefault(item.get("plugin") or item.get("plugins_dir", ""), item)
+    out["failed"] = list(failed.values())
+    return out
+
+
+# -- Prometheus text ---------------------------------------------------------------------
+
+PER_SERVER_GAUGES = frozenset(
+    {
+        "plugserve_plugin_versions",
+        "plugserve_circuit_open",
+        "plugserve_fleet_connected",
+        "plugserve_fleet_revision",
+        "plugserve_fleet_replicas",
+        "plugserve_fleet_invalid_entries",
+    }
+)
+"""Gauges that describe the server's state, alike in every worker: taken as the highest,
+not summed (a version ready in every worker is one version)."""
+
+
+def metrics(texts: Sequence[tuple[str, str]]) -> str:
+    """Prometheus text from each worker (by worker index), as one server's.
+
+    Counters, histograms and summed gauges add up over workers; the gauges of
+    :data:`PER_SERVER_GAUGES` take the highest; ``_created`` series the earliest.
+    ``plugserve_in_flight`` is also given per worker (``plugserve_worker_in_flight``).
+    """
+    families: dict[str, tuple[str, str]] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    per_worker: dict[str, float] = {}
+    for worker, text in texts:
+        for family in text_string_to_metric_families(text):
+            families.setdefault(family.name, (family.type, family.documentation))
+            samples = values.setdefault(family.name, {})
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                value = float(sample.value)
+                if family.name == "plugserve_in_flight":
+                    per_worker[worker] = per_worker.get(worker, 0.0) + value
+                if key not in samples:
+                    samples[key] = value
+                elif sample.name.endswith("_created"):
+                    samples[key] = min(samples[key], value)
+                elif family.type == "gauge" and family.name in PER_SERVER_GAUGES:
+                    samples[key] = max(samples[key], value)
+                else:
+                    samples[key] = samples[key] + value
+    lines: list[str] = []
+    for name, (kind, documentation) in families.items():
+        shown = name + "_total" if kind == "counter" else name  # as prometheus_client writes it
+        lines.append(f"# HELP {shown} {_escape_help(documentation)}")
+        lines.append(f"# TYPE {shown} {kind}")
+        for (series, labels), value in values[name].items():
+            lines.append(f"{series}{_labels(labels)} {_number(value)}")
+    if texts:
+        lines.append(
+            "# HELP plugserve_worker_in_flight Requests using a plugin version now, by worker."
+        )
+        lines.append("# TYPE plugserve_worker_in_flight gauge")
+        for worker, _ in texts:
+            value = per_worker.get(worker, 0.0)
+            lines.append(f'plugserve_worker_in_flight{{worker="{worker}"}} {_number(value)}')
+    return "\n".join(lines) + "\n"
+
+
+def _labels(labels: tuple[tuple[str, str], ...]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{_escape_value(v)}"' for k, v in labels)
+    return "{" + inner + "}"
+
+
+def _escape_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if math.isfinite(value) and value == int(value) and abs(value) < 2**53:
+        return f"{int(value)}.0"
+    return repr(value)

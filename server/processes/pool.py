@@ -1,0 +1,268 @@
+"""The supervisor's view of its workers: every control decision, made once, applied by all.
+
+:class:`WorkerPool` stands where a single process has its
+:class:`~registry.registry.Registry`: the watcher, the route store and fleet mode
+call it as they call a registry, and it hands each call to every worker that
+serves, answering once all of them have applied it. What it says of the
+plugins (``records``) is what the workers answered last, merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+
+from registry.records import VersionRecord
+from registry.registry import Key, LifecycleEvent, Outcome
+from registry.routes import RouteSpec, parse_route
+from server.processes import merge
+from server.processes.unix import Reply, UnixClient
+
+log = structlog.get_logger("plugserve.supervisor")
+
+OUTCOME_ORDER: tuple[Outcome, ...] = (
+    "failed",
+    "reloaded",
+    "loaded",
+    "unloaded",
+    "held",
+    "unchanged",
+)
+"""One outcome for a call all workers made: the first of these any of them had."""
+
+
+@dataclass
+class Worker:
+    """One worker process as the supervisor knows it."""
+
+    index: int
+    pid: int
+    started_at: float
+    client: UnixClient
+    registered_at: float = field(default_factory=time.time)
+
+    def as_json(self, restarts: int) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "pid": self.pid,
+            "started_at": self.started_at,
+            "restarts": restarts,
+        }
+
+
+@dataclass(frozen=True)
+class MergedReport:
+    """A rescan's report over every worker (what ``POST /admin/reload`` answers)."""
+
+    report: dict[str, Any]
+
+    def as_json(self) -> dict[str, Any]:
+        return self.report
+
+
+def routes_as_json(routes: Mapping[str, RouteSpec]) -> dict[str, Any]:
+    """Runtime entries as the workers receive them: entry, revision and source by route."""
+    return {
+        name: {"entry": spec.as_entry(), "revision": spec.revision, "source": spec.source}
+        for name, spec in routes.items()
+    }
+
+
+def routes_from_json(data: Mapping[str, Any]) -> dict[str, RouteSpec]:
+    """The inverse of :func:`routes_as_json` (entries the supervisor already checked)."""
+    from dataclasses import replace
+
+    out = {}
+    for name, item in data.items():
+        spec = parse_route(name, item["entry"], item["source"])
+        out[name] = replace(spec, revision=item["revision"], source=item["source"])
+    return out
+
+
+class WorkerPool:
+    """Fans control calls out to every registered worker and merges their answers."""
+
+    def __init__(self, plugins_dir: Path, models_dir: Path) -> None:
+        self.plugins_dir = plugins_dir
+        self.models_dir = models_dir
+        self.lost_roots: dict[Path, float] = {}
+        self.listeners: list[Callable[[LifecycleEvent], None]] = []
+        self.runtime_routes: Mapping[str, RouteSpec] = {}
+        self.records: dict[Key, VersionRecord] = {}
+        self.workers: dict[int, Worker] = {}
+        self.restarts: dict[int, int] = {}
+        self._generation = 0
+        self._pushing: asyncio.Task[None] | None = None
+
+    # -- membership --------------------------------------------------------------------
+
+    def add(self, worker: Worker) -> None:
+        self.workers[worker.index] = worker
+
+    async def remove(self, index: int, pid: int) -> None:
+        worker = self.workers.get(index)
+        if worker is not None and worker.pid == pid:
+            del self.workers[index]
+            await worker.client.close()
+
+    def describe_workers(self) -> list[dict[str, Any]]:
+        return [w.as_json(self.restarts.get(i, 0)) for i, w in sorted(self.workers.items())]
+
+    # -- calls -------------------------------------------------------------------------
+
+    async def call_all(
+        self,
+        method: str,
+        path: str,
+        json_body: Any = None,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> list[tuple[Worker, Reply]]:
+        """The same call to every registered worker at once; the answers of those that gave one.
+
+        A worker that does not answer (it died meanwhile) is left out: it is being
+        replaced, and its replacement starts from the current state.
+        """
+        workers = list(self.workers.values())
+
+        async def one(worker: Worker) -> tuple[Worker, Reply] | None:
+            try:
+                return worker, await worker.client.call(method, path, body, headers, json_body)
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                log.warning("worker_call_failed", worker=worker.index, pid=worker.pid,
+                            path=path, error=repr(exc))  # fmt: skip
+                return None
+
+        answers = await asyncio.gather(*(one(w) for w in workers))
+        return [a for a in answers if a is not None]
+
+    async def call_one(self, method: str, path: str) -> Reply | None:
+        """A read that any worker answers alike (the route table): the first that answers."""
+        for worker in list(self.workers.values()):
+            try:
+                return await worker.client.call(method, path)
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                continue
+        return None
+
+    # -- what the watcher and the admin calls do ----------------------------------------
+
+    async def sync(self, force: bool = False) -> MergedReport:
+        answers = await self.call_all("POST", f"/admin/reload?force={str(force).lower()}")
+        report = merge.sync_reports([r.json() for _, r in answers if r.status == 200])
+        await self.changed(report)
+        return MergedReport(report)
+
+    async def sync_version(self, key: Key) -> Outcome:
+        answers = await self.call_all("POST", "/_control/sync_version", {"key": list(key)})
+        outcome = _one_outcome(r.json()["outcome"] for _, r in answers if r.status == 200)
+        await self.changed({outcome: [f"{key[0]}/{key[1]}@{key[2]}"]})
+        return outcome
+
+    async def sync_model(self, name: str) -> list[tuple[str, Outcome]]:
+        answers = await self.call_all("POST", "/_control/sync_model", {"name": name})
+        by_label: dict[str, list[Outcome]] = {}
+        for _, reply in answers:
+            if reply.status == 200:
+                for label, outcome in reply.json()["outcomes"]:
+                    by_label.setdefault(label, []).append(outcome)
+        outcomes = [(label, _one_outcome(o)) for label, o in sorted(by_label.items())]
+        await self.changed({o: [label] for label, o in outcomes})
+        return outcomes
+
+    def sync_routes_file(self) -> str:
+        """Every worker re-reads ``routes.toml`` (the watcher saw it change)."""
+        self._track(self._routes_file())
+        return "scheduled"
+
+    async def _routes_file(self) -> None:
+        await self.call_all("POST", "/_control/sync_routes_file")
+
+    def set_runtime_routes(self, routes: Mapping[str, RouteSpec]) -> None:
+        """Replace the runtime layer on every worker; :meth:`settled` waits until they have."""
+        self.runtime_routes = dict(routes)
+        self._generation += 1
+        self._track(self._push_routes(self._generation, routes_as_json(self.runtime_routes)))
+
+    async def _push_routes(self, generation: int, routes: dict[str, Any]) -> None:
+        body = {"generation": generation, "routes": routes}
+        for worker, reply in await self.call_all("PUT", "/_control/runtime_routes", body):
+            if reply.status != 200:
+                log.error("worker_routes_failed", worker=worker.index, status=reply.status,
+                          body=reply.body[:500].decode(errors="replace"))  # fmt: skip
+
+    def routes_for_new_worker(self) -> dict[str, Any]:
+        return {"generation": self._generation, "routes": routes_as_json(self.runtime_routes)}
+
+    def _track(self, work: Awaitable[None]) -> None:
+        previous = self._pushing
+
+        async def in_order() -> None:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
+            await work
+
+        self._pushing = asyncio.ensure_future(in_order())
+
+    async def settled(self) -> None:
+        """Wait until every worker has applied the last route change."""
+        while self._pushing is not None:
+            pushing = self._pushing
+            await asyncio.gather(pushing, return_exceptions=True)
+            if self._pushing is pushing:
+                return
+
+    # -- the merged view ---------------------------------------------------------------
+
+    async def plugins(self) -> list[dict[str, Any]]:
+        answers = await self.call_all("GET", "/admin/plugins")
+        return merge.plugins([(w.pid, r.json()["plugins"]) for w, r in answers if r.status == 200])
+
+    async def refresh(self) -> list[dict[str, Any]]:
+        """Read the workers' plugins again; ``records`` is what they hold now."""
+        rows = await self.plugins()
+        records = {}
+        for row in rows:
+            key = (row["type"], row["name"], row["version"])
+            record = self.records.get(key) or VersionRecord(
+                row["type"], row["name"], row["version"], Path(row["path"])
+            )
+            record.state, record.last_error = row["state"], row.get("last_error")
+            records[key] = record
+        self.records = records
+        return rows
+
+    async def changed(self, outcomes: Mapping[str, Any]) -> None:
+        """After a change every worker applied: refresh ``records``, tell the listeners."""
+        if not any(outcomes.get(o) for o in ("loaded", "reloaded", "unloaded", "failed")):
+            return
+        await self.refresh()
+        for outcome in ("loaded", "reloaded", "unloaded", "failed"):
+            for item in outcomes.get(outcome) or []:
+                label = item if isinstance(item, str) else item.get("plugin", "")
+                record = next((r for r in self.records.values() if r.label == label), None)
+                if record is None:
+                    continue
+                event = LifecycleEvent(record, outcome, 0.0, record.last_error)
+                for listener in list(self.listeners):
+                    try:
+                        listener(event)
+                    except Exception:
+                        log.exception("listener_failed", plugin=label)
+
+    async def close(self) -> None:
+        await self.settled()
+        for worker in list(self.workers.values()):
+            await worker.client.close()
+
+
+def _one_outcome(outcomes: Any) -> Outcome:
+    seen = set(outcomes)
+    return next((o for o in OUTCOME_ORDER if o in seen), "unchanged")

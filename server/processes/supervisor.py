@@ -1,0 +1,262 @@
+"""The supervisor: N worker processes on one port, and every control decision made once.
+
+It binds the listening sockets, starts the workers (each a fresh interpreter,
+``python -m server.processes.worker``, handed its sockets and settings), keeps
+them running (a worker that ends unasked is replaced, with backoff), and owns
+what a single process owns besides serving: the watcher, the runtime route
+store (a file, or etcd in fleet mode) and the answers for the whole server
+(server/processes/control.py). It loads no plugin itself.
+
+Sockets: one data socket per worker, all bound to the port with
+``SO_REUSEPORT``, so the kernel spreads connections evenly over the workers
+(docs/operations.md gives the spread measured). The supervisor keeps every
+worker's socket open: while a worker is being replaced, the connections the
+kernel gives its socket wait in the backlog for the new one instead of being
+refused. The control plane's own port (``admin_port``) is one socket all
+workers share.
+
+No orphans: each worker holds the read end of a pipe whose write end only the
+supervisor holds; when the supervisor ends, however it ends, the kernel closes
+it and every worker drains and exits (and Linux's parent-death signal backs
+that up while a worker is still starting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from registry.errors import ConfigError
+from registry.watcher import Watcher
+from server.app import route_store
+from server.config import Settings
+from server.processes.control import SUPERVISOR_METRICS, control_app
+from server.processes.link import WorkerSpec
+from server.processes.pool import WorkerPool
+from server.shutdown import SHUTDOWN_MARGIN_S
+
+log = structlog.get_logger("plugserve.supervisor")
+
+RESTART_MIN_S = 0.5
+RESTART_MAX_S = 30.0
+STABLE_S = 60.0
+"""A worker that ran this long before it ended is restarted at once (its backoff reset)."""
+
+
+class Supervisor:
+    """Starts, watches and stops the workers; owns the watcher and the route store."""
+
+    def __init__(self, settings: Settings, workers: int, data: list[socket.socket],
+                 admin: socket.socket | None) -> None:  # fmt: skip
+        self.settings = settings
+        self.count = workers
+        self.data = data
+        self.admin = admin
+        self.dir = Path(tempfile.mkdtemp(prefix="plugserve-"))  # mode 0700: ours alone
+        self.socket_path = self.dir / "supervisor.sock"
+        self.pool = WorkerPool(settings.plugins_dir, settings.models_dir)
+        self.store = route_store(settings, self.pool)
+        self.stopping = asyncio.Event()
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.lifelines: dict[int, int] = {}
+        self.restarts = dict.fromkeys(range(workers), 0)
+        self.pool.restarts = self.restarts
+        # What the workers run with: the supervisor watches, and keeps the route state.
+        self.worker_settings = dataclasses.replace(
+            settings, watch=False, registry="local", runtime_routes_file=None
+        )
+        self.app = control_app(self.pool, self.store, settings.watch, self._is_ours)
+
+    def _is_ours(self, index: int, pid: int) -> bool:
+        proc = self.procs.get(index)
+        return proc is not None and proc.pid == pid
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._signalled, sig)
+        runner = web.AppRunner(self.app, access_log=None)
+        await runner.setup()
+        await web.UnixSite(runner, str(self.socket_path)).start()
+        try:
+            await self.store.start()
+        except ConfigError:
+            await runner.cleanup()
+            raise
+        keepers = [asyncio.create_task(self._keep(i)) for i in range(self.count)]
+        watcher = Watcher(self.pool, self.settings.reload_debounce_ms / 1000)
+        watching = asyncio.create_task(watcher.run()) if self.settings.watch else None
+        log.info("supervising", workers=self.count, pid=os.getpid())
+        await self.stopping.wait()
+        log.info("stopping_workers", workers=len(self.procs))
+        if watching is not None:
+            watcher.stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watching, 5)
+        for proc in list(self.procs.values()):
+            _signal(proc, signal.SIGTERM)
+        bound = self.settings.drain_timeout_s + SHUTDOWN_MARGIN_S + 2
+        _, pending = await asyncio.wait(keepers, timeout=bound)
+        for proc in list(self.procs.values()):
+            log.error("worker_overdue", pid=proc.pid, seconds=bound)
+            _signal(proc, signal.SIGKILL)
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.store.close(), self.settings.close_timeout_s)
+        await self.pool.close()
+        await runner.cleanup()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        log.info("stopped")
+        return 0
+
+    def _signalled(self, sig: signal.Signals) -> None:
+        if self.stopping.is_set():  # a second signal: stop the workers without waiting
+            for proc in list(self.procs.values()):
+                _signal(proc, signal.SIGINT)
+            return
+        log.info("signal", signal=sig.name)
+        self.stopping.set()
+
+    async def _keep(self, index: int) -> None:
+        """Run worker ``index`` until the supervisor stops; start it again when it ends."""
+        backoff = RESTART_MIN_S
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            try:
+                proc = await self._spawn(index)
+            except OSError as exc:
+                log.error("worker_start_failed", worker=index, error=repr(exc))
+                code: int | None = None
+            else:
+                code = await proc.wait()
+                self.procs.pop(index, None)
+                os.close(self.lifelines.pop(index))
+                await self.pool.remove(index, proc.pid)
+                self.app[SUPERVISOR_METRICS].workers.set(len(self.pool.workers))
+            if self.stopping.is_set():
+                break
+            self.restarts[index] += 1
+            self.app[SUPERVISOR_METRICS].restarts.labels(str(index)).inc()
+            if time.monotonic() - started > STABLE_S:
+                backoff = RESTART_MIN_S
+            log.error("worker_died", worker=index, exit=_ended(code),
+                      restarts=self.restarts[index], restart_in_s=backoff)  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), backoff)
+            backoff = min(backoff * 2, RESTART_MAX_S)
+
+    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+        listen = [self.data[index].fileno()]
+        if self.admin is not None:
+            listen.append(self.admin.fileno())
+        read_end, write_end = os.pipe()
+        spec = WorkerSpec(
+            settings=self.worker_settings,
+            index=index,
+            workers=self.count,
+            listen_fds=tuple(listen),
+            lifeline_fd=read_end,
+            supervisor_socket=self.socket_path,
+            control_dir=self.dir,
+            supervisor_pid=os.getpid(),
+        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "server.processes.worker",
+                stdin=asyncio.subprocess.PIPE, pass_fds=(*listen, read_end),
+                start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor alone
+            )  # fmt: skip
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self.procs[index] = proc
+        self.lifelines[index] = write_end
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps(spec))
+        with contextlib.suppress(ConnectionError):
+            await proc.stdin.drain()
+        proc.stdin.close()
+        log.info("worker_started", worker=index, pid=proc.pid)
+        return proc
+
+
+def _signal(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+
+
+def _ended(code: int | None) -> str:
+    if code is None:
+        return "not started"
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"exit {code}"
+
+
+def bind_workers(
+    settings: Settings, workers: int
+) -> tuple[list[socket.socket], socket.socket | None]:
+    """One data socket per worker on the port (``SO_REUSEPORT``), and the control plane's.
+
+    Raises :class:`ConfigError` when the address cannot be listened on.
+    """
+    data: list[socket.socket] = []
+    port = settings.port
+    try:
+        for _ in range(workers):
+            sock = _bind(settings.host, port, reuse_port=True)
+            data.append(sock)
+            port = sock.getsockname()[1]  # port 0: the one the first socket got
+        admin = None
+        if settings.admin_port is not None:
+            admin = _bind(settings.admin_host or settings.host, settings.admin_port, False)
+    except BaseException:
+        for sock in data:
+            sock.close()
+        raise
+    return data, admin
+
+
+def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, ValueError) as exc:
+        sock.close()
+        reason = exc.strerror if isinstance(exc, OSError) else exc
+        raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None
+    sock.listen(1024)
+    sock.set_inheritable(False)
+    return sock
+
+
+def supervise(settings: Settings, workers: int, loop: asyncio.AbstractEventLoop) -> int:
+    """Serve with ``workers`` worker processes until a signal; the exit code."""
+    data, admin = bind_workers(settings, workers)
+    supervisor = Supervisor(settings, workers, data, admin)
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(supervisor.run())
+    finally:
+        shutil.rmtree(supervisor.dir, ignore_errors=True)
+        loop.close()

@@ -1,0 +1,49 @@
+"""A worker process: ``python -m server.processes.worker``, started by the supervisor.
+
+It reads its :class:`~server.processes.link.WorkerSpec` (pickled) from stdin,
+serves the data plane on the sockets it inherited, and answers its supervisor
+on a control socket of its own. Not a command for people to run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import socket
+import sys
+
+import structlog
+
+from server.processes.link import WorkerLink, WorkerSpec
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_supervisor(supervisor_pid: int) -> None:
+    """Linux: SIGTERM when the supervisor ends, even before the lifeline is watched."""
+    with_prctl = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform == "linux" else None
+    if with_prctl is not None:
+        with_prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != supervisor_pid:  # it ended before the signal was asked for
+        sys.exit(1)
+
+
+def main() -> int:
+    spec: WorkerSpec = pickle.load(sys.stdin.buffer)
+    _die_with_supervisor(spec.supervisor_pid)
+    from server.cli import serve_sockets
+    from server.logs import configure_logging
+    from server.streams import protect_std_streams
+
+    settings = spec.settings
+    protect_std_streams()
+    configure_logging(settings.log_format, settings.log_level)
+    structlog.contextvars.bind_contextvars(worker=spec.index)
+    sockets = [socket.socket(fileno=fd) for fd in spec.listen_fds]
+    return serve_sockets(settings, sockets, WorkerLink(spec))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
