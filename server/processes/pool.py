@@ -112,9 +112,6 @@ class WorkerPool:
             del self.workers[index]
             await worker.client.close()
 
-    def describe_workers(self) -> list[dict[str, Any]]:
-        return [w.as_json(self.restarts.get(i, 0)) for i, w in sorted(self.workers.items())]
-
     # -- calls -------------------------------------------------------------------------
 
     async def call_all(
