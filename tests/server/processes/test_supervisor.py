@@ -292,3 +292,17 @@ def test_workers_must_be_a_number_or_auto(
     assert "workers must be a number or 'auto'" in srv.log()
     srv = server("--plugins-dir", str(plugins_dir), "--workers", "0", ready=False)
     assert srv.proc.wait(30) == 2
+
+
+def test_a_rate_limit_is_the_servers_not_each_workers(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    write_tagger(plugins_dir, "1.0.0", "one")
+    (plugins_dir / "routes.toml").write_text(
+        '[routes.tagger]\nrunner = "tagger"\nrate_limit = { rps = 0.001, burst = 10 }\n'
+    )
+    srv = two_workers(server, plugins_dir, models_dir)
+    answers = [call(srv) for _ in range(30)]
+    assert [s for s, _, _ in answers].count(200) == 10
+    assert [s for s, _, _ in answers].count(429) == 20
+    assert len({pid for s, _, pid in answers if s == 200}) == 2  # both workers took some
