@@ -140,8 +140,8 @@ def serve_sockets(
 ) -> int:
     """Serve the app on ``sockets`` until a signal stops it; the exit code.
 
-    A worker (one of several processes) takes connections only once its plugins
-    are loaded: until then its supervisor's other workers, or the backlog, hold them.
+    A worker (one of several processes) listens only once its plugins are loaded:
+    until then the other workers, or at the first start its supervisor, answer.
     """
     app = create_app(settings, worker=worker)
     app.on_startup.append(install_signal_handlers)

@@ -42,7 +42,10 @@ class WorkerSpec:
     settings: Settings
     index: int
     workers: int
-    listen_fds: tuple[int, ...]
+    address: tuple[str, int]
+    """Where the data plane listens: each worker binds it with ``SO_REUSEPORT``."""
+    admin_fds: tuple[int, ...]
+    """The control plane's own listening socket (``admin_port``), shared by every worker."""
     lifeline_fd: int
     supervisor_socket: Path
     control_dir: Path

@@ -7,13 +7,19 @@ what a single process owns besides serving: the watcher, the runtime route
 store (a file, or etcd in fleet mode) and the answers for the whole server
 (server/processes/control.py). It loads no plugin itself.
 
-Sockets: one data socket per worker, all bound to the port with
-``SO_REUSEPORT``, so the kernel spreads connections evenly over the workers
-(docs/operations.md gives the spread measured). The supervisor keeps every
-worker's socket open: while a worker is being replaced, the connections the
-kernel gives its socket wait in the backlog for the new one instead of being
-refused. The control plane's own port (``admin_port``) is one socket all
-workers share.
+Sockets: each worker listens on a data socket of its own, bound to the port
+with ``SO_REUSEPORT``, so the kernel spreads connections over the workers
+(tests/benchmarks/spread.py: one socket the workers inherit is one-sided on
+asyncio's loop, 64 connections to one worker of two, and uneven on uvloop's;
+``SO_REUSEPORT`` spreads them on either). The supervisor holds the port with a
+socket bound the same way but never listening (the kernel gives connections
+to listening sockets only). A worker's socket ends with it, so while a worker
+is replaced the kernel gives new connections to the others; a worker listens
+only once its plugins are loaded. Until the first worker is, the supervisor
+answers on the port itself as a single process does while it loads
+(``/v2/health/live`` 200, anything else 503 with ``Retry-After``), then stops
+listening: no client is told "starting" by one worker while another serves.
+The control plane's own port (``admin_port``) is one socket all workers share.
 
 No orphans: each worker holds the read end of a pipe whose write end only the
 supervisor holds; when the supervisor ends, however it ends, the kernel closes
@@ -43,6 +49,7 @@ from registry.errors import ConfigError
 from registry.watcher import Watcher
 from server.app import route_store
 from server.config import Settings
+from server.connections import ConnectionLimits, Starting
 from server.processes.control import SUPERVISOR_METRICS, control_app
 from server.processes.link import WorkerSpec
 from server.processes.pool import WorkerPool
@@ -52,6 +59,8 @@ log = structlog.get_logger("plugserve.supervisor")
 
 RESTART_MIN_S = 0.5
 RESTART_MAX_S = 30.0
+STARTING_CONNECTIONS = 256
+"""Connections the supervisor answers at once while no worker serves yet."""
 STABLE_S = 60.0
 """A worker that ran this long before it ended is restarted at once (its backoff reset)."""
 
@@ -59,11 +68,12 @@ STABLE_S = 60.0
 class Supervisor:
     """Starts, watches and stops the workers; owns the watcher and the route store."""
 
-    def __init__(self, settings: Settings, workers: int, data: list[socket.socket],
+    def __init__(self, settings: Settings, workers: int, port: socket.socket,
                  admin: socket.socket | None) -> None:  # fmt: skip
         self.settings = settings
         self.count = workers
-        self.data = data
+        self.port = port
+        self.address = (settings.host, int(port.getsockname()[1]))
         self.admin = admin
         self.dir = Path(tempfile.mkdtemp(prefix="plugserve-"))  # mode 0700: ours alone
         self.socket_path = self.dir / "supervisor.sock"
@@ -79,10 +89,33 @@ class Supervisor:
             settings, watch=False, registry="local", runtime_routes_file=None
         )
         self.app = control_app(self.pool, self.store, settings.watch, self._is_ours)
+        self._starting: asyncio.AbstractServer | None = None
 
     def _is_ours(self, index: int, pid: int) -> bool:
+        """Whether a worker registering is one this supervisor started; the first one to
+        register ends the supervisor's own answers on the port."""
         proc = self.procs.get(index)
-        return proc is not None and proc.pid == pid
+        if proc is None or proc.pid != pid:
+            return False
+        if self._starting is not None:
+            # Hold the port with a fresh socket that never listens, then stop answering.
+            held = bind(*self.address, reuse_port=True)
+            self._starting.close()
+            self._starting, self.port = None, held
+            log.info("first_worker_ready", worker=index, pid=pid)
+        return True
+
+    async def _answer_while_starting(self) -> None:
+        """Answer on the port, as a single process does while its plugins first load."""
+        settings = self.settings
+        limits = ConnectionLimits(
+            settings.header_timeout_s, settings.body_timeout_s, STARTING_CONNECTIONS
+        )
+        answering: set[Starting] = set()
+        loop = asyncio.get_running_loop()
+        self._starting = await loop.create_server(
+            lambda: Starting(limits, answering), sock=self.port, backlog=1024
+        )
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -96,6 +129,7 @@ class Supervisor:
         except ConfigError:
             await runner.cleanup()
             raise
+        await self._answer_while_starting()
         keepers = [asyncio.create_task(self._keep(i)) for i in range(self.count)]
         watcher = Watcher(self.pool, self.settings.reload_debounce_ms / 1000)
         watching = asyncio.create_task(watcher.run()) if self.settings.watch else None
@@ -160,15 +194,14 @@ class Supervisor:
             backoff = min(backoff * 2, RESTART_MAX_S)
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
-        listen = [self.data[index].fileno()]
-        if self.admin is not None:
-            listen.append(self.admin.fileno())
+        listen = [] if self.admin is None else [self.admin.fileno()]
         read_end, write_end = os.pipe()
         spec = WorkerSpec(
             settings=self.worker_settings,
             index=index,
             workers=self.count,
-            listen_fds=tuple(listen),
+            address=self.address,
+            admin_fds=tuple(listen),
             lifeline_fd=read_end,
             supervisor_socket=self.socket_path,
             control_dir=self.dir,
@@ -209,31 +242,26 @@ def _ended(code: int | None) -> str:
     return f"exit {code}"
 
 
-def bind_workers(
-    settings: Settings, workers: int
-) -> tuple[list[socket.socket], socket.socket | None]:
-    """One data socket per worker on the port (``SO_REUSEPORT``), and the control plane's.
+def bind_workers(settings: Settings) -> tuple[socket.socket, socket.socket | None]:
+    """The port, held for the workers (bound with ``SO_REUSEPORT``, not listening), and the
+    control plane's own listening socket when it has a port.
 
-    Raises :class:`ConfigError` when the address cannot be listened on.
+    Raises :class:`ConfigError` when an address cannot be listened on.
     """
-    data: list[socket.socket] = []
-    port = settings.port
+    port = bind(settings.host, settings.port, reuse_port=True)
     try:
-        for _ in range(workers):
-            sock = _bind(settings.host, port, reuse_port=True)
-            data.append(sock)
-            port = sock.getsockname()[1]  # port 0: the one the first socket got
         admin = None
         if settings.admin_port is not None:
-            admin = _bind(settings.admin_host or settings.host, settings.admin_port, False)
+            admin = bind(settings.admin_host or settings.host, settings.admin_port, False)
+            admin.listen(1024)
     except BaseException:
-        for sock in data:
-            sock.close()
+        port.close()
         raise
-    return data, admin
+    return port, admin
 
 
-def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
+def bind(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A TCP socket bound to ``host:port``, not listening yet."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -245,15 +273,13 @@ def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
         sock.close()
         reason = exc.strerror if isinstance(exc, OSError) else exc
         raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None
-    sock.listen(1024)
-    sock.set_inheritable(False)
     return sock
 
 
 def supervise(settings: Settings, workers: int, loop: asyncio.AbstractEventLoop) -> int:
     """Serve with ``workers`` worker processes until a signal; the exit code."""
-    data, admin = bind_workers(settings, workers)
-    supervisor = Supervisor(settings, workers, data, admin)
+    port, admin = bind_workers(settings)
+    supervisor = Supervisor(settings, workers, port, admin)
     try:
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(supervisor.run())

@@ -35,13 +35,16 @@ def main() -> int:
     _die_with_supervisor(spec.supervisor_pid)
     from server.cli import serve_sockets
     from server.logs import configure_logging
+    from server.processes.supervisor import bind
     from server.streams import protect_std_streams
 
     settings = spec.settings
     protect_std_streams()
     configure_logging(settings.log_format, settings.log_level)
     structlog.contextvars.bind_contextvars(worker=spec.index)
-    sockets = [socket.socket(fileno=fd) for fd in spec.listen_fds]
+    # Bound now; it listens once the plugins are loaded (server/processes/supervisor.py).
+    sockets = [bind(*spec.address, reuse_port=True)]
+    sockets += [socket.socket(fileno=fd) for fd in spec.admin_fds]
     return serve_sockets(settings, sockets, WorkerLink(spec))
 
 
