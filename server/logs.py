@@ -122,7 +122,9 @@ def configure_logging(log_format: str = "console", level: str = "info") -> None:
     structlog.configure(
         processors=[_NeverRaising([*shared, renderer], as_json=log_format == "json")],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # One write per line (message and newline together): with several worker processes
+        # on one stderr, lines written in two parts would interleave.
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr, force=True)

@@ -101,7 +101,13 @@ async def register(request: web.Request) -> web.Response:
     unloaded = [list(k) for k, r in pool.records.items() if r.state == "unloaded"]
     pool.add(worker)
     request.app[SUPERVISOR_METRICS].workers.set(len(pool.workers))
-    return web.json_response({"routes": pool.routes_for_new_worker(), "unloaded": unloaded})
+    return web.json_response(
+        {
+            "routes": pool.routes_for_new_worker(),
+            "unloaded": unloaded,
+            "lost_roots": pool.lost_roots_as_json(),
+        }
+    )
 
 
 async def list_plugins(request: web.Request) -> web.Response:

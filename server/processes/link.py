@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from registry.errors import InvalidInput, Unavailable
+from registry.registry import Registry
 from server import admin, v2
 from server.config import Settings
 from server.middleware import request_middleware
@@ -119,6 +120,7 @@ class WorkerLink:
         for key in state["unloaded"]:
             await registry.unload((key[0], key[1], key[2]))
         self.apply_routes(app, state["routes"])
+        set_lost_roots(registry, state["lost_roots"])
         await registry.sync()  # what changed on disk since this worker's first scan
         log.info("worker_registered", worker=self.index, versions=len(registry.records))
 
@@ -150,6 +152,11 @@ class WorkerLink:
         return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
 
 
+def set_lost_roots(registry: Registry, paths: dict[str, float]) -> None:
+    """What the supervisor's watcher found missing: this worker is not ready meanwhile."""
+    registry.lost_roots = {Path(path): float(since) for path, since in paths.items()}
+
+
 def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
     """What the supervisor calls on this worker: its own state, and the changes to apply."""
     registry = control[REGISTRY]
@@ -172,6 +179,10 @@ def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
         applied = link.apply_routes(control, await request.json())
         return web.json_response({"applied": applied, "generation": link.generation})
 
+    async def lost_roots(request: web.Request) -> web.Response:
+        set_lost_roots(registry, await request.json())
+        return web.json_response({"lost_roots": len(registry.lost_roots)})
+
     async def local_metrics(request: web.Request) -> web.Response:
         return web.Response(body=control[METRICS].render(), content_type="text/plain")
 
@@ -180,6 +191,7 @@ def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
     router.add_post("/_control/sync_model", sync_model)
     router.add_post("/_control/sync_routes_file", sync_routes_file)
     router.add_put("/_control/runtime_routes", runtime_routes)
+    router.add_put("/_control/lost_roots", lost_roots)
     router.add_get("/metrics", local_metrics)
     # This worker's own answers, as a single-process server gives them.
     router.add_get("/admin/plugins", admin.list_plugins)

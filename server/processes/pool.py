@@ -92,7 +92,9 @@ class WorkerPool:
     def __init__(self, plugins_dir: Path, models_dir: Path) -> None:
         self.plugins_dir = plugins_dir
         self.models_dir = models_dir
-        self.lost_roots: dict[Path, float] = {}
+        self.lost_roots: dict[Path, float] = _Watched(self._lost_roots_changed)
+        """Watched folders gone missing, as the watcher keeps them; every worker is told,
+        for its readiness (``/v2/health/ready`` is 503 while one is missing)."""
         self.listeners: list[Callable[[LifecycleEvent], None]] = []
         self.runtime_routes: Mapping[str, RouteSpec] = {}
         self.records: dict[Key, VersionRecord] = {}
@@ -204,6 +206,15 @@ class WorkerPool:
                 log.error("worker_routes_failed", worker=worker.index, status=reply.status,
                           body=reply.body[:500].decode(errors="replace"))  # fmt: skip
 
+    def _lost_roots_changed(self) -> None:
+        self._track(self._push_lost_roots())
+
+    async def _push_lost_roots(self) -> None:
+        await self.call_all("PUT", "/_control/lost_roots", self.lost_roots_as_json())
+
+    def lost_roots_as_json(self) -> dict[str, float]:
+        return {str(path): since for path, since in self.lost_roots.items()}
+
     def routes_for_new_worker(self) -> dict[str, Any]:
         return {"generation": self._generation, "routes": routes_as_json(self.runtime_routes)}
 
@@ -269,6 +280,25 @@ class WorkerPool:
         await self.settled()
         for worker in list(self.workers.values()):
             await worker.client.close()
+
+
+class _Watched(dict[Path, float]):
+    """A dict that calls ``changed`` after each change the watcher makes to it."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        super().__init__()
+        self._changed = changed
+
+    def __setitem__(self, key: Path, value: float) -> None:
+        super().__setitem__(key, value)
+        self._changed()
+
+    def pop(self, key: Path, default: Any = None) -> Any:
+        had = key in self
+        value = super().pop(key, default)
+        if had:
+            self._changed()
+        return value
 
 
 def _one_outcome(outcomes: Any) -> Outcome:
