@@ -21,7 +21,7 @@ from server.config import Settings
 from server.metrics import Metrics
 from server.middleware import request_middleware
 from server.shutdown import CLOSE_FLOOR_S, Drain, within
-from server.state import BODIES, DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+from server.state import BODIES, DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS, WORKER
 
 if TYPE_CHECKING:
     from server.processes.link import WorkerLink
@@ -105,9 +105,6 @@ def route_store(settings: Settings, registry: RouteTarget) -> RouteStore:
     )
 
 
-WORKER: web.AppKey[WorkerLink] = web.AppKey("worker")
-
-
 def create_app(
     settings: Settings, registry: Registry | None = None, worker: WorkerLink | None = None
 ) -> web.Application:
@@ -140,6 +137,7 @@ def create_app(
     through = None
     if worker is not None:
         app[WORKER] = worker
+        app[DRAIN].before_stop = worker.drained
         through = worker.forward
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
     v2.add_routes(app, through)

@@ -158,6 +158,7 @@ def serve_sockets(
         # Our drain (server/shutdown.py) has already waited for in-flight requests.
         shutdown_timeout=1.0,
         accept_while_starting=worker is None,
+        listening=None if worker is None else worker.listening,
     )
     _leave_lingering_threads(0)
     return 0

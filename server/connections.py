@@ -452,6 +452,7 @@ async def serve_app(
     sockets: list[Any],
     listeners: list[Listener],
     accept_while_starting: bool = True,
+    listening: asyncio.Event | None = None,
     **kwargs: Any,
 ) -> None:
     """What ``web.run_app`` does, with each socket's connections behind its listener.
@@ -459,7 +460,7 @@ async def serve_app(
     The sockets answer from the start: while the app starts (the first load of
     every plugin), :class:`Starting` answers each connection. Without
     ``accept_while_starting`` (a worker among several) they are not accepted
-    before the app has started. ``kwargs`` go to aiohttp's
+    before the app has started; ``listening`` is set once they listen. ``kwargs`` go to aiohttp's
     :class:`~aiohttp.web.AppRunner` (and its protocol).
     """
     runner = web.AppRunner(app, **kwargs)
@@ -476,6 +477,8 @@ async def serve_app(
             factory = _starting_or_serving(runner, listener)
             servers.append(await loop.create_server(factory, sock=sock, backlog=1024))
             listener.start()
+        if listening is not None:
+            listening.set()
         if accept_while_starting:
             await runner.setup()
         await asyncio.Event().wait()  # until cancelled (a signal's GracefulExit)

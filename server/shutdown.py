@@ -12,11 +12,12 @@ the drain's bound: a watchdog thread ends it then (exit code 1).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
@@ -46,6 +47,9 @@ class Drain:
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.before_stop: Callable[[], Awaitable[None]] | None = None
+        """Awaited once drained, within the drain's bound: a worker among several waits
+        there until every worker has drained, so they stop listening together."""
 
     def enter(self) -> None:
         """Count a request in; refuse it with 503 once the drain has begun."""
@@ -92,6 +96,9 @@ class Drain:
             await asyncio.wait_for(self._idle.wait(), self.timeout_s)
         except TimeoutError:
             log.warning("drain_timeout", in_flight=self.active, timeout_s=self.timeout_s)
+        if self.before_stop is not None and self.deadline is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.before_stop(), self.deadline - time.monotonic())
         self._stop_once()
 
     def _stop_once(self) -> None:

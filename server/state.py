@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from aiohttp import web
 
 from registry.registry import Registry
@@ -11,9 +13,14 @@ from server.config import Settings
 from server.metrics import Metrics
 from server.shutdown import Drain
 
+if TYPE_CHECKING:
+    from server.processes.link import WorkerLink
+
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", Registry)
 METRICS = web.AppKey("metrics", Metrics)
 DRAIN = web.AppKey("drain", Drain)
 ROUTE_STORE = web.AppKey("route_store", RouteStore)
 BODIES = web.AppKey("bodies", Bodies)
+WORKER: web.AppKey[WorkerLink] = web.AppKey("worker")
+"""Set in a worker among several: its link to the supervisor (server/processes/link.py)."""

@@ -15,7 +15,7 @@ from server import __version__
 from server.bodies import LARGE_BODY_BYTES
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import admit, deadline_seconds, measured, request_context, serve
-from server.state import BODIES, DRAIN, REGISTRY, ROUTE_STORE, SETTINGS
+from server.state import BODIES, DRAIN, REGISTRY, ROUTE_STORE, SETTINGS, WORKER
 
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
@@ -43,12 +43,16 @@ async def ready(request: web.Request) -> web.Response:
             missing=sorted(str(p) for p in lost),
         )
     store = request.app[ROUTE_STORE]
-    if store.mode == "local":
+    worker = request.app.get(WORKER)
+    if worker is not None and worker.spec.fleet:  # the supervisor follows the fleet
+        is_ready, details = await worker.fleet_health()
+    elif store.mode == "local":
         return web.json_response({"ready": True})
+    else:
+        is_ready, details = store.ready, store.health()
     # A fleet replica: ready once it has read the fleet's route table; an etcd
     # outage after that keeps it ready (it serves the last table) and shows here.
-    details = store.health()
-    if not store.ready:
+    if not is_ready:
         raise Unavailable("the fleet's route table has not been read from etcd yet", fleet=details)
     return web.json_response({"ready": True, "fleet": details})
 

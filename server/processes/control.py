@@ -9,7 +9,7 @@ every worker before it answers.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,10 @@ POOL = web.AppKey("pool", WorkerPool)
 STORE = web.AppKey("store", RouteStore)
 WATCHING = web.AppKey("watching", bool)
 STARTED = web.AppKey("started", float)
-ON_REGISTER: web.AppKey[Callable[[int, int], bool]] = web.AppKey("on_register")
+ON_REGISTER: web.AppKey[Callable[[int, int], bool | None]] = web.AppKey("on_register")
+"""The supervisor's answer to a worker that registers: ``None`` when it is not one it
+started, else whether it may listen at once (``False`` until every first worker loaded)."""
+ON_DRAINED: web.AppKey[Callable[[int], Awaitable[None]]] = web.AppKey("on_drained")
 
 
 class SupervisorMetrics:
@@ -94,7 +97,8 @@ async def register(request: web.Request) -> web.Response:
     versions unloaded through the API, and takes part in every change from now on."""
     body = await request.json()
     index, pid = int(body["index"]), int(body["pid"])
-    if not request.app[ON_REGISTER](index, pid):
+    listen = request.app[ON_REGISTER](index, pid)
+    if listen is None:
         return web.json_response({"error": f"no worker {index} with pid {pid}"}, status=409)
     pool = request.app[POOL]
     worker = Worker(index, pid, float(body["started_at"]), UnixClient(Path(body["socket"])))
@@ -106,8 +110,20 @@ async def register(request: web.Request) -> web.Response:
             "routes": pool.routes_for_new_worker(),
             "unloaded": unloaded,
             "lost_roots": pool.lost_roots_as_json(),
+            "listen": listen,
         }
     )
+
+
+async def drained(request: web.Request) -> web.Response:
+    """A worker has drained: it waits here until every worker has (they stop together)."""
+    await request.app[ON_DRAINED](int((await request.json())["index"]))
+    return web.json_response({"stop": True})
+
+
+async def fleet_health(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    return web.json_response({"ready": store.ready, "health": store.health()})
 
 
 async def list_plugins(request: web.Request) -> web.Response:
@@ -164,7 +180,7 @@ async def reload_all(request: web.Request) -> web.Response:
 async def version_call(request: web.Request) -> web.Response:
     """Reload or unload one version on every worker; answers when all have."""
     pool = request.app[POOL]
-    answers = await pool.call_all("POST", request.path)
+    answers = await pool.call_all("POST", request.raw_path)
     refused = _first_refusal(answers)
     if refused is not None:
         await pool.refresh()
@@ -224,7 +240,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def statistics(request: web.Request) -> web.Response:
-    answers = await request.app[POOL].call_all("GET", request.path_qs)
+    answers = await request.app[POOL].call_all("GET", request.raw_path)
     refused = _first_refusal(answers)
     if refused is not None:
         return refused
@@ -235,7 +251,8 @@ def control_app(
     pool: WorkerPool,
     store: RouteStore,
     watching: bool,
-    on_register: Callable[[int, int], bool],
+    on_register: Callable[[int, int], bool | None],
+    on_drained: Callable[[int], Awaitable[None]],
 ) -> web.Application:
     """The supervisor's app; its socket is reachable by this server's processes only."""
     app = web.Application(middlewares=[errors], client_max_size=64 * 1024 * 1024)
@@ -245,8 +262,11 @@ def control_app(
     app[WATCHING] = watching
     app[STARTED] = time.monotonic()
     app[ON_REGISTER] = on_register
+    app[ON_DRAINED] = on_drained
     r = app.router
     r.add_post("/_supervisor/register", register)
+    r.add_get("/_supervisor/fleet", fleet_health)
+    r.add_post("/_supervisor/drained", drained)
     r.add_get("/admin/plugins", list_plugins)
     r.add_get("/admin/routes", list_routes)
     r.add_put("/admin/routes/{route}", put_route)

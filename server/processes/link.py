@@ -34,6 +34,8 @@ from server.state import BODIES, DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 log = structlog.get_logger("plugserve.worker")
 
 FORWARDED_HEADERS = ("Content-Type", "If-Match")
+LISTEN_WAIT_S = 5.0
+"""How long the supervisor's "listen now" waits for the socket to listen."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class WorkerSpec:
     supervisor_socket: Path
     control_dir: Path
     supervisor_pid: int
+    fleet: bool = False
+    """Fleet mode: the supervisor follows etcd; readiness asks it."""
 
 
 class WorkerLink:
@@ -64,6 +68,9 @@ class WorkerLink:
         self.socket_path = spec.control_dir / f"worker-{spec.index}-{self.pid}.sock"
         self.supervisor = UnixClient(spec.supervisor_socket)
         self.generation = -1
+        self.listening = asyncio.Event()
+        """Set once this worker's data socket listens."""
+        self._go = asyncio.Event()
         self._runner: web.AppRunner | None = None
 
     # -- lifetime ----------------------------------------------------------------------
@@ -123,6 +130,15 @@ class WorkerLink:
         set_lost_roots(registry, state["lost_roots"])
         await registry.sync()  # what changed on disk since this worker's first scan
         log.info("worker_registered", worker=self.index, versions=len(registry.records))
+        if not state["listen"]:  # the first workers listen together, once all have loaded
+            await self._go.wait()
+
+    async def drained(self) -> None:
+        """This worker has drained; wait until every worker has, then stop (together)."""
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            await self.supervisor.call(
+                "POST", "/_supervisor/drained", json_body={"index": self.index}
+            )
 
     def apply_routes(self, app: web.Application, state: dict[str, Any]) -> bool:
         generation = int(state["generation"])
@@ -139,6 +155,15 @@ class WorkerLink:
         with contextlib.suppress(OSError):
             self.socket_path.unlink()
 
+    async def fleet_health(self) -> tuple[bool, dict[str, Any]]:
+        """Whether the supervisor has read the fleet's route table, and its sync state."""
+        try:
+            reply = await self.supervisor.call("GET", "/_supervisor/fleet")
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise Unavailable(f"the supervisor is not answering: {exc!r}") from None
+        state = reply.json()
+        return bool(state["ready"]), state["health"]
+
     # -- forwarding --------------------------------------------------------------------
 
     async def forward(self, request: web.Request) -> web.Response:
@@ -146,7 +171,7 @@ class WorkerLink:
         body = await request.read() if request.can_read_body else None
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         try:
-            reply = await self.supervisor.call(request.method, request.path_qs, body, headers)
+            reply = await self.supervisor.call(request.method, request.raw_path, body, headers)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise Unavailable(f"the supervisor is not answering: {exc!r}") from None
         return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
@@ -179,6 +204,12 @@ def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
         applied = link.apply_routes(control, await request.json())
         return web.json_response({"applied": applied, "generation": link.generation})
 
+    async def listen(request: web.Request) -> web.Response:
+        link._go.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(link.listening.wait(), LISTEN_WAIT_S)
+        return web.json_response({"listening": link.listening.is_set()})
+
     async def lost_roots(request: web.Request) -> web.Response:
         set_lost_roots(registry, await request.json())
         return web.json_response({"lost_roots": len(registry.lost_roots)})
@@ -192,6 +223,7 @@ def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
     router.add_post("/_control/sync_routes_file", sync_routes_file)
     router.add_put("/_control/runtime_routes", runtime_routes)
     router.add_put("/_control/lost_roots", lost_roots)
+    router.add_post("/_control/listen", listen)
     router.add_get("/metrics", local_metrics)
     # This worker's own answers, as a single-process server gives them.
     router.add_get("/admin/plugins", admin.list_plugins)

@@ -135,6 +135,13 @@ PER_SERVER_GAUGES = frozenset(
 not summed (a version ready in every worker is one version)."""
 
 
+PER_SERVER_EVENTS = frozenset(
+    {"plugserve_plugin_lifecycle", "plugserve_plugin_lifecycle_duration_seconds"}
+)
+"""Counts of what happens to the server once and to every worker alike (a version loads
+in each): the highest count, which a replaced worker's fresh one does not lower."""
+
+
 def metrics(texts: Sequence[tuple[str, str]]) -> str:
     """Prometheus text from each worker (by worker index), as one server's.
 
@@ -175,7 +182,7 @@ def metrics(texts: Sequence[tuple[str, str]]) -> str:
                 samples[series] = value
             elif name.endswith("_created"):
                 samples[series] = min(kept, value)
-            elif kinds.get(family) == "gauge" and family in PER_SERVER_GAUGES:
+            elif family in PER_SERVER_GAUGES or family in PER_SERVER_EVENTS:
                 samples[series] = max(kept, value)
             else:
                 samples[series] = kept + value

@@ -40,7 +40,9 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -88,22 +90,57 @@ class Supervisor:
         self.worker_settings = dataclasses.replace(
             settings, watch=False, registry="local", runtime_routes_file=None
         )
-        self.app = control_app(self.pool, self.store, settings.watch, self._is_ours)
+        self.app = control_app(
+            self.pool, self.store, settings.watch, self._registered, self._drained
+        )
         self._starting: asyncio.AbstractServer | None = None
+        self._first = set(range(workers))
+        """The first workers not loaded yet: they listen together once none is left."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._drained_workers: set[int] = set()
+        self._all_drained = asyncio.Event()
 
-    def _is_ours(self, index: int, pid: int) -> bool:
-        """Whether a worker registering is one this supervisor started; the first one to
-        register ends the supervisor's own answers on the port."""
+    def _registered(self, index: int, pid: int) -> bool | None:
+        """A worker has loaded the plugins: ``None`` if it is not one this supervisor
+        started; else whether it may listen now. The first workers listen together,
+        once all have loaded, as one process is ready once everything is loaded."""
         proc = self.procs.get(index)
         if proc is None or proc.pid != pid:
-            return False
-        if self._starting is not None:
-            # Hold the port with a fresh socket that never listens, then stop answering.
-            held = bind(*self.address, reuse_port=True)
-            self._starting.close()
-            self._starting, self.port = None, held
-            log.info("first_worker_ready", worker=index, pid=pid)
-        return True
+            return None
+        self._first.discard(index)
+        if self._starting is None:
+            return True
+        if not self._first:
+            self._background(self._all_loaded())
+        return False
+
+    async def _all_loaded(self) -> None:
+        """Every first worker has loaded: they listen, then the supervisor stops answering."""
+        await self.pool.call_all("POST", "/_control/listen")
+        starting = self._starting
+        if starting is None:
+            return
+        # Hold the port with a fresh socket that never listens, then stop answering.
+        held = bind(*self.address, reuse_port=True)
+        starting.close()
+        self._starting, self.port = None, held
+        log.info("workers_listening", workers=len(self.pool.workers))
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drained(self, index: int) -> None:
+        """Hold a drained worker until every worker has drained (or the drain's bound):
+        while one still drains, the others keep answering new connections 503."""
+        if not self.stopping.is_set():
+            return  # this worker alone was asked to stop
+        self._drained_workers.add(index)
+        if self._drained_workers >= set(self.procs):
+            self._all_drained.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._all_drained.wait(), self.settings.drain_timeout_s)
 
     async def _answer_while_starting(self) -> None:
         """Answer on the port, as a single process does while its plugins first load."""
@@ -178,6 +215,12 @@ class Supervisor:
             else:
                 code = await proc.wait()
                 self.procs.pop(index, None)
+                if index in self._first:  # it never loaded: the others need not wait for it
+                    self._first.discard(index)
+                    if not self._first and self.pool.workers:
+                        self._background(self._all_loaded())
+                if self.stopping.is_set() and self._drained_workers >= set(self.procs):
+                    self._all_drained.set()
                 os.close(self.lifelines.pop(index))
                 await self.pool.remove(index, proc.pid)
                 self.app[SUPERVISOR_METRICS].workers.set(len(self.pool.workers))
@@ -206,6 +249,7 @@ class Supervisor:
             supervisor_socket=self.socket_path,
             control_dir=self.dir,
             supervisor_pid=os.getpid(),
+            fleet=self.settings.registry != "local",
         )
         try:
             proc = await asyncio.create_subprocess_exec(

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 CONTROL_TIMEOUT_S = 600.0
 """The longest a control call waits: a reload can load large models (``load_timeout_s``)."""
@@ -58,9 +59,9 @@ class UnixClient:
             body = json.dumps(json_body).encode()
             headers = {**(headers or {}), "Content-Type": "application/json"}
         session = self._open()
-        async with session.request(
-            method, f"http://plugserve{path}", data=body, headers=headers
-        ) as response:
+        # As the client sent it: a decoded path (``%2F``) would name another resource.
+        url = URL(f"http://plugserve{path}", encoded=True)
+        async with session.request(method, url, data=body, headers=headers) as response:
             data = await response.read()
             kept = {h: response.headers[h] for h in PASSED_HEADERS if h in response.headers}
             return Reply(response.status, kept, data)

@@ -73,7 +73,9 @@ def status_of(srv: ServerProcess) -> dict:  # type: ignore[type-arg]
 
 
 def worker_pids(srv: ServerProcess) -> set[int]:
-    return {w["pid"] for w in status_of(srv)["workers"]}
+    """The workers serving (none while the server starts: 503 from the supervisor)."""
+    code, _, body = srv.request("GET", "/admin/status")
+    return {w["pid"] for w in json.loads(body)["workers"]} if code == 200 else set()
 
 
 def children(pid: int) -> set[int]:
