@@ -1,10 +1,11 @@
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import ServerProcess, write_add_runner, write_processor
+from tests.helpers import ServerProcess, workers_failing, write_add_runner, write_processor
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -117,3 +118,25 @@ def test_a_real_server_counts_every_request_once_whichever_process_served_it(
     for path, body, code in requests_to("other"):
         assert srv.request("POST", path, body)[0] == code, path
     check_request_series(samples(srv.request("GET", "/metrics")[2].decode()), "other")
+
+
+@pytest.mark.slow
+@pytest.mark.workers(
+    1, workers_failing(2, "issue 13: batch_stats entries merged add up batch_size")
+)
+def test_a_real_server_sums_the_statistics_extension_over_whichever_process_served(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    for _ in range(20):  # each on a new connection: spread over the workers
+        assert srv.request("POST", "/v2/models/add/infer", X)[0] == 200
+    status, _, body = srv.request("GET", "/v2/models/add/stats")
+    assert status == 200, body
+    [stats] = json.loads(body)["model_stats"]
+    assert (stats["name"], stats["version"]) == ("add", "1.0.0")
+    assert (stats["inference_count"], stats["execution_count"]) == (20, 20)
+    assert stats["inference_stats"]["success"]["count"] == 20
+    [batches] = stats["batch_stats"]  # one row each: all batches of one
+    assert batches["batch_size"] == 1
+    assert batches["compute_infer"]["count"] == 20
