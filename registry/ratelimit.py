@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import mmap
+import os
+import struct
 import time
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from registry import validation
@@ -55,3 +62,64 @@ class TokenBucket:
             self.tokens -= 1
             return 0.0
         return (1 - self.tokens) / self.limit.rps
+
+
+class SharedTokenBucket:
+    """A :class:`TokenBucket` whose state the workers of one server share.
+
+    The state (tokens, time of the last refill) lives in a small file that each
+    worker maps into memory; a take holds the file's lock (``flock``) for a few
+    arithmetic steps. ``time.monotonic`` is the same clock in every process.
+    """
+
+    _FORMAT = "ddd"  # tokens, stamp, initialised (1.0)
+    _SIZE = struct.calcsize(_FORMAT)
+
+    def __init__(self, limit: RateLimit, path: Path, clock: Callable[[], float] = time.monotonic):
+        self.limit = limit
+        self.clock = clock
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            with _locked(fd):
+                if os.fstat(fd).st_size < self._SIZE:
+                    os.ftruncate(fd, self._SIZE)
+                memory = mmap.mmap(fd, self._SIZE)
+                if struct.unpack_from(self._FORMAT, memory)[2] != 1.0:
+                    struct.pack_into(self._FORMAT, memory, 0, float(limit.burst), clock(), 1.0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._memory = fd, memory
+        weakref.finalize(self, _release, fd, memory)
+
+    def take(self) -> float:
+        """Take a token: 0.0 when granted, else the seconds until one is available."""
+        limit, memory = self.limit, self._memory
+        with _locked(self._fd):
+            tokens, stamp, _ = struct.unpack_from(self._FORMAT, memory)
+            now = self.clock()
+            tokens = min(limit.burst, tokens + max(0.0, now - stamp) * limit.rps)
+            granted = tokens >= 1
+            if granted:
+                tokens -= 1
+            struct.pack_into(self._FORMAT, memory, 0, tokens, now, 1.0)
+        return 0.0 if granted else (1 - tokens) / limit.rps
+
+
+@contextlib.contextmanager
+def _locked(fd: int) -> Iterator[None]:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _release(fd: int, memory: mmap.mmap) -> None:
+    memory.close()
+    os.close(fd)
+
+
+def shared_bucket_path(folder: Path, route: str, limit: RateLimit) -> Path:
+    """One file per route and limit: a changed limit starts a full bucket, as in one process."""
+    return folder / f"rate-{route}-{limit.rps!r}-{limit.burst}.bucket"

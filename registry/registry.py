@@ -25,7 +25,7 @@ from registry.fingerprint import Fingerprinter
 from registry.loader import Loader
 from registry.manager import PluginHost
 from registry.manifest import load_manifest
-from registry.ratelimit import TokenBucket
+from registry.ratelimit import SharedTokenBucket, TokenBucket, shared_bucket_path
 from registry.records import VersionRecord
 from registry.refs import PLUGIN_TYPES, PluginType, is_ignored_name
 from registry.routes import ROUTES_FILE, RouteSpec, RouteTable, build_route_table, load_routes_file
@@ -106,7 +106,9 @@ class Registry:
         self.routes_file_error: str | None = None
         self._routes_fingerprint: str | None = None
         self.listeners: list[Callable[[LifecycleEvent], None]] = []
-        self.buckets: dict[str, TokenBucket] = {}
+        self.buckets: dict[str, TokenBucket | SharedTokenBucket] = {}
+        self.shared_buckets: Path | None = None
+        """With several workers: the folder of the rate-limit state they share."""
         self.started = False
         # Watched folders that went missing (path: since, epoch s); the watcher keeps it.
         self.lost_roots: dict[Path, float] = {}
@@ -399,9 +401,13 @@ class Registry:
             limit = entry.rate_limit
             if limit is not None:
                 kept = self.buckets.get(name)
-                buckets[name] = (
-                    kept if kept is not None and kept.limit == limit else TokenBucket(limit)
-                )
+                if kept is not None and kept.limit == limit:
+                    buckets[name] = kept
+                elif self.shared_buckets is not None:
+                    path = shared_bucket_path(self.shared_buckets, name, limit)
+                    buckets[name] = SharedTokenBucket(limit, path)
+                else:
+                    buckets[name] = TokenBucket(limit)
         self.buckets = buckets
 
     # -- views -------------------------------------------------------------------------

@@ -141,6 +141,7 @@ def create_app(
     if worker is not None:
         app[WORKER] = worker
         through = worker.forward
+        app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
     v2.add_routes(app, through)
     predict.add_routes(app)
     admin.add_routes(app, through)

@@ -196,7 +196,13 @@ async def status(request: web.Request) -> web.Response:
                     for path, since in sorted(pool.lost_roots.items())
                 ],
             },
-            "workers": pool.describe_workers(),
+            "workers": [
+                {
+                    **w.as_json(pool.restarts.get(w.index, 0)),
+                    "requests": sum(doc["requests"].values()),
+                }
+                for (w, _), doc in zip(answers, docs, strict=True)
+            ],
         }
     )
 

@@ -21,6 +21,8 @@ SUMMED_PLUGIN_FIELDS = (
     "inline_executions",
     "circuit_trips",
 )
+IDENTITY_FIELDS = frozenset({"batch_size"})
+"""Numbers that name what a count is of: kept, never added."""
 STATE_ORDER = ("failed", "loading", "draining", "ready", "unloaded")
 """When workers disagree on a version's state, the first of these that any of them has."""
 
@@ -72,6 +74,8 @@ def counts(first: Any, second: Any) -> Any:
                 out[key] = value
             elif key == "last_inference":
                 out[key] = max(out[key] or 0, value or 0)
+            elif key in IDENTITY_FIELDS:
+                continue
             else:
                 out[key] = counts(out[key], value)
         return out

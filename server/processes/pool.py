@@ -100,20 +100,26 @@ class WorkerPool:
         self.restarts: dict[int, int] = {}
         self._generation = 0
         self._pushing: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- membership --------------------------------------------------------------------
 
     def add(self, worker: Worker) -> None:
+        """A worker joins; then ``records`` (and fleet mode's replica record) are refreshed."""
         self.workers[worker.index] = worker
+        task = asyncio.create_task(self._joined())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _joined(self) -> None:
+        rows = await self.refresh()
+        await self.changed({"loaded": [f"{r['type']}/{r['name']}@{r['version']}" for r in rows]})
 
     async def remove(self, index: int, pid: int) -> None:
         worker = self.workers.get(index)
         if worker is not None and worker.pid == pid:
             del self.workers[index]
             await worker.client.close()
-
-    def describe_workers(self) -> list[dict[str, Any]]:
-        return [w.as_json(self.restarts.get(i, 0)) for i, w in sorted(self.workers.items())]
 
     # -- calls -------------------------------------------------------------------------
 
@@ -258,6 +264,8 @@ class WorkerPool:
                         log.exception("listener_failed", plugin=label)
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         await self.settled()
         for worker in list(self.workers.values()):
             await worker.client.close()

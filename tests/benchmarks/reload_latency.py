@@ -1,11 +1,13 @@
 """Reload latency: from the atomic rename of a new version to the first request it answers.
 
-    python -m tests.benchmarks.reload_latency [--rounds 30] [--debounce-ms 200]
+    python -m tests.benchmarks.reload_latency [--rounds 30] [--debounce-ms 200] [--workers 2]
 
 Starts ``plugserve serve`` as a subprocess on a temporary plugins folder holding
 a small runner, then, round after round, writes a new version under a dot name,
 renames it into place and polls ``/predict`` over one keep-alive connection
-until the new version answers. Prints the median, p90 and max. Not run by CI.
+until the new version answers. With ``--workers N`` it also times, from the same
+rename, until ``/admin/plugins`` shows the version ready on every worker. Prints
+the median, p90 and max. Not run by CI.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--debounce-ms", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
+    extra = ["--workers", str(args.workers)] if args.workers > 1 else []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         plugins, models = root / "plugins", root / "models"
@@ -64,11 +68,11 @@ def main() -> None:
             f"reload_debounce_ms = {args.debounce_ms}\nlog_level = 'warning'\n"
         )
         server = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models),
-                               "--config", str(root / "plugserve.toml"), log=root / "server.log")  # fmt: skip
+                               "--config", str(root / "plugserve.toml"), *extra, log=root / "server.log")  # fmt: skip
         server.wait_ready()
         conn = http.client.HTTPConnection("127.0.0.1", server.port)
         body = json.dumps({"x": [1]})
-        latencies = []
+        latencies, everywhere = [], []
         try:
             for i in range(args.rounds):
                 version = f"1.{i + 1}.0"
@@ -81,15 +85,32 @@ def main() -> None:
                         break
                     if time.perf_counter() - started > 10:
                         raise SystemExit(f"version {version} never answered:\n{server.log()}")
+                if args.workers > 1:
+                    while not ready_everywhere(conn, version):
+                        if time.perf_counter() - started > 10:
+                            raise SystemExit(f"{version} not ready everywhere:\n{server.log()}")
+                    everywhere.append(time.perf_counter() - started)
         finally:
             server.stop()
-    ms = sorted(x * 1000 for x in latencies)
+    print(f"reload latency, workers {args.workers}, debounce {args.debounce_ms} ms, "
+          f"{len(latencies)} rounds")  # fmt: skip
+    show("rename -> first answer by the new version", latencies)
+    if everywhere:
+        show("rename -> ready on every worker", everywhere)
+
+
+def ready_everywhere(conn: http.client.HTTPConnection, version: str) -> bool:
+    conn.request("GET", "/admin/plugins")
+    rows = json.loads(conn.getresponse().read())["plugins"]
+    row = next((r for r in rows if r["version"] == version), None)
+    return row is not None and row["state"] == "ready" and "states" not in row
+
+
+def show(what: str, seconds: list[float]) -> None:
+    ms = sorted(x * 1000 for x in seconds)
     p90 = ms[int(0.9 * (len(ms) - 1))]
-    print(f"reload latency, rename -> first answer by the new version ({len(ms)} rounds, "
-          f"debounce {args.debounce_ms} ms)")  # fmt: skip
-    print(
-        f"  p50 {statistics.median(ms):7.1f} ms   p90 {p90:7.1f} ms   min {ms[0]:7.1f} ms   max {ms[-1]:7.1f} ms"
-    )
+    print(f"  {what}: p50 {statistics.median(ms):7.1f} ms   p90 {p90:7.1f} ms   "
+          f"min {ms[0]:7.1f} ms   max {ms[-1]:7.1f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Serving benchmark: plugserve against MLServer, a bare aiohttp handler and in-process ONNX Runtime.
 
     apt-get install -y wrk          # the load generator, the same for every server
-    python -m tests.benchmarks.serving [--duration 10] [--concurrency 1 64] [--no-mlserver]
+    python -m tests.benchmarks.serving [--duration 10] [--concurrency 1 64] [--workers 1 2]
+                                       [--rounds 3] [--no-mlserver]
 
 One run, side by side on the same machine: the medium MLP
 (256 -> 1024 -> 1024 -> 1024 -> 10, FP32) is generated, then
@@ -10,18 +11,27 @@ One run, side by side on the same machine: the medium MLP
   physical limit;
 - a bare aiohttp handler that reads the body and answers: the ceiling of any
   aiohttp server on this machine;
-- plugserve (dynamic batching 64 / 2 ms) and MLServer 1.7.1 (adaptive batching
-  64 / 2 ms, in-process, started by ../shared/peers/mlserver/serve.sh) with one
-  row per request, v2 JSON; plugserve also with binary tensors.
+- plugserve (dynamic batching 64 / 2 ms), one server per ``--workers`` count
+  (cases ``plugserve-w1``, ``plugserve-w2``, ...), and MLServer 1.7.1 (adaptive
+  batching 64 / 2 ms, in-process, started by ../shared/peers/mlserver/serve.sh)
+  with one row per request, v2 JSON; plugserve also with binary tensors.
 
-wrk drives each with c concurrent connections; the table gives requests/s,
-p50, p99 and the mean batch size, then the ratios the targets are stated in.
-Not run by CI.
+Every server is up for the whole run and they take turns under load, round
+after round; the table gives medians over the rounds. wrk drives each with c
+concurrent connections: requests/s, p50, p99, the mean batch size and the
+server's CPU per request (user + system time of its whole process tree, read
+from /proc before and after the wrk run, over the requests wrk completed).
+After each measurement of a plugserve with more than one worker, the spread of
+the load over its workers: per-worker request counts when ``/admin/status``
+lists ``workers`` with ``requests``, otherwise each worker's share of the CPU
+its workers used (the supervisor's share shown beside). Then the ratios the
+targets are stated in, each with PASS or MISS. Not run by CI.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -42,7 +52,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tests.helpers import ROOT, free_port
 
-PEER = ROOT.parent / "shared" / "peers" / "mlserver" / "serve.sh"
+# shared/ lies beside the repository, or beside the folder of its worktrees.
+PEER = next(
+    (p / "shared/peers/mlserver/serve.sh" for p in ROOT.parents if (p / "shared/peers").is_dir()),
+    ROOT.parent / "shared/peers/mlserver/serve.sh",
+)
 DIMS = (256, 1024, 1024, 1024, 10)
 # One intra-op thread: on 2 cores a second one brought nothing at batch 32 (measured
 # 873 vs 874 us) and its spinning or wake-ups cost the event loop; see the README.
@@ -144,6 +158,7 @@ class Result:
     p50_ms: float
     p99_ms: float
     errors: int
+    requests: int
 
 
 def _ms(text: str) -> float:
@@ -157,6 +172,7 @@ def wrk(url: str, script: Path, connections: int, duration: int) -> Result:
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    done = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     p50 = _ms(re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
     p99 = _ms(re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
@@ -164,7 +180,7 @@ def wrk(url: str, script: Path, connections: int, duration: int) -> Result:
     errors = int(bad.group(1)) if bad else 0
     if socket_errors:
         errors += sum(int(n) for n in re.findall(r"\d+", socket_errors.group(1)))
-    return Result(rps, p50, p99, errors)
+    return Result(rps, p50, p99, errors, done)
 
 
 # -- servers -------------------------------------------------------------------------------
@@ -196,7 +212,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.proc.args} exited:\n{self.log.read_text()[-3000:]}")
+                raise RuntimeError(f"{self.proc.args!r} exited:\n{self.log.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=1):
                     return self
@@ -205,18 +221,148 @@ class Server:
         raise TimeoutError(self.log.read_text()[-3000:])
 
     def stop(self) -> None:
-        try:
+        """SIGTERM to its process group, then SIGKILL to whatever of the group is left."""
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 def plugserve_stats(port: int) -> tuple[int, int]:
-    """(executions, rows) of the mlp runner, from the admin API."""
+    """(executions, rows) of the mlp runner, from the admin API (summed over workers by the server)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/plugins") as r:
         row = next(p for p in json.load(r)["plugins"] if p["name"] == "mlp")
     return row.get("executions", 0), row.get("batched_rows", 0)
+
+
+def admin_workers(port: int) -> dict[int, int | None] | None:
+    """``{pid: requests or None}`` from ``/admin/status`` ``workers``; None where it has none."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/status", timeout=5) as r:
+            workers = json.load(r).get("workers")
+    except Exception:
+        return None
+    if not isinstance(workers, list):
+        return None
+    if not all(isinstance(w, dict) and "pid" in w for w in workers):
+        return None
+    return {int(w["pid"]): w.get("requests") for w in workers}
+
+
+# -- the server's CPU, from /proc ----------------------------------------------------------
+
+TICK = os.sysconf("SC_CLK_TCK")
+# /proc/<pid>/task/<tid>/children needs CONFIG_PROC_CHILDREN; without it, scan /proc for ppids.
+PROC_CHILDREN = Path(f"/proc/self/task/{os.getpid()}/children").exists()
+Tree = dict[int, tuple[int, float]]  # pid -> (parent pid, CPU seconds)
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds): user + system time, its own and its reaped children's."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # After the command's name: state, ppid, ... utime (14), stime, cutime, cstime (17).
+    return int(fields[1]), sum(int(f) for f in fields[11:15]) / TICK
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return found
+    for task in tasks:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # the thread ended
+            found += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return found
+
+
+def _children_by_scan() -> dict[int, list[int]]:
+    by_parent: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+            by_parent.setdefault(stat[0], []).append(int(entry))
+    return by_parent
+
+
+def cpu_tree(root: int) -> Tree:
+    """CPU seconds of every process in root's tree, by pid.
+
+    Each figure includes the children that process has reaped (cutime, cstime), so a
+    worker that exits between two snapshots still counts, in its parent's figure; the
+    sum over the tree is then the tree's CPU whatever was replaced meanwhile.
+    """
+    scan = None if PROC_CHILDREN else _children_by_scan()
+    tree: Tree = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in tree or (stat := _stat(pid)) is None:
+            continue
+        tree[pid] = stat
+        todo += _children(pid) if scan is None else scan.get(pid, [])
+    return tree
+
+
+def subtree_cpu(tree: Tree, pid: int) -> float:
+    """CPU seconds of pid and every descendant of it in the tree."""
+    if pid not in tree:
+        return 0.0
+    kids = [c for c, (parent, _) in tree.items() if parent == pid]
+    return tree[pid][1] + sum(subtree_cpu(tree, c) for c in kids)
+
+
+@dataclass
+class Spread:
+    """How one measurement's load fell on a multi-worker server's workers."""
+
+    by: str  # "requests" (counted by the server) or "CPU" (per worker pid, from /proc)
+    amounts: dict[int, float]  # per worker pid: requests, or CPU seconds
+    supervisor: float  # the supervisor's own share of the tree's CPU
+
+    def shares(self) -> list[float]:
+        """Each worker's share of the amounts, largest first."""
+        total = sum(self.amounts.values()) or 1.0
+        return sorted((a / total for a in self.amounts.values()), reverse=True)
+
+    def describe(self) -> str:
+        total = sum(self.amounts.values()) or 1.0
+        amount = "{:.0f}" if self.by == "requests" else "{:.2f} s"
+        workers = ", ".join(
+            f"pid {pid} {a / total:.0%} ({amount.format(a)})"
+            for pid, a in sorted(self.amounts.items())
+        )
+        return f"{self.by} share per worker: {workers}; supervisor {self.supervisor:.1%} of the tree CPU"
+
+
+def spread(
+    root: int,
+    cpu: tuple[Tree, Tree],
+    listed: tuple[dict[int, int | None] | None, dict[int, int | None] | None],
+) -> Spread:
+    """Per-worker requests where the server lists them both times, else per-worker CPU."""
+    before, after = cpu
+    tree_delta = sum(c for _, c in after.values()) - sum(c for _, c in before.values())
+    own = (after[root][1] - before.get(root, (0, after[root][1]))[1]) if root in after else 0.0
+    supervisor = own / tree_delta if tree_delta > 0 else 0.0
+    counted_before, counted_after = listed
+    if counted_before and counted_after:
+        deltas = {
+            pid: float(n - (counted_before.get(pid) or 0))
+            for pid, n in counted_after.items()
+            if isinstance(n, int)
+        }
+        if deltas and len(deltas) == len(counted_after):
+            return Spread("requests", deltas, supervisor)
+    # A worker is a child of the supervisor (the ones /admin/status names, where it does).
+    pids = set(counted_after or ()) or {p for p, (parent, _) in after.items() if parent == root}
+    amounts = {p: subtree_cpu(after, p) - subtree_cpu(before, p) for p in pids}
+    return Spread("CPU", amounts, supervisor)
 
 
 @dataclass
@@ -225,7 +371,49 @@ class Case:
     payload: str
     url: str
     script: Path
+    server: Server
     stats_port: int | None = None
+    workers: int = 1
+
+
+@dataclass
+class Sample:
+    result: Result
+    batch: float | None
+    cpu_us: float | None  # server CPU per completed request, whole process tree
+    spread: Spread | None
+
+
+def measure_once(case: Case, connections: int, duration: int) -> Sample:
+    """One wrk run, with the server's CPU (and stats) read around it, not inside it."""
+    root = case.server.proc.pid
+    stats = plugserve_stats(case.stats_port) if case.stats_port else None
+    listed = admin_workers(case.stats_port) if case.stats_port and case.workers > 1 else None
+    cpu_before = cpu_tree(root)
+    result = wrk(case.url, case.script, connections, duration)
+    cpu_after = cpu_tree(root)
+    cpu_s = sum(c for _, c in cpu_after.values()) - sum(c for _, c in cpu_before.values())
+    cpu_us = cpu_s / result.requests * 1e6 if result.requests else None
+    batch, where = None, None
+    if case.stats_port and stats:
+        after = plugserve_stats(case.stats_port)
+        batch = (after[1] - stats[1]) / max(1, after[0] - stats[0])
+    if case.workers > 1:
+        listed_after = admin_workers(case.stats_port) if case.stats_port else None
+        where = spread(root, (cpu_before, cpu_after), (listed, listed_after))
+    return Sample(result, batch, cpu_us, where)
+
+
+def wait_workers(server: Server, count: int, timeout: float = 60) -> None:
+    """Until the server lists ``count`` workers, or (where it lists none) has that many children."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = admin_workers(server.port)
+        have = len(listed) if listed is not None else len(_children(server.proc.pid))
+        if have >= count:
+            return
+        time.sleep(0.2)
+    print(f"warning: {server.log.name}: not {count} workers after {timeout:.0f} s")
 
 
 def main() -> None:
@@ -233,6 +421,9 @@ def main() -> None:
     parser.add_argument("--duration", type=int, default=10, help="seconds per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="medians are taken over rounds")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[1, 2], help="one plugserve per count"
+    )
     parser.add_argument("--no-mlserver", action="store_true")
     parser.add_argument("--instances", type=int, default=1)
     parser.add_argument(
@@ -269,103 +460,177 @@ def main() -> None:
         # Every server is up for the whole run; they take turns under load, round after round.
         if "bare" in args.only:
             port = free_port()
-            servers.append(
-                Server([sys.executable, "-c", BARE, str(port)], port, work / "bare.log").wait(
-                    "/health", 30
-                )
-            )
+            server = Server([sys.executable, "-c", BARE, str(port)], port, work / "bare.log")
+            # In the list before it is waited for: stopped in finally even if never ready.
+            servers.append(server)
+            server.wait("/health", 30)
             url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
             cases += [
-                Case("bare", "json", url, json_script),
-                Case("bare", "binary", url, bin_script),
+                Case("bare", "json", url, json_script, server),
+                Case("bare", "binary", url, bin_script, server),
             ]
         if "plugserve" in args.only:
-            port = free_port()
-            command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(plugins),
-                       "--models-dir", str(work / "models"), "--port", str(port), "--log-level", "warning"]  # fmt: skip
-            servers.append(
-                Server(command, port, work / "plugserve.log").wait("/v2/health/ready", 60)
-            )
-            url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
-            cases += [Case("plugserve", "json", url, json_script, port),
-                      Case("plugserve", "binary", url, bin_script, port)]  # fmt: skip
+            for n in args.workers:
+                port = free_port()
+                command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(plugins),
+                           "--models-dir", str(work / "models"), "--port", str(port), "--log-level", "warning"]  # fmt: skip
+                # Only where it matters, so the harness also runs a server without the flag.
+                command += ["--workers", str(n)] if n > 1 else []
+                server = Server(command, port, work / f"plugserve-w{n}.log")
+                servers.append(server)
+                server.wait("/v2/health/ready", 60)
+                if n > 1:
+                    wait_workers(server, n)
+                url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+                cases += [Case(f"plugserve-w{n}", "json", url, json_script, server, port, n),
+                          Case(f"plugserve-w{n}", "binary", url, bin_script, server, port, n)]  # fmt: skip
         if "mlserver" in args.only and not args.no_mlserver:
             port = free_port()
             command = ["bash", str(PEER), str(model), str(port), "64", "0.002"]
-            servers.append(
-                Server(command, port, work / "mlserver.log").wait("/v2/health/ready", 600)
-            )
-            cases.append(
-                Case(
-                    "mlserver", "json", f"http://127.0.0.1:{port}/v2/models/mlp/infer", json_script
-                )
-            )
-        results = measure(cases, args.concurrency, args.rounds, args.duration)
+            server = Server(command, port, work / "mlserver.log")
+            servers.append(server)
+            server.wait("/v2/health/ready", 600)
+            url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+            cases.append(Case("mlserver", "json", url, json_script, server))
+        rows = measure(cases, args.concurrency, args.rounds, args.duration)
     finally:
         for server in servers:
             server.stop()
-    print_summary(results, base)
+    print_summary(rows, base, args.workers)
 
 
-Row = tuple[str, str, int, Result, float | None]
+@dataclass
+class Row:
+    name: str
+    payload: str
+    c: int
+    result: Result  # medians over the rounds (errors summed)
+    batch: float | None
+    cpu_us: float | None
+    shares: list[float] | None  # per worker, largest first: medians over the rounds by rank
+    share_by: str
+    supervisor: float | None
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def measure(cases: list[Case], concurrency: list[int], rounds: int, duration: int) -> list[Row]:
-    samples: dict[tuple[str, str, int], list[tuple[Result, float | None]]] = {}
+    samples: dict[tuple[str, str, int], list[Sample]] = {}
     for round_no in range(1, rounds + 1):
         for case in cases:
             for c in concurrency:
                 wrk(case.url, case.script, c, 1)  # warm up
-                before = plugserve_stats(case.stats_port) if case.stats_port else None
-                result = wrk(case.url, case.script, c, duration)
-                batch = None
-                if case.stats_port and before:
-                    after = plugserve_stats(case.stats_port)
-                    batch = (after[1] - before[1]) / max(1, after[0] - before[0])
-                samples.setdefault((case.name, case.payload, c), []).append((result, batch))
-                print(f"  round {round_no} {case.name:10} {case.payload:6} c={c:<3} {result.rps:9.0f} req/s"
-                      f"  p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms  errors {result.errors}"
-                      + (f"  mean batch {batch:.1f}" if batch else ""), flush=True)  # fmt: skip
+                s = measure_once(case, c, duration)
+                samples.setdefault((case.name, case.payload, c), []).append(s)
+                r = s.result
+                print(f"  round {round_no} {case.name:12} {case.payload:6} c={c:<3} {r.rps:9.0f} req/s"
+                      f"  p50 {r.p50_ms:7.2f} ms  p99 {r.p99_ms:7.2f} ms  errors {r.errors}"
+                      + (f"  CPU {s.cpu_us:6.0f} us/req" if s.cpu_us is not None else "")
+                      + (f"  mean batch {s.batch:.1f}" if s.batch else ""), flush=True)  # fmt: skip
+                if s.spread:
+                    print(f"      {s.spread.describe()}", flush=True)
     rows: list[Row] = []
     for (name, payload, c), runs in samples.items():
+        results = [s.result for s in runs]
         median = Result(
-            statistics.median(r.rps for r, _ in runs),
-            statistics.median(r.p50_ms for r, _ in runs),
-            statistics.median(r.p99_ms for r, _ in runs),
-            sum(r.errors for r, _ in runs),
+            statistics.median(r.rps for r in results),
+            statistics.median(r.p50_ms for r in results),
+            statistics.median(r.p99_ms for r in results),
+            sum(r.errors for r in results),
+            sum(r.requests for r in results),
         )
-        batches = [b for _, b in runs if b is not None]
-        rows.append((name, payload, c, median, statistics.median(batches) if batches else None))
+        spreads = [s.spread for s in runs if s.spread]
+        shares = None
+        if spreads:
+            ranked = [sp.shares() for sp in spreads]
+            width = min(len(r) for r in ranked)
+            shares = [statistics.median(r[i] for r in ranked) for i in range(width)]
+        rows.append(Row(
+            name, payload, c, median,
+            _median([s.batch for s in runs]),
+            _median([s.cpu_us for s in runs]),
+            shares,
+            "/".join(sorted({sp.by for sp in spreads})),
+            _median([sp.supervisor for sp in spreads]),
+        ))  # fmt: skip
     return rows
 
 
-def print_summary(
-    rows: list[tuple[str, str, int, Result, float | None]], base: dict[str, float]
-) -> None:
-    table = {(n, p, c): r for n, p, c, r, _ in rows}
+def _verdict(line: str, ok: bool) -> None:
+    print(f"{line}  {'PASS' if ok else 'MISS'}")
+
+
+def print_summary(rows: list[Row], base: dict[str, float], workers: list[int]) -> None:
+    table = {(r.name, r.payload, r.c): r for r in rows}
     print("\nMedians over the rounds:")
-    print("\n| server | payload | c | req/s | p50 ms | p99 ms | mean batch | errors |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, payload, c, r, batch in rows:
-        b = f"{batch:.1f}" if batch else ""
-        print(
-            f"| {name} | {payload} | {c} | {r.rps:.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {b} | {r.errors} |"
-        )
+    print("\n| server | payload | c | req/s | p50 ms | p99 ms | CPU us/req | mean batch | errors |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        r = row.result
+        b = f"{row.batch:.1f}" if row.batch else ""
+        cpu = f"{row.cpu_us:.0f}" if row.cpu_us is not None else ""
+        print(f"| {row.name} | {row.payload} | {row.c} | {r.rps:.0f} | {r.p50_ms:.2f} | "
+              f"{r.p99_ms:.2f} | {cpu} | {b} | {r.errors} |")  # fmt: skip
+    spread_rows = [row for row in rows if row.shares]
+    if spread_rows:
+        print("\nLoad spread over workers (medians by rank, busiest first):")
+        for row in spread_rows:
+            shares = " / ".join(f"{s:.0%}" for s in row.shares or [])
+            sup = "" if row.supervisor is None else f"; supervisor {row.supervisor:.1%} of CPU"
+            print(f"  {row.name} {row.payload} c={row.c}: {row.share_by} share {shares}{sup}")
+
     print(f"\nONNX Runtime in-process batch-1 p50: {base['p50_us']:.0f} us; "
           f"batch-64: {base['rows_per_s']:.0f} rows/s")  # fmt: skip
-    ps64, ml64 = table.get(("plugserve", "json", 64)), table.get(("mlserver", "json", 64))
-    if ps64 and ml64:
-        print(f"c=64 JSON: plugserve/MLServer throughput {ps64.rps / ml64.rps:.2f}x (target >= 4), "
-              f"p99 ratio {ps64.p99_ms / ml64.p99_ms:.2f} (target <= 0.5)")  # fmt: skip
-    ps1 = table.get(("plugserve", "json", 1))
+
+    def rps(name: str, payload: str, c: int = 64) -> float | None:
+        row = table.get((name, payload, c))
+        return row.result.rps if row else None
+
+    ml = table.get(("mlserver", "json", 64))
+    w1j, w1b = table.get(("plugserve-w1", "json", 64)), table.get(("plugserve-w1", "binary", 64))
+    w2j, w2b = table.get(("plugserve-w2", "json", 64)), table.get(("plugserve-w2", "binary", 64))
+    bare_b = rps("bare", "binary")
+    print("\nIssue 13 (c=64, plugserve --workers 2):")
+    if not (w2j or w2b):
+        print("  no plugserve-w2 at c=64 in this run")
+    if w2j and w1j:
+        x = w2j.result.rps / w1j.result.rps
+        _verdict(f"  JSON: workers 2 / workers 1 throughput {x:.2f}x (target >= 1.4)", x >= 1.4)
+    if w2j and ml:
+        x = w2j.result.rps / ml.result.rps
+        _verdict(f"  JSON: workers 2 / MLServer throughput {x:.2f}x (target >= 5)", x >= 5)
+    if w2b and bare_b:
+        x = w2b.result.rps / bare_b
+        _verdict(f"  binary: workers 2 / bare aiohttp {x:.2f} (target >= 0.40)", x >= 0.40)
+    for payload, two, one_ in (("JSON", w2j, w1j), ("binary", w2b, w1b)):
+        if two and one_ and two.cpu_us and one_.cpu_us:
+            d = two.cpu_us / one_.cpu_us - 1
+            _verdict(f"  {payload}: server CPU per request, workers 2 {two.cpu_us:.0f} us vs workers 1 "
+                     f"{one_.cpu_us:.0f} us: {d:+.1%} (target <= +10%)", d <= 0.10)  # fmt: skip
+    for payload in ("json", "binary"):
+        series = [(n, rps(f"plugserve-w{n}", payload)) for n in workers]
+        first = series[0][1]
+        if len(series) > 1 and first:
+            scaled = ", ".join(f"w{n} {v:.0f}" + (f" ({v / first:.2f}x)" if n != workers[0] else "")
+                               for n, v in series if v)  # fmt: skip
+            print(f"  c=64 {payload} req/s by workers: {scaled}")
+
+    print("\nEarlier targets (plugserve --workers 1):")
+    if w1j and ml:
+        x, p = w1j.result.rps / ml.result.rps, w1j.result.p99_ms / ml.result.p99_ms
+        _verdict(f"  c=64 JSON: plugserve/MLServer throughput {x:.2f}x (target >= 4)", x >= 4)
+        _verdict(f"  c=64 JSON: plugserve/MLServer p99 ratio {p:.2f} (target <= 0.5)", p <= 0.5)
+    ps1 = table.get(("plugserve-w1", "json", 1))
     if ps1:
-        over = ps1.p50_ms * 1000 - base["p50_us"]
-        print(
-            f"c=1 JSON: plugserve p50 {ps1.p50_ms * 1000:.0f} us = ORT + {over:.0f} us (target <= +250 us)"
-        )
-    psb, bareb = table.get(("plugserve", "binary", 64)), table.get(("bare", "binary", 64))
-    if psb and bareb:
-        print(f"c=64 binary: plugserve/bare aiohttp {psb.rps / bareb.rps:.2f} (target >= 0.40)")
+        over = ps1.result.p50_ms * 1000 - base["p50_us"]
+        _verdict(f"  c=1 JSON: plugserve p50 {ps1.result.p50_ms * 1000:.0f} us = ORT + {over:.0f} us "
+                 "(target <= +250 us)", over <= 250)  # fmt: skip
+    if w1b and bare_b:
+        x = w1b.result.rps / bare_b
+        _verdict(f"  c=64 binary: plugserve/bare aiohttp {x:.2f} (target >= 0.40)", x >= 0.40)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,17 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from registry.errors import MAX_RETRY_AFTER_S, TooManyRequests
-from registry.ratelimit import MIN_RPS, RateLimit, TokenBucket
+from registry.ratelimit import (
+    MIN_RPS,
+    RateLimit,
+    SharedTokenBucket,
+    TokenBucket,
+    shared_bucket_path,
+)
 
 
 class Clock:
@@ -68,3 +78,40 @@ def test_retry_after_is_whole_seconds_from_1_to_an_hour(seconds: float, header: 
     assert error.headers() == {"Retry-After": header}
     assert error.to_json()["retry_after_s"] == int(header)
     assert MAX_RETRY_AFTER_S == 3600
+
+
+def test_a_shared_bucket_is_one_bucket_for_every_process(tmp_path: Path) -> None:
+    """Issue 13: with several workers a route's rate limit is the server's, not each worker's."""
+    clock = Clock()
+    limit = RateLimit(rps=2, burst=3)
+    path = shared_bucket_path(tmp_path, "iris", limit)
+    first = SharedTokenBucket(limit, path, clock)
+    second = SharedTokenBucket(limit, path, clock)  # another worker maps the same file
+    assert [first.take(), second.take(), first.take()] == [0.0, 0.0, 0.0]
+    assert second.take() == pytest.approx(0.5)
+    clock.now += 0.5
+    assert second.take() == 0.0
+    assert first.take() == pytest.approx(0.5)
+    clock.now += 10
+    assert [second.take() for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert first.take() > 0
+    # A later worker joins the bucket as it stands; it does not refill it.
+    assert SharedTokenBucket(limit, path, clock).take() > 0
+    # A changed limit is a fresh bucket, as in one process.
+    assert shared_bucket_path(tmp_path, "iris", RateLimit(rps=3, burst=3)) != path
+
+
+def test_shared_buckets_across_processes(tmp_path: Path) -> None:
+    limit = RateLimit(rps=MIN_RPS, burst=50)
+    path = shared_bucket_path(tmp_path, "iris", limit)
+    script = (
+        "import sys; from pathlib import Path; from registry.ratelimit import *\n"
+        "b = SharedTokenBucket(RateLimit(rps=0.001, burst=50), Path(sys.argv[1]))\n"
+        "print(sum(b.take() == 0.0 for _ in range(40)))\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE)
+        for _ in range(3)
+    ]
+    granted = [int(p.communicate()[0]) for p in procs]
+    assert sum(granted) == 50  # 120 asked, the burst granted once in all

@@ -70,9 +70,6 @@ def ready_details(replica: ServerProcess) -> dict[str, object]:
     return json.loads(body)["fleet"]  # type: ignore[no-any-return]
 
 
-@pytest.mark.workers(
-    1, workers_failing(2, "issue 13: a replica's record in etcd lists no ready version")
-)
 def test_a_weight_change_through_one_replica_is_served_by_all_within_a_second(
     fleet: list[ServerProcess],
 ) -> None:

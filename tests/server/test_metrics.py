@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import ServerProcess, workers_failing, write_add_runner, write_processor
+from tests.helpers import ServerProcess, write_add_runner, write_processor
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -121,9 +121,7 @@ def test_a_real_server_counts_every_request_once_whichever_process_served_it(
 
 
 @pytest.mark.slow
-@pytest.mark.workers(
-    1, workers_failing(2, "issue 13: batch_stats entries merged add up batch_size")
-)
+@pytest.mark.workers(1, 2)
 def test_a_real_server_sums_the_statistics_extension_over_whichever_process_served(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:

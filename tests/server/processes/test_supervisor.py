@@ -1,0 +1,308 @@
+"""A supervisor and its workers, end to end: real processes, real signals, real files.
+
+What the contract's "Processes" section promises of ``--workers N``: one server
+to the outside (admin, metrics, statistics answered for the whole server from
+any worker), reloads that answer once every worker switched, workers replaced
+when they die, no orphans when the supervisor dies, SIGTERM draining them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ServerProcess, write_plugin
+
+pytestmark = pytest.mark.slow
+
+TAGGER = """
+    import asyncio
+    import os
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Tagger:
+        def __init__(self, tag):
+            self.tag = tag
+
+        async def infer(self, inputs):
+            await asyncio.sleep(float(np.asarray(inputs.get("delay", [0])).reshape(-1)[0]))
+            return {"tag": np.array([self.tag], dtype=object),
+                    "pid": np.array([os.getpid()], dtype=np.int64)}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Tagger(config["tag"])
+"""
+
+
+def write_tagger(plugins_dir: Path, version: str, tag: str, name: str = "tagger") -> Path:
+    return write_plugin(
+        plugins_dir,
+        "runner",
+        name,
+        version,
+        f'[config]\ntag = "{tag}"\n[runner]\ninstances = 4\n',
+        {"plugin.py": TAGGER},
+    )
+
+
+def call(srv: ServerProcess, delay: float = 0.0) -> tuple[int, str, int]:
+    """One request on a new connection: (status, tag or error, pid of the worker)."""
+    status, _, body = srv.request("POST", "/predict/tagger", {"delay": [delay]})
+    doc = json.loads(body)
+    if status != 200:
+        return status, doc["error"], 0
+    return status, doc["tag"][0], doc["pid"][0]
+
+
+def status_of(srv: ServerProcess) -> dict:  # type: ignore[type-arg]
+    code, _, body = srv.request("GET", "/admin/status")
+    assert code == 200, body
+    return json.loads(body)  # type: ignore[no-any-return]
+
+
+def worker_pids(srv: ServerProcess) -> set[int]:
+    return {w["pid"] for w in status_of(srv)["workers"]}
+
+
+def children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        found.update(int(p) for p in text)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def two_workers(server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path,
+                *extra: str) -> ServerProcess:  # fmt: skip
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--workers", "2", *extra)  # fmt: skip
+    wait_for(lambda: len(worker_pids(srv)) == 2, 30, "both workers registered")
+    return srv
+
+
+def test_every_worker_serves_and_admin_answers_for_the_whole_server(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    write_tagger(plugins_dir, "1.0.0", "one")
+    srv = two_workers(server, plugins_dir, models_dir)
+    pids = worker_pids(srv)
+    served = [call(srv) for _ in range(40)]
+    assert {s for s, _, _ in served} == {200}
+    # New connections are spread by the kernel: both workers answer.
+    assert {pid for _, _, pid in served} == pids
+    plugins = json.loads(srv.request("GET", "/admin/plugins")[2])["plugins"]
+    assert [(p["name"], p["state"]) for p in plugins] == [("tagger", "ready")]  # once, not twice
+    status = status_of(srv)
+    assert status["requests"] == {"tagger": 40}
+    assert sum(w["requests"] for w in status["workers"]) == 40
+    assert all(w["restarts"] == 0 for w in status["workers"])
+    # Counters are summed over the workers, whichever worker is scraped.
+    for _ in range(4):
+        text = srv.request("GET", "/metrics")[2].decode()
+        counted = re.findall(
+            r'^plugserve_requests_total\{[^}]*route="tagger"[^}]*\} (\S+)$', text, re.M
+        )
+        assert sum(float(v) for v in counted) == 40
+        assert "plugserve_workers 2.0" in text
+    stats = json.loads(srv.request("GET", "/v2/models/tagger/stats")[2])["model_stats"]
+    assert [s["inference_count"] for s in stats] == [40]
+
+
+def test_request_ids_are_unique_across_workers(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    write_tagger(plugins_dir, "1.0.0", "one")
+    srv = two_workers(server, plugins_dir, models_dir)
+    ids = [srv.request("GET", "/v2/health/ready")[1]["X-Request-ID"] for _ in range(60)]
+    assert len(set(ids)) == 60
+
+
+def test_reload_answers_when_every_worker_switched(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    """After the admin reload answered, no worker answers with the old version."""
+    folder = write_tagger(plugins_dir, "1.0.0", "old")
+    srv = two_workers(server, plugins_dir, models_dir, "--config", str(_no_watch(plugins_dir)))
+    assert {call(srv)[1] for _ in range(10)} == {"old"}
+    manifest = folder / "plugin.toml"
+    manifest.write_text(manifest.read_text().replace('"old"', '"new"'))
+    code, _, body = srv.request("POST", "/admin/plugins/runner/tagger/1.0.0/reload")
+    assert code == 200, body
+    assert json.loads(body)["plugin"]["state"] == "ready"
+    served = [call(srv) for _ in range(40)]
+    assert {t for _, t, _ in served} == {"new"}
+    assert len({pid for _, _, pid in served}) == 2
+
+
+def _no_watch(plugins_dir: Path) -> Path:
+    config = plugins_dir.parent / "nowatch.toml"
+    config.write_text("watch = false\n")
+    return config
+
+
+def test_a_dropped_version_reaches_every_worker(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    """The supervisor's watcher: once one worker answers with the new version, all do."""
+    write_tagger(plugins_dir, "1.0.0", "one")
+    srv = two_workers(server, plugins_dir, models_dir)
+    tmp = write_tagger(plugins_dir, ".2.0.0.tmp", "two")
+    text = (tmp / "plugin.toml").read_text().replace('".2.0.0.tmp"', '"2.0.0"')
+    (tmp / "plugin.toml").write_text(text)
+    tmp.rename(tmp.with_name("2.0.0"))
+    wait_for(lambda: call(srv)[1] == "two", 15, "the new version serves")
+
+    def ready_everywhere() -> bool:
+        rows = json.loads(srv.request("GET", "/admin/plugins")[2])["plugins"]
+        row = next((r for r in rows if r["version"] == "2.0.0"), None)
+        return row is not None and row["state"] == "ready" and "states" not in row
+
+    # Once the merged view has it ready (it says so per worker while they disagree),
+    # every worker serves it.
+    wait_for(ready_everywhere, 15, "2.0.0 ready on every worker")
+    assert {call(srv)[1] for _ in range(30)} == {"two"}
+
+
+def test_a_killed_worker_is_replaced_and_the_others_fail_nothing(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    write_tagger(plugins_dir, "1.0.0", "one")
+    srv = two_workers(server, plugins_dir, models_dir)
+    before = worker_pids(srv)
+    victim = min(before)
+    survivor = max(before)
+    failures: list[tuple[int, str]] = []
+    served_by: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                code, text, pid = call(srv)
+            except OSError as exc:  # a connection the dead worker had accepted
+                failures.append((0, repr(exc)))
+                continue
+            if code != 200:
+                failures.append((code, text))
+            else:
+                served_by.append(pid)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len(worker_pids(srv) - {victim}) == 2, 30, "a new worker registered")
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    after = status_of(srv)["workers"]
+    assert victim not in {w["pid"] for w in after}
+    assert survivor in {w["pid"] for w in after}
+    assert sorted(w["restarts"] for w in after) == [0, 1]
+    # Only a request the killed worker itself held may fail; none on the survivor.
+    assert len(failures) <= 4, failures
+    assert served_by.count(survivor) > 0
+    assert "worker_died" in srv.log() and "signal SIGKILL" in srv.log()
+    text = srv.request("GET", "/metrics")[2].decode()
+    assert re.search(r'^plugserve_worker_restarts_total\{worker="\d"\} 1\.0$', text, re.M)
+
+
+def test_a_killed_supervisor_leaves_no_orphans(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    write_tagger(plugins_dir, "1.0.0", "one")
+    srv = two_workers(server, plugins_dir, models_dir)
+    pids = children(srv.proc.pid)
+    assert len(pids) == 2 and pids == worker_pids(srv)
+    srv.proc.kill()
+    srv.proc.wait()
+    wait_for(lambda: not any(alive(p) for p in pids), 15, "every worker gone")
+
+
+def test_sigterm_drains_every_worker_and_exits_0(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    write_tagger(plugins_dir, "1.0.0", "one")
+    srv = two_workers(server, plugins_dir, models_dir)
+    pids = worker_pids(srv)
+    results: list[tuple[int, str, int]] = []
+    slow = [threading.Thread(target=lambda: results.append(call(srv, 1.5))) for _ in range(6)]
+    for t in slow:
+        t.start()
+    time.sleep(0.5)
+    srv.proc.send_signal(signal.SIGTERM)
+    for t in slow:
+        t.join()
+    assert srv.proc.wait(30) == 0
+    assert [r[:2] for r in results] == [(200, "one")] * 6
+    assert {r[2] for r in results} == pids  # in-flight requests on both workers finished
+    assert not any(alive(p) for p in pids)
+    assert srv.log().count("draining") == 2
+
+
+def test_workers_auto_is_one_per_core(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    write_tagger(plugins_dir, "1.0.0", "one")
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--workers", "auto")  # fmt: skip
+    cores = len(os.sched_getaffinity(0))
+    if cores == 1:
+        assert srv.request("GET", "/admin/status")[0] == 200
+        return
+    wait_for(lambda: len(worker_pids(srv)) == cores, 60, f"{cores} workers")
+
+
+def test_workers_must_be_a_number_or_auto(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    srv = server("--plugins-dir", str(plugins_dir), "--workers", "many", ready=False)
+    assert srv.proc.wait(30) == 2
+    assert "workers must be a number or 'auto'" in srv.log()
+    srv = server("--plugins-dir", str(plugins_dir), "--workers", "0", ready=False)
+    assert srv.proc.wait(30) == 2
+
+
+def test_a_rate_limit_is_the_servers_not_each_workers(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    write_tagger(plugins_dir, "1.0.0", "one")
+    (plugins_dir / "routes.toml").write_text(
+        '[routes.tagger]\nrunner = "tagger"\nrate_limit = { rps = 0.001, burst = 10 }\n'
+    )
+    srv = two_workers(server, plugins_dir, models_dir)
+    answers = [call(srv) for _ in range(30)]
+    assert [s for s, _, _ in answers].count(200) == 10
+    assert [s for s, _, _ in answers].count(429) == 20
+    assert len({pid for s, _, pid in answers if s == 200}) == 2  # both workers took some
