@@ -48,13 +48,39 @@ async def client(
     return start
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.workers(1, 2)``: run each test that starts servers once per worker count.
+
+    A count may be a ``pytest.param`` with marks (``tests.helpers.workers_failing``).
+    """
+    marker = metafunc.definition.get_closest_marker("workers")
+    if marker is None or "server" not in metafunc.fixturenames:
+        return
+    params = []
+    for arg in marker.args:
+        count, marks = (arg, ()) if isinstance(arg, int) else (arg.values[0], arg.marks)
+        params.append(pytest.param(count, marks=marks, id=f"workers{count}"))
+    metafunc.parametrize("workers", params)
+
+
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
-    """``server(*args)`` starts ``plugserve serve`` as a subprocess and waits until ready."""
+def workers() -> int:
+    """How many worker processes ``server`` starts (``--workers``); the marker varies it."""
+    return 1
+
+
+@pytest.fixture
+def server(tmp_path: Path, workers: int) -> Iterator[Callable[..., ServerProcess]]:
+    """``server(*args)`` starts ``plugserve serve`` as a subprocess and waits until ready.
+
+    With ``workers`` above 1 the server runs that many worker processes (``--workers``).
+    """
     started: list[ServerProcess] = []
+    many = ("--workers", str(workers)) if workers > 1 else ()
 
     def start(*args: str, env: dict[str, str] | None = None, ready: bool = True) -> ServerProcess:
-        proc = ServerProcess(*args, env=env, log=tmp_path / f"server{len(started)}.log")
+        log = tmp_path / f"server{len(started)}.log"
+        proc = ServerProcess(*many, *args, env=env, log=log)
         started.append(proc)
         return proc.wait_ready() if ready else proc
 

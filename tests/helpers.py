@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import pytest
 from onnx import TensorProto, helper
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +154,11 @@ def fake_distribution(
     (info / "entry_points.txt").write_text(f"[plugserve]\n{lines}\n")
     for name, source in modules.items():
         (site / f"{name}.py").write_text(textwrap.dedent(source))
+
+
+def workers_failing(count: int, reason: str, strict: bool = True) -> Any:
+    """``count`` as an argument of ``pytest.mark.workers``, expected to fail (a known bug)."""
+    return pytest.param(count, marks=pytest.mark.xfail(strict=strict, reason=reason))
 
 
 def rss_mib(pid: int) -> float:

@@ -1,6 +1,9 @@
 """The control plane: token rules, plugin and route listings."""
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -9,7 +12,7 @@ from aiohttp.test_utils import make_mocked_request
 from registry.errors import Forbidden, Unauthorized
 from server.auth import check_admin, is_loopback
 from server.config import Settings
-from tests.helpers import write_add_runner, write_plugin
+from tests.helpers import ServerProcess, write_add_runner, write_plugin
 
 
 def mocked(remote: str, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
@@ -60,13 +63,22 @@ async def test_admin_endpoints_answer_401_without_the_token(plugins_dir: Path, c
     assert (await cli.get("/v2/health/live")).status == 200  # the data plane needs no token
 
 
-async def test_plugins_listing_shows_states_and_errors(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+def write_listed(plugins_dir: Path) -> None:
+    """A good runner in two versions, a broken preprocessor, and a pinned route."""
     write_add_runner(plugins_dir, "add", "1.0.0")
+    write_add_runner(plugins_dir, "add", "1.1.0")
     write_plugin(plugins_dir, "preprocessor", "bad", "0.1.0", files={"plugin.py": "1/0"})
-    cli = await client()
-    doc = await (await cli.get("/admin/plugins")).json()
+    (plugins_dir / "routes.toml").write_text('[routes.old]\nrunner = "add@1.0.0"\n')
+
+
+def check_plugins(doc: dict[str, Any]) -> None:
     rows = {(p["type"], p["name"], p["version"]): p for p in doc["plugins"]}
-    assert set(rows) == {("runner", "add", "1.0.0"), ("preprocessor", "bad", "0.1.0")}
+    assert len(rows) == len(doc["plugins"])  # each version once
+    assert set(rows) == {
+        ("runner", "add", "1.0.0"),
+        ("runner", "add", "1.1.0"),
+        ("preprocessor", "bad", "0.1.0"),
+    }
     good, bad = rows[("runner", "add", "1.0.0")], rows[("preprocessor", "bad", "0.1.0")]
     assert good["state"] == "ready" and good["last_error"] is None and good["in_flight"] == 0
     assert good["loaded_at"].endswith("+00:00") and good["backend"] == "onnxruntime"
@@ -77,12 +89,7 @@ async def test_plugins_listing_shows_states_and_errors(plugins_dir: Path, client
     assert bad["loaded_at"] is None
 
 
-async def test_routes_listing_shows_what_serves(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
-    write_add_runner(plugins_dir, "add", "1.0.0")
-    write_add_runner(plugins_dir, "add", "1.1.0")
-    (plugins_dir / "routes.toml").write_text('[routes.old]\nrunner = "add@1.0.0"\n')
-    cli = await client()
-    doc = await (await cli.get("/admin/routes")).json()
+def check_routes(doc: dict[str, Any]) -> None:
     routes = {r["name"]: r for r in doc["routes"]}
     assert routes["add"]["serving"]["runner"] == "runner/add@1.1.0"
     assert routes["add"]["source"] == "runner/add" and routes["add"]["versions"] == [
@@ -92,6 +99,38 @@ async def test_routes_listing_shows_what_serves(plugins_dir: Path, client) -> No
     assert routes["old"]["serving"]["runner"] == "runner/add@1.0.0"
     assert routes["old"]["source"] == "routes.toml"
     assert doc["routes_file"]["error"] is None
+
+
+async def test_plugins_listing_shows_states_and_errors(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_listed(plugins_dir)
+    cli = await client()
+    check_plugins(await (await cli.get("/admin/plugins")).json())
+
+
+async def test_routes_listing_shows_what_serves(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
+    write_listed(plugins_dir)
+    cli = await client()
+    check_routes(await (await cli.get("/admin/routes")).json())
+
+
+@pytest.mark.slow
+@pytest.mark.workers(1, 2)
+def test_a_real_server_answers_the_listings_and_token_rules_as_one(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """The three tests above against a real server; with workers, whichever answers."""
+    write_listed(plugins_dir)
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 env={"PLUGSERVE_ADMIN_TOKEN": "tok"})  # fmt: skip
+    auth = {"Authorization": "Bearer tok"}
+    for path in ("/admin/plugins", "/admin/routes"):
+        status, _, body = srv.request("GET", path)
+        assert status == 401 and "Bearer" in json.loads(body)["error"]
+        assert srv.request("GET", path, headers={"Authorization": "Bearer nope"})[0] == 401
+        assert srv.request("GET", path, headers=auth)[0] == 200
+    for _ in range(4):  # each on a new connection, wherever the kernel hands it
+        check_plugins(json.loads(srv.request("GET", "/admin/plugins", headers=auth)[2]))
+        check_routes(json.loads(srv.request("GET", "/admin/routes", headers=auth)[2]))
 
 
 SLOW_PREPROCESSOR = """

@@ -3,6 +3,8 @@
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import write_add_runner
 
 X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0, 0, 0, 0]}]}
@@ -154,6 +156,7 @@ async def test_fleet_in_local_mode_is_this_server(plugins_dir: Path, client) -> 
     assert ready == {"ready": True}
 
 
+@pytest.mark.workers(1, 2)
 def test_runtime_routes_survive_a_restart_with_a_state_file(
     plugins_dir: Path,
     models_dir: Path,

@@ -145,6 +145,7 @@ async def test_a_token_sent_as_raw_bytes_still_matches(
     assert await raw_status(cli, "/admin/plugins", b"Bearer t\xfek") == 401
 
 
+@pytest.mark.workers(1, 2)
 def test_hostile_authorization_bytes_log_no_traceback(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
@@ -168,6 +169,7 @@ def test_hostile_authorization_bytes_log_no_traceback(
     assert INFERENCE not in log and ADMIN not in log
 
 
+@pytest.mark.workers(1, 2)
 def test_any_authorization_bytes_never_yield_a_5xx(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
@@ -196,6 +198,7 @@ def test_any_authorization_bytes_never_yield_a_5xx(
     assert "internal_error" not in srv.log()
 
 
+@pytest.mark.workers(1, 2)
 def test_tritonclient_passes_the_inference_token(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
@@ -248,6 +251,7 @@ def dual_stack() -> bool:
         return False
 
 
+@pytest.mark.workers(1, 2)
 @pytest.mark.skipif(not dual_stack(), reason="no dual-stack IPv6 on this machine")
 def test_admin_from_ipv4_loopback_on_a_dual_stack_listener(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.etcd import EtcdProcess
-from tests.helpers import ServerProcess, write_add_runner
+from tests.helpers import ServerProcess, wait_until_ok, workers_failing, write_add_runner
+
+pytestmark = pytest.mark.workers(1, 2)
 
 X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0, 0, 0, 0]}]}
 
@@ -114,6 +116,9 @@ def test_a_weight_change_through_one_replica_is_served_by_all_within_a_second(
     assert view["routes"]["add"]["entry"]["runner"] == {"add@1.0.0": 50, "add@2.0.0": 50}
 
 
+@pytest.mark.workers(
+    1, workers_failing(2, "issue 13: a worker's /v2/health/ready knows nothing of the fleet")
+)
 def test_losing_etcd_leaves_every_replica_serving_and_sync_resumes_when_it_returns(
     fleet: list[ServerProcess], etcd: EtcdProcess
 ) -> None:
@@ -162,6 +167,31 @@ async def test_a_replica_that_never_read_the_fleet_table_is_not_ready_but_serves
             break
         await asyncio.sleep(0.05)
     assert resp.status == 200 and (await resp.json())["fleet"]["connected"] is True
+
+
+@pytest.mark.workers(
+    1, workers_failing(2, "issue 13: a worker's /v2/health/ready knows nothing of the fleet")
+)
+def test_a_replica_started_while_etcd_is_down_is_not_ready_but_serves(
+    tmp_path: Path, plugins_dir: Path, models_dir: Path, etcd: EtcdProcess, server
+) -> None:  # type: ignore[no-untyped-def]
+    """The subprocess form of the test above: what a real server, with its workers, answers."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    etcd.stop()
+    config = tmp_path / "plugserve.toml"
+    config.write_text("fleet_startup_wait_s = 0.2\n")
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--registry", etcd.url(), "--config", str(config), ready=False)  # fmt: skip
+    wait_until_ok(srv.proc, srv.url + "/v2/health/live", 30, srv.log)
+    # While the plugins first load, ready answers 503 for that reason: wait it out.
+    until(lambda: b"still loading" not in srv.request("GET", "/v2/health/ready")[2], 10.0)
+    status, _, body = srv.request("GET", "/v2/health/ready")
+    assert status == 503, body
+    assert json.loads(body)["fleet"]["synced"] is False
+    status, _, body = srv.request("POST", "/v2/models/add/infer", X)
+    assert status == 200, body
+    etcd.start()
+    until(lambda: srv.request("GET", "/v2/health/ready")[0] == 200, 10.0)
 
 
 def test_bad_values_in_etcd_leave_every_replica_connected_and_listed(

@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers import ServerProcess, write_add_runner
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.workers(1, 2)]
 
 INF_LIMIT = "[route]\nrate_limit = { rps = inf }\n"
 X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0, 0, 0, 0]}]}

@@ -18,9 +18,12 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess, add_model, rss_mib, write_plugin
+from tests.helpers import ServerProcess, add_model, rss_mib, workers_failing, write_plugin
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.workers(1, 2)]
+
+LATE_SCAN = "issue 13: a worker that starts after ready scans the files mid-change"
+late_scan = pytest.mark.workers(1, workers_failing(2, LATE_SCAN, strict=False))  # timing
 
 TAGGER = """
     import asyncio
@@ -138,6 +141,9 @@ def test_in_place_edits_of_module_manifest_and_sibling_reload(
     until(lambda: tag(srv) == (200, "mod:b"))
 
 
+@pytest.mark.workers(
+    1, workers_failing(2, "issue 13: one failed load counts once per worker in lifecycle_total")
+)
 def test_broken_new_version_keeps_the_old_serving_and_is_reported(
     plugins_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:
@@ -146,8 +152,13 @@ def test_broken_new_version_keeps_the_old_serving_and_is_reported(
     broken = write_tagger(plugins_dir, "2.0.0", "bad", folder_name=".2.0.0.tmp")
     (broken / "plugin.py").write_text("raise RuntimeError('broken on purpose')\n")
     broken.rename(broken.with_name("2.0.0"))
-    row = until(lambda: plugins(srv).get("runner/tagger@2.0.0", {}).get("state") == "failed"
-                and plugins(srv)["runner/tagger@2.0.0"])  # fmt: skip
+
+    def failed_everywhere() -> dict[str, Any] | None:
+        # In every worker: ``states`` (by process) is there only while they differ.
+        row = plugins(srv).get("runner/tagger@2.0.0", {})
+        return row if row.get("state") == "failed" and "states" not in row else None
+
+    row = until(failed_everywhere)
     assert "broken on purpose" in row["last_error"]
     assert tag(srv) == (200, "good")
     _, _, metrics = srv.request("GET", "/metrics")
@@ -169,6 +180,7 @@ def TAGGER_SOURCE() -> str:
     return textwrap.dedent(TAGGER)
 
 
+@late_scan
 def test_broken_in_place_edit_keeps_the_serving_instance(
     plugins_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:
@@ -229,6 +241,7 @@ def test_model_repository_changes_reload_the_runners_using_them(
     until(lambda: y("add") == 5.0)
 
 
+@late_scan
 def test_routes_file_changes_apply_and_invalid_ones_keep_the_table(
     plugins_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:
@@ -252,8 +265,9 @@ def test_routes_file_changes_apply_and_invalid_ones_keep_the_table(
     assert error() is None
 
 
+@late_scan
 def test_a_slow_multi_file_copy_is_never_loaded_half_written(
-    plugins_dir: Path, serve: Callable[..., ServerProcess]
+    plugins_dir: Path, serve: Callable[..., ServerProcess], workers: int
 ) -> None:
     write_tagger(plugins_dir, "1.0.0", "one")
     # A wide debounce, so that a stall of the test machine cannot pass for a finished copy.
@@ -275,7 +289,8 @@ def test_a_slow_multi_file_copy_is_never_loaded_half_written(
         time.sleep(0.06)
     until(lambda: tag(srv) == (200, "complete"))
     assert "plugin_load_failed" not in srv.log()
-    assert srv.log().count("plugin=runner/tagger@1.5.0") == 1  # loaded once, when complete
+    # Loaded once, when complete: one line from each worker.
+    assert srv.log().count("plugin=runner/tagger@1.5.0") == workers
 
 
 def test_an_in_flight_request_finishes_on_its_version_while_new_ones_reach_the_new(
@@ -367,6 +382,16 @@ def test_admin_reload_and_unload(plugins_dir: Path, serve: Callable[..., ServerP
     assert status == 200
     assert json.loads(body)["outcome"] == "loaded"
     assert tag(srv) == (200, "two")
+
+
+@pytest.mark.workers(
+    1, workers_failing(2, "issue 13: the supervisor forwards a version call's decoded path")
+)
+def test_admin_version_calls_on_unknown_or_bad_names(
+    plugins_dir: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    write_tagger(plugins_dir, "1.0.0", "one")
+    srv = serve("--config", str(write_config(plugins_dir.parent, watch=False)))
     for path, code in [
         ("/admin/plugins/runner/tagger/9.0.0/reload", 404),
         ("/admin/plugins/runner/ghost/1.0.0/unload", 404),
@@ -374,8 +399,10 @@ def test_admin_reload_and_unload(plugins_dir: Path, serve: Callable[..., ServerP
         ("/admin/plugins/runner/tagger/1.0/reload", 400),
         ("/admin/plugins/runner/..%2F..%2Fetc/1.0.0/reload", 400),
         ("/admin/plugins/runner/tagger/..%2F1.0.0/reload", 400),
+        ("/admin/plugins/runner/tagger/..%2F..%2F..%2F..%2Fadmin%2Freload%3F/reload", 400),
     ]:
         assert srv.request("POST", path)[0] == code, path
+    assert "runner/tagger@1.0.0" in plugins(srv)
 
 
 def write_config(folder: Path, **values: object) -> Path:
@@ -434,6 +461,7 @@ BIG = """
 """
 
 
+@pytest.mark.workers(1)  # reads the resident memory of the one process that serves
 def test_memory_stays_flat_over_many_reloads_of_a_big_plugin(
     plugins_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:

@@ -18,7 +18,14 @@ import structlog
 
 from server.logs import configure_logging
 from server.streams import SafeStream
-from tests.helpers import ROOT, ServerProcess, free_port, wait_until_ok, write_plugin
+from tests.helpers import (
+    ROOT,
+    ServerProcess,
+    free_port,
+    wait_until_ok,
+    workers_failing,
+    write_plugin,
+)
 
 RUNNER = """
     import numpy as np
@@ -43,6 +50,9 @@ RUNNER = """
 def _restore_logging() -> Iterator[None]:
     yield
     configure_logging("console", "warning")
+
+
+GLUED = "issue 13: two workers' log lines can share one line"
 
 
 def _write_runner(plugins_dir: Path) -> None:
@@ -209,6 +219,7 @@ def test_a_reader_that_stops_reading_does_not_stall_the_server(
             proc.wait()
 
 
+@pytest.mark.workers(1, 2)
 @pytest.mark.parametrize("log_format", ["console", "json"])
 def test_tracebacks_in_the_log_show_no_local_variables(
     plugins_dir: Path,
@@ -234,6 +245,7 @@ def test_tracebacks_in_the_log_show_no_local_variables(
     assert "sekrit-body-7777" not in log
 
 
+@pytest.mark.workers(1, workers_failing(2, GLUED, strict=False))  # it reads every line as JSON
 def test_refusals_log_below_error_and_plugin_failures_at_error(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
@@ -257,6 +269,7 @@ def test_refusals_log_below_error_and_plugin_failures_at_error(
     assert [e["level"] for e in raised] == ["error"]
 
 
+@pytest.mark.workers(1, 2)
 def test_a_request_that_is_not_valid_http_leaves_no_traceback_nor_its_bytes_in_the_log(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
@@ -278,3 +291,34 @@ def test_a_request_that_is_not_valid_http_leaves_no_traceback_nor_its_bytes_in_t
     log = srv.log()
     assert "Traceback" not in log
     assert "sekrit" not in log and "4242" not in log
+
+
+@pytest.mark.workers(1, workers_failing(2, GLUED))
+def test_every_json_log_line_parses_while_every_process_logs_at_once(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """One JSON object a line, whichever process wrote it (an access line a request here)."""
+    config = tmp_path / "access.toml"
+    config.write_text("access_log = true\n")
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--log-format", "json", "--config", str(config))  # fmt: skip
+
+    def calls() -> None:
+        for _ in range(300):
+            assert _call(srv.url + "/v2/health/live")[0] == 200
+
+    threads = [threading.Thread(target=calls) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    srv.stop()
+    lines = [line for line in srv.log().splitlines() if line.startswith("{")]
+    broken = []
+    for line in lines:
+        try:
+            json.loads(line)
+        except ValueError:
+            broken.append(line)
+    assert broken == [], f"{len(broken)} of {len(lines)} lines: {broken[0][:400]}"
+    assert sum('"path": "/v2/health/live"' in line for line in lines) == 2400

@@ -4,7 +4,11 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import ServerProcess, write_add_runner
+
+pytestmark = pytest.mark.workers(1, 2)
 
 X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0, 0, 0, 0]}]}
 

@@ -14,6 +14,7 @@ from tests.helpers import ServerProcess, write_add_runner, write_plugin
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.workers(1, 2),
     pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed"),
 ]
 

@@ -169,6 +169,7 @@ def test_declarative_runner_on_a_backend_from_an_installed_package(
     client.close()
 
 
+@pytest.mark.workers(1, 2)
 def test_tritonclient_reads_the_statistics_extension(
     triton: httpclient.InferenceServerClient,
 ) -> None:
@@ -190,6 +191,7 @@ def test_tritonclient_reads_the_statistics_extension(
     assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "statistics"]
 
 
+@pytest.mark.workers(1, 2)
 def test_a_canary_route_through_tritonclient_headers(
     triton: httpclient.InferenceServerClient, triton_server: ServerProcess
 ) -> None:
