@@ -136,7 +136,7 @@ not summed (a version ready in every worker is one version)."""
 
 
 PER_SERVER_EVENTS = frozenset(
-    {"plugserve_plugin_lifecycle", "plugserve_plugin_lifecycle_duration_seconds"}
+    {"plugserve_plugin_lifecycle_total", "plugserve_plugin_lifecycle_duration_seconds"}
 )
 """Counts of what happens to the server once and to every worker alike (a version loads
 in each): the highest count, which a replaced worker's fresh one does not lower."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, ServerProcess, workers_failing, write_plugin
+from tests.helpers import ROOT, ServerProcess, write_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +131,7 @@ def test_hostile_config_exits_2_with_a_message_and_no_traceback(
 
 
 @pytest.mark.workers(  # it reads every line as JSON
-    1, workers_failing(2, "issue 13: two workers' log lines can share one line", strict=False)
+    1, 2
 )
 def test_json_logs_carry_request_id_and_tracebacks_stay_in_the_log(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]

@@ -18,7 +18,7 @@ import pytest
 from registry.errors import ConfigError
 from server.config import Settings
 from server.connections import default_max_connections, refusing_budget
-from tests.helpers import ServerProcess, workers_failing, write_add_runner, write_plugin
+from tests.helpers import ServerProcess, write_add_runner, write_plugin
 
 Server = Callable[..., ServerProcess]
 
@@ -466,9 +466,7 @@ SLOW_WARMUP = """
 """
 
 
-@pytest.mark.workers(
-    1, workers_failing(2, "issue 13: no worker answers /v2/health/live during the first load")
-)
+@pytest.mark.workers(1, 2)
 def test_health_answers_while_the_first_load_runs(
     server: Server, tmp_path: Path, plugins_dir: Path
 ) -> None:

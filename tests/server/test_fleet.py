@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.etcd import EtcdProcess
-from tests.helpers import ServerProcess, wait_until_ok, workers_failing, write_add_runner
+from tests.helpers import ServerProcess, wait_until_ok, write_add_runner
 
 pytestmark = pytest.mark.workers(1, 2)
 
@@ -116,9 +116,7 @@ def test_a_weight_change_through_one_replica_is_served_by_all_within_a_second(
     assert view["routes"]["add"]["entry"]["runner"] == {"add@1.0.0": 50, "add@2.0.0": 50}
 
 
-@pytest.mark.workers(
-    1, workers_failing(2, "issue 13: a worker's /v2/health/ready knows nothing of the fleet")
-)
+@pytest.mark.workers(1, 2)
 def test_losing_etcd_leaves_every_replica_serving_and_sync_resumes_when_it_returns(
     fleet: list[ServerProcess], etcd: EtcdProcess
 ) -> None:
@@ -169,9 +167,7 @@ async def test_a_replica_that_never_read_the_fleet_table_is_not_ready_but_serves
     assert resp.status == 200 and (await resp.json())["fleet"]["connected"] is True
 
 
-@pytest.mark.workers(
-    1, workers_failing(2, "issue 13: a worker's /v2/health/ready knows nothing of the fleet")
-)
+@pytest.mark.workers(1, 2)
 def test_a_replica_started_while_etcd_is_down_is_not_ready_but_serves(
     tmp_path: Path, plugins_dir: Path, models_dir: Path, etcd: EtcdProcess, server
 ) -> None:  # type: ignore[no-untyped-def]

@@ -18,12 +18,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess, add_model, rss_mib, workers_failing, write_plugin
+from tests.helpers import ServerProcess, add_model, rss_mib, write_plugin
 
 pytestmark = [pytest.mark.slow, pytest.mark.workers(1, 2)]
 
-LATE_SCAN = "issue 13: a worker that starts after ready scans the files mid-change"
-late_scan = pytest.mark.workers(1, workers_failing(2, LATE_SCAN, strict=False))  # timing
 
 TAGGER = """
     import asyncio
@@ -141,9 +139,7 @@ def test_in_place_edits_of_module_manifest_and_sibling_reload(
     until(lambda: tag(srv) == (200, "mod:b"))
 
 
-@pytest.mark.workers(
-    1, workers_failing(2, "issue 13: one failed load counts once per worker in lifecycle_total")
-)
+@pytest.mark.workers(1, 2)
 def test_broken_new_version_keeps_the_old_serving_and_is_reported(
     plugins_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:
@@ -180,7 +176,6 @@ def TAGGER_SOURCE() -> str:
     return textwrap.dedent(TAGGER)
 
 
-@late_scan
 def test_broken_in_place_edit_keeps_the_serving_instance(
     plugins_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:
@@ -241,7 +236,6 @@ def test_model_repository_changes_reload_the_runners_using_them(
     until(lambda: y("add") == 5.0)
 
 
-@late_scan
 def test_routes_file_changes_apply_and_invalid_ones_keep_the_table(
     plugins_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:
@@ -265,7 +259,6 @@ def test_routes_file_changes_apply_and_invalid_ones_keep_the_table(
     assert error() is None
 
 
-@late_scan
 def test_a_slow_multi_file_copy_is_never_loaded_half_written(
     plugins_dir: Path, serve: Callable[..., ServerProcess], workers: int
 ) -> None:
@@ -384,9 +377,7 @@ def test_admin_reload_and_unload(plugins_dir: Path, serve: Callable[..., ServerP
     assert tag(srv) == (200, "two")
 
 
-@pytest.mark.workers(
-    1, workers_failing(2, "issue 13: the supervisor forwards a version call's decoded path")
-)
+@pytest.mark.workers(1, 2)
 def test_admin_version_calls_on_unknown_or_bad_names(
     plugins_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:

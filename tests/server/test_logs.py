@@ -23,7 +23,6 @@ from tests.helpers import (
     ServerProcess,
     free_port,
     wait_until_ok,
-    workers_failing,
     write_plugin,
 )
 
@@ -50,9 +49,6 @@ RUNNER = """
 def _restore_logging() -> Iterator[None]:
     yield
     configure_logging("console", "warning")
-
-
-GLUED = "issue 13: two workers' log lines can share one line"
 
 
 def _write_runner(plugins_dir: Path) -> None:
@@ -245,7 +241,7 @@ def test_tracebacks_in_the_log_show_no_local_variables(
     assert "sekrit-body-7777" not in log
 
 
-@pytest.mark.workers(1, workers_failing(2, GLUED, strict=False))  # it reads every line as JSON
+@pytest.mark.workers(1, 2)  # it reads every line as JSON
 def test_refusals_log_below_error_and_plugin_failures_at_error(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
@@ -293,7 +289,7 @@ def test_a_request_that_is_not_valid_http_leaves_no_traceback_nor_its_bytes_in_t
     assert "sekrit" not in log and "4242" not in log
 
 
-@pytest.mark.workers(1, workers_failing(2, GLUED))
+@pytest.mark.workers(1, 2)
 def test_every_json_log_line_parses_while_every_process_logs_at_once(
     plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:

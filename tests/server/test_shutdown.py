@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess, workers_failing, write_plugin
+from tests.helpers import ServerProcess, write_plugin
 
 pytestmark = [pytest.mark.slow, pytest.mark.workers(1, 2)]
 
@@ -50,9 +50,7 @@ def slow_server(
     )
 
 
-@pytest.mark.workers(
-    1, workers_failing(2, "issue 13: a worker drained first exits; new connections to it are reset")
-)
+@pytest.mark.workers(1, 2)
 def test_sigterm_drains_in_flight_requests_then_exits_zero(slow_server: ServerProcess) -> None:
     srv = slow_server
     result: dict[str, tuple[int, dict[str, str], bytes]] = {}
@@ -265,7 +263,7 @@ SLOW_WARMUP = """
 
 @pytest.mark.workers(
     1,
-    workers_failing(2, "issue 13: no worker answers /v2/health/live during the first load"),
+    2,
 )
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_the_first_load_exits_zero_at_once(

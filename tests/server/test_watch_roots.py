@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess, add_model, workers_failing, write_plugin
+from tests.helpers import ServerProcess, add_model, write_plugin
 from tests.server.test_hot_reload import drop, tag, until, write_tagger
 
 pytestmark = [pytest.mark.slow, pytest.mark.workers(1, 2)]
@@ -66,9 +66,7 @@ def test_a_plugins_dir_renamed_into_place_is_rescanned_and_watched(
     assert watch_status(srv) == {"enabled": True, "lost": []}
 
 
-@pytest.mark.workers(
-    1, workers_failing(2, "issue 13: a worker's /v2/health/ready ignores the folders lost")
-)
+@pytest.mark.workers(1, 2)
 def test_a_removed_plugins_dir_keeps_serving_says_so_and_comes_back(
     tmp_path: Path, plugins_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:
@@ -99,9 +97,7 @@ def test_a_removed_plugins_dir_keeps_serving_says_so_and_comes_back(
     assert watch_status(srv)["lost"] == []
 
 
-@pytest.mark.workers(
-    1, workers_failing(2, "issue 13: a worker's /v2/health/ready ignores the folders lost")
-)
+@pytest.mark.workers(1, 2)
 def test_a_replaced_or_removed_models_dir_is_watched_again(
     tmp_path: Path, plugins_dir: Path, models_dir: Path, serve: Callable[..., ServerProcess]
 ) -> None:

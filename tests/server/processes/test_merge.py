@@ -14,6 +14,8 @@ def _worker_metrics(requests: int, in_flight: int, latencies: list[float]) -> st
     counter.labels("iris").inc(requests)
     gauge = Gauge("plugserve_in_flight", "In flight.", ["name"], registry=registry)
     gauge.labels("iris").set(in_flight)
+    lifecycle = Counter("plugserve_plugin_lifecycle", "Loads.", ["outcome"], registry=registry)
+    lifecycle.labels("loaded").inc()  # every worker loads each version: one server event
     versions = Gauge("plugserve_plugin_versions", "Versions.", ["state"], registry=registry)
     versions.labels("ready").set(3)
     histogram = Histogram("plugserve_request_duration_seconds", "Latency.", registry=registry)
@@ -38,6 +40,7 @@ def test_metrics_add_up_over_workers_and_state_gauges_do_not() -> None:
     assert samples[("plugserve_requests_total", (("route", "iris"),))] == 12
     assert samples[("plugserve_in_flight", (("name", "iris"),))] == 3
     assert samples[("plugserve_plugin_versions", (("state", "ready"),))] == 3  # not 6
+    assert samples[("plugserve_plugin_lifecycle_total", (("outcome", "loaded"),))] == 1
     assert samples[("plugserve_request_duration_seconds_count", ())] == 3
     assert samples[("plugserve_request_duration_seconds_bucket", (("le", "0.25"),))] == 2
     assert samples[("plugserve_request_duration_seconds_bucket", (("le", "+Inf"),))] == 3
