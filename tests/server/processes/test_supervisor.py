@@ -352,3 +352,17 @@ def test_while_the_first_load_runs_the_port_answers_as_one_process_does(
     wait_for(lambda: srv.request("GET", "/v2/health/ready")[0] == 200, 30, "ready")
     # From the first ready answer on, no connection is told "starting".
     assert {srv.request("POST", "/predict/slow", {"x": [1]})[0] for _ in range(30)} == {200}
+
+
+def test_a_profile_names_the_worker_it_sampled(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    write_tagger(plugins_dir, "1.0.0", "one")
+    srv = two_workers(server, plugins_dir, models_dir)
+    pids = worker_pids(srv)
+    sampled = set()
+    for _ in range(6):
+        code, headers, _ = srv.request("POST", "/admin/profile?seconds=0.1&format=speedscope")
+        assert code == 200
+        sampled.add(int(headers["X-Plugserve-Pid"]))
+    assert sampled <= pids and sampled
