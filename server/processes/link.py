@@ -47,6 +47,9 @@ class WorkerSpec:
     workers: int
     address: tuple[str, int]
     """Where the data plane listens: each worker binds it with ``SO_REUSEPORT``."""
+    data_fd: int | None
+    """Worker 0 of the first start: the socket the supervisor answered on while the
+    workers loaded, listening already (the others bind their own)."""
     admin_fds: tuple[int, ...]
     """The control plane's own listening socket (``admin_port``), shared by every worker."""
     lifeline_fd: int

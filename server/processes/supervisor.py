@@ -94,6 +94,7 @@ class Supervisor:
             self.pool, self.store, settings.watch, self._registered, self._drained
         )
         self._starting: asyncio.AbstractServer | None = None
+        self._starting_fd: int | None = None
         self._first = set(range(workers))
         """The first workers not loaded yet: they listen together once none is left."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -115,15 +116,17 @@ class Supervisor:
         return False
 
     async def _all_loaded(self) -> None:
-        """Every first worker has loaded: they listen, then the supervisor stops answering."""
-        await self.pool.call_all("POST", "/_control/listen")
-        starting = self._starting
+        """Every first worker has loaded: the supervisor stops answering, they listen.
+
+        The supervisor's listening socket lives on in worker 0, which inherited it:
+        what arrives between the two steps waits in its backlog, neither refused nor
+        told "starting"."""
+        starting, self._starting = self._starting, None
         if starting is None:
             return
-        # Hold the port with a fresh socket that never listens, then stop answering.
-        held = bind(*self.address, reuse_port=True)
         starting.close()
-        self._starting, self.port = None, held
+        self._starting_fd = None
+        await self.pool.call_all("POST", "/_control/listen")
         log.info("workers_listening", workers=len(self.pool.workers))
 
     def _background(self, work: Coroutine[Any, Any, None]) -> None:
@@ -150,8 +153,11 @@ class Supervisor:
         )
         answering: set[Starting] = set()
         loop = asyncio.get_running_loop()
+        sock = bind(*self.address, reuse_port=True)
+        sock.listen(1024)
+        self._starting_fd = sock.fileno()  # worker 0 inherits it (see _all_loaded)
         self._starting = await loop.create_server(
-            lambda: Starting(limits, answering), sock=self.port, backlog=1024
+            lambda: Starting(limits, answering), sock=sock, backlog=1024
         )
 
     async def run(self) -> int:
@@ -238,12 +244,14 @@ class Supervisor:
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         listen = [] if self.admin is None else [self.admin.fileno()]
+        data_fd = self._starting_fd if index == 0 else None
         read_end, write_end = os.pipe()
         spec = WorkerSpec(
             settings=self.worker_settings,
             index=index,
             workers=self.count,
             address=self.address,
+            data_fd=data_fd,
             admin_fds=tuple(listen),
             lifeline_fd=read_end,
             supervisor_socket=self.socket_path,
@@ -254,7 +262,8 @@ class Supervisor:
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "server.processes.worker",
-                stdin=asyncio.subprocess.PIPE, pass_fds=(*listen, read_end),
+                stdin=asyncio.subprocess.PIPE,
+                pass_fds=(*listen, read_end, *([] if data_fd is None else [data_fd])),
                 start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor alone
             )  # fmt: skip
         except BaseException:

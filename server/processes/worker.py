@@ -43,7 +43,10 @@ def main() -> int:
     configure_logging(settings.log_format, settings.log_level)
     structlog.contextvars.bind_contextvars(worker=spec.index)
     # Bound now; it listens once the plugins are loaded (server/processes/supervisor.py).
-    sockets = [bind(*spec.address, reuse_port=True)]
+    if spec.data_fd is not None:
+        sockets = [socket.socket(fileno=spec.data_fd)]
+    else:
+        sockets = [bind(*spec.address, reuse_port=True)]
     sockets += [socket.socket(fileno=fd) for fd in spec.admin_fds]
     return serve_sockets(settings, sockets, WorkerLink(spec))
 

@@ -1,0 +1,134 @@
+"""Where the CPU goes under load: per process and thread of the server, and the load generator.
+
+    python -m tests.benchmarks.threads [--workers 1 2] [--payload binary] [--duration 10]
+
+Serves the serving benchmark's MLP (tests/benchmarks/serving.py) with
+``--workers N``, drives it with ``wrk -c 64`` and reads, from /proc, the CPU
+each thread of the server's process tree used during the run (grouped by
+thread name: the event loop is the process's main thread, ONNX Runtime runs
+on the runner's thread pool), and wrk's own. Prints CPU microseconds per
+request by group and the cores busy: what a 2-core machine has left for a
+second worker. Not run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from tests.benchmarks.serving import (
+    RUNNER_OPTIONS,
+    Server,
+    binary_body,
+    json_body,
+    lua_script,
+    make_mlp,
+    wait_workers,
+)
+from tests.helpers import free_port
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def threads_of(root: int) -> dict[tuple[int, int], tuple[str, float]]:
+    """(pid, tid) -> (group name, CPU seconds) for every thread of ``root``'s process tree."""
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    pending = [root]
+    while pending:
+        pid = pending.pop()
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except FileNotFoundError:
+            continue
+        role = "supervisor" if pid == root else "worker"
+        for task in tasks:
+            try:
+                stat = (task / "stat").read_text()
+                pending += [int(c) for c in (task / "children").read_text().split()]
+            except FileNotFoundError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            seconds = (int(fields[11]) + int(fields[12])) / TICK
+            group = f"{role}: {'event loop' if int(task.name) == pid else name}"
+            out[(pid, int(task.name))] = (group, seconds)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--payload", choices=["json", "binary"], default="binary")
+    parser.add_argument("--duration", type=int, default=10)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="plugserve-threads-"))
+    runner = work / "plugins" / "runner" / "mlp" / "1.0.0"
+    runner.mkdir(parents=True)
+    (runner / "plugin.toml").write_text(
+        '[plugin]\nname = "mlp"\nversion = "1.0.0"\ntype = "runner"\n'
+        '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\n'
+        f"max_batch_size = 64\nmax_queue_delay_ms = 2.0\n{RUNNER_OPTIONS}\n"
+    )
+    make_mlp(runner / "model.onnx")
+    (work / "models").mkdir()
+    if args.payload == "json":
+        script = lua_script(work, json_body(), {"Content-Type": "application/json"})
+    else:
+        body, length = binary_body()
+        script = lua_script(work, body, {"Content-Type": "application/octet-stream",
+                                         "Inference-Header-Content-Length": str(length)})  # fmt: skip
+    for workers in args.workers:
+        port = free_port()
+        command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(work / "plugins"),
+                   "--models-dir", str(work / "models"), "--port", str(port), "--log-level", "warning"]  # fmt: skip
+        if workers > 1:
+            command += ["--workers", str(workers)]
+        server = Server(command, port, work / f"server{workers}.log")
+        try:
+            server.wait("/v2/health/ready", 120)
+            wait_workers(server, workers)
+            url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+            subprocess.run(["wrk", "-t1", "-c64", "-d2s", "-s", str(script), url],
+                           capture_output=True, check=True)  # fmt: skip
+            before = threads_of(server.proc.pid)
+            wrk = subprocess.Popen(["wrk", "-t1", "-c64", f"-d{args.duration}s", "-s", str(script), url],
+                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
+            started = time.monotonic()
+            wrk_before = _cpu(wrk.pid)
+            time.sleep(args.duration - 0.5)
+            wrk_cpu = _cpu(wrk.pid) - wrk_before
+            after = threads_of(server.proc.pid)
+            output, _ = wrk.communicate()
+            elapsed = time.monotonic() - started
+            requests = int(next(line.split()[0] for line in output.splitlines()
+                                if "requests in" in line))  # fmt: skip
+            by_group: dict[str, float] = defaultdict(float)
+            for key, (group, seconds) in after.items():
+                by_group[group] += seconds - before.get(key, (group, 0.0))[1]
+            rate = requests / elapsed
+            total = sum(by_group.values())
+            print(f"workers {workers}, {args.payload}, c=64: {rate:.0f} req/s, server "
+                  f"{total / requests * 1e6:.0f} us/req ({total / elapsed:.2f} cores), wrk "
+                  f"{wrk_cpu / (requests * (args.duration - 0.5) / elapsed) * 1e6:.0f} us/req "
+                  f"({wrk_cpu / (args.duration - 0.5):.2f} cores)")  # fmt: skip
+            for group, seconds in sorted(by_group.items(), key=lambda kv: -kv[1]):
+                if seconds > 0.005 * total:
+                    print(f"  {group:40} {seconds / requests * 1e6:7.1f} us/req  "
+                          f"{seconds / elapsed:5.2f} cores")  # fmt: skip
+        finally:
+            server.stop()
+
+
+def _cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+if __name__ == "__main__":
+    main()
