@@ -102,8 +102,9 @@ async def register(request: web.Request) -> web.Response:
         return web.json_response({"error": f"no worker {index} with pid {pid}"}, status=409)
     pool = request.app[POOL]
     worker = Worker(index, pid, float(body["started_at"]), UnixClient(Path(body["socket"])))
-    unloaded = [list(k) for k, r in pool.records.items() if r.state == "unloaded"]
-    pool.add(worker)
+    async with pool.changing:  # a change under way reaches it, or is over and in records
+        unloaded = [list(k) for k, r in pool.records.items() if r.state == "unloaded"]
+        pool.add(worker)
     request.app[SUPERVISOR_METRICS].workers.set(len(pool.workers))
     return web.json_response(
         {
@@ -174,21 +175,26 @@ async def reload_all(request: web.Request) -> web.Response:
     if not pool.workers:
         raise Unavailable("no worker is serving yet")
     report = await pool.sync(force=force)
+    if not report.as_json():
+        raise Unavailable("no worker answered the rescan")
     return web.json_response(report.as_json())
 
 
 async def version_call(request: web.Request) -> web.Response:
     """Reload or unload one version on every worker; answers when all have."""
     pool = request.app[POOL]
-    answers = await pool.call_all("POST", request.raw_path)
-    refused = _first_refusal(answers)
-    if refused is not None:
-        await pool.refresh()
-        return refused
-    first = answers[0][1].json()
-    rows = merge.plugins([(w.pid, [r.json()["plugin"]]) for w, r in answers])
-    label = f"{first['plugin']['type']}/{first['plugin']['name']}@{first['plugin']['version']}"
-    await pool.changed({first["outcome"]: [label]})
+    async with pool.changing:
+        answers = await pool.call_all("POST", request.rel_url.raw_path_qs)
+        refused = _first_refusal(answers)
+        if refused is not None:
+            await pool.refresh()
+            return refused
+        first = answers[0][1].json()
+        rows = merge.plugins([(w.pid, [r.json()["plugin"]]) for w, r in answers])
+        plugin = first["plugin"]
+        await pool.changed(
+            {first["outcome"]: [f"{plugin['type']}/{plugin['name']}@{plugin['version']}"]}
+        )
     return web.json_response({**first, "plugin": rows[0]})
 
 
@@ -231,16 +237,15 @@ async def status(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     pool = request.app[POOL]
-    answers = await pool.call_all("GET", "/metrics")
-    texts = [(str(w.index), r.body.decode()) for w, r in answers if r.status == 200]
-    body = merge.metrics(texts) + request.app[SUPERVISOR_METRICS].render()
+    texts = await pool.metrics()
+    body = merge.metrics(texts, pool.retired_metrics) + request.app[SUPERVISOR_METRICS].render()
     response = web.Response(body=body.encode())
     response.headers["Content-Type"] = Metrics.content_type
     return response
 
 
 async def statistics(request: web.Request) -> web.Response:
-    answers = await request.app[POOL].call_all("GET", request.raw_path)
+    answers = await request.app[POOL].call_all("GET", request.rel_url.raw_path_qs)
     refused = _first_refusal(answers)
     if refused is not None:
         return refused

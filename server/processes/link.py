@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from server import admin, v2
 from server.config import Settings
 from server.middleware import request_middleware
 from server.processes.pool import routes_from_json
-from server.processes.unix import UnixClient
+from server.processes.unix import READ_TIMEOUT_S, UnixClient
 from server.state import BODIES, DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 log = structlog.get_logger("plugserve.worker")
@@ -56,6 +57,8 @@ class WorkerSpec:
     supervisor_socket: Path
     control_dir: Path
     supervisor_pid: int
+    change_timeout_s: float = 600.0
+    """How long the supervisor gives every worker to apply a change."""
     fleet: bool = False
     """Fleet mode: the supervisor follows etcd; readiness asks it."""
 
@@ -69,7 +72,8 @@ class WorkerLink:
         self.pid = os.getpid()
         self.started_at = time.time()
         self.socket_path = spec.control_dir / f"worker-{spec.index}-{self.pid}.sock"
-        self.supervisor = UnixClient(spec.supervisor_socket)
+        # A forwarded change may load, swap and drain on every worker (the supervisor's bound).
+        self.supervisor = UnixClient(spec.supervisor_socket, spec.change_timeout_s + 15)
         self.generation = -1
         self.listening = asyncio.Event()
         """Set once this worker's data socket listens."""
@@ -157,11 +161,15 @@ class WorkerLink:
         await self.supervisor.close()
         with contextlib.suppress(OSError):
             self.socket_path.unlink()
+        if os.getppid() != self.spec.supervisor_pid:  # it died: nobody else clears its folder
+            shutil.rmtree(self.spec.control_dir, ignore_errors=True)
 
     async def fleet_health(self) -> tuple[bool, dict[str, Any]]:
         """Whether the supervisor has read the fleet's route table, and its sync state."""
         try:
-            reply = await self.supervisor.call("GET", "/_supervisor/fleet")
+            reply = await self.supervisor.call(
+                "GET", "/_supervisor/fleet", timeout_s=READ_TIMEOUT_S
+            )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise Unavailable(f"the supervisor is not answering: {exc!r}") from None
         state = reply.json()
@@ -174,7 +182,9 @@ class WorkerLink:
         body = await request.read() if request.can_read_body else None
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         try:
-            reply = await self.supervisor.call(request.method, request.raw_path, body, headers)
+            reply = await self.supervisor.call(
+                request.method, request.rel_url.raw_path_qs, body, headers
+            )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise Unavailable(f"the supervisor is not answering: {exc!r}") from None
         return web.Response(status=reply.status, body=reply.body, headers=reply.headers)

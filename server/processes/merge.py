@@ -109,13 +109,14 @@ def sync_reports(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not answers:
         return {}
     out: dict[str, Any] = dict(answers[0])
-    for name in ("loaded", "reloaded", "unloaded"):
-        out[name] = sorted({label for a in answers for label in a.get(name, [])})
     failed: dict[str, dict[str, str]] = {}
     for answer in answers:
         for item in answer.get("failed", []):
             failed.setdefault(item.get("plugin") or item.get("plugins_dir", ""), item)
+    for name in ("loaded", "reloaded", "unloaded"):
+        out[name] = sorted({label for a in answers for label in a.get(name, [])} - set(failed))
     out["failed"] = list(failed.values())
+    out["unchanged"] = min(a.get("unchanged", 0) for a in answers)
     return out
 
 
@@ -142,21 +143,47 @@ PER_SERVER_EVENTS = frozenset(
 in each): the highest count, which a replaced worker's fresh one does not lower."""
 
 
-def metrics(texts: Sequence[tuple[str, str]]) -> str:
+def counts_only(text: str) -> str:
+    """A worker's last ``/metrics`` without what stops with it (gauges, ``_created``, the
+    per-server counts): what it counted, to keep in the server's totals once it has ended."""
+    kept: list[str] = []
+    keep = False
+    help_line = ""
+    for line in text.splitlines():
+        parts = line.split(" ", 3) if line.startswith("#") else []
+        if len(parts) >= 4 and parts[1] == "HELP":
+            help_line = line
+        elif len(parts) >= 4 and parts[1] == "TYPE":
+            family = parts[2]
+            keep = (
+                parts[3] in ("counter", "histogram", "summary")
+                and family not in PER_SERVER_EVENTS
+                and not family.endswith("_created")
+            )
+            if keep:
+                kept += [help_line, line]
+        elif keep and line and not line.startswith("#"):
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
+def metrics(texts: Sequence[tuple[str, str]], retired: Sequence[str] = ()) -> str:
     """Prometheus text from each worker (by worker index), as one server's.
 
     Counters, histograms and summed gauges add up over workers; the gauges of
     :data:`PER_SERVER_GAUGES` take the highest; ``_created`` series the earliest.
     ``plugserve_in_flight`` is also given per worker (``plugserve_worker_in_flight``).
-    Read line by line, never parsed into objects: a sample's series (name and
-    labels, as written) is its key, its value the last field
-    (tests/benchmarks/scrape.py: a full parse cost ~130 ms a worker for 20 versions).
+    ``retired``: the counts of workers that ended (:func:`counts_only`), so that the
+    server's counters never go down when a worker is replaced. Read line by line,
+    never parsed into objects: a sample's series (name and labels, as written) is
+    its key, its value the last field (tests/benchmarks/scrape.py: a full parse cost
+    ~130 ms a worker for 20 versions).
     """
     headers: dict[str, list[str]] = {}
     kinds: dict[str, str] = {}
     values: dict[str, dict[str, float]] = {}
     per_worker: dict[str, float] = {}
-    for worker, text in texts:
+    for worker, text in [*texts, *(("", r) for r in retired)]:
         family = ""
         for line in text.splitlines():
             if line.startswith("#"):

@@ -10,6 +10,7 @@ plugins (``records``) is what the workers answered last, merged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from registry.records import VersionRecord
 from registry.registry import Key, LifecycleEvent, Outcome
 from registry.routes import RouteSpec, parse_route
 from server.processes import merge
-from server.processes.unix import Reply, UnixClient
+from server.processes.unix import CONTROL_TIMEOUT_S, READ_TIMEOUT_S, Reply, UnixClient
 
 log = structlog.get_logger("plugserve.supervisor")
 
@@ -89,9 +90,26 @@ def routes_from_json(data: Mapping[str, Any]) -> dict[str, RouteSpec]:
 class WorkerPool:
     """Fans control calls out to every registered worker and merges their answers."""
 
-    def __init__(self, plugins_dir: Path, models_dir: Path) -> None:
+    def __init__(
+        self,
+        plugins_dir: Path,
+        models_dir: Path,
+        change_timeout_s: float = CONTROL_TIMEOUT_S,
+        unresponsive: Callable[[Worker], None] | None = None,
+    ) -> None:
         self.plugins_dir = plugins_dir
         self.models_dir = models_dir
+        self.change_timeout_s = change_timeout_s
+        """How long a worker may take to apply a change (load, swap, drain the old)."""
+        self.unresponsive = unresponsive
+        """Called for a worker that did not apply a change: it is replaced, never left
+        serving what the others no longer do."""
+        self.changing = asyncio.Lock()
+        """One change at a time, and no worker joins during one (it would miss it)."""
+        self.last_metrics: dict[int, str] = {}
+        """Each worker's last ``/metrics`` text, by pid."""
+        self.retired_metrics: list[str] = []
+        """The last counts of workers that ended: merged counters never go down."""
         self.lost_roots: dict[Path, float] = _Watched(self._lost_roots_changed)
         """Watched folders gone missing, as the watcher keeps them; every worker is told,
         for its readiness (``/v2/health/ready`` is 503 while one is missing)."""
@@ -122,6 +140,11 @@ class WorkerPool:
         if worker is not None and worker.pid == pid:
             del self.workers[index]
             await worker.client.close()
+            with contextlib.suppress(OSError):
+                worker.client.path.unlink()
+        last = self.last_metrics.pop(pid, None)
+        if last is not None:
+            self.retired_metrics.append(merge.counts_only(last))
 
     # -- calls -------------------------------------------------------------------------
 
@@ -135,18 +158,25 @@ class WorkerPool:
     ) -> list[tuple[Worker, Reply]]:
         """The same call to every registered worker at once; the answers of those that gave one.
 
-        A worker that does not answer (it died meanwhile) is left out: it is being
-        replaced, and its replacement starts from the current state.
+        A worker that does not answer is left out. A read (``GET``) waits
+        ``READ_TIMEOUT_S``; a change waits ``change_timeout_s``, and a worker that
+        did not apply it is handed to ``unresponsive`` (the supervisor replaces it:
+        its replacement starts from the current state).
         """
         workers = list(self.workers.values())
+        change = method != "GET"
+        timeout = self.change_timeout_s if change else READ_TIMEOUT_S
 
         async def one(worker: Worker) -> tuple[Worker, Reply] | None:
             try:
-                return worker, await worker.client.call(method, path, body, headers, json_body)
+                reply = await worker.client.call(method, path, body, headers, json_body, timeout)
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 log.warning("worker_call_failed", worker=worker.index, pid=worker.pid,
                             path=path, error=repr(exc))  # fmt: skip
+                if change and self.unresponsive is not None and worker.index in self.workers:
+                    self.unresponsive(worker)
                 return None
+            return worker, reply
 
         answers = await asyncio.gather(*(one(w) for w in workers))
         return [a for a in answers if a is not None]
@@ -155,7 +185,7 @@ class WorkerPool:
         """A read that any worker answers alike (the route table): the first that answers."""
         for worker in list(self.workers.values()):
             try:
-                return await worker.client.call(method, path)
+                return await worker.client.call(method, path, timeout_s=READ_TIMEOUT_S)
             except (aiohttp.ClientError, OSError, TimeoutError):
                 continue
         return None
@@ -163,18 +193,24 @@ class WorkerPool:
     # -- what the watcher and the admin calls do ----------------------------------------
 
     async def sync(self, force: bool = False) -> MergedReport:
-        answers = await self.call_all("POST", f"/admin/reload?force={str(force).lower()}")
-        report = merge.sync_reports([r.json() for _, r in answers if r.status == 200])
-        await self.changed(report)
+        async with self.changing:
+            answers = await self.call_all("POST", f"/admin/reload?force={str(force).lower()}")
+            report = merge.sync_reports([r.json() for _, r in answers if r.status == 200])
+            await self.changed(report)
         return MergedReport(report)
 
     async def sync_version(self, key: Key) -> Outcome:
-        answers = await self.call_all("POST", "/_control/sync_version", {"key": list(key)})
-        outcome = _one_outcome(r.json()["outcome"] for _, r in answers if r.status == 200)
-        await self.changed({outcome: [f"{key[0]}/{key[1]}@{key[2]}"]})
+        async with self.changing:
+            answers = await self.call_all("POST", "/_control/sync_version", {"key": list(key)})
+            outcome = _one_outcome(r.json()["outcome"] for _, r in answers if r.status == 200)
+            await self.changed({outcome: [f"{key[0]}/{key[1]}@{key[2]}"]})
         return outcome
 
     async def sync_model(self, name: str) -> list[tuple[str, Outcome]]:
+        async with self.changing:
+            return await self._sync_model(name)
+
+    async def _sync_model(self, name: str) -> list[tuple[str, Outcome]]:
         answers = await self.call_all("POST", "/_control/sync_model", {"name": name})
         by_label: dict[str, list[Outcome]] = {}
         for _, reply in answers:
@@ -237,6 +273,17 @@ class WorkerPool:
                 return
 
     # -- the merged view ---------------------------------------------------------------
+
+    async def metrics(self) -> list[tuple[str, str]]:
+        """Each worker's ``/metrics`` text, by worker index; the last of each is kept."""
+        answers = await self.call_all("GET", "/metrics")
+        texts = []
+        for worker, reply in answers:
+            if reply.status == 200:
+                text = reply.body.decode()
+                self.last_metrics[worker.pid] = text
+                texts.append((str(worker.index), text))
+        return texts
 
     async def plugins(self) -> list[dict[str, Any]]:
         answers = await self.call_all("GET", "/admin/plugins")

@@ -54,7 +54,7 @@ from server.config import Settings
 from server.connections import ConnectionLimits, Starting
 from server.processes.control import SUPERVISOR_METRICS, control_app
 from server.processes.link import WorkerSpec
-from server.processes.pool import WorkerPool
+from server.processes.pool import Worker, WorkerPool
 from server.shutdown import SHUTDOWN_MARGIN_S
 
 log = structlog.get_logger("plugserve.supervisor")
@@ -79,7 +79,13 @@ class Supervisor:
         self.admin = admin
         self.dir = Path(tempfile.mkdtemp(prefix="plugserve-"))  # mode 0700: ours alone
         self.socket_path = self.dir / "supervisor.sock"
-        self.pool = WorkerPool(settings.plugins_dir, settings.models_dir)
+        # A change may load a version, then drain and close the one it replaces.
+        self.change_timeout_s = (
+            settings.load_timeout_s + settings.drain_timeout_s + settings.close_timeout_s + 10
+        )
+        self.pool = WorkerPool(
+            settings.plugins_dir, settings.models_dir, self.change_timeout_s, self._unresponsive
+        )
         self.store = route_store(settings, self.pool)
         self.stopping = asyncio.Event()
         self.procs: dict[int, asyncio.subprocess.Process] = {}
@@ -114,6 +120,13 @@ class Supervisor:
         if not self._first:
             self._background(self._all_loaded())
         return False
+
+    def _unresponsive(self, worker: Worker) -> None:
+        """A worker that did not apply a change is replaced, not left serving the past."""
+        proc = self.procs.get(worker.index)
+        if proc is not None and proc.pid == worker.pid and not self.stopping.is_set():
+            log.error("worker_unresponsive", worker=worker.index, pid=worker.pid)
+            _signal(proc, signal.SIGKILL)
 
     async def _all_loaded(self) -> None:
         """Every first worker has loaded: the supervisor stops answering, they listen.
@@ -257,6 +270,7 @@ class Supervisor:
             supervisor_socket=self.socket_path,
             control_dir=self.dir,
             supervisor_pid=os.getpid(),
+            change_timeout_s=self.change_timeout_s,
             fleet=self.settings.registry != "local",
         )
         try:
@@ -301,7 +315,12 @@ def bind_workers(settings: Settings) -> tuple[socket.socket, socket.socket | Non
 
     Raises :class:`ConfigError` when an address cannot be listened on.
     """
-    port = bind(settings.host, settings.port, reuse_port=True)
+    # Free first, as one process would find it: SO_REUSEPORT alone would share the port
+    # with another server of the same user listening there.
+    probe = bind(settings.host, settings.port, reuse_port=False)
+    number = probe.getsockname()[1]
+    probe.close()
+    port = bind(settings.host, number, reuse_port=True)
     try:
         admin = None
         if settings.admin_port is not None:

@@ -11,7 +11,9 @@ import aiohttp
 from yarl import URL
 
 CONTROL_TIMEOUT_S = 600.0
-"""The longest a control call waits: a reload can load large models (``load_timeout_s``)."""
+"""The longest a control call waits unless told otherwise."""
+READ_TIMEOUT_S = 5.0
+"""A read of a process's state (metrics, plugins, status): past it, that process is left out."""
 
 
 @dataclass(frozen=True)
@@ -52,16 +54,20 @@ class UnixClient:
         body: bytes | None = None,
         headers: dict[str, str] | None = None,
         json_body: Any = None,
+        timeout_s: float | None = None,
     ) -> Reply:
         """One request; raises :class:`aiohttp.ClientError` (or ``TimeoutError``) when the
-        process is not there to answer."""
+        process is not there to answer (within ``timeout_s``, default the client's)."""
         if json_body is not None:
             body = json.dumps(json_body).encode()
             headers = {**(headers or {}), "Content-Type": "application/json"}
         session = self._open()
         # As the client sent it: a decoded path (``%2F``) would name another resource.
         url = URL(f"http://plugserve{path}", encoded=True)
-        async with session.request(method, url, data=body, headers=headers) as response:
+        timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+        async with session.request(
+            method, url, data=body, headers=headers, timeout=timeout
+        ) as response:
             data = await response.read()
             kept = {h: response.headers[h] for h in PASSED_HEADERS if h in response.headers}
             return Reply(response.status, kept, data)

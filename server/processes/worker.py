@@ -33,6 +33,13 @@ def _die_with_supervisor(supervisor_pid: int) -> None:
 def main() -> int:
     spec: WorkerSpec = pickle.load(sys.stdin.buffer)
     _die_with_supervisor(spec.supervisor_pid)
+    # Ours alone: a process a plugin starts must not hold the port or the lifeline.
+    for fd in (
+        spec.lifeline_fd,
+        *spec.admin_fds,
+        *([] if spec.data_fd is None else [spec.data_fd]),
+    ):
+        os.set_inheritable(fd, False)
     from server.cli import serve_sockets
     from server.logs import configure_logging
     from server.processes.supervisor import bind

@@ -107,3 +107,24 @@ def test_reload_reports_list_each_version_once() -> None:
     merged = merge.sync_reports([first, second])
     assert merged["loaded"] == ["a"]
     assert merged["failed"] == [{"plugin": "b", "error": "boom"}]
+
+
+def test_a_replaced_workers_counts_stay_in_the_totals() -> None:
+    """A worker that ended keeps its last counts in the sums; its gauges go with it."""
+    retired = merge.counts_only(_worker_metrics(5, 2, [0.01]))
+    assert "plugserve_in_flight" not in retired and "plugserve_plugin_versions" not in retired
+    text = merge.metrics([("1", _worker_metrics(7, 1, [3.0]))], [retired])
+    samples = _samples(text)
+    assert samples[("plugserve_requests_total", (("route", "iris"),))] == 12
+    assert samples[("plugserve_request_duration_seconds_count", ())] == 2
+    assert samples[("plugserve_in_flight", (("name", "iris"),))] == 1
+    assert samples[("plugserve_plugin_lifecycle_total", (("outcome", "loaded"),))] == 1
+    assert ("plugserve_worker_in_flight", (("worker", ""),)) not in samples
+
+
+def test_a_version_failed_on_one_worker_is_not_listed_as_reloaded() -> None:
+    ok = {"loaded": [], "reloaded": ["a"], "unloaded": [], "failed": [], "unchanged": 3}
+    bad = {**ok, "reloaded": [], "failed": [{"plugin": "a", "error": "boom"}], "unchanged": 2}
+    merged = merge.sync_reports([ok, bad])
+    assert merged["reloaded"] == [] and merged["failed"] == [{"plugin": "a", "error": "boom"}]
+    assert merged["unchanged"] == 2

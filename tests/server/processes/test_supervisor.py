@@ -8,18 +8,21 @@ when they die, no orphans when the supervisor dies, SIGTERM draining them all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess, write_plugin
+from tests.helpers import ROOT, ServerProcess, write_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -366,3 +369,58 @@ def test_a_profile_names_the_worker_it_sampled(
         assert code == 200
         sampled.add(int(headers["X-Plugserve-Pid"]))
     assert sampled <= pids and sampled
+
+
+def test_a_second_server_cannot_take_the_port(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    """SO_REUSEPORT must not let two servers share a port: the second stops, exit 2."""
+    write_tagger(plugins_dir, "1.0.0", "one")
+    first = two_workers(server, plugins_dir, models_dir)
+    second = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                    "--workers", "2", ready=False)  # fmt: skip
+    second.stop()  # the fixture chose a port of its own: run its command on ours
+    command = [str(a) for a in second.proc.args]
+    command[command.index("--port") + 1] = str(first.port)
+    clash = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert clash.returncode == 2
+    assert "cannot listen on" in clash.stderr
+    assert {call(first)[1] for _ in range(10)} == {"one"}
+
+
+def test_a_worker_that_stops_answering_is_replaced_and_bounds_every_answer(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    """A stuck worker (SIGSTOP) holds a read up for seconds, never minutes, and a change it
+    cannot apply gets it replaced: it never goes on serving what the others no longer do."""
+    write_tagger(plugins_dir, "1.0.0", "one")
+    config = plugins_dir.parent / "quick.toml"
+    config.write_text("load_timeout_s = 2\ndrain_timeout_s = 1\nclose_timeout_s = 1\n")
+    srv = two_workers(server, plugins_dir, models_dir, "--config", str(config))
+    stuck = min(worker_pids(srv))
+
+    def healthy(method: str, path: str, timeout: float) -> tuple[int, float]:
+        """Sent until a connection lands on the worker that answers (the kernel spreads
+        new connections; those given to the stopped one wait)."""
+        for _ in range(20):
+            request = urllib.request.Request(srv.url + path, method=method)
+            started = time.monotonic()
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as answer:
+                    return answer.status, time.monotonic() - started
+            except TimeoutError:
+                continue
+        raise AssertionError(f"{path}: no answer")
+
+    os.kill(stuck, signal.SIGSTOP)
+    try:
+        code, took = healthy("GET", "/admin/plugins", 8)
+        assert code == 200 and took < 8  # the stuck worker left out after 5 s
+        code, took = healthy("POST", "/admin/reload?force=true", 25)
+        assert code == 200
+        wait_for(lambda: stuck not in worker_pids(srv) and len(worker_pids(srv)) == 2,
+                 30, "the stuck worker replaced")  # fmt: skip
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stuck, signal.SIGCONT)
+    assert "worker_unresponsive" in srv.log()
