@@ -92,7 +92,8 @@ def main() -> None:
         server = Server(command, port, work / f"server{workers}.log")
         try:
             server.wait("/v2/health/ready", 120)
-            wait_workers(server, workers)
+            if workers > 1:
+                wait_workers(server, workers)
             url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
             subprocess.run(["wrk", "-t1", "-c64", "-d2s", "-s", str(script), url],
                            capture_output=True, check=True)  # fmt: skip
