@@ -28,6 +28,7 @@ from server.connections import (
     MIN_REFUSING,
     ConnectionLimits,
     Listener,
+    bind,
     default_max_connections,
     raise_open_files_limit,
     refusing_budget,
@@ -224,15 +225,7 @@ def _sockets(settings: Settings) -> list[socket.socket]:
         addresses.append((settings.admin_host or settings.host, settings.admin_port))
     sockets = []
     for host, port in addresses:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except (OSError, ValueError) as exc:  # ValueError: a host name IDNA cannot encode
-            sock.close()
-            reason = exc.strerror if isinstance(exc, OSError) else exc
-            raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None
+        sock = bind(host, port, reuse_port=False)
         sock.listen(1024)
         sock.setblocking(False)
         sockets.append(sock)

@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import resource
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ import orjson
 import structlog
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
+
+from registry.errors import ConfigError
 
 log = structlog.get_logger("plugserve.server")
 
@@ -416,6 +419,22 @@ def refusing_budget(open_files: int, max_connections: int) -> int:
     """How many refused connections may read their 503 at once: the open files left."""
     spare = open_files - max_connections - FD_HEADROOM // 2
     return max(MIN_REFUSING, min(MAX_REFUSING, spare))
+
+
+def bind(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A TCP socket bound to ``host:port``, not listening yet."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, ValueError) as exc:
+        sock.close()
+        reason = exc.strerror if isinstance(exc, OSError) else exc
+        raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
 
 
 def run_app(

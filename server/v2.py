@@ -152,6 +152,19 @@ def _outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:
         raise PluginError(last.label, exc) from None
 
 
+STATS_PATHS = (
+    "/v2/models/stats",
+    "/v2/models/{route}/stats",
+    "/v2/models/{route}/versions/{version}/stats",
+)
+"""Triton's statistics extension: every route of it (a supervisor answers them all)."""
+
+
+def add_stats_routes(app: web.Application, handler: Handler) -> None:
+    for path in STATS_PATHS:
+        app.router.add_get(path, handler)
+
+
 def add_routes(app: web.Application, through: Handler | None = None) -> None:
     """The v2 routes; ``through`` answers the statistics instead (a worker's supervisor)."""
     stats = through or statistics
@@ -159,11 +172,10 @@ def add_routes(app: web.Application, through: Handler | None = None) -> None:
     # The router tries resources in order: the hot path first.
     r.add_post("/v2/models/{route}/infer", infer)
     r.add_post("/v2/models/{route}/versions/{version}/infer", infer)
-    r.add_get("/v2/models/stats", stats)
+    add_stats_routes(app, stats)
     r.add_get("/v2", server_metadata)
     r.add_get("/v2/health/live", live)
     r.add_get("/v2/health/ready", ready)
     for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
         r.add_get(prefix, model_metadata)
         r.add_get(prefix + "/ready", model_ready)
-        r.add_get(prefix + "/stats", stats)

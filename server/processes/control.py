@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from registry.errors import PlugserveError, Unavailable
 from registry.fleet import EtcdRouteStore
 from registry.route_store import RouteStore
-from server import __version__, admin
+from server import __version__, admin, v2
 from server.metrics import Metrics, _FleetCollector
 from server.middleware import error_response
 from server.processes import merge
@@ -283,7 +283,5 @@ def control_app(
     r.add_post(version + "/unload", version_call)
     r.add_get("/admin/status", status)
     r.add_get("/metrics", metrics)
-    r.add_get("/v2/models/stats", statistics)
-    for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
-        r.add_get(prefix + "/stats", statistics)
+    v2.add_stats_routes(app, statistics)
     return app

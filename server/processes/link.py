@@ -246,6 +246,4 @@ def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
     version = "/admin/plugins/{type}/{name}/{version}"
     router.add_post(version + "/reload", admin.reload_version)
     router.add_post(version + "/unload", admin.unload_version)
-    router.add_get("/v2/models/stats", v2.statistics)
-    for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
-        router.add_get(prefix + "/stats", v2.statistics)
+    v2.add_stats_routes(control, v2.statistics)

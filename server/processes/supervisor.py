@@ -51,7 +51,7 @@ from registry.errors import ConfigError
 from registry.watcher import Watcher
 from server.app import route_store
 from server.config import Settings
-from server.connections import ConnectionLimits, Starting
+from server.connections import ConnectionLimits, Starting, bind
 from server.processes.control import SUPERVISOR_METRICS, control_app
 from server.processes.link import WorkerSpec
 from server.processes.pool import Worker, WorkerPool
@@ -330,22 +330,6 @@ def bind_workers(settings: Settings) -> tuple[socket.socket, socket.socket | Non
         port.close()
         raise
     return port, admin
-
-
-def bind(host: str, port: int, reuse_port: bool) -> socket.socket:
-    """A TCP socket bound to ``host:port``, not listening yet."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except (OSError, ValueError) as exc:
-        sock.close()
-        reason = exc.strerror if isinstance(exc, OSError) else exc
-        raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from None
-    return sock
 
 
 def supervise(settings: Settings, workers: int, loop: asyncio.AbstractEventLoop) -> int:

@@ -41,8 +41,8 @@ def main() -> int:
     ):
         os.set_inheritable(fd, False)
     from server.cli import serve_sockets
+    from server.connections import bind
     from server.logs import configure_logging
-    from server.processes.supervisor import bind
     from server.streams import protect_std_streams
 
     settings = spec.settings
