@@ -94,6 +94,22 @@ def make_mlp(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def write_mlp_runner(work: Path, runner_options: str = RUNNER_OPTIONS) -> Path:
+    """``work/plugins`` with the benchmark's runner (batching 64 / 2 ms) and an empty
+    ``work/models``; returns the plugins folder."""
+    plugins = work / "plugins"
+    runner = plugins / "runner" / "mlp" / "1.0.0"
+    runner.mkdir(parents=True)
+    (runner / "plugin.toml").write_text(
+        '[plugin]\nname = "mlp"\nversion = "1.0.0"\ntype = "runner"\n'
+        '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\n'
+        f"max_batch_size = 64\nmax_queue_delay_ms = 2.0\n{runner_options}\n"
+    )
+    make_mlp(runner / "model.onnx")
+    (work / "models").mkdir()
+    return plugins
+
+
 def ort_baseline(model: Path, intra_op_threads: int = 0) -> dict[str, float]:
     """Batch-1 p50 latency (warm caches, tight loop) and batch-64 throughput."""
     import onnxruntime as ort
@@ -433,16 +449,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-bench-"))
     model = make_mlp(work / "mlp.onnx")
-    plugins = work / "plugins"
-    runner = plugins / "runner" / "mlp" / "1.0.0"
-    runner.mkdir(parents=True)
-    (runner / "plugin.toml").write_text(
-        '[plugin]\nname = "mlp"\nversion = "1.0.0"\ntype = "runner"\n'
-        '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\n'
-        f"max_batch_size = 64\nmax_queue_delay_ms = 2.0\ninstances = {args.instances}\n{args.runner}\n"
-    )
-    make_mlp(runner / "model.onnx")
-    (work / "models").mkdir()
+    plugins = write_mlp_runner(work, f"instances = {args.instances}\n{args.runner}")
 
     base = ort_baseline(model)
     one = ort_baseline(model, intra_op_threads=1)

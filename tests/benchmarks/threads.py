@@ -23,13 +23,12 @@ from collections import defaultdict
 from pathlib import Path
 
 from tests.benchmarks.serving import (
-    RUNNER_OPTIONS,
     Server,
     binary_body,
     json_body,
     lua_script,
-    make_mlp,
     wait_workers,
+    write_mlp_runner,
 )
 from tests.helpers import free_port
 
@@ -68,15 +67,7 @@ def main() -> None:
     parser.add_argument("--duration", type=int, default=10)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-threads-"))
-    runner = work / "plugins" / "runner" / "mlp" / "1.0.0"
-    runner.mkdir(parents=True)
-    (runner / "plugin.toml").write_text(
-        '[plugin]\nname = "mlp"\nversion = "1.0.0"\ntype = "runner"\n'
-        '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\n'
-        f"max_batch_size = 64\nmax_queue_delay_ms = 2.0\n{RUNNER_OPTIONS}\n"
-    )
-    make_mlp(runner / "model.onnx")
-    (work / "models").mkdir()
+    write_mlp_runner(work)
     if args.payload == "json":
         script = lua_script(work, json_body(), {"Content-Type": "application/json"})
     else:
