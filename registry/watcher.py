@@ -223,12 +223,14 @@ class Watcher:
     async def apply(self, scope: Scope) -> None:
         """Apply one quiet scope; errors are logged and the watcher carries on.
 
-        A scope whose root is gone or was replaced since the watch was armed is
+        A scope whose root is gone, or was replaced since the watch was armed, is
         skipped: the files it pointed at are being removed with their folder,
         and the rescan that follows the folder's return decides what stays.
         """
         root = self.root_of(scope)
-        if identity(root) != self._armed.get(root):
+        now = identity(root)
+        if now is None or now != self._armed.get(root):
+            # Gone (also once the watch was re-armed without it) or replaced since armed.
             log.debug("watch_skipped", scope=list(scope), reason="root moved", path=str(root))
             return
         try:

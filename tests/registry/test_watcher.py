@@ -131,3 +131,23 @@ async def test_a_root_missing_at_start_is_not_lost_and_a_rescan_starts_empty(
     finally:
         watcher.stop.set()
         await asyncio.wait_for(task, 5)
+
+
+async def test_a_change_applied_after_its_root_went_is_skipped(
+    plugins_dir: Path, models_dir: Path
+) -> None:
+    """A version's deletion, debounced past the moment its root was found lost and the watch
+    re-armed without it, must not unload it: the root went, and the rescan on its return
+    decides (found with 2 workers, where the fan-out made this timing common)."""
+    write_processor(plugins_dir, "preprocessor", "scale", "1.0.0", 1)
+    registry = Registry(plugins_dir, models_dir)
+    await registry.start()
+    watcher = Watcher(registry)
+    try:
+        shutil.rmtree(plugins_dir)
+        watcher._arm(first=False)  # re-armed: the root is recorded as absent now
+        await watcher.apply(("version", "preprocessor", "scale", "1.0.0"))
+        assert [r.label for r in registry.plugins()] == ["preprocessor/scale@1.0.0"]
+        assert registry.records[("preprocessor", "scale", "1.0.0")].state == "ready"
+    finally:
+        await registry.close()
