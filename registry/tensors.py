@@ -18,11 +18,13 @@ from registry.datatypes import v2_datatype
 _JSON_KINDS = {"b": "booleans", "i": "numbers", "u": "numbers", "f": "numbers"}
 
 
-def from_json(values: Any, dtype: np.dtype[Any]) -> np.ndarray:
+def from_json(values: Any, dtype: np.dtype[Any], may_hold_bool: bool = True) -> np.ndarray:
     """An array of ``dtype`` from parsed JSON ``values`` (nested lists), refusing any loss.
 
     ``BOOL`` takes JSON booleans only, numeric types take numbers only (no
     booleans, no strings), and each value must survive the conversion.
+    ``may_hold_bool=False``: the caller knows the values hold no boolean (the
+    JSON text had no ``true`` or ``false``), which spares a pass over them.
     """
     try:
         raw = np.asarray(values)
@@ -32,7 +34,8 @@ def from_json(values: Any, dtype: np.dtype[Any]) -> np.ndarray:
         return np.empty(raw.shape, dtype=dtype)
     want = "booleans" if dtype.kind == "b" else "numbers"
     got = _JSON_KINDS.get(raw.dtype.kind, "strings or mixed values")
-    if got == "numbers" and _holds_bool(values):  # [true, 2] is inferred as integers
+    # [true, 2] is inferred as integers
+    if got == "numbers" and may_hold_bool and _holds_bool(values):
         got = "booleans among numbers"
     if got != want:
         raise ValueError(f"{v2_datatype(dtype)} takes JSON {want}; the data holds {got}")
@@ -87,9 +90,10 @@ def cast_exact(array: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
 
 def _within(array: np.ndarray, limit: float) -> bool:
     """Whether every value lies in [-limit, limit] (the fast path; NaN says no)."""
-    if array.size <= 64:  # a small request's tensor: two numpy reductions cost more
+    if array.size <= 64:  # a small request's tensor: a numpy reduction costs more
         return all(-limit <= value <= limit for value in array.reshape(-1).tolist())
-    return bool(-limit <= array.min()) and bool(array.max() <= limit)
+    # One pass: the largest magnitude (ptp or min and max would take two).
+    return bool(np.abs(array).max() <= limit)
 
 
 def _check_integers(array: np.ndarray, dtype: np.dtype[Any]) -> None:

@@ -84,10 +84,13 @@ def decode_request(
         raise InvalidInput(f"the request is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidInput("the request must be a JSON object")
-    return _request(doc, binary, limits)
+    # No "true" or "false" anywhere in the text: no tensor holds a JSON boolean.
+    return _request(doc, binary, limits, b"true" in header or b"false" in header)
 
 
-def _request(doc: dict[str, Any], binary: memoryview, limits: Limits) -> InferRequest:
+def _request(
+    doc: dict[str, Any], binary: memoryview, limits: Limits, may_hold_bool: bool = True
+) -> InferRequest:
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list")
@@ -98,7 +101,7 @@ def _request(doc: dict[str, Any], binary: memoryview, limits: Limits) -> InferRe
     inputs: dict[str, np.ndarray] = {}
     offset = 0
     for raw in raw_inputs:
-        name, array, used = _input(raw, binary, offset, limits)
+        name, array, used = _input(raw, binary, offset, limits, may_hold_bool)
         if name in inputs:
             raise InvalidInput(f"input {name!r} appears twice")
         inputs[name] = array
@@ -127,7 +130,7 @@ def _boolean(parameters: Mapping[str, Any], key: str, where: str) -> bool | None
 
 
 def _input(
-    raw: Any, binary: memoryview, offset: int, limits: Limits
+    raw: Any, binary: memoryview, offset: int, limits: Limits, may_hold_bool: bool = True
 ) -> tuple[str, np.ndarray, int]:
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise InvalidInput("each input must be an object with a string 'name'")
@@ -172,10 +175,12 @@ def _input(
         return name, _from_binary(name, datatype, shape, count, chunk), size
     if "data" not in raw:
         raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
-    return name, _from_json(name, datatype, shape, count, raw["data"]), 0
+    return name, _from_json(name, datatype, shape, count, raw["data"], may_hold_bool), 0
 
 
-def _from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
+def _from_json(
+    name: str, datatype: str, shape: list[int], count: int, data: Any, may_hold_bool: bool = True
+) -> np.ndarray:
     """The tensor of a JSON ``data`` list: every value must fit ``datatype`` exactly."""
     if not isinstance(data, list):
         data = [data]
@@ -184,7 +189,7 @@ def _from_json(name: str, datatype: str, shape: list[int], count: int, data: Any
             array = np.asarray(data, dtype=object).reshape(-1)
             array = np.fromiter((_to_bytes(name, v) for v in array), dtype=object, count=array.size)
         else:
-            array = from_json(data, V2_TO_NUMPY[datatype])
+            array = from_json(data, V2_TO_NUMPY[datatype], may_hold_bool)
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidInput(f"input {name!r}: {exc}") from None
     if array.size != count:
@@ -293,10 +298,8 @@ def encode_response(
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
-            entry["data"] = _to_json(name, array, datatype)
-            # One pass, no temporary: the sum is finite when every element is (or
-            # it overflowed, and then the slower encoder below is merely unneeded).
-            if array.dtype.kind == "f" and not _finite(array):
+            data = entry["data"] = _to_json(name, array, datatype)
+            if array.dtype.kind == "f" and not _finite(array, data):
                 finite = False
         header_outputs.append(entry)
     doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
@@ -312,8 +315,13 @@ def encode_response(
     return b"".join([header, *chunks]), headers
 
 
-def _finite(array: np.ndarray) -> bool:
-    # Accumulate in float64: the sum of finite FP16/FP32 values cannot overflow it.
+def _finite(array: np.ndarray, values: list[float]) -> bool:
+    """Whether every element is finite: a small output's values checked as Python floats
+    (a numpy reduction costs more), a large one in one numpy pass without a temporary:
+    the sum, in float64, is finite when every element is (or it overflowed, and then
+    the slower encoder is merely unneeded)."""
+    if array.size <= 64:
+        return all(map(math.isfinite, values))
     with np.errstate(over="ignore", invalid="ignore"):
         return math.isfinite(array.sum(dtype=np.float64))
 

@@ -197,6 +197,11 @@ def test_request_parameters_of_the_wrong_type_are_400(doc: dict[str, Any], messa
         ("FP16", [1e10], "input 'x': 10000000000.0 (element 0) does not fit FP16"),
         ("UINT8", [-1], "input 'x': -1 (element 0) does not fit UINT8: outside 0..255"),
         ("INT32", [True], "input 'x': INT32 takes JSON numbers; the data holds booleans"),
+        # The decoder skips the search for booleans only when the text has no true/false.
+        ("FP32", [2.5, True], "input 'x': FP32 takes JSON numbers; the data holds booleans"),
+        ("FP32", [1, False], "input 'x': FP32 takes JSON numbers; the data holds booleans"),
+        # Over 64 elements the range is checked by numpy, in one pass.
+        ("FP32", [0.5] * 99 + [-1e300], "input 'x': -1e+300 (element 99) does not fit FP32"),
     ],
 )
 def test_json_data_must_fit_the_datatype_exactly(
