@@ -20,6 +20,7 @@ from registry.breaker import CircuitBreaker
 from registry.calls import call_plugin
 from registry.errors import InvalidInput, PluginError, PluginLoadError, PlugserveError
 from registry.inputs import InputSpec, conform, input_specs
+from registry.isolation.remote import RemoteRunner
 from registry.manifest import Manifest, RunnerSection
 from registry.stats import RunnerStats
 from registry.tensors import from_json
@@ -92,6 +93,8 @@ class LoadedPlugin:
     _validate: Callable[[Mapping[str, np.ndarray]], Any] | None = field(
         init=False, default=None, repr=False
     )
+    remote: RemoteRunner | None = field(init=False, default=None, repr=False)
+    """An isolated runner's processes (``isolation = "process"``): they batch and run it."""
 
     def __post_init__(self) -> None:
         name = STAGE_METHOD[self.manifest.type]
@@ -101,7 +104,10 @@ class LoadedPlugin:
         self._method = method
         self._is_async = inspect.iscoroutinefunction(method)
         runner = self.manifest.runner
-        if runner is not None:
+        if isinstance(self.component, RemoteRunner):
+            self.remote = self.component
+            self.stats = RunnerStats()  # the requests this process sent; executions are theirs
+        elif runner is not None:
             validate = getattr(self.component, "validate", None)
             self._validate = validate if callable(validate) else None
             if not self._is_async:
@@ -151,6 +157,9 @@ class LoadedPlugin:
 
         Raises :class:`PluginCallTimeout` past the bound (``close_timeout_s``).
         """
+        if self.remote is not None:
+            await self.remote.close()
+            return
         if self.scheduler is not None:
             self.scheduler.close()
         try:
@@ -229,8 +238,14 @@ class LoadedPlugin:
     async def call(self, data: Any, ctx: RequestContext) -> Any:
         """Run this stage on ``data``; a plugin's exception becomes :class:`PluginError`.
 
-        A runner's call goes through its scheduler (batching, queue, priorities).
+        A runner's call goes through its scheduler (batching, queue, priorities),
+        an isolated runner's to its processes, where a scheduler batches it.
         """
+        remote = self.remote
+        if remote is not None:
+            inputs = self.runner_inputs(data)
+            ctx.rows = _rows(inputs)
+            return await remote.infer(inputs, ctx)
         if self.scheduler is not None and self.breaker is not None:
             inputs = self.runner_inputs(data)
             if self._validate is not None:

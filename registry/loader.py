@@ -9,8 +9,10 @@ module of the load removed from ``sys.modules``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -26,6 +28,8 @@ from registry.errors import PluginCallTimeout, PluginLoadError, PlugserveError
 from registry.fingerprint import Fingerprinter
 from registry.imports import forget, import_plugin, package_name
 from registry.integrity import verify_checksums
+from registry.isolation.host import RunnerHost, RunnerSpec
+from registry.isolation.remote import RemoteRunner
 from registry.manager import PluginHost
 from registry.manifest import Manifest, check_runner_keys, load_manifest
 from registry.models import MODELS_SCHEME, resolve_model
@@ -58,6 +62,9 @@ class Loader:
         self.plugins_dir = plugins_dir
         self.load_timeout = load_timeout
         self.close_timeout = close_timeout
+        self.runners: RunnerHost | None = None
+        """Where ``isolation = "process"`` runners run; created at the first such load."""
+        self._loads = itertools.count(1)
 
     def roots(self, folder: Path) -> Roots:
         """Where every path a version reads must really lie (``registry/confine.py``)."""
@@ -65,11 +72,22 @@ class Loader:
             return Roots.around(folder, self.models_dir)
         return Roots(self.plugins_dir, self.models_dir)
 
-    async def load(self, folder: Path) -> LoadedPlugin:
-        """Load and warm up the version in ``folder``; raise :class:`PluginLoadError`."""
+    async def load(self, folder: Path, in_process: bool = False) -> LoadedPlugin:
+        """Load and warm up the version in ``folder``; raise :class:`PluginLoadError`.
+
+        A runner with ``isolation = "process"`` loads in runner processes of its
+        own (:mod:`registry.isolation`) unless ``in_process`` (in such a process,
+        as one instance).
+        """
         await asyncio.to_thread(self.roots(folder).check_tree, folder)
         manifest = load_manifest(folder)
         await asyncio.to_thread(verify_checksums, folder, self.fingerprinter, manifest.label)
+        if manifest.runner is not None and manifest.runner.isolated:
+            if not in_process:
+                return await self._load_isolated(manifest)
+            manifest = dataclasses.replace(
+                manifest, runner=dataclasses.replace(manifest.runner, instances=1)
+            )
         deadline = time.monotonic() + self.load_timeout
         package = None
         if manifest.module is not None:
@@ -98,6 +116,30 @@ class Loader:
             ) from exc
         return loaded
 
+    async def _load_isolated(self, manifest: Manifest) -> LoadedPlugin:
+        """Start the version's runner processes (loaded and warmed there) and stand for them."""
+        runner = manifest.runner
+        assert runner is not None
+        model_path = self.model_path(manifest)
+        if self.runners is None:
+            self.runners = RunnerHost()
+        spec = RunnerSpec(
+            folder=manifest.path,
+            label=manifest.label,
+            models_dir=self.models_dir,
+            plugins_dir=self.plugins_dir,
+            instances=runner.instances,
+            devices=runner.devices,
+            load_timeout=self.load_timeout,
+            close_timeout=self.close_timeout,
+        )
+        key = f"{manifest.label}#{next(self._loads)}"
+        group = await self.runners.acquire(key, spec)
+        remote = RemoteRunner(self.runners, group)
+        loaded = LoadedPlugin(manifest, _info(manifest), remote, model_path=model_path)
+        await loaded.warmup(self.load_timeout)  # reads the metadata the processes sent
+        return loaded
+
     def build(
         self,
         manifest: Manifest,
@@ -108,15 +150,7 @@ class Loader:
 
         When ``abandoned`` is set meanwhile (the load timed out), what was made is dropped.
         """
-        info = PluginInfo(
-            name=manifest.name,
-            version=str(manifest.version),
-            type=manifest.type,
-            path=manifest.path,
-            logger=structlog.get_logger("plugserve.plugin").bind(
-                plugin_type=manifest.type, plugin=manifest.name, version=str(manifest.version)
-            ),
-        )
+        info = _info(manifest)
         if manifest.module is not None and package is None:
             package = package_name(manifest.type, manifest.name, str(manifest.version))
         module = self._import(manifest, package)
@@ -219,6 +253,18 @@ class Loader:
         if package is not None:
             self.host.unregister(package)
             forget(package)
+
+
+def _info(manifest: Manifest) -> PluginInfo:
+    return PluginInfo(
+        name=manifest.name,
+        version=str(manifest.version),
+        type=manifest.type,
+        path=manifest.path,
+        logger=structlog.get_logger("plugserve.plugin").bind(
+            plugin_type=manifest.type, plugin=manifest.name, version=str(manifest.version)
+        ),
+    )
 
 
 def _close_abandoned(component: Any, label: str) -> None:

@@ -7,6 +7,7 @@ API or the log knows what to fix.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,9 @@ RUNNER_KEYS = frozenset(
         "breaker_failures",
         "breaker_reset_s",
         "cast_inputs",
+        "isolation",
+        "device",
+        "devices",
     }
 )
 """The ``[runner]`` keys plugserve reads itself; a backend declares its own (``runner_keys``)."""
@@ -50,6 +54,8 @@ MAX_BATCH_SIZE = 1_000_000
 MAX_INSTANCES = 1024
 MAX_QUEUE_DELAY_MS = 3_600_000.0
 MAX_PRIORITY_LEVELS = 1000
+ISOLATIONS = ("none", "process")
+"""``[runner] isolation``: in the worker (``none``) or in runner processes of its own."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,14 @@ class RunnerSection:
     breaker_failures: int = 5
     breaker_reset_s: float = 10.0
     cast_inputs: bool = False
+    isolation: str = "none"
+    devices: tuple[str, ...] = ()
+    """``cuda:N`` per instance, in turn (``device`` is one for all); ``()``: unset."""
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def isolated(self) -> bool:
+        return self.isolation == "process"
 
 
 @dataclass(frozen=True)
@@ -238,8 +251,35 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         breaker_failures=p.integer(table, "runner.breaker_failures", 5, 0, 1_000_000),
         breaker_reset_s=p.number(table, "runner.breaker_reset_s", 10.0, 86_400.0),
         cast_inputs=p.boolean(table, "runner.cast_inputs", False),
+        isolation=_isolation(p, table),
+        devices=_devices(p, table),
         table=MappingProxyType(dict(table)),
     )
+
+
+def _isolation(p: _Fields, table: Mapping[str, Any]) -> str:
+    value = p.string(table, "runner.isolation") or "none"
+    if value not in ISOLATIONS:
+        raise ManifestError(p.path, f"must be one of {', '.join(ISOLATIONS)}", "runner.isolation")
+    return value
+
+
+def _devices(p: _Fields, table: Mapping[str, Any]) -> tuple[str, ...]:
+    """``device = "cuda:1"`` or ``devices = ["cuda:0", "cuda:1"]`` (GPUs for runner processes)."""
+    if "device" in table and "devices" in table:
+        raise ManifestError(p.path, "give device or devices, not both", "runner.devices")
+    if "device" in table:
+        devices, where = [p.required_string(table, "runner.device")], "runner.device"
+    else:
+        devices, where = p.string_list(table, "runner.devices"), "runner.devices"
+    for device in devices:
+        if re.fullmatch(r"cuda:\d{1,4}", device) is None:
+            raise ManifestError(p.path, f"{device!r} is not a device such as 'cuda:0'", where)
+    if devices and table.get("isolation", "none") != "process":
+        raise ManifestError(
+            p.path, 'sets a runner process\'s GPU: needs isolation = "process"', where
+        )
+    return tuple(devices)
 
 
 def _provider_names(p: _Fields, table: Mapping[str, Any]) -> list[str]:

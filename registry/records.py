@@ -77,7 +77,9 @@ def _iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
 
 
-def _scheduler_stats(current: LoadedPlugin | None) -> dict[str, int]:
+def _scheduler_stats(current: LoadedPlugin | None) -> dict[str, Any]:
+    if current is not None and current.remote is not None:
+        return current.remote.describe()
     scheduler = current.scheduler if current else None
     if scheduler is None:
         return {}

@@ -319,6 +319,7 @@ class Registry:
             for key in list(self.records)
         }
         if not unloads:
+            await self._close_runners()
             return
         done, pending = await asyncio.wait(unloads, timeout=budget + CLOSE_SLACK_S)
         for task in done:
@@ -329,6 +330,22 @@ class Registry:
             log.error("close_timeout", plugins=stuck, timeout_s=budget)
             for task in pending:
                 task.cancel()
+        await self._close_runners()
+
+    async def _close_runners(self) -> None:
+        """End whatever runner processes are left (their versions released them already)."""
+        if self.loader.runners is not None:
+            await self.loader.runners.close()
+
+    async def refresh_isolated(self) -> None:
+        """Read the figures of every isolated runner's processes (the admin API shows them)."""
+        remotes = [
+            p.remote
+            for r in self.records.values()
+            for p in [*r.draining, *([r.current] if r.current else [])]
+            if p.remote is not None
+        ]
+        await asyncio.gather(*(remote.refresh() for remote in remotes))
 
     async def _retire(self, record: VersionRecord, old: LoadedPlugin) -> None:
         record.draining.append(old)

@@ -28,6 +28,7 @@ STARTED = web.AppKey("started", float)
 
 async def list_plugins(request: web.Request) -> web.Response:
     registry: Registry = request.app[REGISTRY]
+    await registry.refresh_isolated()
     return web.json_response({"plugins": [r.as_json() for r in registry.plugins()]})
 
 

@@ -240,3 +240,23 @@ class ServerProcess:
             code = self.proc.wait()
         self._log.close()
         return code
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (children, their children ...), from /proc."""
+    found: set[int] = set()
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            tasks = list(Path(f"/proc/{current}/task").iterdir())
+        except FileNotFoundError:
+            continue
+        for task in tasks:
+            try:
+                kids = [int(p) for p in (task / "children").read_text().split()]
+            except FileNotFoundError:
+                continue
+            pending += [k for k in kids if k not in found]
+            found.update(kids)
+    return found

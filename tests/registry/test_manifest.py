@@ -55,6 +55,10 @@ def test_full_runner_manifest_is_parsed(plugins_dir: Path) -> None:
     assert m.label == "runner/iris@1.2.3-rc.1"
 
 
+HEAD = "[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n"
+RUNNER = HEAD + "[runner]\nbackend='onnxruntime'\n"
+
+
 @pytest.mark.parametrize(
     ("text", "field", "message"),
     [
@@ -79,6 +83,11 @@ def test_full_runner_manifest_is_parsed(plugins_dir: Path) -> None:
          "[route]\npreprocess=['scale@1.0']\n", "route.preprocess", "semantic version"),
         ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n[runner]\nbackend='onnxruntime'\n"
          "cast_inputs='yes'\n", "runner.cast_inputs", "must be true or false"),
+        (RUNNER + "isolation='thread'\n", "runner.isolation", "one of none, process"),
+        (RUNNER + "isolation='process'\ndevice='gpu0'\n", "runner.device", "such as 'cuda:0'"),
+        (RUNNER + "device='cuda:0'\n", "runner.device", "needs isolation"),
+        (RUNNER + "isolation='process'\ndevice='cuda:0'\ndevices=['cuda:1']\n",
+         "runner.devices", "not both"),
     ],
 )  # fmt: skip
 def test_manifest_errors_name_file_and_field(
@@ -90,6 +99,18 @@ def test_manifest_errors_name_file_and_field(
     assert info.value.fields["file"] == str(folder / "plugin.toml")
     assert info.value.fields["field"] == field
     assert str(folder / "plugin.toml") in info.value.message
+
+
+def test_isolation_and_devices_are_read(plugins_dir: Path) -> None:
+    folder = _folder(plugins_dir, RUNNER + "isolation='process'\ndevices=['cuda:0', 'cuda:1']\n")
+    runner = load_manifest(folder).runner
+    assert runner is not None
+    assert runner.isolated
+    assert runner.devices == ("cuda:0", "cuda:1")
+    other = RUNNER.replace("1.0.0", "2.0.0")
+    default = load_manifest(_folder(plugins_dir, other, version="2.0.0")).runner
+    assert default is not None
+    assert (default.isolation, default.devices) == ("none", ())
 
 
 def test_missing_manifest(plugins_dir: Path) -> None:
@@ -111,10 +132,6 @@ def test_processor_needs_module_and_no_runner_table(plugins_dir: Path) -> None:
     )
     with pytest.raises(ManifestError, match=r"only runners have a \[runner\]"):
         load_manifest(folder)
-
-
-HEAD = "[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n"
-RUNNER = HEAD + "[runner]\nbackend='onnxruntime'\n"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,8 @@
+"""Isolated runners: a runner version in processes of its own (``[runner] isolation = "process"``).
+
+- :mod:`registry.isolation.shm`: shared memory regions and their allocator;
+- :mod:`registry.isolation.wire`: the messages between a worker and a runner process;
+- :mod:`registry.isolation.remote`: a worker's side, the component that stands for the runner;
+- :mod:`registry.isolation.host`: starts, supervises and stops runner processes;
+- ``server/processes/runner.py``: the runner process itself.
+"""

@@ -1,0 +1,384 @@
+"""Starts, supervises and stops runner processes (``python -m server.processes.runner``).
+
+A load of an isolated runner version acquires a *group*: one process per
+``[runner] instances``, each started with the version's folder, loaded and
+warmed before :meth:`RunnerHost.acquire` returns. The load that replaces it
+acquires a new group beside it; releasing the old one (after its drain) ends
+its processes, so whatever they leaked goes back to the operating system.
+
+A process that ends unasked is started again with backoff (0.5 s doubling to
+30 s; back to 0.5 s after a minute up), counted in ``restarts``. One that
+cannot be started :data:`MAX_START_FAILURES` times in a row leaves its group
+``failed``: requests are refused with the reason instead of a restart loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+from registry.errors import PluginLoadError, Unavailable
+
+log = structlog.get_logger("plugserve.registry")
+
+RUNNER_MODULE = "server.processes.runner"
+MAX_START_FAILURES = 3
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+STABLE_AFTER_S = 60.0
+START_SLACK_S = 10.0
+"""Beyond ``load_timeout_s``: the time a new interpreter takes to import what it needs."""
+STOP_SLACK_S = 5.0
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """What a runner process needs to load its version."""
+
+    folder: Path
+    label: str
+    models_dir: Path
+    plugins_dir: Path | None = None
+    instances: int = 1
+    devices: tuple[str, ...] = ()
+    load_timeout: float = 120.0
+    close_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """How this server starts runner processes: their logging, event loop and shared memory."""
+
+    log_format: str = "console"
+    log_level: str = "info"
+    event_loop: str = "auto"
+    shm_bytes: int = 64 * 1024 * 1024
+    """Each connection's shared memory, each way; a tensor that does not fit goes inline."""
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+@dataclass(eq=False)
+class RunnerProcess:
+    """One instance of a group: the process serving it now, and its history."""
+
+    index: int
+    device: str | None
+    socket: Path
+    pid: int | None = None
+    started_at: float | None = None
+    restarts: int = 0
+    ended: dict[int, str] = field(default_factory=dict)
+    """How each process that served this instance ended, by pid."""
+    up: asyncio.Event = field(default_factory=asyncio.Event)
+    proc: asyncio.subprocess.Process | None = None
+    watch: asyncio.Task[None] | None = None
+
+
+@dataclass(eq=False)
+class RunnerGroup:
+    key: str
+    spec: RunnerSpec
+    processes: list[RunnerProcess]
+    metadata: dict[str, Any] | None = None
+    users: int = 0
+    failed: str | None = None
+    stopping: bool = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p.pid is not None and p.up.is_set()]
+
+    @property
+    def restarts(self) -> int:
+        return sum(p.restarts for p in self.processes)
+
+    @property
+    def devices(self) -> list[str]:
+        return [p.device for p in self.processes if p.device is not None]
+
+
+class RunnerHost:
+    """The runner processes of one server (or of one worker's registry)."""
+
+    def __init__(self, settings: ProcessSettings | None = None) -> None:
+        self.settings = settings or ProcessSettings()
+        self.groups: dict[str, RunnerGroup] = {}
+        self._starting: dict[str, asyncio.Future[RunnerGroup]] = {}
+        self._folder: Path | None = None
+        self._sockets = 0
+
+    def _socket_path(self) -> Path:
+        if self._folder is None:
+            self._folder = Path(tempfile.mkdtemp(prefix="plugserve-runners-"))  # 0700
+        self._sockets += 1
+        return self._folder / f"{self._sockets}.sock"
+
+    async def acquire(self, key: str, spec: RunnerSpec) -> RunnerGroup:
+        """The group ``key``, its processes started and loaded; raises :class:`PluginLoadError`."""
+        group = self.groups.get(key)
+        if group is not None and not group.stopping:
+            group.users += 1
+            return group
+        starting = self._starting.get(key)
+        if starting is None:
+            starting = self._starting[key] = asyncio.get_running_loop().create_future()
+            try:
+                group = await self._start_group(key, spec)
+            except BaseException as exc:
+                del self._starting[key]
+                starting.set_exception(
+                    exc if isinstance(exc, Exception) else RuntimeError("cancelled")
+                )
+                starting.exception()  # retrieved: only the waiters care
+                raise
+            del self._starting[key]
+            starting.set_result(group)
+        else:
+            group = await asyncio.shield(starting)
+        group.users += 1
+        return group
+
+    async def _start_group(self, key: str, spec: RunnerSpec) -> RunnerGroup:
+        devices = spec.devices
+        processes = [
+            RunnerProcess(i, devices[i % len(devices)] if devices else None, self._socket_path())
+            for i in range(spec.instances)
+        ]
+        group = RunnerGroup(key, spec, processes)
+        results = await asyncio.gather(
+            *(self._spawn(group, p) for p in processes), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            group.stopping = True
+            await asyncio.gather(*(self._stop(p, spec.close_timeout) for p in processes))
+            error = errors[0]
+            if isinstance(error, PluginLoadError):
+                raise error
+            raise PluginLoadError(f"{spec.label}: its runner process failed: {error!r}")
+        self.groups[key] = group
+        for process in processes:
+            process.watch = asyncio.create_task(self._watch(group, process))
+        return group
+
+    async def _spawn(self, group: RunnerGroup, process: RunnerProcess) -> None:
+        """Start one process and wait for its answer: loaded (with its metadata) or not."""
+        spec, settings = group.spec, self.settings
+        env = dict(os.environ)
+        if process.device is not None:  # before any CUDA library loads in the child
+            env["CUDA_VISIBLE_DEVICES"] = process.device.split(":", 1)[1]
+        with contextlib.suppress(FileNotFoundError):
+            process.socket.unlink()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", RUNNER_MODULE,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        request = {
+            "folder": str(spec.folder),
+            "label": spec.label,
+            "models_dir": str(spec.models_dir),
+            "plugins_dir": None if spec.plugins_dir is None else str(spec.plugins_dir),
+            "load_timeout": spec.load_timeout,
+            "close_timeout": spec.close_timeout,
+            "socket": str(process.socket),
+            "instance": process.index,
+            "parent": os.getpid(),
+            "log_format": settings.log_format,
+            "log_level": settings.log_level,
+            "event_loop": settings.event_loop,
+            "shm_bytes": settings.shm_bytes,
+        }
+        proc.stdin.write(orjson.dumps(request) + b"\n")  # stdin stays open: the lifeline
+        try:
+            await proc.stdin.drain()
+            line = await asyncio.wait_for(proc.stdout.readline(), spec.load_timeout + START_SLACK_S)
+        except (TimeoutError, ConnectionError, asyncio.CancelledError) as exc:
+            await _kill(proc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise PluginLoadError(
+                f"{spec.label}: its runner process did not load within "
+                f"{spec.load_timeout + START_SLACK_S:g} s"
+            ) from None
+        answer = _answer(line)
+        if answer is None or not answer.get("ready"):
+            returncode = await _reap(proc)
+            how = describe_exit(returncode)
+            if answer is not None and answer.get("error"):
+                raise PluginLoadError(str(answer["error"]), exit=how)
+            raise PluginLoadError(
+                f"{spec.label}: its runner process ended while loading ({how})", exit=how
+            )
+        process.proc, process.pid, process.started_at = proc, proc.pid, time.time()
+        group.metadata = answer.get("metadata")
+        process.up.set()
+        log.info("runner_process_started", plugin=spec.label, pid=proc.pid, instance=process.index)
+
+    async def _watch(self, group: RunnerGroup, process: RunnerProcess) -> None:
+        """Wait for the process to end; unasked, start it again with backoff."""
+        backoff = FIRST_BACKOFF_S
+        while True:
+            proc = process.proc
+            assert proc is not None
+            assert process.pid is not None
+            returncode = await proc.wait()
+            if group.stopping:
+                return
+            how = describe_exit(returncode)
+            process.ended[process.pid] = how
+            process.up.clear()
+            process.restarts += 1
+            up_for = time.time() - (process.started_at or time.time())
+            if up_for > STABLE_AFTER_S:
+                backoff = FIRST_BACKOFF_S
+            log.error(
+                "runner_process_died",
+                plugin=group.spec.label,
+                pid=process.pid,
+                instance=process.index,
+                exit=how,
+                restart_in_s=backoff,
+            )
+            failures = 0
+            while True:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                if group.stopping:
+                    return
+                try:
+                    await self._spawn(group, process)
+                    break
+                except PluginLoadError as exc:
+                    failures += 1
+                    log.error(
+                        "runner_process_start_failed",
+                        plugin=group.spec.label,
+                        instance=process.index,
+                        error=exc.message,
+                        failures=failures,
+                    )
+                    if failures >= MAX_START_FAILURES:
+                        group.failed = (
+                            f"{group.spec.label}: its runner process failed to start "
+                            f"{failures} times in a row: {exc.message}"
+                        )
+                        process.up.set()  # wake the waiters: they read ``failed``
+                        return
+
+    async def ready(self, key: str, index: int, within: float | None = None) -> RunnerProcess:
+        """Instance ``index`` of ``key`` once it serves (after a restart, when it is back);
+        :class:`Unavailable` when its group failed or was released, or ``within`` passed."""
+        group = self.groups.get(key)
+        if group is None or group.stopping:
+            raise Unavailable(f"runner process {key} is not running")
+        process = group.processes[index]
+        wait = group.spec.load_timeout + START_SLACK_S if within is None else within
+        if not process.up.is_set():
+            try:
+                await asyncio.wait_for(process.up.wait(), wait)
+            except TimeoutError:
+                raise Unavailable(
+                    f"{group.spec.label}: its runner process is restarting", retry_after_s=1
+                ) from None
+        if group.failed is not None:
+            raise Unavailable(group.failed)
+        return process
+
+    async def ended(self, key: str, index: int, pid: int, within: float = 2.0) -> str:
+        """How process ``pid`` of instance ``index`` ended (waiting ``within`` s for it)."""
+        group = self.groups.get(key)
+        if group is None:
+            return "stopped"
+        process = group.processes[index]
+        deadline = time.monotonic() + within
+        while pid not in process.ended and time.monotonic() < deadline:
+            if group.stopping:
+                return "stopped"
+            await asyncio.sleep(0.01)
+        return process.ended.get(pid, "its connection closed")
+
+    async def release(self, key: str) -> None:
+        """One user fewer; the last one ends the group's processes (SIGTERM, then SIGKILL)."""
+        group = self.groups.get(key)
+        if group is None:
+            return
+        group.users -= 1
+        if group.users > 0:
+            return
+        group.stopping = True
+        del self.groups[key]
+        await asyncio.gather(*(self._stop(p, group.spec.close_timeout) for p in group.processes))
+        log.info("runner_processes_stopped", plugin=group.spec.label, key=key)
+
+    async def _stop(self, process: RunnerProcess, within: float) -> None:
+        if process.watch is not None:
+            process.watch.cancel()
+        proc = process.proc
+        process.up.clear()
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), within + STOP_SLACK_S)
+            except TimeoutError:
+                log.warning("runner_process_kill", pid=proc.pid, timeout_s=within + STOP_SLACK_S)
+                await _kill(proc)
+        if proc is not None and proc.stdin is not None:
+            proc.stdin.close()
+        with contextlib.suppress(FileNotFoundError):
+            process.socket.unlink()
+
+    async def close(self) -> None:
+        """End every process (shutdown): each group as if its last user released it."""
+        for key, group in list(self.groups.items()):
+            group.users = 1
+            await self.release(key)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+def _answer(line: bytes) -> dict[str, Any] | None:
+    try:
+        answer = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+async def _reap(proc: asyncio.subprocess.Process, within: float = 5.0) -> int | None:
+    try:
+        return await asyncio.wait_for(proc.wait(), within)
+    except TimeoutError:
+        await _kill(proc)
+        return proc.returncode
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await proc.wait()

@@ -1,0 +1,286 @@
+"""A runner process: ``python -m server.processes.runner``, started by a RunnerHost.
+
+It reads its spec (one JSON line) from stdin, loads one runner version here,
+answers one JSON line (``ready`` with the version's metadata, or the error that
+kept it from loading), then serves workers on its Unix socket: each connection
+brings the worker's shared memory region, gets one of this process's, and
+sends requests that join this process's batches. It ends on SIGTERM (after the
+requests it holds are answered, within ``close_timeout_s``), or when the
+process that started it ends (its stdin closes; PR_SET_PDEATHSIG as well).
+Not a command for people to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import orjson
+import structlog
+
+from registry.components import LoadedPlugin
+from registry.errors import PluginError, PlugserveError
+from registry.isolation.shm import Allocator, Region
+from registry.isolation.wire import FrameReader, error_message, frame, get_tensors, put_tensors
+from registry.loader import Loader
+from registry.manager import PluginHost
+from registry.types import RequestContext
+
+log = structlog.get_logger("plugserve.runner")
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    libc = ctypes.CDLL(None) if sys.platform == "linux" else None
+    prctl = getattr(libc, "prctl", None)
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it ended before the signal was asked for
+        sys.exit(1)
+
+
+class RunnerProcess:
+    def __init__(self, spec: dict[str, Any], answer_fd: int) -> None:
+        self.spec = spec
+        self.answer_fd = answer_fd
+        self.stop = asyncio.Event()
+        self.loaded: LoadedPlugin | None = None
+        self.connections: set[Serving] = set()
+        self.shm_bytes = int(spec["shm_bytes"])
+        self.accepting: set[asyncio.Task[None]] = set()
+
+    def _answer(self, **fields: Any) -> None:
+        os.write(self.answer_fd, orjson.dumps(fields) + b"\n")
+        os.close(self.answer_fd)
+
+    async def run(self) -> int:
+        spec = self.spec
+        host = PluginHost()
+        host.load_builtins()
+        host.load_entry_points()
+        plugins_dir = spec.get("plugins_dir")
+        loader = Loader(
+            host,
+            Path(spec["models_dir"]),
+            plugins_dir=None if plugins_dir is None else Path(plugins_dir),
+            load_timeout=float(spec["load_timeout"]),
+            close_timeout=float(spec["close_timeout"]),
+        )
+        try:
+            self.loaded = loaded = await loader.load(Path(spec["folder"]), in_process=True)
+        except PlugserveError as exc:
+            self._answer(ready=False, error=exc.message)
+            return 1
+        except Exception as exc:
+            self._answer(ready=False, error=f"{spec['label']}: {type(exc).__name__}: {exc}")
+            return 1
+        loop = asyncio.get_running_loop()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(spec["socket"])
+        listener.listen(256)
+        listener.setblocking(False)
+        loop.add_reader(listener.fileno(), self._accept, listener)
+        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
+        loop.add_signal_handler(signal.SIGINT, lambda: None)  # the server's Ctrl-C: its call
+        loop.add_reader(0, self._lifeline)
+        self._answer(ready=True, pid=os.getpid(), metadata=loaded.metadata())
+        await self.stop.wait()
+        loop.remove_reader(listener.fileno())
+        listener.close()
+        await self._drain(float(spec["close_timeout"]))
+        await loader.release(loaded)
+        return 0
+
+    def _lifeline(self) -> None:
+        try:
+            data = os.read(0, 4096)
+        except OSError:
+            data = b""
+        if not data:  # whoever started us is gone
+            asyncio.get_running_loop().remove_reader(0)
+            self.stop.set()
+
+    async def _drain(self, within: float) -> None:
+        """Answer the requests held (a stop after the server drained finds none)."""
+        tasks = [t for c in self.connections for t in c.tasks.values()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=within)
+        for connection in list(self.connections):
+            connection.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            sock, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        try:
+            sock.settimeout(5.0)
+            data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+            hello = orjson.loads(data)
+            theirs = Region(int(hello["size"]), fds[0])
+            ours = Region(self.shm_bytes)
+            assert ours.fd is not None
+            socket.send_fds(sock, [orjson.dumps({"size": ours.size})], [ours.fd])
+            ours.close_fd()
+            sock.setblocking(False)
+        except (OSError, ValueError, KeyError, IndexError, orjson.JSONDecodeError) as exc:
+            log.warning("runner_connection_refused", error=str(exc))
+            sock.close()
+            return
+        loop = asyncio.get_running_loop()
+        assert self.loaded is not None
+        loaded = self.loaded
+
+        async def connect() -> None:
+            await loop.connect_accepted_socket(lambda: Serving(self, loaded, theirs, ours), sock)
+
+        task = loop.create_task(connect())
+        self.accepting.add(task)
+        task.add_done_callback(self.accepting.discard)
+
+
+class Serving(asyncio.Protocol):
+    """One worker's connection: requests in, answers out, frames of one step written at once."""
+
+    def __init__(self, owner: RunnerProcess, loaded: LoadedPlugin, theirs: Region, ours: Region):
+        self.owner = owner
+        self.loaded = loaded
+        self.theirs = theirs
+        self.ours = ours
+        self.allocator = Allocator(ours.size)
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.transport: asyncio.Transport | None = None
+        self._reader = FrameReader()
+        self._queued: list[bytes] = []
+        self._flush_at: asyncio.Handle | None = None
+        self._loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
+        self.owner.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.owner.connections.discard(self)
+        for task in self.tasks.values():
+            task.cancel()
+        self.transport = None
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for message, raw in self._reader.feed(data):
+                kind = message["k"]
+                if kind == "infer":
+                    request_id = message["i"]
+                    task = self._loop.create_task(self._infer(message, raw))
+                    self.tasks[request_id] = task
+                elif kind == "cancel":
+                    running = self.tasks.get(message["i"])
+                    if running is not None:
+                        running.cancel()
+                elif kind == "free":
+                    for offset in message["o"]:
+                        self.allocator.free(offset)
+                elif kind == "stats":
+                    self._send(frame({"k": "stats", "i": message["i"], **self.figures()}))
+        except (ValueError, KeyError, TypeError, orjson.JSONDecodeError) as exc:
+            log.warning("runner_connection_broken", error=str(exc))
+            if self.transport is not None:
+                self.transport.abort()
+
+    async def _infer(self, message: dict[str, Any], raw: memoryview) -> None:
+        request_id = message["i"]
+        try:
+            inputs = get_tensors(message["x"], self.theirs, raw)
+            ctx = RequestContext(
+                request_id=message.get("r", ""),
+                route="",
+                parameters={},
+                headers={},
+                content_type="",
+                deadline=message.get("d"),
+                priority=message.get("p"),
+                tenant=message.get("t"),
+            )
+            outputs = await self.loaded.call(inputs, ctx)
+            descriptors, chunks, _ = put_tensors(outputs, self.ours, self.allocator)
+            answer = {
+                "k": "ok",
+                "i": request_id,
+                "y": descriptors,
+                "q": ctx.timings.get("queue", 0.0),
+                "c": ctx.timings.get("compute_infer", 0.0),
+            }
+            self._send(frame(answer, chunks))
+        except asyncio.CancelledError:
+            self._send(frame({"k": "cancelled", "i": request_id}))
+        except PlugserveError as exc:
+            self._send(frame(error_message(request_id, exc)))
+        except Exception as exc:  # a bug of ours: the worker answers 500 naming the plugin
+            log.exception("runner_request_failed", plugin=self.loaded.label)
+            self._send(frame(error_message(request_id, PluginError(self.loaded.label, exc))))
+        finally:
+            self.tasks.pop(request_id, None)
+
+    def figures(self) -> dict[str, Any]:
+        loaded = self.loaded
+        scheduler, stats = loaded.scheduler, loaded.stats
+        return {
+            "pid": os.getpid(),
+            "executions": scheduler.executions if scheduler else 0,
+            "rows": scheduler.rows if scheduler else 0,
+            "queued": scheduler.queued if scheduler else 0,
+            "inline": loaded.inline_executions,
+            "batches": {
+                str(k): [v.count, v.ns] for k, v in (stats.batches if stats else {}).items()
+            },
+            "rejecting": loaded.rejecting,
+        }
+
+    def _send(self, data: bytes) -> None:
+        self._queued.append(data)
+        if self._flush_at is None:
+            self._flush_at = self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_at = None
+        queued, self._queued = self._queued, []
+        if self.transport is not None and queued:
+            self.transport.write(b"".join(queued))
+
+
+def main() -> int:
+    spec = orjson.loads(sys.stdin.buffer.readline())
+    _die_with_parent(int(spec["parent"]))
+    # The answer line goes on the original stdout; what plugins print goes to stderr.
+    answer_fd = os.dup(1)
+    os.dup2(2, 1)
+    from server.cli import _event_loop
+    from server.logs import configure_logging
+    from server.streams import protect_std_streams
+
+    protect_std_streams()
+    configure_logging(spec["log_format"], spec["log_level"])
+    structlog.contextvars.bind_contextvars(runner=spec["label"], instance=spec["instance"])
+    loop = _event_loop(spec.get("event_loop", "auto"))
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(RunnerProcess(spec, answer_fd).run())
+    finally:
+        with contextlib.suppress(Exception):
+            loop.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

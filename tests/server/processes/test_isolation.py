@@ -1,0 +1,203 @@
+"""Isolated runners (``[runner] isolation = "process"``), end to end with real processes.
+
+What the contract's "Processes" section promises of them: the runner runs in a
+process of its own; a reload ends the old process, so memory a plugin leaked
+natively goes back to the system; a runner process that dies answers its
+request 500 naming the plugin and how it ended, other routes do not notice, and
+it is started again; one that cannot start ends ``failed`` with the reason.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import ServerProcess, descendants, rss_mib, write_add_runner, write_plugin
+
+pytestmark = pytest.mark.slow
+
+CRASHY = """
+    import ctypes
+    import os
+    import signal
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Crashy:
+        def infer(self, inputs):
+            first = float(inputs["x"].reshape(-1)[0])
+            if first == 9:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if first == 11:
+                ctypes.string_at(0)  # a segfault, as a broken C extension has
+            rows = inputs["x"].shape[0]
+            return {"y": inputs["x"] * 2, "pid": np.full((rows, 1), os.getpid(), np.int64)}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Crashy()
+"""
+
+LEAKY = """
+    import ctypes
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+    MIB = 1024 * 1024
+
+    class Leaky:
+        def __init__(self):
+            libc = ctypes.CDLL(None)
+            libc.malloc.restype = ctypes.c_void_p
+            block = libc.malloc(64 * MIB)  # never freed: a native leak at every load
+            ctypes.memset(block, 1, 64 * MIB)  # touched: resident, not just reserved
+
+        def infer(self, inputs):
+            return {"y": inputs["x"]}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Leaky()
+"""
+
+DIES_AT_START = """
+    import os
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        os._exit(3)
+"""
+
+ISOLATED = '[runner]\nisolation = "process"\n'
+
+
+def infer(srv: ServerProcess, route: str, values: list[float]) -> tuple[int, dict[str, Any]]:
+    body = {"inputs": [{"name": "x", "shape": [1, len(values)], "datatype": "FP32",
+                        "data": values}]}  # fmt: skip
+    code, _, raw = srv.request("POST", f"/v2/models/{route}/infer", body)
+    return code, json.loads(raw)
+
+
+def outputs(answer: dict[str, Any]) -> dict[str, list[Any]]:
+    return {o["name"]: o["data"] for o in answer["outputs"]}
+
+
+def plugin_row(srv: ServerProcess, name: str) -> dict[str, Any]:
+    _, _, raw = srv.request("GET", "/admin/plugins")
+    return next(p for p in json.loads(raw)["plugins"] if p["name"] == name)
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.05)
+
+
+def tree_rss_mib(pid: int) -> float:
+    total = 0.0
+    for each in {pid, *descendants(pid)}:
+        with contextlib.suppress(FileNotFoundError, RuntimeError):  # ended meanwhile
+            total += rss_mib(each)
+    return total
+
+
+def test_a_runner_process_that_dies_fails_its_request_alone_and_comes_back(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    plugins = tmp_path / "plugins"
+    write_plugin(plugins, "runner", "crashy", "1.0.0", ISOLATED, {"plugin.py": CRASHY})
+    write_add_runner(plugins, "plain", "1.0.0", amount=1.0)
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+
+    code, answer = infer(srv, "crashy", [1.0, 2.0])
+    assert code == 200, answer
+    assert outputs(answer)["y"] == [2.0, 4.0]
+    first = outputs(answer)["pid"][0]
+    _, _, raw = srv.request("GET", "/admin/status")
+    workers = {w["pid"] for w in json.loads(raw).get("workers", [])} | {srv.proc.pid}
+    assert first not in workers  # neither the server nor any worker ran it
+    assert first in descendants(srv.proc.pid)
+    assert "server.processes.runner" in _cmdline(first)
+    row = plugin_row(srv, "crashy")
+    assert row["isolation"] == "process"
+    assert first in row["pids"]
+
+    for signal_name, value in (("SIGKILL", 9.0), ("SIGSEGV", 11.0)):
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            others = [pool.submit(infer, srv, "plain", [float(i)] * 4) for i in range(40)]
+            code, answer = infer(srv, "crashy", [value])
+            assert [f.result()[0] for f in others] == [200] * 40  # other routes never noticed
+        assert code == 500, answer
+        assert "runner/crashy@1.0.0" in answer["error"]
+        assert signal_name in answer["error"], answer
+        assert answer["exit"] == f"killed by {signal_name}"
+
+        # Started again (with backoff): the same route answers, from a new process.
+        wait_for(lambda: infer(srv, "crashy", [1.0])[0] == 200, 20, "restarted")
+        again = outputs(infer(srv, "crashy", [1.0])[1])["pid"][0]
+        assert again != first
+        first = again
+    row = plugin_row(srv, "crashy")
+    assert row["restarts"] >= 2
+    assert row["state"] == "ready"
+
+
+def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    plugins = tmp_path / "plugins"
+    write_plugin(plugins, "runner", "dies", "1.0.0", ISOLATED, {"plugin.py": DIES_AT_START})
+    write_add_runner(plugins, "plain", "1.0.0", amount=1.0)
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    row = plugin_row(srv, "dies")
+    assert row["state"] == "failed"
+    assert "runner/dies@1.0.0" in row["last_error"]
+    assert "exit code 3" in row["last_error"]
+    assert infer(srv, "plain", [1.0] * 4)[0] == 200
+    assert infer(srv, "dies", [1.0])[0] in (404, 503)
+    time.sleep(1.5)  # no restart loop: nothing of it is left running
+    runners = [p for p in descendants(srv.proc.pid) if "processes.runner" in _cmdline(p)]
+    assert runners == []
+
+
+def test_memory_a_runner_leaks_natively_goes_back_at_each_reload(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """Triton #4528, TF Serving #1664: a model's memory never came back after unloading."""
+    plugins = tmp_path / "plugins"
+    write_plugin(plugins, "runner", "leaky", "1.0.0", ISOLATED, {"plugin.py": LEAKY})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    assert infer(srv, "leaky", [1.0])[0] == 200
+    first = tree_rss_mib(srv.proc.pid)
+    pids = set()
+    for _ in range(50):
+        code, _, body = srv.request("POST", "/admin/plugins/runner/leaky/1.0.0/reload")
+        assert code == 200, body
+        code, answer = infer(srv, "leaky", [1.0])
+        assert code == 200, answer
+        pids.update(plugin_row(srv, "leaky")["pids"])
+    after = tree_rss_mib(srv.proc.pid)
+    assert len(pids) >= 50  # a process of its own at every load
+    assert after - first < 128, f"{first:.0f} MiB after the first load, {after:.0f} after 50"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
