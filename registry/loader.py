@@ -28,7 +28,7 @@ from registry.errors import PluginCallTimeout, PluginLoadError, PlugserveError
 from registry.fingerprint import Fingerprinter
 from registry.imports import forget, import_plugin, package_name
 from registry.integrity import verify_checksums
-from registry.isolation.host import RunnerHost, RunnerSpec
+from registry.isolation.host import RunnerHost, Runners, RunnerSpec
 from registry.isolation.remote import RemoteRunner
 from registry.manager import PluginHost
 from registry.manifest import Manifest, check_runner_keys, load_manifest
@@ -62,8 +62,9 @@ class Loader:
         self.plugins_dir = plugins_dir
         self.load_timeout = load_timeout
         self.close_timeout = close_timeout
-        self.runners: RunnerHost | None = None
-        """Where ``isolation = "process"`` runners run; created at the first such load."""
+        self.runners: Runners | None = None
+        """Where ``isolation = "process"`` runners run: a worker's supervisor, or a
+        :class:`RunnerHost` of this process made at the first such load."""
         self._loads = itertools.count(1)
 
     def roots(self, folder: Path) -> Roots:
@@ -72,19 +73,22 @@ class Loader:
             return Roots.around(folder, self.models_dir)
         return Roots(self.plugins_dir, self.models_dir)
 
-    async def load(self, folder: Path, in_process: bool = False) -> LoadedPlugin:
+    async def load(
+        self, folder: Path, in_process: bool = False, content: str | None = None
+    ) -> LoadedPlugin:
         """Load and warm up the version in ``folder``; raise :class:`PluginLoadError`.
 
         A runner with ``isolation = "process"`` loads in runner processes of its
         own (:mod:`registry.isolation`) unless ``in_process`` (in such a process,
-        as one instance).
+        as one instance); ``content`` (the folder's fingerprint) lets the workers
+        of one server share them.
         """
         await asyncio.to_thread(self.roots(folder).check_tree, folder)
         manifest = load_manifest(folder)
         await asyncio.to_thread(verify_checksums, folder, self.fingerprinter, manifest.label)
         if manifest.runner is not None and manifest.runner.isolated:
             if not in_process:
-                return await self._load_isolated(manifest)
+                return await self._load_isolated(manifest, content)
             manifest = dataclasses.replace(
                 manifest, runner=dataclasses.replace(manifest.runner, instances=1)
             )
@@ -116,7 +120,7 @@ class Loader:
             ) from exc
         return loaded
 
-    async def _load_isolated(self, manifest: Manifest) -> LoadedPlugin:
+    async def _load_isolated(self, manifest: Manifest, content: str | None) -> LoadedPlugin:
         """Start the version's runner processes (loaded and warmed there) and stand for them."""
         runner = manifest.runner
         assert runner is not None
@@ -133,8 +137,8 @@ class Loader:
             load_timeout=self.load_timeout,
             close_timeout=self.close_timeout,
         )
-        key = f"{manifest.label}#{next(self._loads)}"
-        group = await self.runners.acquire(key, spec)
+        content = content or f"load-{next(self._loads)}"
+        group = await self.runners.acquire(f"{manifest.label}@{content}", spec)
         remote = RemoteRunner(self.runners, group)
         loaded = LoadedPlugin(manifest, _info(manifest), remote, model_path=model_path)
         await loaded.warmup(self.load_timeout)  # reads the metadata the processes sent

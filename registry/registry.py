@@ -245,7 +245,7 @@ class Registry:
         if record.current is None:
             record.state = "loading"
         try:
-            new = await self.loader.load(folder)
+            new = await self.loader.load(folder, content=record.fingerprint)
         except Exception as exc:
             return self._failed(record, exc, started)
         old = record.current

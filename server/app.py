@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from aiohttp import web
 
 from registry import tracing
 from registry.fleet import EtcdLocation, EtcdRouteStore
+from registry.isolation.host import ProcessSettings, RunnerHost
 from registry.registry import Registry
 from registry.route_store import Replica, RouteStore, RouteTarget
 from registry.watcher import Watcher
@@ -91,6 +93,21 @@ async def _close_bodies(app: web.Application) -> None:
     app[BODIES].close()
 
 
+def _isolated_runners(registry: Registry, settings: Settings, worker: WorkerLink | None) -> None:
+    """Where isolated runners run: this process's own host, or the supervisor's for all."""
+    if registry.loader.runners is not None:
+        return
+    if worker is None:
+        registry.loader.runners = RunnerHost(process_settings(settings))
+        return
+    from server.processes.runners import SupervisedRunners
+
+    holder = str(os.getpid())
+    registry.loader.runners = SupervisedRunners(
+        worker.supervisor, holder, process_settings(settings)
+    )
+
+
 def route_store(settings: Settings, registry: RouteTarget) -> RouteStore:
     """Where runtime route changes live: this process, or etcd in fleet mode."""
     replica = Replica.default(settings.host, settings.port, settings.replica_id)
@@ -103,6 +120,11 @@ def route_store(settings: Settings, registry: RouteTarget) -> RouteStore:
         lease_ttl_s=settings.fleet_lease_ttl_s,
         startup_wait_s=settings.fleet_startup_wait_s,
     )
+
+
+def process_settings(settings: Settings) -> ProcessSettings:
+    """How this server starts runner processes (``isolation = "process"``)."""
+    return ProcessSettings(settings.log_format, settings.log_level, settings.event_loop)
 
 
 def create_app(
@@ -140,6 +162,7 @@ def create_app(
         app[DRAIN].before_stop = worker.drained
         through = worker.forward
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
+    _isolated_runners(app[REGISTRY], settings, worker)
     v2.add_routes(app, through)
     predict.add_routes(app)
     admin.add_routes(app, through)

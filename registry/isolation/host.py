@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import structlog
@@ -55,6 +55,32 @@ class RunnerSpec:
     devices: tuple[str, ...] = ()
     load_timeout: float = 120.0
     close_timeout: float = 10.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "folder": str(self.folder),
+            "label": self.label,
+            "models_dir": str(self.models_dir),
+            "plugins_dir": None if self.plugins_dir is None else str(self.plugins_dir),
+            "instances": self.instances,
+            "devices": list(self.devices),
+            "load_timeout": self.load_timeout,
+            "close_timeout": self.close_timeout,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> RunnerSpec:
+        plugins_dir = doc.get("plugins_dir")
+        return cls(
+            folder=Path(doc["folder"]),
+            label=str(doc["label"]),
+            models_dir=Path(doc["models_dir"]),
+            plugins_dir=None if plugins_dir is None else Path(plugins_dir),
+            instances=int(doc["instances"]),
+            devices=tuple(str(d) for d in doc["devices"]),
+            load_timeout=float(doc["load_timeout"]),
+            close_timeout=float(doc["close_timeout"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -98,11 +124,15 @@ class RunnerProcess:
 
 @dataclass(eq=False)
 class RunnerGroup:
+    """The processes of one load of a version (``key``, unique), for whoever holds it."""
+
     key: str
+    content: str
+    """The version and the content it was loaded from (``label@fingerprint``)."""
     spec: RunnerSpec
     processes: list[RunnerProcess]
     metadata: dict[str, Any] | None = None
-    users: int = 0
+    holders: set[str] = field(default_factory=set)
     failed: str | None = None
     stopping: bool = False
 
@@ -118,16 +148,72 @@ class RunnerGroup:
     def devices(self) -> list[str]:
         return [p.device for p in self.processes if p.device is not None]
 
+    def as_json(self) -> dict[str, Any]:
+        """What a worker needs to reach the processes (:func:`group_from_json`)."""
+        return {
+            "key": self.key,
+            "content": self.content,
+            "label": self.spec.label,
+            "metadata": self.metadata,
+            "failed": self.failed,
+            "processes": [
+                {
+                    "index": p.index,
+                    "device": p.device,
+                    "socket": str(p.socket),
+                    "pid": p.pid,
+                    "up": p.up.is_set(),
+                    "restarts": p.restarts,
+                }
+                for p in self.processes
+            ],
+        }
+
+
+def group_from_json(doc: dict[str, Any], spec: RunnerSpec) -> RunnerGroup:
+    """A worker's copy of a group its supervisor runs (pids and restarts as of then)."""
+    processes = []
+    for p in doc["processes"]:
+        process = RunnerProcess(int(p["index"]), p["device"], Path(p["socket"]), p["pid"])
+        process.restarts = int(p["restarts"])
+        if p["up"]:
+            process.up.set()
+        processes.append(process)
+    return RunnerGroup(
+        doc["key"], doc["content"], spec, processes, doc["metadata"], failed=doc["failed"]
+    )
+
+
+class Runners(Protocol):
+    """Where a process's isolated runners run: a :class:`RunnerHost` of its own, or its
+    supervisor's (``server/processes/runners.py``), shared by every worker."""
+
+    settings: ProcessSettings
+
+    async def acquire(self, content: str, spec: RunnerSpec) -> RunnerGroup: ...
+
+    async def ready(self, key: str, index: int) -> RunnerProcess: ...
+
+    async def ended(self, key: str, index: int, pid: int) -> str: ...
+
+    async def release(self, key: str) -> None: ...
+
+    async def close(self) -> None: ...
+
 
 class RunnerHost:
-    """The runner processes of one server (or of one worker's registry)."""
+    """The runner processes of one server: a single process's, or a supervisor's for all
+    its workers (each worker a *holder*)."""
 
     def __init__(self, settings: ProcessSettings | None = None) -> None:
         self.settings = settings or ProcessSettings()
         self.groups: dict[str, RunnerGroup] = {}
-        self._starting: dict[str, asyncio.Future[RunnerGroup]] = {}
+        self.current: dict[str, RunnerGroup] = {}
+        """The group holders join, by content (``label@fingerprint``)."""
+        self._starting: dict[str, asyncio.Future[None]] = {}
         self._folder: Path | None = None
         self._sockets = 0
+        self._loads = 0
 
     def _socket_path(self) -> Path:
         if self._folder is None:
@@ -135,38 +221,46 @@ class RunnerHost:
         self._sockets += 1
         return self._folder / f"{self._sockets}.sock"
 
-    async def acquire(self, key: str, spec: RunnerSpec) -> RunnerGroup:
-        """The group ``key``, its processes started and loaded; raises :class:`PluginLoadError`."""
-        group = self.groups.get(key)
-        if group is not None and not group.stopping:
-            group.users += 1
-            return group
-        starting = self._starting.get(key)
-        if starting is None:
-            starting = self._starting[key] = asyncio.get_running_loop().create_future()
-            try:
-                group = await self._start_group(key, spec)
-            except BaseException as exc:
-                del self._starting[key]
-                starting.set_exception(
-                    exc if isinstance(exc, Exception) else RuntimeError("cancelled")
-                )
-                starting.exception()  # retrieved: only the waiters care
-                raise
-            del self._starting[key]
-            starting.set_result(group)
-        else:
-            group = await asyncio.shield(starting)
-        group.users += 1
+    async def acquire(self, content: str, spec: RunnerSpec, holder: str = "") -> RunnerGroup:
+        """A group of processes serving ``content``, loaded; raises :class:`PluginLoadError`.
+
+        A holder joins the group other holders use for that content; one that holds it
+        already (a reload of unchanged content) gets a new group, which the others then
+        join: every worker reloading together ends up on the same new processes.
+        """
+        while True:
+            starting = self._starting.get(content)
+            if starting is not None:
+                await asyncio.shield(starting)  # raises what the start raised
+                continue
+            group = self.current.get(content)
+            if group is not None and not group.stopping and holder not in group.holders:
+                group.holders.add(holder)
+                return group
+            break
+        done = self._starting[content] = asyncio.get_running_loop().create_future()
+        try:
+            group = await self._start_group(content, spec)
+        except BaseException as exc:
+            failure = exc if isinstance(exc, Exception) else Unavailable("the load was cancelled")
+            done.set_exception(failure)
+            done.exception()  # retrieved: only the waiters care
+            raise
+        finally:
+            del self._starting[content]
+        done.set_result(None)
+        self.current[content] = group
+        group.holders.add(holder)
         return group
 
-    async def _start_group(self, key: str, spec: RunnerSpec) -> RunnerGroup:
+    async def _start_group(self, content: str, spec: RunnerSpec) -> RunnerGroup:
         devices = spec.devices
         processes = [
             RunnerProcess(i, devices[i % len(devices)] if devices else None, self._socket_path())
             for i in range(spec.instances)
         ]
-        group = RunnerGroup(key, spec, processes)
+        self._loads += 1
+        group = RunnerGroup(f"{spec.label}#{self._loads}", content, spec, processes)
         results = await asyncio.gather(
             *(self._spawn(group, p) for p in processes), return_exceptions=True
         )
@@ -178,7 +272,7 @@ class RunnerHost:
             if isinstance(error, PluginLoadError):
                 raise error
             raise PluginLoadError(f"{spec.label}: its runner process failed: {error!r}")
-        self.groups[key] = group
+        self.groups[group.key] = group
         for process in processes:
             process.watch = asyncio.create_task(self._watch(group, process))
         return group
@@ -321,16 +415,19 @@ class RunnerHost:
             await asyncio.sleep(0.01)
         return process.ended.get(pid, "its connection closed")
 
-    async def release(self, key: str) -> None:
-        """One user fewer; the last one ends the group's processes (SIGTERM, then SIGKILL)."""
+    async def release(self, key: str, holder: str = "") -> None:
+        """``holder`` is done with the group; the last one ends its processes (SIGTERM,
+        then SIGKILL past ``close_timeout_s``)."""
         group = self.groups.get(key)
         if group is None:
             return
-        group.users -= 1
-        if group.users > 0:
+        group.holders.discard(holder)
+        if group.holders:
             return
         group.stopping = True
         del self.groups[key]
+        if self.current.get(group.content) is group:
+            del self.current[group.content]
         await asyncio.gather(*(self._stop(p, group.spec.close_timeout) for p in group.processes))
         log.info("runner_processes_stopped", plugin=group.spec.label, key=key)
 
@@ -352,10 +449,15 @@ class RunnerHost:
         with contextlib.suppress(FileNotFoundError):
             process.socket.unlink()
 
+    async def release_holder(self, holder: str) -> None:
+        """Release every group ``holder`` holds (a worker that ended)."""
+        held = [key for key, group in self.groups.items() if holder in group.holders]
+        await asyncio.gather(*(self.release(key, holder) for key in held))
+
     async def close(self) -> None:
-        """End every process (shutdown): each group as if its last user released it."""
+        """End every process (shutdown): each group as if its last holder released it."""
         for key, group in list(self.groups.items()):
-            group.users = 1
+            group.holders.clear()
             await self.release(key)
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)

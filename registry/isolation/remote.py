@@ -27,7 +27,7 @@ from registry.isolation.shm import Allocator, Region
 from registry.isolation.wire import FrameReader, error_from, frame, get_tensors, put_tensors
 
 if TYPE_CHECKING:
-    from registry.isolation.host import RunnerGroup, RunnerHost
+    from registry.isolation.host import RunnerGroup, Runners
     from registry.types import RequestContext
 
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -48,7 +48,7 @@ class ConnectionLost(Exception):
 class RemoteRunner:
     """The component of an isolated runner version in this process."""
 
-    def __init__(self, host: RunnerHost, group: RunnerGroup) -> None:
+    def __init__(self, host: Runners, group: RunnerGroup) -> None:
         self.host = host
         self.key = group.key
         self.label = group.spec.label
@@ -101,6 +101,10 @@ class RemoteRunner:
     async def _connect(self, index: int) -> Connection:
         process = await self.host.ready(self.key, index)
         assert process.pid is not None
+        mirror = self.group.processes[index]  # a worker's copy: the pid serving now
+        if mirror is not process:
+            mirror.pid = process.pid
+            mirror.up.set()
         size = self.host.settings.shm_bytes
         connection = await Connection.connect(process.socket, process.pid, size)
         self._connections[index] = connection

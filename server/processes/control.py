@@ -26,6 +26,7 @@ from server.metrics import Metrics, _FleetCollector
 from server.middleware import error_response
 from server.processes import merge
 from server.processes.pool import Worker, WorkerPool
+from server.processes.runners import RUNNERS
 from server.processes.unix import Reply, UnixClient
 
 POOL = web.AppKey("pool", WorkerPool)
@@ -128,7 +129,16 @@ async def fleet_health(request: web.Request) -> web.Response:
 
 
 async def list_plugins(request: web.Request) -> web.Response:
-    return web.json_response({"plugins": await request.app[POOL].refresh()})
+    rows = await request.app[POOL].refresh()
+    runners = request.app.get(RUNNERS)
+    if runners is not None:
+        for row in rows:
+            if row.get("isolation") == "process":  # the processes as they are now
+                label = f"{row['type']}/{row['name']}@{row['version']}"
+                groups = [g for g in runners.groups.values() if g.spec.label == label]
+                row["pids"] = sorted(p for g in groups for p in g.pids)
+                row["restarts"] = sum(g.restarts for g in groups)
+    return web.json_response({"plugins": rows})
 
 
 async def list_routes(request: web.Request) -> web.Response:

@@ -19,6 +19,9 @@ SUMMED_PLUGIN_FIELDS = (
     "inline_executions",
     "circuit_trips",
 )
+PROCESS_FIELDS = frozenset({"queued", "executions", "batched_rows", "restarts"})
+"""An isolated runner's figures: its processes' own, which every worker reads alike (the
+latest read, the largest, is kept; never added)."""
 IDENTITY_FIELDS = frozenset({"batch_size"})
 """Numbers that name what a count is of: kept, never added."""
 STATE_ORDER = ("failed", "loading", "draining", "ready", "unloaded")
@@ -43,9 +46,16 @@ def plugins(answers: Sequence[tuple[int, list[dict[str, Any]]]]) -> list[dict[st
                 merged[key] = dict(row)
                 order.append(key)
                 continue
+            isolated = row.get("isolation") == "process"
             for name in SUMMED_PLUGIN_FIELDS:
                 if isinstance(row.get(name), int):
-                    kept[name] = kept.get(name, 0) + row[name]
+                    if isolated and name in PROCESS_FIELDS:
+                        kept[name] = max(kept.get(name, 0), row[name])
+                    else:
+                        kept[name] = kept.get(name, 0) + row[name]
+            if isolated:
+                kept["restarts"] = max(kept.get("restarts", 0), row.get("restarts", 0))
+                kept["pids"] = sorted({*kept.get("pids", []), *row.get("pids", [])})
             if kept.get("last_error") is None and row.get("last_error") is not None:
                 kept["last_error"] = row["last_error"]
     out = []

@@ -48,10 +48,12 @@ import structlog
 from aiohttp import web
 
 from registry.errors import ConfigError
+from registry.isolation.host import RunnerHost
 from registry.watcher import Watcher
-from server.app import route_store
+from server.app import process_settings, route_store
 from server.config import Settings
 from server.connections import ConnectionLimits, Starting, bind
+from server.processes import runners
 from server.processes.control import SUPERVISOR_METRICS, control_app
 from server.processes.link import WorkerSpec
 from server.processes.pool import Worker, WorkerPool
@@ -99,6 +101,9 @@ class Supervisor:
         self.app = control_app(
             self.pool, self.store, settings.watch, self._registered, self._drained
         )
+        self.runners = RunnerHost(process_settings(settings))
+        """Isolated runners' processes, shared by every worker (server/processes/runners.py)."""
+        runners.add_routes(self.app, self.runners)
         self._starting: asyncio.AbstractServer | None = None
         self._starting_fd: int | None = None
         self._first = set(range(workers))
@@ -207,6 +212,7 @@ class Supervisor:
             await asyncio.wait(pending, timeout=5)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.store.close(), self.settings.close_timeout_s)
+        await self.runners.close()
         await self.pool.close()
         await runner.cleanup()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -242,6 +248,7 @@ class Supervisor:
                     self._all_drained.set()
                 os.close(self.lifelines.pop(index))
                 await self.pool.remove(index, proc.pid)
+                await self.runners.release_holder(str(proc.pid))
                 self.app[SUPERVISOR_METRICS].workers.set(len(self.pool.workers))
             if self.stopping.is_set():
                 break

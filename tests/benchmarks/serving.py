@@ -446,10 +446,19 @@ def main() -> None:
         "--runner", default=RUNNER_OPTIONS, help="extra [runner] TOML for plugserve"
     )
     parser.add_argument("--only", nargs="+", default=["bare", "plugserve", "mlserver"])
+    parser.add_argument(
+        "--isolated", action="store_true",
+        help="also a plugserve per --workers count with the runner in a process of its own",
+    )  # fmt: skip
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-bench-"))
     model = make_mlp(work / "mlp.onnx")
-    plugins = write_mlp_runner(work, f"instances = {args.instances}\n{args.runner}")
+    options = f"instances = {args.instances}\n{args.runner}"
+    plugins = write_mlp_runner(work, options)
+    variants = [("", plugins)]
+    if args.isolated:
+        isolated = write_mlp_runner(work / "iso", options + '\nisolation = "process"')
+        variants.append(("-iso", isolated))
 
     base = ort_baseline(model)
     one = ort_baseline(model, intra_op_threads=1)
@@ -477,20 +486,22 @@ def main() -> None:
                 Case("bare", "binary", url, bin_script, server),
             ]
         if "plugserve" in args.only:
-            for n in args.workers:
+            for (suffix, folder), n in itertools.product(variants, args.workers):
                 port = free_port()
-                command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(plugins),
-                           "--models-dir", str(work / "models"), "--port", str(port), "--log-level", "warning"]  # fmt: skip
+                command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(folder),
+                           "--models-dir", str(folder.parent / "models"), "--port", str(port),
+                           "--log-level", "warning"]  # fmt: skip
                 # Only where it matters, so the harness also runs a server without the flag.
                 command += ["--workers", str(n)] if n > 1 else []
-                server = Server(command, port, work / f"plugserve-w{n}.log")
+                name = f"plugserve-w{n}{suffix}"
+                server = Server(command, port, work / f"{name}.log")
                 servers.append(server)
                 server.wait("/v2/health/ready", 60)
                 if n > 1:
                     wait_workers(server, n)
                 url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
-                cases += [Case(f"plugserve-w{n}", "json", url, json_script, server, port, n),
-                          Case(f"plugserve-w{n}", "binary", url, bin_script, server, port, n)]  # fmt: skip
+                cases += [Case(name, "json", url, json_script, server, port, n),
+                          Case(name, "binary", url, bin_script, server, port, n)]  # fmt: skip
         if "mlserver" in args.only and not args.no_mlserver:
             port = free_port()
             command = ["bash", str(PEER), str(model), str(port), "64", "0.002"]
@@ -624,6 +635,30 @@ def print_summary(rows: list[Row], base: dict[str, float], workers: list[int]) -
             scaled = ", ".join(f"w{n} {v:.0f}" + (f" ({v / first:.2f}x)" if n != workers[0] else "")
                                for n, v in series if v)  # fmt: skip
             print(f"  c=64 {payload} req/s by workers: {scaled}")
+
+    if any(r.name.endswith("-iso") for r in rows):
+        print("\nIssue 14 (isolated runner beside the in-worker one):")
+        for n in workers:
+            for c in sorted({r.c for r in rows}):
+                for payload in ("json", "binary"):
+                    inside = table.get((f"plugserve-w{n}", payload, c))
+                    iso = table.get((f"plugserve-w{n}-iso", payload, c))
+                    if inside and iso and inside.cpu_us and iso.cpu_us:
+                        d = iso.cpu_us - inside.cpu_us
+                        _verdict(f"  w{n} c={c} {payload}: CPU per request isolated {iso.cpu_us:.0f} us "
+                                 f"vs in-worker {inside.cpu_us:.0f} us: {d:+.0f} us (target <= +40)",
+                                 d <= 40)  # fmt: skip
+        for payload in ("json", "binary"):
+            iso2 = table.get(("plugserve-w2-iso", payload, 64))
+            one = table.get(("plugserve-w1", payload, 64))
+            two = table.get(("plugserve-w2", payload, 64))
+            if iso2 and one and iso2.batch and one.batch:
+                _verdict(f"  c=64 {payload}: mean batch w2 isolated {iso2.batch:.1f} vs w1 {one.batch:.1f} "
+                         "(target >=)", iso2.batch >= one.batch)  # fmt: skip
+            if iso2 and two:
+                x = iso2.result.rps / two.result.rps
+                _verdict(f"  c=64 {payload}: throughput w2 isolated / w2 in-worker {x:.2f} "
+                         "(target >= 1)", x >= 1.0)  # fmt: skip
 
     print("\nEarlier targets (plugserve --workers 1):")
     if w1j and ml:

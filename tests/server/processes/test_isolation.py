@@ -83,6 +83,48 @@ DIES_AT_START = """
 
 ISOLATED = '[runner]\nisolation = "process"\n'
 
+TAG_WORKER = """
+    import os
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class TagWorker:  # runs in the worker that took the request
+        def process(self, data, ctx):
+            rows = data["x"].shape[0]
+            return {**data, "worker": np.full((rows, 1), os.getpid(), np.int64)}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return TagWorker()
+"""
+
+MIXER = """
+    import os
+    import time
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Mixer:  # how many workers' requests each batch holds
+        def infer(self, inputs):
+            rows = inputs["x"].shape[0]
+            workers = len(set(inputs["worker"].reshape(-1).tolist()))
+            time.sleep(0.02)  # requests pile up meanwhile: the next batch is large
+            return {
+                "y": inputs["x"],
+                "workers": np.full((rows, 1), workers, np.int64),
+                "rows": np.full((rows, 1), rows, np.int64),
+                "pid": np.full((rows, 1), os.getpid(), np.int64),
+            }
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Mixer()
+"""
+
 
 def infer(srv: ServerProcess, route: str, values: list[float]) -> tuple[int, dict[str, Any]]:
     body = {"inputs": [{"name": "x", "shape": [1, len(values)], "datatype": "FP32",
@@ -116,6 +158,7 @@ def tree_rss_mib(pid: int) -> float:
     return total
 
 
+@pytest.mark.workers(1, 2)
 def test_a_runner_process_that_dies_fails_its_request_alone_and_comes_back(
     server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
@@ -157,6 +200,28 @@ def test_a_runner_process_that_dies_fails_its_request_alone_and_comes_back(
     assert row["state"] == "ready"
 
 
+@pytest.mark.workers(2)
+def test_one_isolated_runner_batches_the_requests_of_every_worker(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    plugins = tmp_path / "plugins"
+    write_plugin(plugins, "preprocessor", "tag", "1.0.0", "", {"plugin.py": TAG_WORKER})
+    manifest = ISOLATED + "max_batch_size = 64\nmax_queue_delay_ms = 5\n"
+    manifest += '[route]\npreprocess = ["tag@1.0.0"]\n'
+    write_plugin(plugins, "runner", "mixer", "1.0.0", manifest, {"plugin.py": MIXER})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:  # a connection each: both workers
+        answers = list(pool.map(lambda i: infer(srv, "mixer", [float(i)]), range(400)))
+    assert {code for code, _ in answers} == {200}
+    rows = [outputs(answer) for _, answer in answers]
+    assert len({r["pid"][0] for r in rows}) == 1  # one runner process for both workers
+    assert max(r["workers"][0] for r in rows) == 2, "no batch held both workers' requests"
+    assert max(r["rows"][0] for r in rows) > 1
+    row = plugin_row(srv, "mixer")
+    assert row["pids"] == [rows[0]["pid"][0]]
+    assert row["executions"] < 400  # batched: fewer executions than requests
+
+
 def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
     server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
@@ -175,6 +240,7 @@ def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
     assert runners == []
 
 
+@pytest.mark.workers(1, 2)
 def test_memory_a_runner_leaks_natively_goes_back_at_each_reload(
     server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:

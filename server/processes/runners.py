@@ -1,0 +1,115 @@
+"""Isolated runners with several workers: the supervisor runs them, every worker uses them.
+
+The supervisor holds the :class:`~registry.isolation.host.RunnerHost`; a worker's
+registry asks it for the processes of each isolated version it loads
+(:class:`SupervisedRunners`, its ``Runners``), connects to them and sends its
+requests there, so one process batches the requests of every worker. Workers
+loading the same content join the same processes (a worker is a *holder*);
+the last holder to release them ends them, and a worker that dies releases
+what it held.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from registry.errors import PluginLoadError, Unavailable
+from registry.isolation.host import (
+    ProcessSettings,
+    RunnerGroup,
+    RunnerHost,
+    RunnerProcess,
+    RunnerSpec,
+    group_from_json,
+)
+from server.processes.unix import UnixClient
+
+RUNNERS = web.AppKey("runners", RunnerHost)
+PREFIX = "/_supervisor/runners"
+
+
+class SupervisedRunners:
+    """A worker's isolated runners, run by its supervisor for every worker."""
+
+    def __init__(self, supervisor: UnixClient, holder: str, settings: ProcessSettings) -> None:
+        self.supervisor = supervisor
+        self.holder = holder
+        self.settings = settings
+
+    async def acquire(self, content: str, spec: RunnerSpec) -> RunnerGroup:
+        reply = await self.supervisor.call(
+            "POST",
+            PREFIX,
+            json_body={"content": content, "holder": self.holder, "spec": spec.as_json()},
+        )
+        if reply.status != 200:
+            raise PluginLoadError(_message(reply.json()))
+        return group_from_json(reply.json(), spec)
+
+    async def ready(self, key: str, index: int) -> RunnerProcess:
+        reply = await self.supervisor.call(
+            "POST", PREFIX + "/ready", json_body={"key": key, "index": index}
+        )
+        doc = reply.json()
+        if reply.status != 200:
+            raise Unavailable(_message(doc), retry_after_s=1)
+        process = RunnerProcess(index, doc["device"], Path(doc["socket"]), doc["pid"])
+        process.up.set()
+        return process
+
+    async def ended(self, key: str, index: int, pid: int) -> str:
+        reply = await self.supervisor.call(
+            "POST", PREFIX + "/ended", json_body={"key": key, "index": index, "pid": pid}
+        )
+        return str(reply.json().get("how", "its connection closed"))
+
+    async def release(self, key: str) -> None:
+        await self.supervisor.call(
+            "POST", PREFIX + "/release", json_body={"key": key, "holder": self.holder}
+        )
+
+    async def close(self) -> None:
+        """Nothing: the supervisor ends the processes (this worker's holds with it)."""
+
+
+def _message(doc: Any) -> str:
+    return str(doc.get("error", doc)) if isinstance(doc, dict) else str(doc)
+
+
+async def _acquire(request: web.Request) -> web.Response:
+    body = await request.json()
+    spec = RunnerSpec.from_json(body["spec"])
+    group = await request.app[RUNNERS].acquire(str(body["content"]), spec, str(body["holder"]))
+    return web.json_response(group.as_json())
+
+
+async def _ready(request: web.Request) -> web.Response:
+    body = await request.json()
+    process = await request.app[RUNNERS].ready(str(body["key"]), int(body["index"]))
+    return web.json_response(
+        {"socket": str(process.socket), "pid": process.pid, "device": process.device}
+    )
+
+
+async def _ended(request: web.Request) -> web.Response:
+    body = await request.json()
+    how = await request.app[RUNNERS].ended(str(body["key"]), int(body["index"]), int(body["pid"]))
+    return web.json_response({"how": how})
+
+
+async def _release(request: web.Request) -> web.Response:
+    body = await request.json()
+    await request.app[RUNNERS].release(str(body["key"]), str(body["holder"]))
+    return web.json_response({"released": True})
+
+
+def add_routes(app: web.Application, host: RunnerHost) -> None:
+    """The supervisor's side (its control app)."""
+    app[RUNNERS] = host
+    app.router.add_post(PREFIX, _acquire)
+    app.router.add_post(PREFIX + "/ready", _ready)
+    app.router.add_post(PREFIX + "/ended", _ended)
+    app.router.add_post(PREFIX + "/release", _release)
