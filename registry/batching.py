@@ -194,8 +194,13 @@ class Scheduler:
         priority: int | None = None,
         tenant: str | None = None,
         timings: dict[str, float] | None = None,
+        pump: bool = True,
     ) -> asyncio.Future[Arrays]:
-        """Queue a request; the future resolves to its outputs (what ``submit`` awaits)."""
+        """Queue a request; the future resolves to its outputs (what ``submit`` awaits).
+
+        ``pump=False`` leaves dispatching to the caller's next :meth:`pump`: requests
+        that arrived together are then queued together before any batch is cut.
+        """
         policy = self.policy
         if self._closed:
             raise Unavailable(f"runner {self.label} is shutting down")
@@ -218,7 +223,8 @@ class Scheduler:
         if tracing.TRACER is not None:
             request.span = tracing.TRACER.start_span("queue", attributes={"plugserve.rows": rows})
         self._queue.append(request)
-        self.pump()
+        if pump:
+            self.pump()
         return future
 
     def _abandon(self, future: asyncio.Future[Arrays]) -> None:

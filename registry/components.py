@@ -95,6 +95,9 @@ class LoadedPlugin:
     )
     remote: RemoteRunner | None = field(init=False, default=None, repr=False)
     """An isolated runner's processes (``isolation = "process"``): they batch and run it."""
+    always_inline: bool = field(init=False, default=False, repr=False)
+    """Run every execution on the event loop (in a runner process, whose loop has nothing
+    else to do: requests that arrive meanwhile wait in the socket and form the next batch)."""
 
     def __post_init__(self) -> None:
         name = STAGE_METHOD[self.manifest.type]
@@ -248,8 +251,7 @@ class LoadedPlugin:
             return await remote.infer(inputs, ctx)
         if self.scheduler is not None and self.breaker is not None:
             inputs = self.runner_inputs(data)
-            if self._validate is not None:
-                self._run_validate(inputs)
+            self.validate_request(inputs)
             ctx.rows = _rows(inputs)
             self.breaker.allow()
             started = time.perf_counter()
@@ -273,9 +275,10 @@ class LoadedPlugin:
         except Exception as exc:
             raise PluginError(self.label, exc) from exc
 
-    def _run_validate(self, inputs: Mapping[str, np.ndarray]) -> None:
-        """The runner's own per-request check, before the request can join a batch."""
-        assert self._validate is not None
+    def validate_request(self, inputs: Mapping[str, np.ndarray]) -> None:
+        """The runner's own per-request check (``validate``), before it can join a batch."""
+        if self._validate is None:
+            return
         try:
             self._validate(inputs)
         except InvalidInput as exc:
@@ -297,7 +300,7 @@ class LoadedPlugin:
         try:
             if self._is_async:
                 result = await self._method(inputs)
-            elif self._runs_inline(inputs):
+            elif self.always_inline or self._runs_inline(inputs):
                 self.inline_executions += 1
                 result = self._timed(inputs)
             else:

@@ -76,16 +76,26 @@ class FrameReader:
 # -- tensors ---------------------------------------------------------------------------
 
 
+SMALL_BYTES = 64 * 1024
+"""Answers up to this size travel in the frame: cheaper than a block and its bookkeeping."""
+
+
 def put_tensors(
-    arrays: Mapping[str, np.ndarray], region: Region | None, allocator: Allocator | None
+    arrays: Mapping[str, np.ndarray],
+    region: Region | None,
+    allocator: Allocator | None,
+    inline_below: int = 0,
 ) -> tuple[list[Descriptor], list[bytes], list[int]]:
     """Describe ``arrays``, writing their bytes into ``region`` where a block is free (one
-    copy), else into the frame's raw bytes. Returns descriptors, raw chunks and the
-    offsets of the blocks taken (freed when the other side is done with them)."""
+    copy), else into the frame's raw bytes (all of them when together they are smaller
+    than ``inline_below``). Returns descriptors, raw chunks and the offsets of the blocks
+    taken (freed when the other side is done with them)."""
     descriptors: list[Descriptor] = []
     chunks: list[bytes] = []
     taken: list[int] = []
     raw_at = 0
+    if inline_below and sum(np.asarray(a).nbytes for a in arrays.values()) < inline_below:
+        region = None
     for name, value in arrays.items():
         array = np.asarray(value)
         shape = list(array.shape)

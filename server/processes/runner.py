@@ -15,23 +15,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import socket
 import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import orjson
 import structlog
 
 from registry.components import LoadedPlugin
 from registry.errors import PluginError, PlugserveError
 from registry.isolation.shm import Allocator, Region
-from registry.isolation.wire import FrameReader, error_message, frame, get_tensors, put_tensors
+from registry.isolation.wire import (
+    SMALL_BYTES,
+    FrameReader,
+    error_message,
+    frame,
+    get_tensors,
+    put_tensors,
+)
 from registry.loader import Loader
 from registry.manager import PluginHost
-from registry.types import RequestContext
 
 log = structlog.get_logger("plugserve.runner")
 
@@ -56,6 +66,7 @@ class RunnerProcess:
         self.connections: set[Serving] = set()
         self.shm_bytes = int(spec["shm_bytes"])
         self.accepting: set[asyncio.Task[None]] = set()
+        self._pump_at: asyncio.Handle | None = None
 
     def _answer(self, **fields: Any) -> None:
         os.write(self.answer_fd, orjson.dumps(fields) + b"\n")
@@ -76,6 +87,7 @@ class RunnerProcess:
         )
         try:
             self.loaded = loaded = await loader.load(Path(spec["folder"]), in_process=True)
+            loaded.always_inline = True  # one thread hop fewer on every batch
         except PlugserveError as exc:
             self._answer(ready=False, error=exc.message)
             return 1
@@ -108,11 +120,21 @@ class RunnerProcess:
             asyncio.get_running_loop().remove_reader(0)
             self.stop.set()
 
+    def pump_soon(self) -> None:
+        """Cut batches once this step of the loop has read every connection."""
+        if self._pump_at is None:
+            self._pump_at = asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        self._pump_at = None
+        if self.loaded is not None and self.loaded.scheduler is not None:
+            self.loaded.scheduler.pump()
+
     async def _drain(self, within: float) -> None:
         """Answer the requests held (a stop after the server drained finds none)."""
-        tasks = [t for c in self.connections for t in c.tasks.values()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=within)
+        held = [f for c in self.connections for f in c.requests.values()]
+        if held:
+            await asyncio.wait(held, timeout=within)
         for connection in list(self.connections):
             connection.close()
 
@@ -156,7 +178,7 @@ class Serving(asyncio.Protocol):
         self.theirs = theirs
         self.ours = ours
         self.allocator = Allocator(ours.size)
-        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.requests: dict[int, asyncio.Future[Mapping[str, np.ndarray]]] = {}
         self.transport: asyncio.Transport | None = None
         self._reader = FrameReader()
         self._queued: list[bytes] = []
@@ -169,8 +191,8 @@ class Serving(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner.connections.discard(self)
-        for task in self.tasks.values():
-            task.cancel()
+        for future in self.requests.values():  # its worker is gone: nobody waits for these
+            future.cancel()
         self.transport = None
 
     def close(self) -> None:
@@ -182,13 +204,11 @@ class Serving(asyncio.Protocol):
             for message, raw in self._reader.feed(data):
                 kind = message["k"]
                 if kind == "infer":
-                    request_id = message["i"]
-                    task = self._loop.create_task(self._infer(message, raw))
-                    self.tasks[request_id] = task
+                    self._enqueue(message, raw)
                 elif kind == "cancel":
-                    running = self.tasks.get(message["i"])
-                    if running is not None:
-                        running.cancel()
+                    queued = self.requests.get(message["i"])
+                    if queued is not None:
+                        queued.cancel()
                 elif kind == "free":
                     for offset in message["o"]:
                         self.allocator.free(offset)
@@ -198,40 +218,74 @@ class Serving(asyncio.Protocol):
             log.warning("runner_connection_broken", error=str(exc))
             if self.transport is not None:
                 self.transport.abort()
+        self.owner.pump_soon()
 
-    async def _infer(self, message: dict[str, Any], raw: memoryview) -> None:
+    def _enqueue(self, message: dict[str, Any], raw: memoryview) -> None:
+        """Queue a request in the scheduler, undispatched: what arrived together in this
+        step of the loop (from every worker) is cut into batches together afterwards."""
         request_id = message["i"]
+        loaded = self.loaded
+        scheduler, breaker = loaded.scheduler, loaded.breaker
+        assert scheduler is not None
+        assert breaker is not None
+        timings: dict[str, float] = {}
         try:
             inputs = get_tensors(message["x"], self.theirs, raw)
-            ctx = RequestContext(
-                request_id=message.get("r", ""),
-                route="",
-                parameters={},
-                headers={},
-                content_type="",
-                deadline=message.get("d"),
-                priority=message.get("p"),
-                tenant=message.get("t"),
-            )
-            outputs = await self.loaded.call(inputs, ctx)
-            descriptors, chunks, _ = put_tensors(outputs, self.ours, self.allocator)
-            answer = {
-                "k": "ok",
-                "i": request_id,
-                "y": descriptors,
-                "q": ctx.timings.get("queue", 0.0),
-                "c": ctx.timings.get("compute_infer", 0.0),
-            }
-            self._send(frame(answer, chunks))
-        except asyncio.CancelledError:
-            self._send(frame({"k": "cancelled", "i": request_id}))
+            loaded.validate_request(inputs)
+            breaker.allow()
         except PlugserveError as exc:
             self._send(frame(error_message(request_id, exc)))
-        except Exception as exc:  # a bug of ours: the worker answers 500 naming the plugin
-            log.exception("runner_request_failed", plugin=self.loaded.label)
-            self._send(frame(error_message(request_id, PluginError(self.loaded.label, exc))))
-        finally:
-            self.tasks.pop(request_id, None)
+            return
+        except (ValueError, TypeError) as exc:
+            self._send(frame(error_message(request_id, PluginError(loaded.label, exc))))
+            return
+        try:
+            future = scheduler.enqueue(
+                inputs, message.get("d"), message.get("p"), message.get("t"), timings, pump=False
+            )
+        except PlugserveError as exc:
+            breaker.release()
+            self._send(frame(error_message(request_id, exc)))
+            return
+        self.requests[request_id] = future
+        started = time.perf_counter()
+        future.add_done_callback(functools.partial(self._answer, request_id, timings, started))
+
+    def _answer(
+        self,
+        request_id: int,
+        timings: dict[str, float],
+        started: float,
+        future: asyncio.Future[Mapping[str, np.ndarray]],
+    ) -> None:
+        self.requests.pop(request_id, None)
+        loaded = self.loaded
+        if loaded.breaker is not None:
+            loaded.breaker.release()
+        if future.cancelled():
+            self._send(frame({"k": "cancelled", "i": request_id}))
+            return
+        exc = future.exception()
+        if exc is not None:
+            if not isinstance(exc, PlugserveError):
+                exc = PluginError(loaded.label, exc)
+            self._send(frame(error_message(request_id, exc)))
+            return
+        outputs = future.result()
+        queue = timings.get("queue", 0.0)
+        try:
+            descriptors, chunks, _ = put_tensors(outputs, self.ours, self.allocator, SMALL_BYTES)
+        except (TypeError, ValueError) as problem:
+            self._send(frame(error_message(request_id, PluginError(loaded.label, problem))))
+            return
+        answer = {
+            "k": "ok",
+            "i": request_id,
+            "y": descriptors,
+            "q": queue,
+            "c": time.perf_counter() - started - queue,
+        }
+        self._send(frame(answer, chunks))
 
     def figures(self) -> dict[str, Any]:
         loaded = self.loaded
