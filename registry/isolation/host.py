@@ -29,7 +29,8 @@ from typing import Any, Protocol
 import orjson
 import structlog
 
-from registry.errors import PluginLoadError, Unavailable
+from registry.errors import PluginLoadError, PlugserveError, Unavailable
+from registry.isolation.remote import Connection, ConnectionLost
 
 log = structlog.get_logger("plugserve.registry")
 
@@ -41,6 +42,8 @@ STABLE_AFTER_S = 60.0
 START_SLACK_S = 10.0
 """Beyond ``load_timeout_s``: the time a new interpreter takes to import what it needs."""
 STOP_SLACK_S = 5.0
+MONITOR_BYTES = 4096
+"""The shared memory of a connection that only reads figures."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,8 @@ class Runners(Protocol):
 
     async def release(self, key: str) -> None: ...
 
+    async def figures(self, key: str) -> dict[str, Any]: ...
+
     async def close(self) -> None: ...
 
 
@@ -214,6 +219,8 @@ class RunnerHost:
         self._folder: Path | None = None
         self._sockets = 0
         self._loads = 0
+        self._monitors: dict[int, Connection] = {}
+        """A connection to each process, by pid, to read its figures."""
 
     def _socket_path(self) -> Path:
         if self._folder is None:
@@ -380,6 +387,7 @@ class RunnerHost:
                             f"{group.spec.label}: its runner process failed to start "
                             f"{failures} times in a row: {exc.message}"
                         )
+                        process.pid = process.proc = None
                         process.up.set()  # wake the waiters: they read ``failed``
                         return
 
@@ -434,6 +442,9 @@ class RunnerHost:
     async def _stop(self, process: RunnerProcess, within: float) -> None:
         if process.watch is not None:
             process.watch.cancel()
+        monitor = self._monitors.pop(process.pid, None) if process.pid is not None else None
+        if monitor is not None:
+            monitor.close()
         proc = process.proc
         process.up.clear()
         if proc is not None and proc.returncode is None:
@@ -448,6 +459,40 @@ class RunnerHost:
             proc.stdin.close()
         with contextlib.suppress(FileNotFoundError):
             process.socket.unlink()
+
+    async def figures(self, key: str, within: float = 2.0) -> dict[str, Any]:
+        """The group's processes' own figures, summed: ``queued``, ``executions``,
+        ``batched_rows``, and ``circuit`` (the worst of theirs). A process that does not
+        answer within ``within`` s (restarting, busy) is left out."""
+        group = self.groups.get(key)
+        total: dict[str, Any] = {"queued": 0, "executions": 0, "batched_rows": 0}
+        if group is None:
+            return total
+        circuits = []
+        for process in group.processes:
+            pid = process.pid
+            if pid is None or not process.up.is_set():
+                continue
+            try:
+                monitor = self._monitors.get(pid)
+                if monitor is None or not monitor.alive:
+                    monitor = await asyncio.wait_for(
+                        Connection.connect(process.socket, pid, MONITOR_BYTES), within
+                    )
+                    self._monitors[pid] = monitor
+                figures = await asyncio.wait_for(monitor.figures(), within)
+            except (PlugserveError, ConnectionLost, TimeoutError, OSError):
+                continue
+            total["queued"] += figures["queued"]
+            total["executions"] += figures["executions"]
+            total["batched_rows"] += figures["rows"]
+            if figures.get("circuit") is not None:
+                circuits.append(figures["circuit"])
+        if circuits:
+            total["circuit"] = next(
+                (c for c in ("open", "half-open") if c in circuits), circuits[0]
+            )
+        return total
 
     async def release_holder(self, holder: str) -> None:
         """Release every group ``holder`` holds (a worker that ended)."""

@@ -123,19 +123,10 @@ class RemoteRunner:
             **self.figures,
         }
 
-    async def refresh(self, within: float = 2.0) -> None:
-        """Read every process's figures (summed): executions, rows, queued, batches."""
-        total: dict[str, Any] = {"queued": 0, "executions": 0, "batched_rows": 0}
-        for index in range(len(self._connections)):
-            try:
-                connection = await asyncio.wait_for(self._connection(index), within)
-                figures = await asyncio.wait_for(connection.figures(), within)
-            except (PlugserveError, ConnectionLost, TimeoutError, OSError):
-                continue  # restarting or gone: its figures start again with it
-            total["queued"] += figures["queued"]
-            total["executions"] += figures["executions"]
-            total["batched_rows"] += figures["rows"]
-        self.figures = total
+    async def refresh(self) -> None:
+        """Read the processes' own figures (:meth:`RunnerHost.figures`); where a supervisor
+        runs them, it fills them in itself and this stays empty."""
+        self.figures = await self.host.figures(self.key)
 
     async def close(self) -> None:
         """Close the connections and release the processes (ended once nobody uses them)."""

@@ -138,6 +138,9 @@ async def list_plugins(request: web.Request) -> web.Response:
                 groups = [g for g in runners.groups.values() if g.spec.label == label]
                 row["pids"] = sorted(p for g in groups for p in g.pids)
                 row["restarts"] = sum(g.restarts for g in groups)
+                current = next((g for g in groups if runners.current.get(g.content) is g), None)
+                if current is not None:  # the processes' own figures, counted once
+                    row.update(await runners.figures(current.key))
     return web.json_response({"plugins": rows})
 
 

@@ -289,17 +289,13 @@ class Serving(asyncio.Protocol):
 
     def figures(self) -> dict[str, Any]:
         loaded = self.loaded
-        scheduler, stats = loaded.scheduler, loaded.stats
+        scheduler, breaker = loaded.scheduler, loaded.breaker
         return {
             "pid": os.getpid(),
             "executions": scheduler.executions if scheduler else 0,
             "rows": scheduler.rows if scheduler else 0,
             "queued": scheduler.queued if scheduler else 0,
-            "inline": loaded.inline_executions,
-            "batches": {
-                str(k): [v.count, v.ns] for k, v in (stats.batches if stats else {}).items()
-            },
-            "rejecting": loaded.rejecting,
+            "circuit": breaker.state if breaker is not None and breaker.enabled else None,
         }
 
     def _send(self, data: bytes) -> None:

@@ -71,6 +71,10 @@ class SupervisedRunners:
             "POST", PREFIX + "/release", json_body={"key": key, "holder": self.holder}
         )
 
+    async def figures(self, key: str) -> dict[str, Any]:
+        """Nothing here: the supervisor adds the processes' figures to what it answers."""
+        return {}
+
     async def close(self) -> None:
         """Nothing: the supervisor ends the processes (this worker's holds with it)."""
 

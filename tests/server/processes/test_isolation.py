@@ -83,6 +83,49 @@ DIES_AT_START = """
 
 ISOLATED = '[runner]\nisolation = "process"\n'
 
+DEVICE = """
+    import os
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Device:
+        def infer(self, inputs):
+            time.sleep(0.01)
+            seen = int(os.environ.get("CUDA_VISIBLE_DEVICES", "-1"))
+            return {"y": np.full((inputs["x"].shape[0], 1), seen, np.int64)}
+
+    import time
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Device()
+"""
+
+ONCE_ONLY = """
+    import os
+    import signal
+    from pathlib import Path
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class OnceOnly:
+        def infer(self, inputs):
+            if float(inputs["x"].reshape(-1)[0]) == 9:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return {"y": inputs["x"]}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        marker = Path(config["marker"])
+        if marker.exists():  # every start after the first dies while loading
+            os._exit(5)
+        marker.write_text("started")
+        return OnceOnly()
+"""
+
 TAG_WORKER = """
     import os
     import numpy as np
@@ -219,7 +262,47 @@ def test_one_isolated_runner_batches_the_requests_of_every_worker(
     assert max(r["rows"][0] for r in rows) > 1
     row = plugin_row(srv, "mixer")
     assert row["pids"] == [rows[0]["pid"][0]]
+    assert row["batched_rows"] == 400  # the process's own figures, counted once
     assert row["executions"] < 400  # batched: fewer executions than requests
+
+
+def test_each_instance_sees_the_gpu_its_device_names(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    plugins = tmp_path / "plugins"
+    manifest = ISOLATED + 'instances = 2\ndevices = ["cuda:0", "cuda:3"]\n'
+    write_plugin(plugins, "runner", "device", "1.0.0", manifest, {"plugin.py": DEVICE})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: infer(srv, "device", [1.0]), range(64)))
+    assert {outputs(a)["y"][0] for _, a in answers} == {0, 3}  # CUDA_VISIBLE_DEVICES
+    row = plugin_row(srv, "device")
+    assert row["devices"] == ["cuda:0", "cuda:3"]
+    assert len(row["pids"]) == 2
+
+
+def test_a_runner_that_cannot_start_again_after_a_crash_ends_failed_with_the_reason(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    plugins = tmp_path / "plugins"
+    manifest = f'[config]\nmarker = "{tmp_path / "marker"}"\n' + ISOLATED
+    write_plugin(plugins, "runner", "once", "1.0.0", manifest, {"plugin.py": ONCE_ONLY})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    assert infer(srv, "once", [1.0])[0] == 200
+    code, answer = infer(srv, "once", [9.0])
+    assert code == 500
+    assert "killed by SIGKILL" in answer["error"]
+    # Started again after 0.5, 1 and 2 s, each start dying: then no more restarts.
+    wait_for(lambda: infer(srv, "once", [1.0])[0] == 503, 40, "given up")
+    code, answer = infer(srv, "once", [1.0])
+    assert code == 503
+    assert "failed to start 3 times in a row" in answer["error"]
+    assert "exit code 5" in answer["error"]
+    row = plugin_row(srv, "once")
+    assert "failed to start 3 times" in row["process_error"]
+    assert row["pids"] == []
+    time.sleep(1.0)
+    assert [p for p in descendants(srv.proc.pid) if "processes.runner" in _cmdline(p)] == []
 
 
 def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
