@@ -35,6 +35,30 @@ def configure() -> bool:
     return configured
 
 
+def inject() -> dict[str, str]:
+    """The current trace context as W3C headers (``traceparent``), to cross a process."""
+    carrier: dict[str, str] = {}
+    if trace is not None:
+        from opentelemetry import propagate
+
+        propagate.inject(carrier)
+    return carrier
+
+
+def attach(carrier: dict[str, str]) -> Any:
+    """Make the trace context another process sent the current one; returns the token
+    for :func:`detach`."""
+    from opentelemetry import context, propagate
+
+    return context.attach(propagate.extract(carrier))
+
+
+def detach(token: Any) -> None:
+    from opentelemetry import context
+
+    context.detach(token)
+
+
 def current_context() -> Any:
     """The span context of the current span (to link a batch to its requests)."""
     return trace.get_current_span().get_span_context() if trace is not None else None

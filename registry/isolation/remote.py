@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import orjson
 
+from registry import tracing
 from registry.errors import PlugserveError, Unavailable
 from registry.isolation.shm import Allocator, Region
 from registry.isolation.wire import FrameReader, error_from, frame, get_tensors, put_tensors
@@ -211,6 +212,8 @@ class Connection(asyncio.Protocol):
             message["t"] = ctx.tenant
         if ctx.request_id:
             message["r"] = ctx.request_id
+        if tracing.TRACER is not None:  # the runner process's spans join this trace
+            message["tp"] = tracing.inject()
         future: asyncio.Future[Any] = self._loop.create_future()
         self._pending[request_id] = (future, taken, ctx)
         self._send(frame(message, chunks))

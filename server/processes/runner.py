@@ -29,6 +29,7 @@ import numpy as np
 import orjson
 import structlog
 
+from registry import tracing
 from registry.components import LoadedPlugin
 from registry.errors import PluginError, PlugserveError
 from registry.isolation.shm import Allocator, Region
@@ -239,6 +240,9 @@ class Serving(asyncio.Protocol):
         except (ValueError, TypeError) as exc:
             self._send(frame(error_message(request_id, PluginError(loaded.label, exc))))
             return
+        token = None
+        if tracing.TRACER is not None and "tp" in message:  # the worker's trace goes on here
+            token = tracing.attach(message["tp"])
         try:
             future = scheduler.enqueue(
                 inputs, message.get("d"), message.get("p"), message.get("t"), timings, pump=False
@@ -247,6 +251,9 @@ class Serving(asyncio.Protocol):
             breaker.release()
             self._send(frame(error_message(request_id, exc)))
             return
+        finally:
+            if token is not None:
+                tracing.detach(token)
         self.requests[request_id] = future
         started = time.perf_counter()
         future.add_done_callback(functools.partial(self._answer, request_id, timings, started))
@@ -322,6 +329,7 @@ def main() -> int:
 
     protect_std_streams()
     configure_logging(spec["log_format"], spec["log_level"])
+    tracing.configure()  # spans only where an SDK is set up (as in the server's processes)
     structlog.contextvars.bind_contextvars(runner=spec["label"], instance=spec["instance"])
     loop = _event_loop(spec.get("event_loop", "auto"))
     asyncio.set_event_loop(loop)

@@ -1,13 +1,16 @@
 """Side by side: this checkout against an earlier commit, to tell a regression from noise.
 
     python -m tests.benchmarks.ab --against 938ba34 [--connections 1 16] [--rounds 5]
+    python -m tests.benchmarks.ab --isolated [--workers 2]   # in-worker vs isolated runner
 
 Checks the commit out into a temporary git worktree, serves the same small ONNX
 runner from both (each ``plugserve serve`` runs its own code), and drives them
 with wrk in alternation, so both see the same moments of a noisy machine.
 Prints, per concurrency, the median req/s, p50 and server CPU time per request
-(from /proc: steadier than throughput on a shared machine) of each, and the
-req/s ratio.
+(from /proc, the server's whole process tree: steadier than throughput on a
+shared machine) of each, and the req/s ratio. With ``--isolated`` both servers
+run this checkout, the runner in the worker and in a process of its own
+(``isolation = "process"``).
 Not run by CI.
 """
 
@@ -22,18 +25,21 @@ import tempfile
 from pathlib import Path
 
 from tests.benchmarks.canary import lua
-from tests.benchmarks.serving import Result, wrk
+from tests.benchmarks.serving import Result, cpu_tree, wrk
 from tests.helpers import ROOT, free_port, wait_until_ok, write_add_runner
+
+ISOLATED = 'isolation = "process"'
 
 
 def serve(
-    source: Path, plugins: Path, models: Path, log: Path
+    source: Path, plugins: Path, models: Path, log: Path, workers: int = 1
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [
         sys.executable, "-m", "server", "serve", "--port", str(port),
         "--plugins-dir", str(plugins), "--models-dir", str(models), "--log-level", "warning",
     ]  # fmt: skip
+    command += ["--workers", str(workers)] if workers > 1 else []
     out = log.open("wb")
     proc = subprocess.Popen(
         command, cwd=source, env={**os.environ, "PYTHONPATH": str(source)}, stdout=out, stderr=out
@@ -44,16 +50,20 @@ def serve(
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its threads, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of a process's tree (workers, runner processes), from /proc."""
+    return sum(cpu for _, cpu in cpu_tree(pid).values())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--against", required=True, help="the earlier commit (any git revision)")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--against", help="the earlier commit (any git revision)")
+    which.add_argument(
+        "--isolated", action="store_true", help="in-worker runner against an isolated one"
+    )
+    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", type=int, default=4)
@@ -61,20 +71,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         earlier = root / "earlier"
-        subprocess.run(
-            ["git", "worktree", "add", "-q", "--detach", str(earlier), args.against],
-            cwd=ROOT,
-            check=True,
-        )
+        if args.against:
+            subprocess.run(
+                ["git", "worktree", "add", "-q", "--detach", str(earlier), args.against],
+                cwd=ROOT,
+                check=True,
+            )
         procs = []
         try:
             write_add_runner(root / "plugins", "add", "1.0.0")
+            write_add_runner(root / "iso" / "plugins", "add", "1.0.0", runner=ISOLATED)
             (root / "models").mkdir()
             servers: dict[str, str] = {}
             pids: dict[str, int] = {}
             cpu_per_request: dict[tuple[str, int], list[float]] = {}
-            for name, source in (("this", ROOT), (args.against, earlier)):
-                proc, url = serve(source, root / "plugins", root / "models", root / f"{name}.log")
+            if args.isolated:
+                sides = [
+                    ("in-worker", ROOT, root / "plugins"),
+                    ("isolated", ROOT, root / "iso" / "plugins"),
+                ]
+            else:
+                sides = [
+                    ("this", ROOT, root / "plugins"),
+                    (args.against, earlier, root / "plugins"),
+                ]
+            for name, source, plugins in sides:
+                log = root / f"{name}.log"
+                proc, url = serve(source, plugins, root / "models", log, args.workers)
                 procs.append(proc)
                 servers[name] = url
                 pids[name] = proc.pid
@@ -105,14 +128,19 @@ def main() -> None:
                     f"{n}: {rps[n]:.0f} req/s, p50 {p50[n]:.2f} ms, {cpu[n]:.0f} CPU µs/request"
                     for n in servers
                 )
-                print(f"c={c}: {shown} | this/{args.against} {rps['this'] / rps[args.against]:.3f}")
+                first, second = list(servers)
+                extra = ""
+                if args.isolated:
+                    extra = f" | CPU isolated - in-worker {cpu[second] - cpu[first]:+.0f} µs"
+                print(f"c={c}: {shown} | {first}/{second} {rps[first] / rps[second]:.3f}{extra}")
         finally:
             for proc in procs:
                 proc.terminate()
                 proc.wait()
-            subprocess.run(
-                ["git", "worktree", "remove", "--force", str(earlier)], cwd=ROOT, check=False
-            )
+            if args.against:
+                subprocess.run(
+                    ["git", "worktree", "remove", "--force", str(earlier)], cwd=ROOT, check=False
+                )
 
 
 if __name__ == "__main__":

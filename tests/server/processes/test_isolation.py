@@ -12,6 +12,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -303,6 +305,71 @@ def test_a_runner_that_cannot_start_again_after_a_crash_ends_failed_with_the_rea
     assert row["pids"] == []
     time.sleep(1.0)
     assert [p for p in descendants(srv.proc.pid) if "processes.runner" in _cmdline(p)] == []
+
+
+SPANS_TO_A_FILE = """
+    import json
+    import os
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+
+
+    class ToFile(SpanExporter):  # every process of the server appends its spans here
+        def export(self, spans):
+            with open(os.environ["SPANS_FILE"], "a") as out:
+                for s in spans:
+                    out.write(json.dumps({
+                        "name": s.name,
+                        "pid": os.getpid(),
+                        "trace": format(s.context.trace_id, "032x"),
+                        "span": format(s.context.span_id, "016x"),
+                        "parent": format(s.parent.span_id, "016x") if s.parent else None,
+                        "links": [format(link.context.span_id, "016x") for link in s.links],
+                    }) + "\\n")
+            return SpanExportResult.SUCCESS
+
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(ToFile()))
+    trace.set_tracer_provider(provider)
+"""
+
+
+def test_spans_cross_into_the_runner_process(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """An SDK set up in every process (a sitecustomize, as opentelemetry-instrument does)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(SPANS_TO_A_FILE))
+    spans_file = tmp_path / "spans.jsonl"
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "SPANS_FILE": str(spans_file)}  # fmt: skip
+    plugins = tmp_path / "plugins"
+    write_add_runner(plugins, "add", "1.0.0", runner=ISOLATED.split("\n", 1)[1])
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"), env=env)
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    code, _, raw = srv.request(
+        "POST", "/v2/models/add/infer", body, headers={"traceparent": traceparent}
+    )
+    assert code == 200, raw
+    runner_pid = plugin_row(srv, "add")["pids"][0]
+
+    def spans() -> list[dict[str, Any]]:
+        lines = spans_file.read_text().splitlines() if spans_file.exists() else []
+        return [json.loads(line) for line in lines]
+
+    wait_for(lambda: any(s["name"] == "batch" for s in spans()), 10, "the batch span")
+    by_name = {s["name"]: s for s in spans() if s["trace"] == "4bf92f3577b34da6a3ce929d0e0e4736"}
+    stage, queue = by_name["runner add"], by_name["queue"]
+    assert stage["pid"] == srv.proc.pid
+    assert queue["pid"] == runner_pid  # in the runner process, a child of the worker's stage
+    assert queue["parent"] == stage["span"]
+    batch = next(s for s in spans() if s["name"] == "batch" and s["pid"] == runner_pid)
+    assert queue["span"] in batch["links"]
 
 
 def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
