@@ -99,8 +99,32 @@ class RunnerStats:
                     self.latency[stage].observe(timings[stage])
         self.last_inference_ms = int(time.time() * 1000)
 
-    def as_triton(self, name: str, version: str) -> dict[str, Any]:
-        """One entry of Triton's ``model_stats`` list."""
+    def executions_json(self) -> dict[str, Any]:
+        """The execution side (what a runner process counts) as JSON: :meth:`add_executions`."""
+        return {
+            "execution_count": self.execution_count,
+            "batches": {str(size): [d.count, d.ns] for size, d in self.batches.items()},
+            "batch_counts": list(self.batch_sizes.counts),
+            "batch_total": self.batch_sizes.total,
+        }
+
+    def add_executions(self, doc: dict[str, Any]) -> None:
+        """Fold in another process's :meth:`executions_json` (an isolated runner's)."""
+        self.execution_count += int(doc["execution_count"])
+        for size, (count, ns) in doc["batches"].items():
+            kept = self.batches.setdefault(int(size), _Duration())
+            kept.count += int(count)
+            kept.ns += int(ns)
+        for index, count in enumerate(doc["batch_counts"][: len(self.batch_sizes.counts)]):
+            self.batch_sizes.counts[index] += int(count)
+        self.batch_sizes.total += float(doc["batch_total"])
+
+    def as_triton(
+        self, name: str, version: str, executions: RunnerStats | None = None
+    ) -> dict[str, Any]:
+        """One entry of Triton's ``model_stats`` list; ``executions``: the execution side
+        counted elsewhere (an isolated runner's processes)."""
+        ran = executions or self
         inference = {"success": self.success.as_json(), "fail": self.fail.as_json()}
         inference.update({stage: self.stages[stage].as_json() for stage in STAGES})
         inference["cache_hit"] = {"count": 0, "ns": 0}
@@ -110,7 +134,7 @@ class RunnerStats:
             "version": version,
             "last_inference": self.last_inference_ms,
             "inference_count": self.inference_count,
-            "execution_count": self.execution_count,
+            "execution_count": ran.execution_count,
             "inference_stats": inference,
             "batch_stats": [
                 {
@@ -119,6 +143,6 @@ class RunnerStats:
                     "compute_infer": d.as_json(),
                     "compute_output": {"count": d.count, "ns": 0},
                 }
-                for size, d in sorted(self.batches.items())
+                for size, d in sorted(ran.batches.items())
             ],
         }

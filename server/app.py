@@ -38,6 +38,7 @@ def trace_provider() -> object:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    await request.app[REGISTRY].refresh_isolated()  # their processes count the executions
     body = request.app[METRICS].render()
     response = web.Response(body=body)
     response.headers["Content-Type"] = Metrics.content_type

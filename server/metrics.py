@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -136,6 +136,38 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+PLUGIN_LABELS = ["type", "name", "version"]
+
+
+def execution_families() -> tuple[
+    GaugeMetricFamily, GaugeMetricFamily, HistogramMetricFamily, CounterMetricFamily
+]:
+    """What a runner's executions show (in its worker, or in its runner processes):
+    queued requests, circuit, batch sizes, executions."""
+    labels = PLUGIN_LABELS
+    return (
+        GaugeMetricFamily(
+            "plugserve_queued", "Requests waiting in a runner version's queue.", labels=labels
+        ),
+        GaugeMetricFamily(
+            "plugserve_circuit_open",
+            "1 while a runner version's circuit breaker is open or half-open, else 0.",
+            labels=labels,
+        ),
+        HistogramMetricFamily("plugserve_batch_size", "Rows per runner execution.", labels=labels),
+        CounterMetricFamily("plugserve_executions", "Runner executions (batches).", labels=labels),
+    )
+
+
+def add_process_figures(
+    gauges: tuple[GaugeMetricFamily, GaugeMetricFamily], key: list[str], figures: dict[str, Any]
+) -> None:
+    """An isolated runner's queue and circuit, from its processes' figures."""
+    queued, circuit = gauges
+    queued.add_metric(key, figures.get("queued", 0))
+    circuit.add_metric(key, 0 if figures.get("circuit", "closed") == "closed" else 1)
+
+
 class _RegistryCollector(Collector):
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
@@ -144,29 +176,16 @@ class _RegistryCollector(Collector):
         return []  # collected lazily, so registration never calls collect()
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["type", "name", "version"]
+        labels = PLUGIN_LABELS
         in_flight = GaugeMetricFamily(
             "plugserve_in_flight", "Requests using a plugin version now.", labels=labels
         )
-        queued = GaugeMetricFamily(
-            "plugserve_queued", "Requests waiting in a runner version's queue.", labels=labels
-        )
-        circuit = GaugeMetricFamily(
-            "plugserve_circuit_open",
-            "1 while a runner version's circuit breaker is open or half-open, else 0.",
-            labels=labels,
-        )
-        batch = HistogramMetricFamily(
-            "plugserve_batch_size", "Rows per runner execution.", labels=labels
-        )
+        queued, circuit, batch, executions = execution_families()
         stage = HistogramMetricFamily(
             "plugserve_stage_duration_seconds",
             "Time per request in each stage: queue, compute_input (preprocessors), "
             "compute_infer (runner), compute_output (postprocessors).",
             labels=[*labels, "stage"],
-        )
-        executions = CounterMetricFamily(
-            "plugserve_executions", "Runner executions (batches).", labels=labels
         )
         outcomes = CounterMetricFamily(
             "plugserve_inferences",
@@ -181,10 +200,15 @@ class _RegistryCollector(Collector):
             key = [record.type, record.name, record.version]
             in_flight.add_metric(key, current.in_flight)
             stats = current.stats
-            if stats is not None:
-                sizes = stats.batch_sizes
+            remote = current.remote
+            ran = stats if remote is None else remote.executions  # None: the supervisor's
+            if ran is not None:
+                sizes = ran.batch_sizes
                 batch.add_metric(key, sizes.cumulative(), sum_value=sizes.total)
-                executions.add_metric(key, stats.execution_count)
+                executions.add_metric(key, ran.execution_count)
+            if remote is not None and ran is not None:
+                add_process_figures((queued, circuit), key, remote.figures)
+            if stats is not None:
                 outcomes.add_metric([*key, "success"], stats.success.count)
                 outcomes.add_metric([*key, "fail"], stats.fail.count)
                 for name, histogram in stats.latency.items():

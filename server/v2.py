@@ -120,8 +120,14 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     return await serve(request, route, request.match_info.get("version"), run, deadline)
 
 
+ISOLATED_RUNNER = "_isolated_runner"
+"""Marks, in a worker's statistics, an isolated runner whose executions its supervisor
+counts (and fills in, removing the mark)."""
+
+
 async def statistics(request: web.Request) -> web.Response:
     """Triton's statistics extension: per route and runner version, cumulative since load."""
+    await request.app[REGISTRY].refresh_isolated()  # their processes count the executions
     table = request.app[REGISTRY].routes
     route, version = request.match_info.get("route"), request.match_info.get("version")
     if route is not None:
@@ -133,8 +139,14 @@ async def statistics(request: web.Request) -> web.Response:
         for runner_version, chain in entry.by_version.items():
             if version is not None and runner_version != version:
                 continue
-            if isinstance(chain, Chain) and chain.runner.stats is not None:
-                stats.append(chain.runner.stats.as_triton(name, runner_version))
+            counted = chain.runner.stats if isinstance(chain, Chain) else None
+            if isinstance(chain, Chain) and counted is not None:
+                runner, remote = chain.runner, chain.runner.remote
+                executions = remote.executions if remote is not None else None
+                answer = counted.as_triton(name, runner_version, executions)
+                if remote is not None and executions is None:
+                    answer[ISOLATED_RUNNER] = runner.label
+                stats.append(answer)
     return web.json_response({"model_stats": stats})
 
 

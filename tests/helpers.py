@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -260,3 +261,12 @@ def descendants(pid: int) -> set[int]:
             pending += [k for k in kids if k not in found]
             found.update(kids)
     return found
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` and every process below it (workers, runner processes)."""
+    total = 0.0
+    for each in {pid, *descendants(pid)}:
+        with contextlib.suppress(FileNotFoundError, RuntimeError):  # ended meanwhile
+            total += rss_mib(each)
+    return total

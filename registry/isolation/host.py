@@ -31,6 +31,7 @@ import structlog
 
 from registry.errors import PluginLoadError, PlugserveError, Unavailable
 from registry.isolation.remote import Connection, ConnectionLost
+from registry.stats import RunnerStats
 
 log = structlog.get_logger("plugserve.registry")
 
@@ -462,13 +463,16 @@ class RunnerHost:
 
     async def figures(self, key: str, within: float = 2.0) -> dict[str, Any]:
         """The group's processes' own figures, summed: ``queued``, ``executions``,
-        ``batched_rows``, and ``circuit`` (the worst of theirs). A process that does not
-        answer within ``within`` s (restarting, busy) is left out."""
+        ``batched_rows``, ``circuit`` (the worst of theirs) and ``stats`` (a
+        :class:`RunnerStats` of their executions and batch sizes). A process that does
+        not answer within ``within`` s (restarting, busy) is left out."""
         group = self.groups.get(key)
         total: dict[str, Any] = {"queued": 0, "executions": 0, "batched_rows": 0}
         if group is None:
             return total
         circuits = []
+        executions = RunnerStats()
+        total["stats"] = executions
         for process in group.processes:
             pid = process.pid
             if pid is None or not process.up.is_set():
@@ -486,6 +490,8 @@ class RunnerHost:
             total["queued"] += figures["queued"]
             total["executions"] += figures["executions"]
             total["batched_rows"] += figures["rows"]
+            if figures.get("stats") is not None:
+                executions.add_executions(figures["stats"])
             if figures.get("circuit") is not None:
                 circuits.append(figures["circuit"])
         if circuits:

@@ -26,6 +26,7 @@ from registry import tracing
 from registry.errors import PlugserveError, Unavailable
 from registry.isolation.shm import Allocator, Region
 from registry.isolation.wire import FrameReader, error_from, frame, get_tensors, put_tensors
+from registry.stats import RunnerStats
 
 if TYPE_CHECKING:
     from registry.isolation.host import RunnerGroup, Runners
@@ -121,8 +122,15 @@ class RemoteRunner:
             "restarts": group.restarts,
             **({"devices": group.devices} if group.devices else {}),
             **({"process_error": group.failed} if group.failed else {}),
-            **self.figures,
+            **{k: v for k, v in self.figures.items() if k != "stats"},
         }
+
+    @property
+    def executions(self) -> RunnerStats | None:
+        """The processes' executions and batch sizes as last read; ``None`` where the
+        supervisor counts them (several workers)."""
+        stats = self.figures.get("stats")
+        return stats if isinstance(stats, RunnerStats) else None
 
     async def refresh(self) -> None:
         """Read the processes' own figures (:meth:`RunnerHost.figures`); where a supervisor

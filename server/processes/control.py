@@ -20,13 +20,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from registry.errors import PlugserveError, Unavailable
 from registry.fleet import EtcdRouteStore
+from registry.isolation.host import RunnerHost
 from registry.route_store import RouteStore
+from registry.stats import RunnerStats
 from server import __version__, admin, v2
 from server.metrics import Metrics, _FleetCollector
 from server.middleware import error_response
 from server.processes import merge
 from server.processes.pool import Worker, WorkerPool
 from server.processes.runners import RUNNERS
+from server.processes.runners import metrics_text as runner_metrics
 from server.processes.unix import Reply, UnixClient
 
 POOL = web.AppKey("pool", WorkerPool)
@@ -140,7 +143,8 @@ async def list_plugins(request: web.Request) -> web.Response:
                 row["restarts"] = sum(g.restarts for g in groups)
                 current = next((g for g in groups if runners.current.get(g.content) is g), None)
                 if current is not None:  # the processes' own figures, counted once
-                    row.update(await runners.figures(current.key))
+                    figures = await runners.figures(current.key)
+                    row.update({k: v for k, v in figures.items() if k != "stats"})
     return web.json_response({"plugins": rows})
 
 
@@ -251,6 +255,9 @@ async def status(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     texts = await pool.metrics()
+    runners = request.app.get(RUNNERS)
+    if runners is not None and runners.current:  # isolated runners' executions: counted here
+        texts.append(("", await runner_metrics(runners)))
     body = merge.metrics(texts, pool.retired_metrics) + request.app[SUPERVISOR_METRICS].render()
     response = web.Response(body=body.encode())
     response.headers["Content-Type"] = Metrics.content_type
@@ -262,7 +269,25 @@ async def statistics(request: web.Request) -> web.Response:
     refused = _first_refusal(answers)
     if refused is not None:
         return refused
-    return web.json_response(merge.model_stats(r.json() for _, r in answers))
+    merged = merge.model_stats(r.json() for _, r in answers)
+    runners = request.app.get(RUNNERS)
+    for entry in merged["model_stats"]:
+        label = entry.pop(v2.ISOLATED_RUNNER, None)
+        if label is not None and runners is not None:  # executions: the processes' own
+            executions = await _executions(runners, label)
+            entry["execution_count"] = executions.execution_count
+            entry["batch_stats"] = executions.as_triton("", "")["batch_stats"]
+    return web.json_response(merged)
+
+
+async def _executions(runners: RunnerHost, label: str) -> RunnerStats:
+    group = next(
+        (g for g in runners.current.values() if g.spec.label == label and not g.stopping), None
+    )
+    if group is None:
+        return RunnerStats()
+    stats = (await runners.figures(group.key)).get("stats")
+    return stats if isinstance(stats, RunnerStats) else RunnerStats()
 
 
 def control_app(

@@ -303,6 +303,7 @@ class Serving(asyncio.Protocol):
             "rows": scheduler.rows if scheduler else 0,
             "queued": scheduler.queued if scheduler else 0,
             "circuit": breaker.state if breaker is not None and breaker.enabled else None,
+            "stats": loaded.stats.executions_json() if loaded.stats is not None else None,
         }
 
     def _send(self, data: bytes) -> None:

@@ -11,10 +11,13 @@ what it held.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Metric, generate_latest
+from prometheus_client.registry import Collector
 
 from registry.errors import PluginLoadError, Unavailable
 from registry.isolation.host import (
@@ -25,6 +28,8 @@ from registry.isolation.host import (
     RunnerSpec,
     group_from_json,
 )
+from registry.stats import RunnerStats
+from server.metrics import add_process_figures, execution_families
 from server.processes.unix import UnixClient
 
 RUNNERS = web.AppKey("runners", RunnerHost)
@@ -117,3 +122,35 @@ def add_routes(app: web.Application, host: RunnerHost) -> None:
     app.router.add_post(PREFIX + "/ready", _ready)
     app.router.add_post(PREFIX + "/ended", _ended)
     app.router.add_post(PREFIX + "/release", _release)
+
+
+async def metrics_text(host: RunnerHost) -> str:
+    """The executions of the runner processes (counted here, not by the workers), in the
+    exposition format of the workers' own series, to be merged with theirs."""
+    queued, circuit, batch, executions = execution_families()
+    for group in list(host.current.values()):
+        if group.stopping:
+            continue
+        figures = await host.figures(group.key)
+        kind, rest = group.spec.label.split("/", 1)
+        name, version = rest.rsplit("@", 1)
+        key = [kind, name, version]
+        add_process_figures((queued, circuit), key, figures)
+        stats = figures.get("stats")
+        if isinstance(stats, RunnerStats):
+            batch.add_metric(key, stats.batch_sizes.cumulative(), sum_value=stats.batch_sizes.total)
+            executions.add_metric(key, stats.execution_count)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families([queued, circuit, batch, executions]))
+    return generate_latest(registry).decode()
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families

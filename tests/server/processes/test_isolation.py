@@ -10,7 +10,6 @@ it is started again; one that cannot start ends ``failed`` with the reason.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import textwrap
@@ -21,7 +20,13 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess, descendants, rss_mib, write_add_runner, write_plugin
+from tests.helpers import (
+    ServerProcess,
+    descendants,
+    tree_rss_mib,
+    write_add_runner,
+    write_plugin,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -195,14 +200,6 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def tree_rss_mib(pid: int) -> float:
-    total = 0.0
-    for each in {pid, *descendants(pid)}:
-        with contextlib.suppress(FileNotFoundError, RuntimeError):  # ended meanwhile
-            total += rss_mib(each)
-    return total
-
-
 @pytest.mark.workers(1, 2)
 def test_a_runner_process_that_dies_fails_its_request_alone_and_comes_back(
     server: Callable[..., ServerProcess], tmp_path: Path
@@ -266,6 +263,41 @@ def test_one_isolated_runner_batches_the_requests_of_every_worker(
     assert row["pids"] == [rows[0]["pid"][0]]
     assert row["batched_rows"] == 400  # the process's own figures, counted once
     assert row["executions"] < 400  # batched: fewer executions than requests
+
+
+@pytest.mark.workers(1, 2)
+def test_statistics_and_metrics_count_the_processes_executions_once(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    plugins = tmp_path / "plugins"
+    write_plugin(plugins, "preprocessor", "tag", "1.0.0", "", {"plugin.py": TAG_WORKER})
+    manifest = ISOLATED + "max_batch_size = 64\nmax_queue_delay_ms = 5\n"
+    manifest += '[route]\npreprocess = ["tag@1.0.0"]\n'
+    write_plugin(plugins, "runner", "mixer", "1.0.0", manifest, {"plugin.py": MIXER})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda i: infer(srv, "mixer", [float(i)]), range(120)))
+    assert {code for code, _ in answers} == {200}
+    executions = plugin_row(srv, "mixer")["executions"]
+    assert 1 <= executions < 120
+
+    _, _, raw = srv.request("GET", "/v2/models/mixer/stats")
+    (entry,) = json.loads(raw)["model_stats"]
+    assert set(entry) >= {"name", "version", "execution_count", "batch_stats"}
+    assert not any(key.startswith("_") for key in entry)  # no internal mark leaks out
+    assert entry["inference_count"] == 120
+    assert entry["execution_count"] == executions
+    sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in entry["batch_stats"]}
+    assert sum(sizes.values()) == executions
+    assert sum(size * count for size, count in sizes.items()) == 120
+
+    _, _, text = srv.request("GET", "/metrics")
+    series = 'plugserve_executions_total{name="mixer",type="runner",version="1.0.0"}'
+    line = next(li for li in text.decode().splitlines() if li.startswith(series))
+    assert float(line.split()[-1]) == executions
+    count = 'plugserve_batch_size_count{name="mixer",type="runner",version="1.0.0"}'
+    line = next(li for li in text.decode().splitlines() if li.startswith(count))
+    assert float(line.split()[-1]) == executions
 
 
 def test_each_instance_sees_the_gpu_its_device_names(
