@@ -9,6 +9,7 @@ range, or a number other than 0 and 1 cast to ``BOOL`` is.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy as np
@@ -126,3 +127,17 @@ def _name(dtype: np.dtype[Any]) -> str:
         return v2_datatype(dtype)
     except KeyError:
         return str(dtype)
+
+
+_U32 = struct.Struct("<I")
+
+
+def bytes_elements(array: np.ndarray) -> bytes:
+    """``BYTES`` elements as the v2 binary format carries them: each a little-endian u32
+    length, then its bytes (a ``str`` as UTF-8)."""
+    parts = []
+    for value in array.reshape(-1):
+        raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
+        parts.append(_U32.pack(len(raw)))
+        parts.append(raw)
+    return b"".join(parts)

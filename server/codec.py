@@ -22,7 +22,7 @@ import orjson
 
 from registry.datatypes import V2_TO_NUMPY, v2_datatype
 from registry.errors import InvalidInput, PayloadTooLarge
-from registry.tensors import from_json
+from registry.tensors import bytes_elements, from_json
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _U32 = struct.Struct("<I")
@@ -351,9 +351,4 @@ def _to_json(name: str, array: np.ndarray, datatype: str) -> list[Any]:
 def _to_binary(array: np.ndarray, datatype: str) -> bytes:
     if datatype != "BYTES":
         return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-    parts = []
-    for value in array.reshape(-1):
-        raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
-        parts.append(_U32.pack(len(raw)))
-        parts.append(raw)
-    return b"".join(parts)
+    return bytes_elements(array)

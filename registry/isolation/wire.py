@@ -28,6 +28,7 @@ import orjson
 from registry import errors
 from registry.errors import PlugserveError
 from registry.isolation.shm import Allocator, Region
+from registry.tensors import bytes_elements
 
 HEADER = struct.Struct("<II")
 _U32 = struct.Struct("<I")
@@ -100,7 +101,7 @@ def put_tensors(
         array = np.asarray(value)
         shape = list(array.shape)
         if array.dtype.kind == "O":
-            data = _bytes_elements(array)
+            data = bytes_elements(array)
             descriptors.append([name, "|O", shape, "b", raw_at, len(data)])
             chunks.append(data)
             raw_at += len(data)
@@ -148,15 +149,6 @@ def get_tensors(
             )
             out[name] = array.reshape(shape)
     return out
-
-
-def _bytes_elements(array: np.ndarray) -> bytes:
-    parts = []
-    for value in array.reshape(-1):
-        data = value if isinstance(value, bytes) else str(value).encode("utf-8")
-        parts.append(_U32.pack(len(data)))
-        parts.append(data)
-    return b"".join(parts)
 
 
 def _read_bytes_elements(data: memoryview, count: int) -> np.ndarray:

@@ -242,16 +242,21 @@ def test_a_runner_process_that_dies_fails_its_request_alone_and_comes_back(
     assert row["state"] == "ready"
 
 
-@pytest.mark.workers(2)
-def test_one_isolated_runner_batches_the_requests_of_every_worker(
-    server: Callable[..., ServerProcess], tmp_path: Path
-) -> None:
+def mixer_server(server: Callable[..., ServerProcess], tmp_path: Path) -> ServerProcess:
+    """A route whose preprocessor tags each request with its worker's pid, then MIXER."""
     plugins = tmp_path / "plugins"
     write_plugin(plugins, "preprocessor", "tag", "1.0.0", "", {"plugin.py": TAG_WORKER})
     manifest = ISOLATED + "max_batch_size = 64\nmax_queue_delay_ms = 5\n"
     manifest += '[route]\npreprocess = ["tag@1.0.0"]\n'
     write_plugin(plugins, "runner", "mixer", "1.0.0", manifest, {"plugin.py": MIXER})
-    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    return server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+
+
+@pytest.mark.workers(2)
+def test_one_isolated_runner_batches_the_requests_of_every_worker(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    srv = mixer_server(server, tmp_path)
     with concurrent.futures.ThreadPoolExecutor(32) as pool:  # a connection each: both workers
         answers = list(pool.map(lambda i: infer(srv, "mixer", [float(i)]), range(400)))
     assert {code for code, _ in answers} == {200}
@@ -269,12 +274,7 @@ def test_one_isolated_runner_batches_the_requests_of_every_worker(
 def test_statistics_and_metrics_count_the_processes_executions_once(
     server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
-    plugins = tmp_path / "plugins"
-    write_plugin(plugins, "preprocessor", "tag", "1.0.0", "", {"plugin.py": TAG_WORKER})
-    manifest = ISOLATED + "max_batch_size = 64\nmax_queue_delay_ms = 5\n"
-    manifest += '[route]\npreprocess = ["tag@1.0.0"]\n'
-    write_plugin(plugins, "runner", "mixer", "1.0.0", manifest, {"plugin.py": MIXER})
-    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    srv = mixer_server(server, tmp_path)
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(lambda i: infer(srv, "mixer", [float(i)]), range(120)))
     assert {code for code, _ in answers} == {200}
