@@ -43,6 +43,8 @@ STABLE_AFTER_S = 60.0
 START_SLACK_S = 10.0
 """Beyond ``load_timeout_s``: the time a new interpreter takes to import what it needs."""
 STOP_SLACK_S = 5.0
+RESTART_WAIT_S = 5.0
+"""How long a request waits for its runner process to be back (after a crash) before 503."""
 MONITOR_BYTES = 4096
 """The shared memory of a connection that only reads figures."""
 
@@ -399,7 +401,7 @@ class RunnerHost:
         if group is None or group.stopping:
             raise Unavailable(f"runner process {key} is not running")
         process = group.processes[index]
-        wait = group.spec.load_timeout + START_SLACK_S if within is None else within
+        wait = RESTART_WAIT_S if within is None else within
         if not process.up.is_set():
             try:
                 await asyncio.wait_for(process.up.wait(), wait)
