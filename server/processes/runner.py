@@ -319,15 +319,21 @@ class Serving(asyncio.Protocol):
 
 
 def main() -> int:
-    spec = orjson.loads(sys.stdin.buffer.readline())
-    _die_with_parent(int(spec["parent"]))
-    # The answer line goes on the original stdout; what plugins print goes to stderr.
-    answer_fd = os.dup(1)
-    os.dup2(2, 1)
+    parent = os.getppid()
+    _die_with_parent(parent)
+    # Everything imported before the spec is read: a spare process, started ahead of the
+    # next load, has paid for its interpreter and imports when its spec comes.
     from server.cli import _event_loop
     from server.logs import configure_logging
     from server.streams import protect_std_streams
 
+    line = sys.stdin.buffer.readline()
+    if not line:  # a spare nobody needed: the server is stopping
+        return 0
+    spec = orjson.loads(line)
+    # The answer line goes on the original stdout; what plugins print goes to stderr.
+    answer_fd = os.dup(1)
+    os.dup2(2, 1)
     protect_std_streams()
     configure_logging(spec["log_format"], spec["log_level"])
     tracing.configure()  # spans only where an SDK is set up (as in the server's processes)

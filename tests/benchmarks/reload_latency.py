@@ -1,13 +1,16 @@
 """Reload latency: from the atomic rename of a new version to the first request it answers.
 
     python -m tests.benchmarks.reload_latency [--rounds 30] [--debounce-ms 200] [--workers 2]
+                                              [--isolated]
 
 Starts ``plugserve serve`` as a subprocess on a temporary plugins folder holding
 a small runner, then, round after round, writes a new version under a dot name,
 renames it into place and polls ``/predict`` over one keep-alive connection
 until the new version answers. With ``--workers N`` it also times, from the same
 rename, until ``/admin/plugins`` shows the version ready on every worker. Prints
-the median, p90 and max. Not run by CI.
+the median, p90 and max. ``--isolated``: the runner in processes of its own
+(``isolation = "process"``; every version stays loaded, each in its process).
+Not run by CI.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ def plugserve_create_component(plugin, config):
 """
 
 
-def drop(plugins: Path, version: str) -> float:
-    folder = write_plugin(plugins, "runner", "tag", f".{version}.tmp", f'[config]\ntag = "{version}"\n',
-                          {"plugin.py": RUNNER})  # fmt: skip
+def drop(plugins: Path, version: str, runner: str = "") -> float:
+    folder = write_plugin(plugins, "runner", "tag", f".{version}.tmp",
+                          f'[config]\ntag = "{version}"\n{runner}', {"plugin.py": RUNNER})  # fmt: skip
     manifest = folder / "plugin.toml"
     manifest.write_text(manifest.read_text().replace(f'"{folder.name}"', f'"{version}"'))
     started = time.perf_counter()
@@ -55,14 +58,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--debounce-ms", type=int, default=200)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--isolated", action="store_true")
     args = parser.parse_args()
+    runner = '[runner]\nisolation = "process"\n' if args.isolated else ""
     extra = ["--workers", str(args.workers)] if args.workers > 1 else []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         plugins, models = root / "plugins", root / "models"
         models.mkdir()
         write_plugin(
-            plugins, "runner", "tag", "1.0.0", '[config]\ntag = "1.0.0"\n', {"plugin.py": RUNNER}
+            plugins,
+            "runner",
+            "tag",
+            "1.0.0",
+            f'[config]\ntag = "1.0.0"\n{runner}',
+            {"plugin.py": RUNNER},
         )
         (root / "plugserve.toml").write_text(
             f"reload_debounce_ms = {args.debounce_ms}\nlog_level = 'warning'\n"
@@ -76,7 +86,7 @@ def main() -> None:
         try:
             for i in range(args.rounds):
                 version = f"1.{i + 1}.0"
-                started = drop(plugins, version)
+                started = drop(plugins, version, runner)
                 while True:
                     conn.request("POST", "/predict/tag", body, {"Content-Type": "application/json"})
                     answer = json.loads(conn.getresponse().read())
@@ -93,6 +103,7 @@ def main() -> None:
         finally:
             server.stop()
     print(f"reload latency, workers {args.workers}, debounce {args.debounce_ms} ms, "
+          f"isolation {'process' if args.isolated else 'none'}, "
           f"{len(latencies)} rounds")  # fmt: skip
     show("rename -> first answer by the new version", latencies)
     if everywhere:

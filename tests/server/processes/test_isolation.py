@@ -337,8 +337,7 @@ def test_a_runner_that_cannot_start_again_after_a_crash_ends_failed_with_the_rea
     row = plugin_row(srv, "once")
     assert "failed to start 3 times" in row["process_error"]
     assert row["pids"] == []
-    time.sleep(1.0)
-    assert [p for p in descendants(srv.proc.pid) if "processes.runner" in _cmdline(p)] == []
+    assert_no_restart_loop(srv)
 
 
 SPANS_TO_A_FILE = """
@@ -419,9 +418,7 @@ def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
     assert "exit code 3" in row["last_error"]
     assert infer(srv, "plain", [1.0] * 4)[0] == 200
     assert infer(srv, "dies", [1.0])[0] in (404, 503)
-    time.sleep(1.5)  # no restart loop: nothing of it is left running
-    runners = [p for p in descendants(srv.proc.pid) if "processes.runner" in _cmdline(p)]
-    assert runners == []
+    assert_no_restart_loop(srv)
 
 
 @pytest.mark.workers(1, 2)
@@ -444,6 +441,19 @@ def test_memory_a_runner_leaks_natively_goes_back_at_each_reload(
     after = tree_rss_mib(srv.proc.pid)
     assert len(pids) >= 50  # a process of its own at every load
     assert after - first < 128, f"{first:.0f} MiB after the first load, {after:.0f} after 50"
+
+
+def assert_no_restart_loop(srv: ServerProcess) -> None:
+    """No runner process comes and goes: at most the one spare the host keeps ready, idle."""
+
+    def runners() -> set[int]:
+        return {p for p in descendants(srv.proc.pid) if "processes.runner" in _cmdline(p)}
+
+    before = runners()
+    time.sleep(1.5)
+    after = runners()
+    assert before == after
+    assert len(after) <= 1
 
 
 def _cmdline(pid: int) -> str:
