@@ -273,8 +273,12 @@ def _devices(p: _Fields, table: Mapping[str, Any]) -> tuple[str, ...]:
     else:
         devices, where = p.string_list(table, "runner.devices"), "runner.devices"
     for device in devices:
-        if re.fullmatch(r"cuda:\d{1,4}", device) is None:
+        if re.fullmatch(r"cuda:[0-9]{1,4}", device) is None:
             raise ManifestError(p.path, f"{device!r} is not a device such as 'cuda:0'", where)
+    instances = table.get("instances", 1)
+    if isinstance(instances, int) and len(devices) > instances:
+        many = f"lists {len(devices)} devices for {instances} instance(s): one per instance at most"
+        raise ManifestError(p.path, many, where)
     if devices and table.get("isolation", "none") != "process":
         raise ManifestError(
             p.path, 'sets a runner process\'s GPU: needs isolation = "process"', where

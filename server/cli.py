@@ -263,15 +263,19 @@ async def validate(folder: Path, models_dir: Path) -> dict[str, object]:
     host.load_entry_points()
     loader = Loader(host, models_dir)
     try:
-        loaded = await loader.load(folder)
-    except PlugserveError as exc:
-        return {"valid": False, "folder": str(folder), "error": exc.message}
-    try:
-        return {
-            "valid": True,
-            "plugin": loaded.label,
-            "route": loaded.manifest.route_name if loaded.manifest.type == "runner" else None,
-            "metadata": loaded.metadata(),
-        }
+        try:
+            loaded = await loader.load(folder)
+        except PlugserveError as exc:
+            return {"valid": False, "folder": str(folder), "error": exc.message}
+        try:
+            return {
+                "valid": True,
+                "plugin": loaded.label,
+                "route": loaded.manifest.route_name if loaded.manifest.type == "runner" else None,
+                "metadata": loaded.metadata(),
+            }
+        finally:
+            await loader.release(loaded)
     finally:
-        await loader.release(loaded)
+        if loader.runners is not None:  # an isolated runner: its processes and their folder
+            await loader.runners.close()

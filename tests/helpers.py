@@ -270,3 +270,12 @@ def tree_rss_mib(pid: int) -> float:
         with contextlib.suppress(FileNotFoundError, RuntimeError):  # ended meanwhile
             total += rss_mib(each)
     return total
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not reaped yet, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

@@ -226,6 +226,8 @@ class RunnerHost:
         """A connection to each process, by pid, to read its figures."""
         self._spare: asyncio.Task[asyncio.subprocess.Process] | None = None
         self._closing = False
+        self._started: set[asyncio.subprocess.Process] = set()
+        """Every process started: a shutdown kills those its stops did not end."""
 
     def _socket_path(self) -> Path:
         if self._folder is None:
@@ -299,7 +301,7 @@ class RunnerHost:
             process.socket.unlink()
         proc = self._take_spare() if process.device is None else None
         if proc is None:
-            proc = await _start(env)
+            proc = await _start(env, self._started)
         self._keep_spare()
         assert proc.stdin is not None
         assert proc.stdout is not None
@@ -358,7 +360,7 @@ class RunnerHost:
         """Start the next spare: a runner process that imports what it needs and waits for
         a spec, so that a reload does not wait for an interpreter to start (about 0.7 s)."""
         if self._spare is None and not self._closing:
-            self._spare = asyncio.create_task(_start(dict(os.environ)))
+            self._spare = asyncio.create_task(_start(dict(os.environ), self._started))
 
     async def _watch(self, group: RunnerGroup, process: RunnerProcess) -> None:
         """Wait for the process to end; unasked, start it again with backoff."""
@@ -476,6 +478,10 @@ class RunnerHost:
             except TimeoutError:
                 log.warning("runner_process_kill", pid=proc.pid, timeout_s=within + STOP_SLACK_S)
                 await _kill(proc)
+            except asyncio.CancelledError:  # whoever waited gave up (a shutdown's budget)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                raise
         if proc is not None and proc.stdin is not None:
             proc.stdin.close()
         with contextlib.suppress(FileNotFoundError):
@@ -491,6 +497,7 @@ class RunnerHost:
         if group is None:
             return total
         circuits = []
+        answered = 0
         executions = RunnerStats()
         total["stats"] = executions
         for process in group.processes:
@@ -507,6 +514,7 @@ class RunnerHost:
                 figures = await asyncio.wait_for(monitor.figures(), within)
             except (PlugserveError, ConnectionLost, TimeoutError, OSError):
                 continue
+            answered += 1
             total["queued"] += figures["queued"]
             total["executions"] += figures["executions"]
             total["batched_rows"] += figures["rows"]
@@ -514,6 +522,8 @@ class RunnerHost:
                 executions.add_executions(figures["stats"])
             if figures.get("circuit") is not None:
                 circuits.append(figures["circuit"])
+        if not answered:  # busy or restarting: unknown, not zero
+            return {}
         if circuits:
             total["circuit"] = next(
                 (c for c in ("open", "half-open") if c in circuits), circuits[0]
@@ -526,7 +536,8 @@ class RunnerHost:
         await asyncio.gather(*(self.release(key, holder) for key in held))
 
     async def close(self) -> None:
-        """End every process (shutdown): each group as if its last holder released it."""
+        """End every process (shutdown): each group as if its last holder released it, then
+        SIGKILL to any still running (one a cancelled stop left, the spare)."""
         self._closing = True
         spare, self._spare = self._spare, None
         if spare is not None:
@@ -536,17 +547,25 @@ class RunnerHost:
         for key, group in list(self.groups.items()):
             group.holders.clear()
             await self.release(key)
+        left = [proc for proc in self._started if proc.returncode is None]
+        await asyncio.gather(*(_kill(proc) for proc in left))
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
 
 
-async def _start(env: dict[str, str]) -> asyncio.subprocess.Process:
-    """A runner process; it imports what it needs, then waits for its spec on stdin."""
-    return await asyncio.create_subprocess_exec(
+async def _start(
+    env: dict[str, str], started: set[asyncio.subprocess.Process]
+) -> asyncio.subprocess.Process:
+    """A runner process (added to ``started``, the ended ones dropped from it); it imports
+    what it needs, then waits for its spec on stdin."""
+    started.difference_update([p for p in started if p.returncode is not None])
+    proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", RUNNER_MODULE,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
+    started.add(proc)
+    return proc
 
 
 def _answer(line: bytes) -> dict[str, Any] | None:

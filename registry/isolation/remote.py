@@ -23,9 +23,16 @@ import numpy as np
 import orjson
 
 from registry import tracing
-from registry.errors import PlugserveError, Unavailable
+from registry.errors import PayloadTooLarge, PlugserveError, Unavailable
 from registry.isolation.shm import Allocator, Region
-from registry.isolation.wire import FrameReader, error_from, frame, get_tensors, put_tensors
+from registry.isolation.wire import (
+    FrameReader,
+    FrameTooLarge,
+    error_from,
+    frame,
+    get_tensors,
+    put_tensors,
+)
 from registry.stats import RunnerStats
 
 if TYPE_CHECKING:
@@ -222,9 +229,15 @@ class Connection(asyncio.Protocol):
             message["r"] = ctx.request_id
         if tracing.TRACER is not None:  # the runner process's spans join this trace
             message["tp"] = tracing.inject()
+        try:
+            data = frame(message, chunks)
+        except FrameTooLarge as exc:
+            for offset in taken:
+                self.allocator.free(offset)
+            raise PayloadTooLarge(f"the request's tensors cannot reach the runner: {exc}") from None
         future: asyncio.Future[Any] = self._loop.create_future()
         self._pending[request_id] = (future, taken, ctx)
-        self._send(frame(message, chunks))
+        self._send(data)
         try:
             return await future
         except asyncio.CancelledError:
@@ -242,7 +255,10 @@ class Connection(asyncio.Protocol):
         future: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         self._pending[request_id] = (future, [], None)
         self._send(frame({"k": "stats", "i": request_id}))
-        return await future
+        try:
+            return await future
+        finally:
+            self._pending.pop(request_id, None)  # answered, or given up on
 
     def _answer(self, message: dict[str, Any], raw: memoryview) -> None:
         entry = self._pending.pop(message["i"], None)

@@ -40,7 +40,20 @@ Descriptor = list[Any]
 bytes of the frame, ``b`` raw bytes holding ``BYTES`` elements (u32 length, bytes)."""
 
 
+MAX_RAW = 2**32 - 1
+"""The most raw bytes a frame carries (its header says how many in 32 bits)."""
+
+
+class FrameTooLarge(ValueError):
+    """Tensors that neither fit the shared memory nor a frame."""
+
+
 def frame(message: Mapping[str, Any], raw: list[bytes] | None = None) -> bytes:
+    size = sum(len(r) for r in raw) if raw else 0
+    if size > MAX_RAW:
+        raise FrameTooLarge(
+            f"{size} bytes of tensors outside the shared memory; at most {MAX_RAW} cross at once"
+        )
     body = orjson.dumps(message)
     rest = b"".join(raw) if raw else b""
     return HEADER.pack(len(body), len(rest)) + body + rest

@@ -50,10 +50,12 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL when the process that started this one ends. Not SIGTERM: a runner
+    blocked in its plugin's code never gets to a handler, and nobody is left to answer."""
     libc = ctypes.CDLL(None) if sys.platform == "linux" else None
     prctl = getattr(libc, "prctl", None)
     if prctl is not None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # it ended before the signal was asked for
         sys.exit(1)
 
@@ -280,19 +282,19 @@ class Serving(asyncio.Protocol):
             return
         outputs = future.result()
         queue = timings.get("queue", 0.0)
-        try:
-            descriptors, chunks, _ = put_tensors(outputs, self.ours, self.allocator, SMALL_BYTES)
-        except (TypeError, ValueError) as problem:
-            self._send(frame(error_message(request_id, PluginError(loaded.label, problem))))
-            return
         answer = {
             "k": "ok",
             "i": request_id,
-            "y": descriptors,
             "q": queue,
             "c": time.perf_counter() - started - queue,
         }
-        self._send(frame(answer, chunks))
+        try:
+            answer["y"], chunks, _ = put_tensors(outputs, self.ours, self.allocator, SMALL_BYTES)
+            data = frame(answer, chunks)
+        except Exception as problem:  # too large for a frame, out of memory, not arrays ...
+            self._send(frame(error_message(request_id, PluginError(loaded.label, problem))))
+            return
+        self._send(data)
 
     def figures(self) -> dict[str, Any]:
         loaded = self.loaded

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Metric, generate_latest
 from prometheus_client.registry import Collector
@@ -31,6 +33,8 @@ from registry.isolation.host import (
 from registry.stats import RunnerStats
 from server.metrics import add_process_figures, execution_families
 from server.processes.unix import UnixClient
+
+log = structlog.get_logger("plugserve.worker")
 
 RUNNERS = web.AppKey("runners", RunnerHost)
 PREFIX = "/_supervisor/runners"
@@ -72,9 +76,14 @@ class SupervisedRunners:
         return str(reply.json().get("how", "its connection closed"))
 
     async def release(self, key: str) -> None:
-        await self.supervisor.call(
-            "POST", PREFIX + "/release", json_body={"key": key, "holder": self.holder}
-        )
+        try:
+            await self.supervisor.call(
+                "POST", PREFIX + "/release", json_body={"key": key, "holder": self.holder}
+            )
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            # The supervisor is gone (the worker is draining to exit): it ended them, or
+            # its runner processes end with it (parent-death signal).
+            log.debug("runner_release_skipped", key=key, error=str(exc))
 
     async def figures(self, key: str) -> dict[str, Any]:
         """Nothing here: the supervisor adds the processes' figures to what it answers."""

@@ -88,6 +88,9 @@ RUNNER = HEAD + "[runner]\nbackend='onnxruntime'\n"
         (RUNNER + "device='cuda:0'\n", "runner.device", "needs isolation"),
         (RUNNER + "isolation='process'\ndevice='cuda:0'\ndevices=['cuda:1']\n",
          "runner.devices", "not both"),
+        (RUNNER + "isolation='process'\ndevice='cuda:\u0661'\n", "runner.device", "such as"),
+        (RUNNER + "isolation='process'\ndevices=['cuda:0', 'cuda:1']\n", "runner.devices",
+         "2 devices for 1 instance"),
     ],
 )  # fmt: skip
 def test_manifest_errors_name_file_and_field(
@@ -102,7 +105,9 @@ def test_manifest_errors_name_file_and_field(
 
 
 def test_isolation_and_devices_are_read(plugins_dir: Path) -> None:
-    folder = _folder(plugins_dir, RUNNER + "isolation='process'\ndevices=['cuda:0', 'cuda:1']\n")
+    folder = _folder(
+        plugins_dir, RUNNER + "isolation='process'\ninstances=2\ndevices=['cuda:0', 'cuda:1']\n"
+    )
     runner = load_manifest(folder).runner
     assert runner is not None
     assert runner.isolated

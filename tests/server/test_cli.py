@@ -1,6 +1,7 @@
 """The command line: serving the bundled example with no flags, validate, logs."""
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -8,18 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, ServerProcess, write_plugin
+from tests.helpers import ROOT, ServerProcess, write_add_runner, write_plugin
 
 pytestmark = pytest.mark.slow
 
 
-def plugserve(*args: str) -> subprocess.CompletedProcess[str]:
+def plugserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "server", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -59,6 +61,23 @@ def test_validate_accepts_the_bundled_plugins() -> None:
     report = json.loads(plugserve("validate", str(ROOT / "plugins/runner/iris/1.0.0")).stdout)
     assert report["route"] == "iris"
     assert report["metadata"]["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+
+
+def test_validate_loads_an_isolated_runner_in_its_process_and_leaves_nothing(
+    plugins_dir: Path, tmp_path: Path
+) -> None:
+    """Attack round on issue 14: each validate of one left an empty runners folder."""
+    folder = write_add_runner(plugins_dir, "iso", "1.0.0", runner='isolation = "process"')
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = plugserve(
+        "validate", str(folder), "--models-dir", str(tmp_path), env={"TMPDIR": str(scratch)}
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["valid"] is True
+    assert report["metadata"]["inputs"][0]["name"] == "x"
+    assert list(scratch.glob("plugserve-*")) == []
 
 
 def test_validate_reports_a_broken_plugin(plugins_dir: Path) -> None:

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from registry.errors import InvalidInput, PluginError, TooManyRequests
+from registry.isolation import wire
 from registry.isolation.shm import Allocator, Region
 from registry.isolation.wire import (
     FrameReader,
+    FrameTooLarge,
     error_from,
     error_message,
     frame,
@@ -24,6 +26,17 @@ def test_frames_split_however_the_bytes_arrive() -> None:
     for byte in range(len(data)):  # one byte at a time: the worst a stream can do
         got += [(m, bytes(r)) for m, r in reader.feed(data[byte : byte + 1])]
     assert got == [({"k": "a", "i": 1}, b""), ({"k": "b", "i": 2}, b"xyz!")]
+
+
+def test_tensors_too_large_for_a_frame_are_refused_not_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attack round on issue 14: a 4 GiB answer overflowed the frame header (struct.error):
+    no answer was sent and the request hung until its deadline."""
+    monkeypatch.setattr(wire, "MAX_RAW", 8)  # 4 GiB in production: too much for a test
+    assert frame({"k": "ok"}, [b"12345678"])
+    with pytest.raises(FrameTooLarge, match="9 bytes of tensors outside the shared memory"):
+        frame({"k": "ok"}, [b"12345", b"6789"])
 
 
 def test_a_frame_claiming_more_json_than_any_message_is_refused() -> None:

@@ -10,9 +10,12 @@ it is started again; one that cannot start ends ``failed`` with the reason.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
+import signal
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +25,7 @@ import pytest
 
 from tests.helpers import (
     ServerProcess,
+    alive,
     descendants,
     tree_rss_mib,
     write_add_runner,
@@ -403,6 +407,51 @@ def test_spans_cross_into_the_runner_process(
     assert queue["parent"] == stage["span"]
     batch = next(s for s in spans() if s["name"] == "batch" and s["pid"] == runner_pid)
     assert queue["span"] in batch["links"]
+
+
+STUCK = """
+    import time
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Stuck:
+        def infer(self, inputs):
+            if float(inputs["x"].reshape(-1)[0]) == 7:
+                time.sleep(10**6)  # blocked in the plugin's code, as a hung C call is
+            return {"y": inputs["x"]}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Stuck()
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_runner_blocked_in_its_code_ends_with_the_server(
+    server: Callable[..., ServerProcess], tmp_path: Path, how: signal.Signals
+) -> None:
+    """Attack round on issue 14: a runner process stuck in infer() outlived the server,
+    however it was stopped (its SIGTERM handler and lifeline wait on its blocked loop)."""
+    config = tmp_path / "plugserve.toml"
+    config.write_text("drain_timeout_s = 1\nclose_timeout_s = 1\n")
+    plugins = tmp_path / "plugins"
+    write_plugin(plugins, "runner", "stuck", "1.0.0", ISOLATED, {"plugin.py": STUCK})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"),
+                 "--config", str(config))  # fmt: skip
+    assert infer(srv, "stuck", [1.0])[0] == 200
+    started = descendants(srv.proc.pid)  # the runner process and the spare
+    assert plugin_row(srv, "stuck")["pids"][0] in started
+
+    def hang() -> None:
+        with contextlib.suppress(OSError):  # the server goes away under it
+            infer(srv, "stuck", [7.0])
+
+    threading.Thread(target=hang, daemon=True).start()
+    time.sleep(1.0)
+    srv.proc.send_signal(how)
+    srv.proc.wait(timeout=30)
+    wait_for(lambda: not any(alive(pid) for pid in started), 10, "every runner process ended")
 
 
 def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, ServerProcess, write_plugin
+from tests.helpers import ROOT, ServerProcess, alive, write_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -87,14 +87,6 @@ def children(pid: int) -> set[int]:
         text = (task / "children").read_text().split()
         found.update(int(p) for p in text)
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
