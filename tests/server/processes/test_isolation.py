@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import textwrap
 import threading
 import time
@@ -452,6 +453,59 @@ def test_a_runner_blocked_in_its_code_ends_with_the_server(
     srv.proc.send_signal(how)
     srv.proc.wait(timeout=30)
     wait_for(lambda: not any(alive(pid) for pid in started), 10, "every runner process ended")
+
+
+RECORDER = """
+    import time
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Recorder:  # one request at a time, each noted as it runs
+        def __init__(self, log):
+            self.log = log
+
+        def infer(self, inputs):
+            if "s" in inputs:  # BYTES in, BYTES out
+                return {"y": np.array([v[::-1] for v in inputs["s"].reshape(-1)], dtype=object)}
+            with open(self.log, "a") as out:
+                out.write(f"{float(inputs['x'].reshape(-1)[0]):g}\\n")
+            time.sleep(0.5)
+            return {"y": inputs["x"]}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Recorder(config["log"])
+"""
+
+
+def test_a_request_whose_client_hangs_up_leaves_the_runner_process_queue_unrun(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    log = tmp_path / "ran.log"
+    plugins = tmp_path / "plugins"
+    manifest = f'[config]\nlog = "{log}"\n' + ISOLATED
+    write_plugin(plugins, "runner", "rec", "1.0.0", manifest, {"plugin.py": RECORDER})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    first = threading.Thread(target=infer, args=(srv, "rec", [1.0]))
+    first.start()  # runs for 0.5 s: what comes next waits in the runner process's queue
+    time.sleep(0.15)
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32",
+                                   "data": [2.0]}]}).encode()  # fmt: skip
+    with socket.create_connection(("127.0.0.1", srv.port)) as client:
+        client.sendall(b"POST /v2/models/rec/infer HTTP/1.1\r\nHost: x\r\n"
+                       b"Content-Type: application/json\r\n"
+                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        time.sleep(0.15)  # queued behind the first; then the client hangs up
+    assert infer(srv, "rec", [3.0])[0] == 200
+    first.join()
+    assert log.read_text().split() == ["1", "3"]  # the abandoned request never ran
+
+    words = {"inputs": [{"name": "s", "shape": [2], "datatype": "BYTES", "data": ["ab", "xyz"]}]}
+    code, _, raw = srv.request("POST", "/v2/models/rec/infer", words)  # BYTES cross both ways
+    assert code == 200, raw
+    assert json.loads(raw)["outputs"][0]["data"] == ["ba", "zyx"]
 
 
 def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
