@@ -231,7 +231,9 @@ class RunnerHost:
 
     def _socket_path(self) -> Path:
         if self._folder is None:
-            self._folder = Path(tempfile.mkdtemp(prefix="plugserve-runners-"))  # 0700
+            sweep_folders()
+            prefix = f"{FOLDER_PREFIX}{os.getpid()}-"
+            self._folder = Path(tempfile.mkdtemp(prefix=prefix))  # mode 0700: ours alone
         self._sockets += 1
         return self._folder / f"{self._sockets}.sock"
 
@@ -566,6 +568,27 @@ async def _start(
     )  # fmt: skip
     started.add(proc)
     return proc
+
+
+FOLDER_PREFIX = "plugserve-runners-"
+
+
+def sweep_folders(under: Path | None = None) -> list[Path]:
+    """Remove the runner-socket folders whose server is gone (killed: nothing of it could
+    clean up), named ``plugserve-runners-<pid>-*``; returns those removed."""
+    removed = []
+    for folder in Path(under or tempfile.gettempdir()).glob(FOLDER_PREFIX + "*-*"):
+        owner = folder.name[len(FOLDER_PREFIX) :].split("-", 1)[0]
+        try:
+            if not owner.isdigit() or folder.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(owner), 0)  # raises when no such process
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        except (OSError, ValueError):
+            continue
+    return removed
 
 
 def _answer(line: bytes) -> dict[str, Any] | None:
