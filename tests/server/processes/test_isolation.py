@@ -508,6 +508,35 @@ def test_a_request_whose_client_hangs_up_leaves_the_runner_process_queue_unrun(
     assert json.loads(raw)["outputs"][0]["data"] == ["ba", "zyx"]
 
 
+def test_deadlines_and_priorities_reach_the_runner_process(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    log = tmp_path / "ran.log"
+    plugins = tmp_path / "plugins"
+    manifest = f'[config]\nlog = "{log}"\n' + ISOLATED + "priority_levels = 2\n"
+    write_plugin(plugins, "runner", "rec", "1.0.0", manifest, {"plugin.py": RECORDER})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    first = threading.Thread(target=infer, args=(srv, "rec", [1.0]))
+    first.start()  # runs for 0.5 s
+    time.sleep(0.15)
+    body = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [5.0]}]}
+    code, _, raw = srv.request(
+        "POST", "/v2/models/rec/infer", body, headers={"X-Request-Timeout": "0.1"}
+    )
+    assert code == 504, raw
+    first.join()
+    assert infer(srv, "rec", [3.0])[0] == 200
+    assert log.read_text().split() == ["1", "3"]  # past its deadline in the queue: never ran
+
+    # The runner process's scheduler judges the priority, as a worker's would.
+    body = {"inputs": body["inputs"], "parameters": {"priority": 5}}
+    code, _, raw = srv.request("POST", "/v2/models/rec/infer", body)
+    assert code == 400, raw
+    assert "priority 5 is outside 1..2" in json.loads(raw)["error"]
+    body["parameters"]["priority"] = 1
+    assert srv.request("POST", "/v2/models/rec/infer", body)[0] == 200
+
+
 def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
     server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
