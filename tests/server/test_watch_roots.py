@@ -41,6 +41,13 @@ def watch_status(srv: ServerProcess) -> dict[str, Any]:
     return json.loads(body)["watch"]  # type: ignore[no-any-return]
 
 
+def ready_everywhere(srv: ServerProcess, name: str) -> bool:
+    """The version is ready on every worker (a merged row without ``states``)."""
+    _, _, body = srv.request("GET", "/admin/plugins")
+    row = next((r for r in json.loads(body)["plugins"] if r["name"] == name), None)
+    return row is not None and row["state"] == "ready" and "states" not in row
+
+
 def y(srv: ServerProcess, route: str = "add") -> float:
     _, _, body = srv.request("POST", f"/predict/{route}", {"x": [[0, 0, 0, 0]]})
     return float(json.loads(body)["y"][0][0])
@@ -136,6 +143,9 @@ def test_a_folder_missing_at_start_is_watched_once_it_appears(
     add_model(staging / "add" / "1" / "model.onnx", amount=2)
     staging.rename(models_dir)
     until(lambda: srv.request("POST", "/predict/add", {"x": [[0, 0, 0, 0]]})[0] == 200)
+    # With several workers the first may answer while another still loads (each request on a
+    # new connection may reach either): wait until every worker has it.
+    until(lambda: ready_everywhere(srv, "add"))
     assert y(srv) == 2.0
     add_model(models_dir / "add" / "1" / "model.onnx", amount=5)
     until(lambda: y(srv) == 5.0)
