@@ -195,9 +195,9 @@ class LoadedPlugin:
             return inputs
         cast = self.manifest.runner is not None and self.manifest.runner.cast_inputs
         checked = conform(self._inputs, inputs, f"route {route!r}", cast)
-        if self.scheduler is None:
+        if self.manifest.runner is None:
             return checked
-        return Checked(checked, self)  # a runner first in its chain: not checked again
+        return Checked(checked, self)  # a runner first in its chain (isolated or not): once
 
     # -- in-flight accounting (no await between resolving a chain and entering it) ----
 
