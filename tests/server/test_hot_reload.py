@@ -281,6 +281,10 @@ def test_a_slow_multi_file_copy_is_never_loaded_half_written(
             f.write(text)
         time.sleep(0.06)
     until(lambda: tag(srv) == (200, "complete"))
+    # With several workers the first may answer while another still loads: wait for every
+    # worker's line, then check that none loaded it twice (a half-written copy loaded first).
+    until(lambda: srv.log().count("plugin=runner/tagger@1.5.0") >= workers)
+    time.sleep(1.5)
     assert "plugin_load_failed" not in srv.log()
     # Loaded once, when complete: one line from each worker.
     assert srv.log().count("plugin=runner/tagger@1.5.0") == workers
