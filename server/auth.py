@@ -52,7 +52,11 @@ def _as_bytes(text: str) -> bytes:
 
 def bearer_token(request: web.Request) -> bytes | None:
     """The token of ``Authorization: Bearer <token>``, or ``None`` without one."""
-    header = request.headers.get(hdrs.AUTHORIZATION)
+    return bearer(request.headers.get(hdrs.AUTHORIZATION))
+
+
+def bearer(header: str | None) -> bytes | None:
+    """The token of an ``Authorization`` value ``Bearer <token>``, or ``None``."""
     if header is None:
         return None
     parts = _as_bytes(header).split(None, 1)
@@ -90,14 +94,22 @@ def check_admin(request: web.Request, settings: Settings) -> None:
     match it (the inference token never does); without one, only loopback
     clients are let in.
     """
-    if settings.admin_port is not None and _local_port(request) != settings.admin_port:
+    check_admin_call(settings, _local_port(request), request.remote, bearer_token(request))
+
+
+def check_admin_call(
+    settings: Settings, local_port: int | None, remote: str | None, token: bytes | None
+) -> None:
+    """:func:`check_admin` for a call of any protocol: the port it reached, its peer's
+    address and its bearer token."""
+    if settings.admin_port is not None and local_port != settings.admin_port:
         raise NotFound("the control plane listens on its own address")
-    token = settings.admin_token
-    if token is None:
-        if not is_loopback(request.remote):
+    admin_token = settings.admin_token
+    if admin_token is None:
+        if not is_loopback(remote):
             raise Forbidden("admin calls need a configured token when not from loopback")
         return
-    if not _accepts(bearer_token(request), (_digest(_as_bytes(token)),)):
+    if not _accepts(token, (_digest(_as_bytes(admin_token)),)):
         raise Unauthorized("admin calls need 'Authorization: Bearer <admin token>'")
 
 
@@ -121,12 +133,25 @@ def _is_open(request: web.Request) -> bool:
     return path in OPEN_PATHS or path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
 
 
+def data_plane_tokens(settings: Settings) -> tuple[bytes, ...] | None:
+    """What the data plane accepts (the inference token's digest, and the admin token's),
+    or ``None`` when it checks nothing (no inference token configured)."""
+    if settings.inference_token is None:
+        return None
+    tokens = [settings.inference_token, settings.admin_token]
+    return tuple(_digest(_as_bytes(token)) for token in tokens if token is not None)
+
+
+def accepts(token: bytes | None, accepted: tuple[bytes, ...] | None) -> bool:
+    """Whether a data-plane call with ``token`` may go on (``accepted``: as above)."""
+    return accepted is None or _accepts(token, accepted)
+
+
 def middlewares(settings: Settings) -> list[Middleware]:
     """The data plane's token check, or nothing when no inference token is configured."""
-    if settings.inference_token is None:
+    accepted = data_plane_tokens(settings)
+    if accepted is None:
         return []
-    tokens = [settings.inference_token, settings.admin_token]
-    accepted = tuple(_digest(_as_bytes(token)) for token in tokens if token is not None)
 
     @web.middleware
     async def inference_token(request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -34,6 +34,7 @@ from server.connections import (
     refusing_budget,
     run_app,
 )
+from server.grpc_api.listener import grpc_lifetime
 from server.logs import configure_logging, protocol_logger
 from server.shutdown import install_signal_handlers
 from server.state import METRICS
@@ -62,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--models-dir", type=Path, help="default: the bundled models/")
     serve.add_argument("--host", help="default: 127.0.0.1")
     serve.add_argument("--port", type=int, help="default: 8000")
+    serve.add_argument(
+        "--grpc-port",
+        type=int,
+        help="the KServe v2 gRPC service's port; 0 turns it off; default: 8001",
+    )
     serve.add_argument(
         "--workers",
         help="HTTP worker processes sharing the port: a number, or auto (one per core); default 1",
@@ -104,6 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         "models_dir": args.models_dir,
         "host": args.host,
         "port": args.port,
+        "grpc_port": args.grpc_port,
         "log_format": args.log_format,
         "log_level": args.log_level,
         "registry": args.registry,
@@ -133,7 +140,10 @@ def _serve(args: argparse.Namespace) -> int:
         from server.processes.supervisor import supervise
 
         return supervise(settings, workers, _event_loop(settings.event_loop))
-    return serve_sockets(settings, _sockets(settings))
+    sockets = _sockets(settings)
+    if settings.grpc_port:  # free, as one process finds it: a clean error now, not at startup
+        bind(settings.host, settings.grpc_port, reuse_port=False).close()
+    return serve_sockets(settings, sockets)
 
 
 def serve_sockets(
@@ -146,6 +156,7 @@ def serve_sockets(
     """
     app = create_app(settings, worker=worker)
     app.on_startup.append(install_signal_handlers)
+    app.cleanup_ctx.append(grpc_lifetime)
     listeners = _listeners(settings, len(sockets))
     app[METRICS].collect_connections(listeners)
     run_app(

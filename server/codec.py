@@ -45,6 +45,7 @@ DEFAULT_LIMITS = Limits()
 class RequestedOutput:
     name: str
     binary: bool | None = None
+    parameters: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -144,6 +145,24 @@ def _input(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    count = element_count(name, datatype, shape, limits)
+    size = _parameters(raw, f"input {name!r}").get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidInput(f"input {name!r}: binary_data_size must be a non-negative integer")
+        if offset + size > len(binary):
+            raise InvalidInput(f"input {name!r}: binary_data_size {size} runs past the body")
+        chunk = binary[offset : offset + size]
+        return name, from_binary(name, datatype, shape, count, chunk), size
+    if "data" not in raw:
+        raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
+    return name, _from_json(name, datatype, shape, count, raw["data"], may_hold_bool), 0
+
+
+def element_count(name: str, datatype: str, shape: list[int], limits: Limits) -> int:
+    """The element count of an input's ``shape`` (non-negative integers), checked against
+    ``limits`` before anything is allocated: 400 for a rank or dimension past them, 413
+    for too many elements."""
     if len(shape) > limits.max_rank:
         raise InvalidInput(
             f"input {name!r} has rank {len(shape)}; at most {limits.max_rank} (max_tensor_rank)"
@@ -165,17 +184,7 @@ def _input(
             f"input {name!r} has {count} BYTES elements; at most {limits.max_bytes_elements} "
             "(max_bytes_elements)"
         )
-    size = _parameters(raw, f"input {name!r}").get("binary_data_size")
-    if size is not None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise InvalidInput(f"input {name!r}: binary_data_size must be a non-negative integer")
-        if offset + size > len(binary):
-            raise InvalidInput(f"input {name!r}: binary_data_size {size} runs past the body")
-        chunk = binary[offset : offset + size]
-        return name, _from_binary(name, datatype, shape, count, chunk), size
-    if "data" not in raw:
-        raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
-    return name, _from_json(name, datatype, shape, count, raw["data"], may_hold_bool), 0
+    return count
 
 
 def _from_json(
@@ -209,7 +218,7 @@ def _to_bytes(name: str, value: Any) -> bytes:
     )
 
 
-def _from_binary(
+def from_binary(
     name: str, datatype: str, shape: list[int], count: int, chunk: memoryview
 ) -> np.ndarray:
     if datatype == "BYTES":
@@ -285,7 +294,7 @@ def encode_response(
     outputs: Mapping[str, np.ndarray],
 ) -> tuple[bytes, dict[str, str]]:
     """Build the response body and headers; binary where the request asked for it."""
-    selected = _select(request, outputs)
+    selected = select_outputs(request, outputs)
     header_outputs = []
     chunks: list[bytes] = []
     finite = True
@@ -294,7 +303,7 @@ def encode_response(
         datatype = v2_datatype(array.dtype)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if binary:
-            raw = _to_binary(array, datatype)
+            raw = to_binary(array, datatype)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
@@ -326,7 +335,9 @@ def _finite(array: np.ndarray, values: list[float]) -> bool:
         return math.isfinite(array.sum(dtype=np.float64))
 
 
-def _select(request: InferRequest, outputs: Mapping[str, np.ndarray]) -> list[tuple[str, bool]]:
+def select_outputs(
+    request: InferRequest, outputs: Mapping[str, np.ndarray]
+) -> list[tuple[str, bool]]:
     default = request.binary_output
     if request.outputs is None:
         return [(name, default) for name in outputs]
@@ -348,7 +359,7 @@ def _to_json(name: str, array: np.ndarray, datatype: str) -> list[Any]:
         ) from None
 
 
-def _to_binary(array: np.ndarray, datatype: str) -> bytes:
+def to_binary(array: np.ndarray, datatype: str) -> bytes:
     if datatype != "BYTES":
         return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
     return bytes_elements(array)

@@ -28,6 +28,7 @@ _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 _BOUNDS: dict[str, tuple[float, float]] = {
     "port": (0, 65535),
     "admin_port": (1, 65535),
+    "grpc_port": (0, 65535),
     "drain_timeout_s": (0, 86_400),
     "max_body_bytes": (1, 2**40),
     "reload_debounce_ms": (0, 3_600_000),
@@ -69,6 +70,8 @@ class Settings:
     admin_token_file: Path | None = None
     admin_host: str | None = None
     admin_port: int | None = None
+    grpc_port: int = 8001
+    """The KServe v2 gRPC service's port (on ``host``); 0 turns it off (server/grpc_api/)."""
     log_format: str = "console"
     log_level: str = "info"
     drain_timeout_s: float = 30.0
@@ -312,6 +315,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "max_body_bytes": int,
         "reload_debounce_ms": int,
         "admin_port": int,
+        "grpc_port": int,
         "max_inputs": int,
         "max_tensor_rank": int,
         "max_tensor_elements": int,

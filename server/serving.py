@@ -6,8 +6,8 @@ import asyncio
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -36,7 +36,21 @@ CLIENT_CLOSED_REQUEST = 499
 """The status counted for a request whose client hung up before its answer (as nginx does)."""
 
 
-def deadline_seconds(request: web.Request, parameters: dict[str, Any]) -> float | None:
+class Incoming(Protocol):
+    """What the request path reads of a call, whatever carried it: an aiohttp request, or a
+    gRPC call (``server/grpc_api/calls.py``) with its metadata as the headers."""
+
+    @property
+    def app(self) -> web.Application: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def content_type(self) -> str: ...
+
+
+def deadline_seconds(request: Incoming, parameters: dict[str, Any]) -> float | None:
     """The request's time budget: v2 ``timeout`` (microseconds, as tritonclient sends it)
     or the ``X-Request-Timeout`` header (seconds); the smaller when both are given."""
     budgets = []
@@ -58,7 +72,7 @@ def deadline_seconds(request: web.Request, parameters: dict[str, Any]) -> float 
 
 
 def request_context(
-    request: web.Request,
+    request: Incoming,
     route: str,
     protocol: str,
     parameters: dict[str, Any],
@@ -88,9 +102,7 @@ def request_context(
     )
 
 
-async def measured(
-    request: web.Request, route: str, protocol: str, work: Coroutine[Any, Any, T]
-) -> T:
+async def measured(request: Incoming, route: str, protocol: str, work: Coroutine[Any, Any, T]) -> T:
     """Await ``work`` (decode, chain, encode) and record its status and duration.
 
     The work is cancelled if the client hangs up first (counted as 499): a
@@ -101,7 +113,8 @@ async def measured(
     """
     started = time.perf_counter()
     status = 200
-    cancel_on_hangup(request)
+    if isinstance(request, web.BaseRequest):  # a gRPC call is cancelled by grpc itself
+        cancel_on_hangup(request)
     if request.app[DRAIN].draining:
         work.close()  # never awaited: close it
         request.app[METRICS].observe(UNKNOWN_ROUTE, protocol, 503, 0.0)
@@ -132,7 +145,7 @@ async def measured(
         )
 
 
-def _request_span(request: web.Request, route: str, chain: Chain) -> Any:
+def _request_span(request: Incoming, route: str, chain: Chain) -> Any:
     """A server span for the request, continuing the caller's W3C ``traceparent``."""
     from opentelemetry import propagate, trace
 
@@ -144,7 +157,7 @@ def _request_span(request: web.Request, route: str, chain: Chain) -> Any:
     )
 
 
-def admit(request: web.Request, route: str, version: str | None) -> None:
+def admit(request: Incoming, route: str, version: str | None) -> None:
     """Before a byte of the body is read: 404/503 for a route or version not served here,
     429 for a route over its rate limit. :func:`serve` resolves the chain again after
     decoding (the table may have changed meanwhile; a lookup costs well under 1 µs)."""
@@ -159,7 +172,7 @@ def admit(request: web.Request, route: str, version: str | None) -> None:
 
 
 async def serve(
-    request: web.Request,
+    request: Incoming,
     route: str,
     version: str | None,
     handle: Callable[[Chain], Awaitable[T]],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 from aiohttp import web
@@ -11,6 +12,7 @@ from aiohttp.typedefs import Handler
 
 from registry.chain import Chain
 from registry.errors import PluginError, Unavailable
+from registry.routes import RouteTable
 from server import __version__
 from server.bodies import LARGE_BODY_BYTES
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
@@ -31,30 +33,35 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    if not request.app[REGISTRY].started:
+    return web.json_response(await readiness(request.app))
+
+
+async def readiness(app: web.Application) -> dict[str, Any]:
+    """The server's readiness answer; :class:`Unavailable` (with why) when not ready."""
+    if not app[REGISTRY].started:
         raise Unavailable("the server is starting: plugins are still loading")
-    if request.app[DRAIN].draining:
+    if app[DRAIN].draining:
         raise Unavailable("the server is shutting down")
-    lost = request.app[REGISTRY].lost_roots
+    lost = app[REGISTRY].lost_roots
     if lost:
         # Loaded versions keep serving; what the folder will hold is unknown until it is back.
         raise Unavailable(
             "watched folder missing: " + ", ".join(sorted(str(p) for p in lost)),
             missing=sorted(str(p) for p in lost),
         )
-    store = request.app[ROUTE_STORE]
-    worker = request.app.get(WORKER)
+    store = app[ROUTE_STORE]
+    worker = app.get(WORKER)
     if worker is not None and worker.spec.fleet:  # the supervisor follows the fleet
         is_ready, details = await worker.fleet_health()
     elif store.mode == "local":
-        return web.json_response({"ready": True})
+        return {"ready": True}
     else:
         is_ready, details = store.ready, store.health()
     # A fleet replica: ready once it has read the fleet's route table; an etcd
     # outage after that keeps it ready (it serves the last table) and shows here.
     if not is_ready:
         raise Unavailable("the fleet's route table has not been read from etcd yet", fleet=details)
-    return web.json_response({"ready": True, "fleet": details})
+    return {"ready": True, "fleet": details}
 
 
 def _resolve(request: web.Request) -> Chain:
@@ -64,18 +71,19 @@ def _resolve(request: web.Request) -> Chain:
 
 async def model_metadata(request: web.Request) -> web.Response:
     chain = _resolve(request)
-    registry = request.app[REGISTRY]
-    entry = registry.routes.entries[chain.route]
+    return web.json_response(metadata(request.app[REGISTRY].routes, chain))
+
+
+def metadata(routes: RouteTable, chain: Chain) -> dict[str, Any]:
+    """A route's model metadata: its versions, platform, chain and tensors."""
     backend = chain.runner.manifest.runner.backend if chain.runner.manifest.runner else None
-    return web.json_response(
-        {
-            "name": chain.route,
-            "versions": entry.versions,
-            "platform": backend or "python",
-            "chain": chain.describe(),
-            **chain.metadata(),
-        }
-    )
+    return {
+        "name": chain.route,
+        "versions": routes.entries[chain.route].versions,
+        "platform": backend or "python",
+        "chain": chain.describe(),
+        **chain.metadata(),
+    }
 
 
 async def model_ready(request: web.Request) -> web.Response:
@@ -105,7 +113,7 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)
         result = await chain.run(decoded.inputs, ctx)
-        outputs = _outputs(chain, result)
+        outputs = named_outputs(chain, result)
         version = chain.runner_version
         if sum(a.nbytes for a in outputs.values()) <= LARGE_BODY_BYTES:
             payload, headers = encode_response(decoded, route, version, outputs)
@@ -127,9 +135,16 @@ counts (and fills in, removing the mark)."""
 
 async def statistics(request: web.Request) -> web.Response:
     """Triton's statistics extension: per route and runner version, cumulative since load."""
-    await request.app[REGISTRY].refresh_isolated()  # their processes count the executions
-    table = request.app[REGISTRY].routes
     route, version = request.match_info.get("route"), request.match_info.get("version")
+    return web.json_response(await statistics_of(request.app, route, version))
+
+
+async def statistics_of(
+    app: web.Application, route: str | None = None, version: str | None = None
+) -> dict[str, Any]:
+    """This process's statistics, of every route or of ``route`` (and ``version``)."""
+    await app[REGISTRY].refresh_isolated()  # their processes count the executions
+    table = app[REGISTRY].routes
     if route is not None:
         table.resolve(route, version)  # 404/503 as for inference
     stats = []
@@ -147,10 +162,10 @@ async def statistics(request: web.Request) -> web.Response:
                 if remote is not None and executions is None:
                     answer[ISOLATED_RUNNER] = runner.label
                 stats.append(answer)
-    return web.json_response({"model_stats": stats})
+    return {"model_stats": stats}
 
 
-def _outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:
+def named_outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:
     """The chain's result as named tensors; anything else is the last stage's fault."""
     last = chain.stages[-1]
     if not isinstance(result, Mapping):
@@ -170,6 +185,16 @@ STATS_PATHS = (
     "/v2/models/{route}/versions/{version}/stats",
 )
 """Triton's statistics extension: every route of it (a supervisor answers them all)."""
+
+
+def stats_path(route: str | None = None, version: str | None = None) -> str:
+    """The statistics extension's path for ``route`` (and ``version``), quoted."""
+    if route is None:
+        return STATS_PATHS[0]
+    path = f"/v2/models/{quote(route, safe='')}"
+    if version is not None:
+        path += f"/versions/{quote(version, safe='')}"
+    return path + "/stats"
 
 
 def add_stats_routes(app: web.Application, handler: Handler) -> None:

@@ -201,6 +201,12 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         command = [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args]
+        # Its own gRPC port too (the default, 8001, would be shared by the servers of a test).
+        self.grpc_port = 0
+        if "--grpc-port" not in args:
+            self.grpc_port = free_port()
+            command += ["--grpc-port", str(self.grpc_port)]
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log = log.open("wb")
         self.proc = subprocess.Popen(

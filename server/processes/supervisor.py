@@ -342,10 +342,28 @@ def bind_workers(settings: Settings) -> tuple[socket.socket, socket.socket | Non
 def supervise(settings: Settings, workers: int, loop: asyncio.AbstractEventLoop) -> int:
     """Serve with ``workers`` worker processes until a signal; the exit code."""
     port, admin = bind_workers(settings)
+    try:
+        grpc_port = hold_grpc_port(settings)
+    except BaseException:
+        port.close()
+        if admin is not None:
+            admin.close()
+        raise
     supervisor = Supervisor(settings, workers, port, admin)
     try:
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(supervisor.run())
     finally:
+        if grpc_port is not None:
+            grpc_port.close()
         shutil.rmtree(supervisor.dir, ignore_errors=True)
         loop.close()
+
+
+def hold_grpc_port(settings: Settings) -> socket.socket | None:
+    """The gRPC port, checked free and held (``SO_REUSEPORT``, not listening) while the
+    workers run: each worker's gRPC server binds it beside this one; ``None`` when off."""
+    if not settings.grpc_port:
+        return None
+    bind(settings.host, settings.grpc_port, reuse_port=False).close()
+    return bind(settings.host, settings.grpc_port, reuse_port=True)

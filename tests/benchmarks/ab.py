@@ -37,6 +37,7 @@ def serve(
     port = free_port()
     command = [
         sys.executable, "-m", "server", "serve", "--port", str(port),
+        "--grpc-port", str(free_port()),
         "--plugins-dir", str(plugins), "--models-dir", str(models), "--log-level", "warning",
     ]  # fmt: skip
     command += ["--workers", str(workers)] if workers > 1 else []

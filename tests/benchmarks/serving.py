@@ -490,7 +490,7 @@ def main() -> None:
                 port = free_port()
                 command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(folder),
                            "--models-dir", str(folder.parent / "models"), "--port", str(port),
-                           "--log-level", "warning"]  # fmt: skip
+                           "--grpc-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
                 # Only where it matters, so the harness also runs a server without the flag.
                 command += ["--workers", str(n)] if n > 1 else []
                 name = f"plugserve-w{n}{suffix}"

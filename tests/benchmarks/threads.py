@@ -77,7 +77,8 @@ def main() -> None:
     for workers in args.workers:
         port = free_port()
         command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(work / "plugins"),
-                   "--models-dir", str(work / "models"), "--port", str(port), "--log-level", "warning"]  # fmt: skip
+                   "--models-dir", str(work / "models"), "--port", str(port), "--log-level", "warning",
+                   "--grpc-port", str(free_port())]  # fmt: skip
         if workers > 1:
             command += ["--workers", str(workers)]
         server = Server(command, port, work / f"server{workers}.log")

@@ -157,7 +157,7 @@ def test_a_reader_that_goes_away_neither_breaks_serving_nor_holds_sigterm(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "server", "serve", "--port", str(port),
-               "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+               "--grpc-port", str(free_port()), "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                "--config", str(config)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     proc = subprocess.Popen(
@@ -197,7 +197,7 @@ def test_a_reader_that_stops_reading_does_not_stall_the_server(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "server", "serve", "--port", str(port),
-               "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+               "--grpc-port", str(free_port()), "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                "--config", str(config)]  # fmt: skip
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

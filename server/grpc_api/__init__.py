@@ -1,0 +1,1 @@
+"""The KServe v2 gRPC service (Triton's ``inference.GRPCInferenceService``)."""

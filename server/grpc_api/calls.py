@@ -1,0 +1,70 @@
+"""One gRPC call as the request path sees it, and plugserve's errors as gRPC status codes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from registry.errors import PlugserveError
+
+GRPC_CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    405: grpc.StatusCode.UNIMPLEMENTED,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    409: grpc.StatusCode.ABORTED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    500: grpc.StatusCode.INTERNAL,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+"""Each HTTP status plugserve's errors carry (``registry/errors.py``), as gRPC's code."""
+
+
+def grpc_code(status: int) -> grpc.StatusCode:
+    """The gRPC status code of an HTTP status; other 4xx are the caller's, 5xx the server's."""
+    code = GRPC_CODES.get(status)
+    if code is not None:
+        return code
+    return grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL
+
+
+def error_details(exc: PlugserveError) -> str:
+    """What a gRPC client reads of an error: the message (the JSON fields HTTP adds, such as
+    ``retry_after_s``, travel as trailing metadata)."""
+    return exc.message
+
+
+class Call:
+    """A gRPC call with what :class:`server.serving.Incoming` reads: the app, the
+    metadata as headers (``-bin`` keys left out), and where it came from."""
+
+    __slots__ = ("app", "content_type", "context", "headers")
+
+    def __init__(self, app: web.Application, context: Any) -> None:
+        self.app = app
+        self.context = context
+        self.content_type = "application/grpc"
+        metadata = context.invocation_metadata() or ()
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(
+            CIMultiDict((key, value) for key, value in metadata if isinstance(value, str))
+        )
+
+    @property
+    def remote(self) -> str | None:
+        """The peer's IP address (gRPC's peer is ``ipv4:1.2.3.4:5`` or ``ipv6:[::1]:5``)."""
+        peer: str = self.context.peer() or ""
+        kind, _, rest = peer.partition(":")
+        if kind == "ipv4":
+            return rest.rpartition(":")[0]
+        if kind == "ipv6":
+            return rest.rpartition(":")[0].strip("[]")
+        return None

@@ -1,0 +1,1 @@
+"""protoc's output for Triton's .proto files (server/grpc_api/generate.py); not edited by hand."""

@@ -1,0 +1,57 @@
+"""The gRPC listener's lifetime: bound once the plugins are loaded, stopped after the drain.
+
+``grpc.aio`` runs on the server's own event loop. With several workers, each
+binds the port with ``SO_REUSEPORT`` (the supervisor holds it meanwhile, as it
+holds the HTTP port, so that no other process takes it); a single process binds
+it alone, so that a port in use is an error at start, not a shared port.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from aiohttp import web
+
+from registry.errors import ConfigError
+from server.grpc_api.service import add_to_server
+from server.state import SETTINGS, WORKER
+
+log = structlog.get_logger("plugserve.grpc")
+
+STOP_GRACE_S = 1.0
+"""What stopping gives calls still open after the drain (streams, mostly): the drain has
+already waited for every inference in flight."""
+
+
+def address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def grpc_lifetime(app: web.Application) -> AsyncIterator[None]:
+    """An aiohttp ``cleanup_ctx``: serve gRPC on ``grpc_port`` while the app runs."""
+    settings = app[SETTINGS]
+    if not settings.grpc_port:
+        yield
+        return
+    shared = app.get(WORKER) is not None
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 1 if shared else 0),
+            ("grpc.max_receive_message_length", settings.max_body_bytes),
+            ("grpc.max_send_message_length", -1),
+        ]
+    )
+    add_to_server(server, app)
+    where = address(settings.host, settings.grpc_port)
+    try:
+        server.add_insecure_port(where)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen for gRPC on {where}: {exc}") from None
+    await server.start()
+    log.info("grpc_serving", address=where)
+    try:
+        yield
+    finally:
+        await server.stop(STOP_GRACE_S)

@@ -1,0 +1,317 @@
+"""Triton's ``inference.GRPCInferenceService`` over the same chains, limits and rules as HTTP.
+
+Every call runs on the server's event loop (``grpc.aio``), in the worker that
+accepted its connection. Inference goes the HTTP path's way
+(:mod:`server.serving`: admission, rate limits, deadline, priority, tenant, the
+drain, metrics with ``protocol="grpc"``, tracing from a ``traceparent`` in the
+metadata), and errors leave as gRPC status codes (:mod:`server.grpc_api.calls`).
+The data plane needs the inference token (``authorization: Bearer ...``
+metadata) where one is configured; the repository calls are the control
+plane's, under the admin rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import orjson
+import structlog
+from aiohttp import web
+from google.protobuf import json_format
+
+from registry.chain import Chain
+from registry.errors import (
+    NotFound,
+    PluginError,
+    PlugserveError,
+    Unauthorized,
+    Unavailable,
+)
+from server import __version__, auth, v2
+from server.grpc_api import tensors
+from server.grpc_api.calls import Call, error_details, grpc_code
+from server.grpc_api.generated import grpc_service_pb2 as pb
+from server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
+from server.grpc_api.generated import health_pb2, health_pb2_grpc
+from server.logs import REQUEST_CHAIN, REQUEST_ID
+from server.middleware import REQUEST_ID_HEADER, client_request_id, new_request_id
+from server.serving import admit, deadline_seconds, measured, request_context, serve
+from server.state import REGISTRY, SETTINGS, WORKER
+
+T = TypeVar("T")
+log = structlog.get_logger("plugserve.grpc")
+
+STREAM_IN_FLIGHT = 64
+"""Requests of one ``ModelStreamInfer`` stream running at once; the stream's next request is
+not read until one finishes (backpressure to the client through gRPC's flow control)."""
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    """The KServe v2 gRPC service of one process (a worker, or the single server)."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        self.tokens = auth.data_plane_tokens(app[SETTINGS])
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _call(self, context: Any) -> Call:
+        """The call, its request id bound, its inference token checked."""
+        call = Call(self.app, context)
+        request_id = client_request_id(call.headers.get(REQUEST_ID_HEADER)) or new_request_id()
+        REQUEST_ID.set(request_id)
+        REQUEST_CHAIN.set(None)
+        if not auth.accepts(auth.bearer(call.headers.get("authorization")), self.tokens):
+            raise Unauthorized("this call needs 'authorization: Bearer <inference token>'")
+        return call
+
+    async def _answer(self, context: Any, method: str, work: Callable[[], Awaitable[T]]) -> T:
+        """Run ``work``; its :class:`PlugserveError` (or a fault) ends the call with a status."""
+        try:
+            return await work()
+        except PlugserveError as exc:
+            _log_refusal(exc, method)
+            for key, value in exc.headers().items():
+                if key.lower() == "retry-after":
+                    context.set_trailing_metadata((("retry-after", value),))
+            await context.abort(grpc_code(exc.status), error_details(exc))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:
+            log.exception("internal_error", rpc=method)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
+        raise AssertionError("unreachable: abort() raises")  # pragma: no cover
+
+    # -- health and metadata ----------------------------------------------------------
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=await self._ready())
+
+    async def _ready(self) -> bool:
+        try:
+            await v2.readiness(self.app)
+        except Unavailable:
+            return False
+        return True
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
+        async def work() -> Any:
+            self._call(context)
+            try:
+                self._resolve(request.name, request.version)
+            except (NotFound, Unavailable):
+                return pb.ModelReadyResponse(ready=False)
+            return pb.ModelReadyResponse(ready=True)
+
+        return await self._answer(context, "ModelReady", work)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> Any:
+        async def work() -> Any:
+            self._call(context)
+            return pb.ServerMetadataResponse(
+                name="plugserve", version=__version__, extensions=v2.EXTENSIONS
+            )
+
+        return await self._answer(context, "ServerMetadata", work)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
+        async def work() -> Any:
+            self._call(context)
+            chain = self._resolve(request.name, request.version)
+            doc = v2.metadata(self.app[REGISTRY].routes, chain)
+            response = pb.ModelMetadataResponse(
+                name=doc["name"], versions=doc["versions"], platform=doc["platform"]
+            )
+            for side in ("inputs", "outputs"):
+                for spec in doc[side]:
+                    getattr(response, side).add(
+                        name=spec["name"], datatype=spec["datatype"], shape=spec["shape"]
+                    )
+            return response
+
+        return await self._answer(context, "ModelMetadata", work)
+
+    def _resolve(self, name: str, version: str) -> Chain:
+        return self.app[REGISTRY].routes.resolve(name, version or None)
+
+    # -- inference --------------------------------------------------------------------
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+        async def work() -> Any:
+            call = self._call(context)
+            return await self._infer(call, request)
+
+        return await self._answer(context, "ModelInfer", work)
+
+    async def _infer(self, call: Call, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        route = request.model_name
+        return await measured(call, route, "grpc", self._run(call, request, route))
+
+    async def _run(
+        self, call: Call, request: pb.ModelInferRequest, route: str
+    ) -> pb.ModelInferResponse:
+        version = request.model_version or None
+        admit(call, route, version)
+        decoded = tensors.decode(request, self.app[SETTINGS].limits)
+        deadline = _deadline(call, decoded.parameters)
+        ctx = request_context(call, route, "grpc", decoded.parameters, deadline)
+
+        async def run(chain: Chain) -> pb.ModelInferResponse:
+            ctx.versions = dict(chain.versions)
+            result = await chain.run(decoded.inputs, ctx)
+            outputs = v2.named_outputs(chain, result)
+            return tensors.encode(decoded, route, chain.runner_version, outputs)
+
+        return await serve(call, route, version, run, deadline)
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> None:
+        """Each request of the stream runs as it arrives (up to ``STREAM_IN_FLIGHT`` at
+        once) and its response is written when it is done, in the order they finish; a
+        failed request answers ``error_message`` and the stream goes on, as Triton's does."""
+        try:
+            self._call(context)
+        except PlugserveError as exc:
+            await context.abort(grpc_code(exc.status), error_details(exc))
+        slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
+        writing = asyncio.Lock()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                try:
+                    call = self._call(context)
+                    answer = pb.ModelStreamInferResponse(
+                        infer_response=await self._infer(call, request)
+                    )
+                except PlugserveError as exc:
+                    _log_refusal(exc, "ModelStreamInfer")
+                    answer = pb.ModelStreamInferResponse(
+                        error_message=error_details(exc),
+                        infer_response=pb.ModelInferResponse(
+                            model_name=request.model_name, id=request.id
+                        ),
+                    )
+                except Exception:
+                    log.exception("internal_error", rpc="ModelStreamInfer")
+                    answer = pb.ModelStreamInferResponse(error_message="internal server error")
+                async with writing:
+                    await context.write(answer)
+            finally:
+                slots.release()
+
+        try:
+            async for request in requests:
+                await slots.acquire()
+                task = asyncio.create_task(one(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+        finally:
+            for task in running:  # the client went away: nobody reads the answers
+                task.cancel()
+
+    # -- statistics and configuration -------------------------------------------------
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
+        async def work() -> Any:
+            call = self._call(context)
+            name, version = request.name or None, request.version or None
+            doc = await self._whole_server(call, "GET", v2.stats_path(name, version), None)
+            if doc is None:
+                doc = await v2.statistics_of(self.app, name, version)
+            return json_format.ParseDict(
+                doc, pb.ModelStatisticsResponse(), ignore_unknown_fields=True
+            )
+
+        return await self._answer(context, "ModelStatistics", work)
+
+    async def _whole_server(
+        self, call: Call, method: str, path: str, body: bytes | None
+    ) -> dict[str, Any] | None:
+        """A whole-server answer from the supervisor (with several workers), else ``None``:
+        this process is the whole server and answers itself."""
+        worker = self.app.get(WORKER)
+        if worker is None:
+            return None
+        headers = {REQUEST_ID_HEADER: REQUEST_ID.get() or ""}
+        try:
+            reply = await worker.supervisor.call(method, path, body, headers)
+        except (OSError, TimeoutError) as exc:
+            raise Unavailable(f"the supervisor is not answering: {exc!r}") from None
+        doc = orjson.loads(reply.body) if reply.body else {}
+        if reply.status >= 400:
+            raise _error_of(reply.status, doc)
+        return doc if isinstance(doc, dict) else {}
+
+    # -- not offered ------------------------------------------------------------------
+
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "trace settings are not offered: plugserve traces with OpenTelemetry "
+            "(docs/operations.md)",
+        )
+
+    async def LogSettings(self, request: Any, context: Any) -> Any:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "log settings are not offered: set log_level in the config",
+        )
+
+
+class HealthService(health_pb2_grpc.HealthServicer):
+    """gRPC's standard health check (``grpc.health.v1``): SERVING when the server is ready."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        status = health_pb2.HealthCheckResponse
+        ready = await self.service._ready()
+        return status(status=status.SERVING if ready else status.NOT_SERVING)
+
+
+def _deadline(call: Call, parameters: dict[str, Any]) -> float | None:
+    """The request's budget: the gRPC deadline, the ``timeout`` parameter (µs) or the
+    ``x-request-timeout`` metadata (s), the smallest of those given."""
+    budget = deadline_seconds(call, parameters)
+    remaining = call.context.time_remaining()
+    if remaining is not None and math.isfinite(remaining):
+        remaining = max(remaining, 1e-6)
+        budget = remaining if budget is None else min(budget, remaining)
+    return budget
+
+
+def _log_refusal(exc: PlugserveError, method: str) -> None:
+    if isinstance(exc, PluginError):
+        log.error("plugin_raised", rpc=method, error=exc.message, exc_info=exc.exc)
+    elif exc.status >= 500 and exc.status not in (503, 504):
+        log.error("request_failed", rpc=method, error=exc.message, status=exc.status)
+    else:
+        log.debug("request_failed", rpc=method, error=exc.message, status=exc.status)
+
+
+def _error_of(status: int, doc: Any) -> PlugserveError:
+    """A supervisor's error answer as the error it was."""
+    message = doc.get("error") if isinstance(doc, dict) else None
+    error = PlugserveError(str(message or f"the supervisor answered {status}"))
+    error.status = status
+    return error
+
+
+def add_to_server(server: Any, app: web.Application) -> InferenceService:
+    """Register the inference and health services of ``app`` on a ``grpc.aio`` server."""
+    service = InferenceService(app)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), server)  # type: ignore[no-untyped-call]
+    return service

@@ -1,0 +1,160 @@
+"""gRPC's ``ModelInferRequest`` into the request the chains run, their outputs back out.
+
+Inputs arrive either as ``raw_input_contents`` (one entry per input, in input
+order, laid out as the binary tensor extension lays them: little-endian,
+row-major, ``BYTES`` length-prefixed) or as typed ``contents``; both are checked
+against the same limits as HTTP's, by the same code (``server/codec.py``), and
+raw ones are read without a copy. Outputs always go back as
+``raw_output_contents``, as Triton answers, which every Triton client reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from registry.datatypes import V2_TO_NUMPY, v2_datatype
+from registry.errors import InvalidInput
+from server.codec import (
+    InferRequest,
+    Limits,
+    RequestedOutput,
+    element_count,
+    from_binary,
+    select_outputs,
+    to_binary,
+)
+from server.grpc_api.generated import grpc_service_pb2 as pb
+
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+"""Which typed field of ``InferTensorContents`` carries a datatype (FP16 has none: raw only)."""
+
+
+def parameters(given: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
+    """A ``map<string, InferParameter>`` as the plain values HTTP's JSON parameters hold."""
+    out: dict[str, Any] = {}
+    for key, parameter in given.items():
+        which = parameter.WhichOneof("parameter_choice")
+        out[key] = None if which is None else getattr(parameter, which)
+    return out
+
+
+def set_parameter(target: pb.InferParameter, value: Any) -> None:
+    """Write a plain value into an ``InferParameter`` (the type picks the field)."""
+    if isinstance(value, bool):
+        target.bool_param = value
+    elif isinstance(value, int):
+        if value < 1 << 63:
+            target.int64_param = value
+        else:
+            target.uint64_param = value
+    elif isinstance(value, float):
+        target.double_param = value
+    else:
+        target.string_param = str(value)
+
+
+def decode(request: pb.ModelInferRequest, limits: Limits) -> InferRequest:
+    """The request the chain runs; :class:`InvalidInput` for anything malformed."""
+    if not request.inputs:
+        raise InvalidInput("'inputs' must be a non-empty list")
+    if len(request.inputs) > limits.max_inputs:
+        raise InvalidInput(
+            f"{len(request.inputs)} inputs; at most {limits.max_inputs} (max_inputs)"
+        )
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: "
+            "one per input, in order, or none"
+        )
+    inputs: dict[str, np.ndarray] = {}
+    for index, tensor in enumerate(request.inputs):
+        name = tensor.name
+        if name in inputs:
+            raise InvalidInput(f"input {name!r} appears twice")
+        inputs[name] = _input(tensor, raw[index] if raw else None, limits)
+    outputs = [
+        RequestedOutput(output.name, True, parameters(output.parameters))
+        for output in request.outputs
+    ]
+    if len({o.name for o in outputs}) != len(outputs):
+        raise InvalidInput("an output is requested more than once")
+    return InferRequest(
+        inputs,
+        request.id or None,
+        parameters(request.parameters),
+        outputs or None,
+    )
+
+
+def _input(
+    tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, limits: Limits
+) -> np.ndarray:
+    name, datatype = tensor.name, tensor.datatype
+    if datatype not in V2_TO_NUMPY:
+        known = ", ".join(V2_TO_NUMPY)
+        raise InvalidInput(f"input {name!r}: datatype {datatype!r} is not supported ({known})")
+    shape = list(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    count = element_count(name, datatype, shape, limits)
+    if raw is not None:
+        if tensor.HasField("contents"):
+            raise InvalidInput(f"input {name!r} has both contents and raw_input_contents")
+        return from_binary(name, datatype, shape, count, memoryview(raw))
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise InvalidInput(f"input {name!r}: {datatype} travels in raw_input_contents only")
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} needs {count} elements, the contents have {len(values)}"
+        )
+    dtype = V2_TO_NUMPY[datatype]
+    if datatype == "BYTES":
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array.reshape(shape)
+    try:
+        # int_contents is int32: an INT8 value of 300 would wrap silently; refuse it instead.
+        wide = np.asarray(values, dtype=np.float64 if dtype.kind == "f" else None)
+        array = wide.astype(dtype)
+        if dtype.kind in "iu" and count and not np.array_equal(array, wide):
+            raise ValueError(f"a value does not fit {datatype}")
+    except (ValueError, OverflowError) as exc:
+        raise InvalidInput(f"input {name!r}: {exc}") from None
+    return array.reshape(shape)
+
+
+def encode(
+    request: InferRequest,
+    model_name: str,
+    model_version: str,
+    outputs: Mapping[str, np.ndarray],
+) -> pb.ModelInferResponse:
+    """The response: the requested outputs (every one when none was named), raw."""
+    response = pb.ModelInferResponse(model_name=model_name, model_version=model_version)
+    if request.id is not None:
+        response.id = request.id
+    for name, _ in select_outputs(request, outputs):
+        array = outputs[name]
+        datatype = v2_datatype(array.dtype)
+        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        response.raw_output_contents.append(to_binary(array, datatype))
+    return response
