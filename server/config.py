@@ -161,6 +161,12 @@ class Settings:
             raise ConfigError(
                 f"log_level must be debug, info, warning or error: {self.log_level!r}"
             )
+        if self.grpc_port and self.grpc_port in (self.port, self.admin_port):
+            which = "port" if self.grpc_port == self.port else "admin_port"
+            raise ConfigError(
+                f"grpc_port {self.grpc_port} is also {which}: give gRPC a port of its own "
+                "(or grpc_port = 0 to turn it off)"
+            )
         if self.registry != "local" and not self.registry.startswith(("etcd://", "etcds://")):
             raise ConfigError(
                 "registry must be 'local' or etcd://[user@]host:port/prefix "

@@ -44,6 +44,9 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         ("close_timeout_s = nan\n", "close_timeout_s: must be a finite number"),
         ("close_timeout_s = inf\n", "close_timeout_s: must be a finite number"),
         ("close_timeout_s = '10'\n", "close_timeout_s must be"),
+        ("grpc_port = 70000\n", "grpc_port: must be an integer >= 0 and <= 65535"),
+        ("grpc_port = 8000\n", "grpc_port 8000 is also port"),
+        ("admin_port = 8001\n", "grpc_port 8001 is also admin_port"),
     ],
 )
 def test_invalid_config_files(tmp_path: Path, text: str, message: str) -> None:
