@@ -175,6 +175,15 @@ async def test_a_digest_collision_is_a_miss_never_a_wrong_answer(registry: Regis
     assert cache.get(forged) is None
     assert cache.get(replace(key, header=key.header + b" ")) is None
     assert cache.get(key) is not None
+    # Large data is compared as arrays: one byte differing at the end is a miss too.
+    large = np.zeros((1, 100_000), dtype=np.float32)
+    big = cache.key(c, {"x": large}, ctx())
+    assert big is not None and cache.put(big, {"y": np.zeros(2)}, 1)
+    last = large.copy()
+    last[0, -1] = 1
+    changed = cache.key(c, {"x": last}, ctx())
+    assert changed is not None and cache.get(replace(changed, digest=big.digest)) is None
+    assert cache.get(big) is not None
 
 
 async def test_the_bound_is_in_bytes_and_the_least_recently_used_goes_first(
