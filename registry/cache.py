@@ -94,21 +94,23 @@ class ResponseCache:
         return self.capacity > 0 and runner is not None and runner.response_cache
 
     def key(self, chain: Chain, data: Any, ctx: RequestContext) -> CacheKey | None:
-        """The key of a request, or ``None`` when its data or parameters cannot be keyed
-        (a BYTES element that is neither bytes nor text, a parameter not JSON)."""
+        """The key of a request, or ``None`` when its data cannot be keyed (a BYTES element
+        that is neither bytes nor text, a ``/predict`` result of parsing that is not JSON)."""
         raw = _raw_data(data, ctx.content_type)
         if raw is None:
             return None
         kind, names, arrays = raw
         loads = tuple(stage.load_id for stage in chain.stages)
-        parameters = {k: v for k, v in ctx.parameters.items() if k not in IGNORED_PARAMETERS}
-        try:
-            header = orjson.dumps(
-                [chain.route, chain.label, loads, parameters, kind, names],
-                option=orjson.OPT_SORT_KEYS,
+        try:  # repr: typed and unambiguous for every value a protocol decodes (bytes too)
+            parameters = repr(
+                sorted(
+                    ((k, v) for k, v in ctx.parameters.items() if k not in IGNORED_PARAMETERS),
+                    key=lambda item: item[0],
+                )
             )
-        except (TypeError, orjson.JSONEncodeError):
+        except TypeError:  # names that are not all text
             return None
+        header = orjson.dumps([chain.route, chain.label, loads, kind, names, parameters])
         digest = hashlib.sha256(header)
         for array in arrays:
             digest.update(array.data)
