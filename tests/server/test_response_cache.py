@@ -47,7 +47,12 @@ COUNTING_RUNNER = """
 
 
 def write_counter(
-    plugins_dir: Path, name: str, calls: Path, scale: float = 2, cache: bool = True
+    plugins_dir: Path,
+    name: str,
+    calls: Path,
+    scale: float = 2,
+    cache: bool = True,
+    runner: str = "",
 ) -> Path:
     """A runner ``y = (x + shift) * scale`` writing a line to ``calls`` per execution."""
     return write_plugin(
@@ -56,7 +61,7 @@ def write_counter(
         name,
         "1.0.0",
         f'[config]\ncalls = "{calls}"\nscale = {scale}\n'
-        f"[runner]\nresponse_cache = {'true' if cache else 'false'}\n"
+        f"[runner]\nresponse_cache = {'true' if cache else 'false'}\n{runner}"
         '[route]\npreprocess = ["shift"]\n',
         {"plugin.py": COUNTING_RUNNER},
     )
@@ -218,3 +223,18 @@ def test_response_cache_bytes_0_turns_it_off(
     for _ in range(2):
         infer(srv, [1, 2])
     assert calls(tmp_path) == 2
+
+
+def test_an_isolated_runner_is_cached_in_the_worker(
+    tmp_path: Path, plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_processor(plugins_dir, "preprocessor", "shift", "1.0.0", amount=0)
+    write_counter(plugins_dir, "count", tmp_path / "count.calls", runner='isolation = "process"\n')
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    for _ in range(3):
+        np.testing.assert_array_equal(infer(srv, [1, 2]), [[2, 4]])
+    assert calls(tmp_path) == 1
+    _, _, body = srv.request("GET", "/v2/models/count/stats")
+    (entry,) = json.loads(body)["model_stats"]
+    assert entry["inference_stats"]["cache_hit"]["count"] == 2
+    assert entry["execution_count"] == 1
