@@ -154,7 +154,11 @@ class ResponseCache:
         return len(stale)
 
     def listener(self, registry: Registry) -> Callable[[LifecycleEvent], None]:
-        """A registry listener releasing the entries of versions reloaded or unloaded."""
+        """A registry listener releasing the entries of versions reloaded or unloaded.
+
+        A request still running on the old load when it goes may keep its answer
+        afterwards: under a key no request makes any more, until the LRU drops it.
+        """
 
         def listen(event: LifecycleEvent) -> None:
             if self._entries and event.outcome in ("reloaded", "unloaded"):
@@ -259,7 +263,7 @@ def _same(kept: bytes, raw: np.ndarray) -> bool:
 def _raw_data(data: Any, content_type: str) -> tuple[str, list[Any], tuple[np.ndarray, ...]] | None:
     """What a request's data is made of: a kind, the names (tensors: name, datatype and
     shape) and the bytes (one uint8 array per tensor), or ``None`` if it cannot be keyed."""
-    if isinstance(data, bytes | bytearray | memoryview):
+    if isinstance(data, bytes | bytearray):
         return f"body:{content_type}", [], (np.frombuffer(data, np.uint8),)
     if isinstance(data, Mapping) and data and all(isinstance(v, np.ndarray) for v in data.values()):
         if not all(isinstance(n, str) for n in data):
