@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -31,6 +32,7 @@ INLINE_MAX_ROWS = 4
 INLINE_MAX_BYTES = 64 * 1024
 """A batch larger than this never runs inline, whatever its rows: its cost is not measured."""
 SMALL_COSTS_KEPT = 8
+_LOADS = itertools.count(1)
 
 
 async def await_maybe(value: Any) -> Any:
@@ -68,6 +70,8 @@ class LoadedPlugin:
     hook_name: str | None = None
     model_path: Path | None = None
     loaded_at: float = field(default_factory=time.time)
+    load_id: int = field(init=False, default_factory=lambda: next(_LOADS))
+    """Unique to this load in this process: a reload of the same version gets a new one."""
     in_flight: int = 0
     executing: int = 0
     """Runner calls still on a worker thread; one whose request was cancelled (its client

@@ -45,6 +45,7 @@ RUNNER_KEYS = frozenset(
         "isolation",
         "device",
         "devices",
+        "response_cache",
     }
 )
 """The ``[runner]`` keys plugserve reads itself; a backend declares its own (``runner_keys``)."""
@@ -80,6 +81,8 @@ class RunnerSection:
     isolation: str = "none"
     devices: tuple[str, ...] = ()
     """``cuda:N`` per instance, in turn (``device`` is one for all); ``()``: unset."""
+    response_cache: bool = False
+    """Cache whole responses of the routes this runner serves (registry/cache.py)."""
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
@@ -253,6 +256,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         cast_inputs=p.boolean(table, "runner.cast_inputs", False),
         isolation=_isolation(p, table),
         devices=_devices(p, table),
+        response_cache=p.boolean(table, "runner.response_cache", False),
         table=MappingProxyType(dict(table)),
     )
 

@@ -68,6 +68,10 @@ class RunnerStats:
     success: _Duration = field(default_factory=_Duration)
     fail: _Duration = field(default_factory=_Duration)
     stages: dict[str, _Duration] = field(default_factory=lambda: {s: _Duration() for s in STAGES})
+    cache_hit: _Duration = field(default_factory=_Duration)
+    """Requests answered from the response cache; ``ns``: the lookups' time."""
+    cache_miss: _Duration = field(default_factory=_Duration)
+    """Requests the response cache did not hold; ``ns``: their lookups and insertions."""
     inference_count: int = 0
     execution_count: int = 0
     last_inference_ms: int = 0
@@ -99,6 +103,11 @@ class RunnerStats:
                     self.latency[stage].observe(timings[stage])
         self.last_inference_ms = int(time.time() * 1000)
 
+    def record_cache_hit(self, seconds: float, lookup: float, rows: int) -> None:
+        """A request answered from the response cache: a success without an execution."""
+        self.cache_hit.add(lookup)
+        self.record_request(True, seconds, {}, rows)
+
     def executions_json(self) -> dict[str, Any]:
         """The execution side (what a runner process counts) as JSON: :meth:`add_executions`."""
         return {
@@ -127,8 +136,8 @@ class RunnerStats:
         ran = executions or self
         inference = {"success": self.success.as_json(), "fail": self.fail.as_json()}
         inference.update({stage: self.stages[stage].as_json() for stage in STAGES})
-        inference["cache_hit"] = {"count": 0, "ns": 0}
-        inference["cache_miss"] = {"count": 0, "ns": 0}
+        inference["cache_hit"] = self.cache_hit.as_json()
+        inference["cache_miss"] = self.cache_miss.as_json()
         return {
             "name": name,
             "version": version,

@@ -12,6 +12,7 @@ import structlog
 from aiohttp import web
 
 from registry import tracing
+from registry.cache import ResponseCache
 from registry.fleet import EtcdLocation, EtcdRouteStore
 from registry.isolation.host import ProcessSettings, RunnerHost
 from registry.registry import Registry
@@ -23,7 +24,16 @@ from server.config import Settings
 from server.metrics import Metrics
 from server.middleware import request_middleware
 from server.shutdown import CLOSE_FLOOR_S, Drain, within
-from server.state import BODIES, DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS, WORKER
+from server.state import (
+    BODIES,
+    DRAIN,
+    METRICS,
+    REGISTRY,
+    RESPONSE_CACHE,
+    ROUTE_STORE,
+    SETTINGS,
+    WORKER,
+)
 
 if TYPE_CHECKING:
     from server.processes.link import WorkerLink
@@ -156,6 +166,9 @@ def create_app(
     app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
     app[ROUTE_STORE] = route_store(settings, app[REGISTRY])
     app[METRICS].collect_from(app[REGISTRY], app[ROUTE_STORE])
+    app[RESPONSE_CACHE] = ResponseCache(settings.response_cache_bytes)
+    app[REGISTRY].listeners.append(app[RESPONSE_CACHE].listener(app[REGISTRY]))
+    app[METRICS].collect_cache(app[RESPONSE_CACHE])
     app.cleanup_ctx.append(_registry_lifetime)
     through = None
     if worker is not None:

@@ -46,6 +46,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "body_threads": (1, 64),
     "max_large_bodies": (1, 10_000),
     "workers": (1, 1024),
+    "response_cache_bytes": (0, 2**40),
 }
 """Each number setting's bounds; any other number is finite and at most 2**53."""
 _ABOVE_LOW = {"load_timeout_s", "close_timeout_s", "header_timeout_s", "body_timeout_s"}
@@ -118,6 +119,9 @@ class Settings:
     """With a value, every data-plane call but health and ``/metrics`` needs it (or the
     admin token) as ``Authorization: Bearer <token>``."""
     inference_token_file: Path | None = None
+    response_cache_bytes: int = 64 * 1024 * 1024
+    """The response cache's bound, per worker process: whole responses of the routes whose
+    runner sets ``[runner] response_cache = true`` (registry/cache.py); 0 turns it off."""
     # -- processes (server/processes/) --
     workers: int | str = 1
     """HTTP worker processes sharing the port: a number, or ``auto`` (one per usable core).
@@ -340,5 +344,6 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "body_threads": int,
         "max_large_bodies": int,
         "workers": (int, str),
+        "response_cache_bytes": int,
     }
     return types.get(key, str)

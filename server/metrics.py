@@ -23,6 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from registry.cache import ResponseCache
 from registry.fleet import EtcdRouteStore
 from registry.refs import PLUGIN_TYPES
 from registry.registry import LifecycleEvent, Registry
@@ -97,6 +98,10 @@ class Metrics:
     def collect_connections(self, listeners: Sequence[Listener]) -> None:
         """Add the client connections of the server's listeners (open, refused, timed out)."""
         self.registry.register(_ConnectionCollector(listeners))
+
+    def collect_cache(self, cache: ResponseCache) -> None:
+        """Add the response cache's hits, misses, evictions, bytes and entries."""
+        self.registry.register(_CacheCollector(cache))
 
     def lifecycle_listener(self, registry: Registry) -> Callable[[LifecycleEvent], None]:
         """A registry listener that counts lifecycle events and refreshes the state gauge."""
@@ -259,6 +264,54 @@ class _FleetCollector(Collector):
             "plugserve_fleet_disconnects",
             "Times this replica lost etcd after having been connected.",
             value=store.disconnects,
+        )
+
+
+class _CacheCollector(Collector):
+    """The response cache of this process (with workers, the supervisor sums them)."""
+
+    def __init__(self, cache: ResponseCache) -> None:
+        self._cache = cache
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self._cache
+        hits = CounterMetricFamily(
+            "plugserve_response_cache_hits",
+            "Requests answered from the response cache, without running the chain, by route.",
+            labels=["route"],
+        )
+        misses = CounterMetricFamily(
+            "plugserve_response_cache_misses",
+            "Requests of a route with the response cache that it did not hold, by route.",
+            labels=["route"],
+        )
+        for route, count in cache.hits.items():
+            hits.add_metric([route], count)
+        for route, count in cache.misses.items():
+            misses.add_metric([route], count)
+        yield from (hits, misses)
+        yield CounterMetricFamily(
+            "plugserve_response_cache_evictions",
+            "Entries the response cache dropped to stay within response_cache_bytes.",
+            value=cache.evictions,
+        )
+        yield GaugeMetricFamily(
+            "plugserve_response_cache_bytes",
+            "Bytes the response cache holds now (inputs, outputs and overhead of its entries).",
+            value=cache.bytes,
+        )
+        yield GaugeMetricFamily(
+            "plugserve_response_cache_entries",
+            "Entries the response cache holds now.",
+            value=len(cache),
+        )
+        yield GaugeMetricFamily(
+            "plugserve_response_cache_capacity_bytes",
+            "The response cache's bound (response_cache_bytes), summed over worker processes.",
+            value=cache.capacity,
         )
 
 

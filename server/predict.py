@@ -14,11 +14,12 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from registry.cache import run_chain
 from registry.chain import Chain
 from registry.errors import InvalidInput, PluginError
 from server.bodies import LARGE_BODY_BYTES
 from server.serving import admit, deadline_seconds, measured, request_context, serve
-from server.state import BODIES
+from server.state import BODIES, RESPONSE_CACHE
 
 
 def is_json(content_type: str) -> bool:
@@ -85,10 +86,11 @@ async def _predict(request: web.Request, route: str) -> web.Response:
 
     deadline = deadline_seconds(request, {})
     ctx = request_context(request, route, "predict", dict(request.query), deadline)
+    cache = request.app[RESPONSE_CACHE]
 
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)
-        result = await chain.run(data, ctx)
+        result = await run_chain(cache, chain, data, ctx)
         if _size(result) <= LARGE_BODY_BYTES:
             return encode_result(chain, result)
         return await bodies.run(lambda: encode_result(chain, result))  # off the event loop

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from registry.cache import ResponseCache
 from registry.registry import Registry
 from registry.route_store import RouteStore
 from server.bodies import Bodies
@@ -22,5 +23,6 @@ METRICS = web.AppKey("metrics", Metrics)
 DRAIN = web.AppKey("drain", Drain)
 ROUTE_STORE = web.AppKey("route_store", RouteStore)
 BODIES = web.AppKey("bodies", Bodies)
+RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
 WORKER: web.AppKey[WorkerLink] = web.AppKey("worker")
 """Set in a worker among several: its link to the supervisor (server/processes/link.py)."""

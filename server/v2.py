@@ -10,6 +10,7 @@ import numpy as np
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from registry.cache import run_chain
 from registry.chain import Chain
 from registry.errors import PluginError, Unavailable
 from registry.routes import RouteTable
@@ -17,7 +18,15 @@ from server import __version__
 from server.bodies import LARGE_BODY_BYTES
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import admit, deadline_seconds, measured, request_context, serve
-from server.state import BODIES, DRAIN, REGISTRY, ROUTE_STORE, SETTINGS, WORKER
+from server.state import (
+    BODIES,
+    DRAIN,
+    REGISTRY,
+    RESPONSE_CACHE,
+    ROUTE_STORE,
+    SETTINGS,
+    WORKER,
+)
 
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
@@ -109,10 +118,11 @@ async def _infer(request: web.Request, route: str) -> web.Response:
 
     deadline = deadline_seconds(request, decoded.parameters)
     ctx = request_context(request, route, "v2", decoded.parameters, deadline)
+    cache = app[RESPONSE_CACHE]
 
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)
-        result = await chain.run(decoded.inputs, ctx)
+        result = await run_chain(cache, chain, decoded.inputs, ctx)
         outputs = named_outputs(chain, result)
         version = chain.runner_version
         if sum(a.nbytes for a in outputs.values()) <= LARGE_BODY_BYTES:

@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 from google.protobuf import json_format
 
+from registry.cache import run_chain
 from registry.chain import Chain
 from registry.errors import (
     NotFound,
@@ -40,7 +41,7 @@ from server.grpc_api.generated import health_pb2, health_pb2_grpc
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.middleware import REQUEST_ID_HEADER, client_request_id, new_request_id
 from server.serving import admit, deadline_seconds, measured, request_context, serve
-from server.state import REGISTRY, SETTINGS, WORKER
+from server.state import REGISTRY, RESPONSE_CACHE, SETTINGS, WORKER
 
 T = TypeVar("T")
 log = structlog.get_logger("plugserve.grpc")
@@ -162,10 +163,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         decoded = tensors.decode(request, self.app[SETTINGS].limits)
         deadline = _deadline(call, decoded.parameters)
         ctx = request_context(call, route, "grpc", decoded.parameters, deadline)
+        cache = self.app[RESPONSE_CACHE]
 
         async def run(chain: Chain) -> pb.ModelInferResponse:
             ctx.versions = dict(chain.versions)
-            result = await chain.run(decoded.inputs, ctx)
+            result = await run_chain(cache, chain, decoded.inputs, ctx)
             outputs = v2.named_outputs(chain, result)
             return tensors.encode(decoded, route, chain.runner_version, outputs)
 

@@ -50,6 +50,7 @@ def test_full_runner_manifest_is_parsed(plugins_dir: Path) -> None:
     assert (m.runner.max_batch_size, m.runner.max_queue_delay_ms, m.runner.instances) == (8, 1.5, 2)
     assert m.runner.providers == ("CUDAExecutionProvider", "CPUExecutionProvider")
     assert m.runner.cast_inputs is False  # issue 12, finding 16: datatypes must match by default
+    assert m.runner.response_cache is False  # issue 15: a route caches only when asked to
     assert m.route_name == "flowers"
     assert m.route.preprocess == (Ref("scale", Version.parse("1.0.0")), Ref("clip"))
     assert m.label == "runner/iris@1.2.3-rc.1"
@@ -84,6 +85,7 @@ RUNNER = HEAD + "[runner]\nbackend='onnxruntime'\n"
         ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\n[runner]\nbackend='onnxruntime'\n"
          "cast_inputs='yes'\n", "runner.cast_inputs", "must be true or false"),
         (RUNNER + "isolation='thread'\n", "runner.isolation", "one of none, process"),
+        (RUNNER + "response_cache=1\n", "runner.response_cache", "must be true or false"),
         (RUNNER + "isolation='process'\ndevice='gpu0'\n", "runner.device", "such as 'cuda:0'"),
         (RUNNER + "device='cuda:0'\n", "runner.device", "needs isolation"),
         (RUNNER + "isolation='process'\ndevice='cuda:0'\ndevices=['cuda:1']\n",

@@ -109,3 +109,13 @@ def test_settings_refuse_non_finite_and_out_of_bound_numbers(value: float) -> No
 def test_a_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such file"):
         load_settings(tmp_path / "absent.toml", environ={})
+
+
+@pytest.mark.parametrize(("value", "ok"), [(0, True), (1 << 30, True), (-1, False), (2**41, False)])
+def test_response_cache_bytes_bounds(value: int, ok: bool) -> None:
+    if ok:
+        assert Settings(response_cache_bytes=value).response_cache_bytes == value
+    else:
+        with pytest.raises(ConfigError, match="response_cache_bytes"):
+            Settings(response_cache_bytes=value)
+    assert Settings().response_cache_bytes == 64 * 1024 * 1024

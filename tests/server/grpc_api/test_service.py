@@ -449,3 +449,20 @@ def test_grpc_port_zero_turns_it_off(
                  "--grpc-port", "0")  # fmt: skip
     assert "grpc_serving" not in srv.log()
     assert json.loads(srv.request("GET", "/v2/health/ready")[2])["ready"] is True
+
+
+def test_the_response_cache_answers_grpc_and_counts_in_its_statistics(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_add_runner(plugins_dir, "cached", "1.0.0", amount=3, runner="response_cache = true")
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    for _ in range(3):
+        result = client.infer("cached", [_input("x", _x(), "FP32")])
+        np.testing.assert_array_equal(result.as_numpy("y"), _x() + 3)
+    client.infer("cached", [_input("x", _x() + 1, "FP32")])  # another input: a miss
+    (row,) = client.get_inference_statistics("cached", as_json=True)["model_stats"]
+    stats = row["inference_stats"]
+    assert int(stats["cache_hit"]["count"]) == 2
+    assert int(stats["cache_miss"]["count"]) == 2
+    assert int(row["execution_count"]) == 2
