@@ -227,6 +227,11 @@ def test_errors_are_grpc_status_codes(triton: grpcclient.InferenceServerClient) 
             "INTERNAL",
             "asked to fail",
         ),
+        (
+            lambda: triton.infer("add", [_input("x", _x(), "FP32")], priority=99),
+            "INVALID_ARGUMENT",
+            "priority",
+        ),
     ]  # fmt: skip
     for call, code, text in cases:
         with pytest.raises(InferenceServerException) as info:
