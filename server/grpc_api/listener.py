@@ -15,6 +15,7 @@ import structlog
 from aiohttp import web
 
 from registry.errors import ConfigError
+from server.connections import DEFAULT_MAX_CONNECTIONS
 from server.grpc_api.service import add_to_server
 from server.state import SETTINGS, WORKER
 
@@ -41,7 +42,9 @@ async def grpc_lifetime(app: web.Application) -> AsyncIterator[None]:
             ("grpc.so_reuseport", 1 if shared else 0),
             ("grpc.max_receive_message_length", settings.max_body_bytes),
             ("grpc.max_send_message_length", -1),
-        ]
+        ],
+        # As max_connections bounds HTTP's: past it a call is RESOURCE_EXHAUSTED at once.
+        maximum_concurrent_rpcs=settings.max_connections or DEFAULT_MAX_CONNECTIONS,
     )
     add_to_server(server, app)
     where = address(settings.host, settings.grpc_port)
