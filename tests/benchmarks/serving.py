@@ -182,9 +182,9 @@ def _ms(text: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
 
 
-def wrk(url: str, script: Path, connections: int, duration: int) -> Result:
+def wrk(url: str, script: Path, connections: int, duration: int, threads: int = 1) -> Result:
     out = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url],
+        ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
