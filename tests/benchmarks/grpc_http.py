@@ -12,6 +12,10 @@ batching 64 / 2 ms), one row per request, served by
 - plugserve, one server per ``--workers`` count, each with ``--grpc-port``:
   Triton's ``ModelInfer`` over gRPC (the row in ``raw_input_contents``) and
   HTTP with binary tensors (Triton's binary extension, as serving.py sends it);
+- the floors: serving.py's bare aiohttp handler (reads the body, answers a
+  constant) and a bare grpc.aio server on uvloop (``ModelInfer`` answers a
+  constant message): what any server on each stack costs here (``--no-bare``
+  leaves them out);
 - MLServer 1.7.1 (adaptive batching 64 / 2 ms, ../shared/peers/mlserver/serve.sh)
   over gRPC, the same message (and its HTTP JSON with ``--mlserver-json``: it
   has no binary extension).
@@ -71,6 +75,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from tests.benchmarks.serving import (
+    BARE,
     DIMS,
     PEER,
     Result,
@@ -92,6 +97,24 @@ from tests.benchmarks.serving import (
 from tests.helpers import free_port
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+BARE_GRPC = """
+import asyncio, sys, grpc, uvloop
+from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pbg
+ANSWER = pb.ModelInferResponse(model_name="mlp", model_version="1")
+class Service(pbg.GRPCInferenceServiceServicer):
+    async def ModelInfer(self, request, context):
+        return ANSWER
+async def main():
+    server = grpc.aio.server()
+    pbg.add_GRPCInferenceServiceServicer_to_server(Service(), server)
+    server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+    await server.start()
+    await server.wait_for_termination()
+uvloop.run(main())
+"""
+"""The floor of any grpc.aio server here: a ModelInfer that answers at once, on uvloop
+(as plugserve runs), beside serving.py's bare aiohttp handler, the floor of HTTP."""
 GRPC_HEADERS = ("content-type: application/grpc", "te: trailers")
 T = TypeVar("T")
 # The generator limits a run when its threads are this busy, or when doubling them gains
@@ -422,6 +445,20 @@ def start_all(args: argparse.Namespace, work: Path, run: Run) -> None:
     binary = lua_script(work, body, {"Content-Type": "application/octet-stream",
                                      "Inference-Header-Content-Length": str(header_len)})  # fmt: skip
     raw_frame = grpc_frame(work, infer_request(), "raw")
+    if not args.no_bare:
+        port, grpc_port = free_port(), free_port()
+        bare = Server([sys.executable, "-c", BARE, str(port)], port, work / "bare.log")
+        run.servers.append(bare)
+        bare.wait("/health", 30)
+        bare_grpc = Server([sys.executable, "-c", BARE_GRPC, str(grpc_port)], port,
+                           work / "bare-grpc.log")  # fmt: skip
+        run.servers.append(bare_grpc)
+        time.sleep(2)
+        run.cases += [
+            Case("bare", "binary", f"http://127.0.0.1:{port}/v2/models/mlp/infer", binary, bare),
+            Case("bare", "grpc", f"http://127.0.0.1:{grpc_port}{MODEL_INFER}", raw_frame,
+                 bare_grpc),
+        ]  # fmt: skip
     for n in args.workers:
         server, grpc_port, cases = start_plugserve(plugins, n, work, raw_frame, binary)
         run.servers.append(server)  # stopped in finally even if never ready
@@ -561,6 +598,11 @@ def print_ratios(rows: list[Row], workers: list[int], threads: int) -> None:
             print(f"  w{n} c=1: p50 gRPC {g.result.p50_ms * 1000:.0f} us vs HTTP binary "
                   f"{b.result.p50_ms * 1000:.0f} us ({g.result.p50_ms / b.result.p50_ms:.2f}x; "
                   "no target stated)")  # fmt: skip
+    for c in cs:
+        g, b = table.get(("bare", "grpc", c)), table.get(("bare", "binary", c))
+        if g and b:
+            print(f"  floors c={c}: bare grpc.aio {g.result.rps:.0f} req/s, {g.cpu_us or 0:.0f} us "
+                  f"CPU/call; bare aiohttp {b.result.rps:.0f} req/s, {b.cpu_us or 0:.0f} us")  # fmt: skip
     checked = [r for r in rows if r.checked]
     if checked:
         bad = [f"{r.name} c={r.c} t={r.threads}" for r in checked if r.checked != "ok"]
@@ -587,6 +629,8 @@ def main() -> None:
     parser.add_argument("--no-generator-check", action="store_true",
                         help="skip the runs with twice the generator threads")  # fmt: skip
     parser.add_argument("--no-mlserver", action="store_true")
+    parser.add_argument("--no-bare", action="store_true",
+                        help="skip the bare aiohttp handler and the bare grpc.aio server")  # fmt: skip
     parser.add_argument("--mlserver-json", action="store_true", help="also MLServer's HTTP JSON")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-grpc-bench-"))
