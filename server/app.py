@@ -24,6 +24,9 @@ from server.metrics import Metrics
 from server.middleware import request_middleware
 from server.shutdown import CLOSE_FLOOR_S, Drain, within
 from server.state import BODIES, DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS, WORKER
+from server.triton import shm_http
+from server.triton.shared_memory import Regions
+from server.triton.shm_table import LocalTable, SharedTable
 
 if TYPE_CHECKING:
     from server.processes.link import WorkerLink
@@ -153,6 +156,9 @@ def create_app(
     app[DRAIN] = Drain(settings.drain_timeout_s)
     app[BODIES] = Bodies(settings.max_body_bytes, settings.body_threads, settings.max_large_bodies)
     app.on_cleanup.append(_close_bodies)
+    # Workers share one table of shared memory regions (server/triton/shm_table.py).
+    table = LocalTable() if worker is None else SharedTable(worker.spec.control_dir)
+    app[shm_http.REGIONS] = Regions(table, settings.shared_memory, settings.max_body_bytes)
     app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
     app[ROUTE_STORE] = route_store(settings, app[REGISTRY])
     app[METRICS].collect_from(app[REGISTRY], app[ROUTE_STORE])
@@ -165,6 +171,7 @@ def create_app(
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
     _isolated_runners(app[REGISTRY], settings, worker)
     v2.add_routes(app, through)
+    shm_http.add_routes(app)
     predict.add_routes(app)
     admin.add_routes(app, through)
     app.router.add_get("/metrics", through or metrics)

@@ -115,6 +115,9 @@ class Settings:
     """With a value, every data-plane call but health and ``/metrics`` needs it (or the
     admin token) as ``Authorization: Bearer <token>``."""
     inference_token_file: Path | None = None
+    shared_memory: str = "loopback"
+    """Who may use Triton's system shared memory extension: ``loopback`` (clients on this
+    host), ``any`` (every caller the data plane admits) or ``off``."""
     # -- processes (server/processes/) --
     workers: int | str = 1
     """HTTP worker processes sharing the port: a number, or ``auto`` (one per usable core).
@@ -157,6 +160,10 @@ class Settings:
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(
                 f"log_level must be debug, info, warning or error: {self.log_level!r}"
+            )
+        if self.shared_memory not in ("loopback", "any", "off"):
+            raise ConfigError(
+                f"shared_memory must be loopback, any or off, not {self.shared_memory!r}"
             )
         if self.registry != "local" and not self.registry.startswith(("etcd://", "etcds://")):
             raise ConfigError(

@@ -16,8 +16,9 @@ from server.bodies import LARGE_BODY_BYTES
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import admit, deadline_seconds, measured, request_context, serve
 from server.state import BODIES, DRAIN, REGISTRY, ROUTE_STORE, SETTINGS, WORKER
+from server.triton import shm_http
 
-EXTENSIONS = ["binary_tensor_data", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "statistics", "system_shared_memory"]
 
 
 async def server_metadata(request: web.Request) -> web.Response:
@@ -101,11 +102,14 @@ async def _infer(request: web.Request, route: str) -> web.Response:
 
     deadline = deadline_seconds(request, decoded.parameters)
     ctx = request_context(request, route, "v2", decoded.parameters, deadline)
+    shared = await shm_http.attach(request, decoded)  # None: no tensor in shared memory
 
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)
         result = await chain.run(decoded.inputs, ctx)
         outputs = _outputs(chain, result)
+        if shared is not None:
+            await shm_http.place(request, shared, outputs)
         version = chain.runner_version
         if sum(a.nbytes for a in outputs.values()) <= LARGE_BODY_BYTES:
             payload, headers = encode_response(decoded, route, version, outputs)
