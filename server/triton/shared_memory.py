@@ -21,7 +21,7 @@ import stat
 import uuid
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -150,17 +150,23 @@ class Region:
             done += os.pwrite(self.fd, data[done:], start + done)
 
 
-@dataclass
 class Regions:
     """The system shared memory regions this server has registered, as every worker sees them."""
 
-    table: LocalTable = field(default_factory=LocalTable)
-    access: str = "loopback"
-    max_bytes: int = 64 * 1024 * 1024
-    """The most a BYTES input may take (its data has no other bound): ``max_body_bytes``."""
-    _seen: int = -1
-    _entries: Entries = field(default_factory=dict)
-    _open: dict[str, Region] = field(default_factory=dict)
+    def __init__(
+        self,
+        table: LocalTable | None = None,
+        access: str = "loopback",
+        max_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.table = table if table is not None else LocalTable()
+        self.access = access
+        """Who may use them: one of :data:`ACCESS`."""
+        self.max_bytes = max_bytes
+        """The most a BYTES input may take (its data has no other bound): ``max_body_bytes``."""
+        self._seen = -1
+        self._entries: Entries = {}
+        self._open: dict[str, Region] = {}
 
     def admit(self, remote: str | None, local: bool = False) -> None:
         """403 unless the caller may use shared memory: ``local`` is a Unix socket peer."""

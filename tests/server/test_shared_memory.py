@@ -56,9 +56,13 @@ def regions() -> Iterator[Callable[[int], shm.SharedMemoryRegion]]:
 
 
 def _start(
-    server: Callable[..., ServerProcess], plugins: Path, models: Path, *args: str
+    server: Callable[..., ServerProcess],
+    plugins: Path,
+    models: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    return server("--plugins-dir", str(plugins), "--models-dir", str(models), *args)
+    return server("--plugins-dir", str(plugins), "--models-dir", str(models), *args, env=env)
 
 
 def _client(srv: ServerProcess) -> httpclient.InferenceServerClient:
@@ -268,3 +272,46 @@ def _status(client: httpclient.InferenceServerClient, request: Request) -> str:
     with pytest.raises(InferenceServerException) as caught:
         _infer(client, request)
     return str(caught.value.status())
+
+
+def test_cuda_shared_memory_needs_a_gpu(
+    server: Callable[..., ServerProcess], plugins: Path, models_dir: Path
+) -> None:
+    """Triton's examples unregister every CUDA region first: that works; registering cannot."""
+    client = _client(_start(server, plugins, models_dir))
+    client.unregister_cuda_shared_memory()
+    client.unregister_cuda_shared_memory("any")
+    assert client.get_cuda_shared_memory_status() == []
+    with pytest.raises(InferenceServerException, match="Unable to find cuda shared memory"):
+        client.get_cuda_shared_memory_status("any")
+    with pytest.raises(InferenceServerException) as caught:
+        client.register_cuda_shared_memory("gpu", "aGFuZGxl", 0, 64)
+    assert caught.value.status() == "400"
+    assert "GPUs not supported: CUDA shared memory needs a GPU and cuda-python" in str(caught.value)
+    assert "cuda_shared_memory" not in client.get_server_metadata()["extensions"]
+
+
+def test_the_inference_token_and_the_setting_apply(
+    server: Callable[..., ServerProcess],
+    plugins: Path,
+    models_dir: Path,
+    tmp_path: Path,
+    regions: Callable[[int], shm.SharedMemoryRegion],
+) -> None:
+    handle = regions(X.nbytes)
+    token = "t" * 32
+    srv = _start(server, plugins, models_dir, env={"PLUGSERVE_INFERENCE_TOKEN": token})
+    with pytest.raises(InferenceServerException) as caught:
+        _register(_client(srv), handle, X.nbytes)
+    assert caught.value.status() == "401"
+    _client(srv).register_system_shared_memory(
+        "r", handle._shm_key, X.nbytes, headers={"Authorization": f"Bearer {token}"}
+    )
+    config = tmp_path / "off.toml"
+    config.write_text('shared_memory = "off"\n')
+    off = _client(_start(server, plugins, models_dir, "--config", str(config)))
+    with pytest.raises(InferenceServerException, match="turned off") as caught:
+        _register(off, handle, X.nbytes)
+    assert caught.value.status() == "403"
+    with pytest.raises(InferenceServerException, match="turned off"):
+        _infer(off, _add_request("r", "r"))
