@@ -102,7 +102,8 @@ async def _infer(request: web.Request, route: str) -> web.Response:
 
     deadline = deadline_seconds(request, decoded.parameters)
     ctx = request_context(request, route, "v2", decoded.parameters, deadline)
-    shared = await shm_http.attach(request, decoded)  # None: no tensor in shared memory
+    # The request's tensors in shared memory, if any: inputs read, output regions held.
+    shared = await shm_http.attach(request, decoded) if decoded.uses_shared_memory else None
 
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)

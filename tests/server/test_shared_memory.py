@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -315,3 +316,48 @@ def test_the_inference_token_and_the_setting_apply(
     assert caught.value.status() == "403"
     with pytest.raises(InferenceServerException, match="turned off"):
         _infer(off, _add_request("r", "r"))
+
+
+SLOW_RUNNER = """
+    import time
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Slow:
+        def infer(self, inputs):
+            time.sleep(1.0)
+            return {"y": np.asarray(inputs["x"]) * 2}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Slow()
+"""
+
+
+def test_unregister_while_a_request_uses_the_regions(
+    server: Callable[..., ServerProcess],
+    plugins_dir: Path,
+    models_dir: Path,
+    regions: Callable[[int], shm.SharedMemoryRegion],
+) -> None:
+    """The request in flight reads and writes its regions to the end; the next finds none."""
+    write_plugin(plugins_dir, "runner", "slow", "1.0.0", "", {"plugin.py": SLOW_RUNNER})
+    srv = _start(server, plugins_dir, models_dir)
+    ins, outs = regions(X.nbytes), regions(X.nbytes)
+    shm.set_shared_memory_region(ins, [X])
+    client = _client(srv)
+    _register(client, ins, X.nbytes)
+    _register(client, outs, X.nbytes)
+    inputs, outputs = _add_request(ins._triton_shm_name, outs._triton_shm_name)
+    pending = client.async_infer("slow", inputs, outputs=outputs)
+    time.sleep(0.4)  # the runner holds the request
+    _client(srv).unregister_system_shared_memory()
+    assert _client(srv).get_system_shared_memory_status() == []
+    result = pending.get_result()
+    assert result.get_output("y") == {"name": "y", "datatype": "FP32", "shape": [2, 4]}
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(outs, np.float32, [2, 4]), X * 2)
+    with pytest.raises(InferenceServerException, match="Unable to find system shared memory"):
+        client.infer("slow", inputs, outputs=outputs)
