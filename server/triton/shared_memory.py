@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import re
 import stat
+import threading
+import urllib.parse
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -150,8 +152,28 @@ class Region:
             done += os.pwrite(self.fd, data[done:], start + done)
 
 
+def grpc_peer(peer: str) -> tuple[str | None, bool]:
+    """gRPC's ``context.peer()`` as :meth:`Regions.admit` takes it: (address, Unix socket).
+
+    ``ipv4:127.0.0.1:5000`` -> ``("127.0.0.1", False)``; ``ipv6:[::1]:5000`` (or
+    ``ipv6:%5B::1%5D:5000``) -> ``("::1", False)``; ``unix:/path`` -> ``(None, True)``.
+    """
+    scheme, _, rest = urllib.parse.unquote(peer).partition(":")
+    if scheme == "unix":
+        return None, True
+    if scheme == "ipv6" and rest.startswith("["):
+        return rest[1:].partition("]")[0], False
+    if scheme == "ipv4":
+        return rest.rpartition(":")[0], False
+    return None, False
+
+
 class Regions:
-    """The system shared memory regions this server has registered, as every worker sees them."""
+    """The system shared memory regions this server has registered, as every worker sees them.
+
+    Safe to call from several threads; a :class:`Region` a request holds is read and
+    written without the lock.
+    """
 
     def __init__(
         self,
@@ -167,6 +189,7 @@ class Regions:
         self._seen = -1
         self._entries: Entries = {}
         self._open: dict[str, Region] = {}
+        self._lock = threading.RLock()
 
     def admit(self, remote: str | None, local: bool = False) -> None:
         """403 unless the caller may use shared memory: ``local`` is a Unix socket peer."""
@@ -181,35 +204,39 @@ class Regions:
     # -- the extension's calls ----------------------------------------------------------
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        check_name(name)
-        check_key(key)
-        check_size(offset, "offset")
-        check_size(byte_size, "byte_size")
-        self._sync()
-        if name in self._entries:
-            raise InvalidInput(f"shared memory region '{name}' already in manager")
-        region = Region.open(name, key, offset, byte_size, uuid.uuid4().hex)
-
-        def add(entries: Entries) -> None:
-            if name in entries:
+        with self._lock:
+            check_name(name)
+            check_key(key)
+            check_size(offset, "offset")
+            check_size(byte_size, "byte_size")
+            self._sync()
+            if name in self._entries:
                 raise InvalidInput(f"shared memory region '{name}' already in manager")
-            if len(entries) >= MAX_REGIONS:
-                raise InvalidInput(f"{MAX_REGIONS} shared memory regions are registered already")
-            entries[name] = {**region.status(), "id": region.id}
+            region = Region.open(name, key, offset, byte_size, uuid.uuid4().hex)
 
-        self.table.change(add)
-        self._open[name] = region
+            def add(entries: Entries) -> None:
+                if name in entries:
+                    raise InvalidInput(f"shared memory region '{name}' already in manager")
+                if len(entries) >= MAX_REGIONS:
+                    raise InvalidInput(
+                        f"{MAX_REGIONS} shared memory regions are registered already"
+                    )
+                entries[name] = {**region.status(), "id": region.id}
+
+            self.table.change(add)
+            self._open[name] = region
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         """Triton's status: every region, or the one named (404 if it is not registered)."""
-        self._sync()
-        if name is None:
-            names = sorted(self._entries)
-        elif name in self._entries:
-            names = [name]
-        else:
-            raise NotFound(f"Unable to find system shared memory region: '{name}'")
-        return [{k: v for k, v in self._entries[n].items() if k != "id"} for n in names]
+        with self._lock:
+            self._sync()
+            if name is None:
+                names = sorted(self._entries)
+            elif name in self._entries:
+                names = [name]
+            else:
+                raise NotFound(f"Unable to find system shared memory region: '{name}'")
+            return [{k: v for k, v in self._entries[n].items() if k != "id"} for n in names]
 
     def unregister(self, name: str | None = None) -> None:
         """Forget one region, or all; an unknown name is no error (as in Triton).
@@ -223,22 +250,24 @@ class Regions:
             else:
                 entries.pop(name, None)
 
-        self.table.change(remove)
-        self._sync()
+        with self._lock:
+            self.table.change(remove)
+            self._sync()
 
     def region(self, name: str) -> Region:
         """The region named, opened in this process on first use (404 if not registered)."""
-        self._sync()
-        entry = self._entries.get(name)
-        if entry is None:
-            raise NotFound(f"Unable to find system shared memory region: '{name}'")
-        region = self._open.get(name)
-        if region is None:  # registered through another worker: open it here too
-            region = Region.open(
-                name, entry["key"], entry["offset"], entry["byte_size"], entry["id"]
-            )
-            self._open[name] = region
-        return region
+        with self._lock:
+            self._sync()
+            entry = self._entries.get(name)
+            if entry is None:
+                raise NotFound(f"Unable to find system shared memory region: '{name}'")
+            region = self._open.get(name)
+            if region is None:  # registered through another worker: open it here too
+                region = Region.open(
+                    name, entry["key"], entry["offset"], entry["byte_size"], entry["id"]
+                )
+                self._open[name] = region
+            return region
 
     def read(self, name: str, offset: int, byte_size: int) -> np.ndarray:
         region = self.region(name)

@@ -139,6 +139,29 @@ def test_who_may_use_shared_memory() -> None:
         Regions(access="off").admit("127.0.0.1")
 
 
+@pytest.mark.parametrize(
+    ("peer", "seen"),
+    [
+        ("ipv4:127.0.0.1:50051", ("127.0.0.1", False)),
+        ("ipv6:[::1]:50051", ("::1", False)),
+        ("ipv6:%5B::1%5D:50051", ("::1", False)),
+        ("ipv4:10.0.0.7:50051", ("10.0.0.7", False)),
+        ("unix:/tmp/socket", (None, True)),
+        ("something-else", (None, False)),
+    ],
+)
+def test_grpc_peers(peer: str, seen: tuple[str | None, bool]) -> None:
+    assert shared_memory.grpc_peer(peer) == seen
+
+
+def test_grpc_peers_are_admitted_as_http_peers() -> None:
+    regions = Regions(access="loopback")
+    regions.admit(*shared_memory.grpc_peer("ipv6:%5B::1%5D:50051"))
+    regions.admit(*shared_memory.grpc_peer("unix:/run/plugserve.sock"))
+    with pytest.raises(Forbidden):
+        regions.admit(*shared_memory.grpc_peer("ipv4:192.168.1.20:50051"))
+
+
 def test_workers_share_the_table(tmp_path: Path, objects: Callable[[bytes], str]) -> None:
     """Two workers: what one registers the other opens on first use; unregister reaches both."""
     one, two = Regions(SharedTable(tmp_path)), Regions(SharedTable(tmp_path))
