@@ -46,9 +46,6 @@ MAX_REGIONS = 1024
 KEY_PATTERN = re.compile(r"/[A-Za-z0-9_.:@+=,-]{1,255}")
 """A POSIX shared memory name: one slash, then a file name of /dev/shm (no path, no ``..``)."""
 NAME_PATTERN = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
-ACCESS = ("loopback", "any", "off")
-"""Who may use shared memory (setting ``shared_memory``): clients on this host, every
-caller the data plane admits, or nobody."""
 
 
 def check_key(key: object) -> str:
@@ -76,19 +73,20 @@ def check_size(value: object, what: str) -> int:
 class Region:
     """An open shared memory object: ``byte_size`` bytes from ``offset`` are the region."""
 
-    def __init__(self, name: str, key: str, offset: int, byte_size: int, fd: int, id: str) -> None:
-        self.name, self.key, self.offset, self.byte_size, self.id = (
-            name,
-            key,
-            offset,
-            byte_size,
-            id,
-        )
+    def __init__(
+        self, name: str, key: str, offset: int, byte_size: int, fd: int, registration: str
+    ) -> None:
+        self.name = name
+        self.key = key
+        self.offset = offset
+        self.byte_size = byte_size
         self.fd = fd
+        self.registration = registration
+        """New at each register: a region registered again under its name is another one."""
         weakref.finalize(self, os.close, fd)  # once no request holds it either
 
     @classmethod
-    def open(cls, name: str, key: str, offset: int, byte_size: int, id: str) -> Region:
+    def open(cls, name: str, key: str, offset: int, byte_size: int, registration: str) -> Region:
         """Open ``key`` (no symlink followed, regular files only) and check the region fits."""
         try:
             folder = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -113,7 +111,7 @@ class Region:
         except BaseException:
             os.close(fd)
             raise
-        return cls(name, key, offset, byte_size, fd, id)
+        return cls(name, key, offset, byte_size, fd, registration)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -183,7 +181,8 @@ class Regions:
     ) -> None:
         self.table = table if table is not None else LocalTable()
         self.access = access
-        """Who may use them: one of :data:`ACCESS`."""
+        """Who may use them (setting ``shared_memory``): ``loopback`` (clients on this
+        host), ``any`` (every caller the data plane admits) or ``off``."""
         self.max_bytes = max_bytes
         """The most a BYTES input may take (its data has no other bound): ``max_body_bytes``."""
         self._seen = -1
@@ -221,7 +220,7 @@ class Regions:
                     raise InvalidInput(
                         f"{MAX_REGIONS} shared memory regions are registered already"
                     )
-                entries[name] = {**region.status(), "id": region.id}
+                entries[name] = {**region.status(), "registration": region.registration}
 
             self.table.change(add)
             self._open[name] = region
@@ -236,7 +235,9 @@ class Regions:
                 names = [name]
             else:
                 raise NotFound(f"Unable to find system shared memory region: '{name}'")
-            return [{k: v for k, v in self._entries[n].items() if k != "id"} for n in names]
+            return [
+                {k: v for k, v in self._entries[n].items() if k != "registration"} for n in names
+            ]
 
     def unregister(self, name: str | None = None) -> None:
         """Forget one region, or all; an unknown name is no error (as in Triton).
@@ -264,7 +265,7 @@ class Regions:
             region = self._open.get(name)
             if region is None:  # registered through another worker: open it here too
                 region = Region.open(
-                    name, entry["key"], entry["offset"], entry["byte_size"], entry["id"]
+                    name, entry["key"], entry["offset"], entry["byte_size"], entry["registration"]
                 )
                 self._open[name] = region
             return region
@@ -316,7 +317,7 @@ class Regions:
         self._seen, self._entries = self.table.read()
         for name, region in list(self._open.items()):
             entry = self._entries.get(name)
-            if entry is None or entry["id"] != region.id:
+            if entry is None or entry["registration"] != region.registration:
                 del self._open[name]  # closed once no request holds it
 
 

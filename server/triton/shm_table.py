@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 Entries = dict[str, dict[str, Any]]
-"""Region name -> ``{"key", "offset", "byte_size", "id"}``; ``id`` is new at each register."""
+"""Region name -> ``{"name", "key", "offset", "byte_size", "registration"}``."""
 
 _GENERATION = struct.Struct("<Q")
 
