@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import structlog
 
 from registry.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge
 from registry.tensors import bytes_elements
@@ -39,6 +40,8 @@ from server.codec import (
     tensor_from_bytes,
 )
 from server.triton.shm_table import Entries, LocalTable
+
+log = structlog.get_logger("plugserve.shared_memory")
 
 SHM_DIR = "/dev/shm"
 MAX_REGIONS = 1024
@@ -224,6 +227,7 @@ class Regions:
 
             self.table.change(add)
             self._open[name] = region
+        log.info("shm_registered", region=name, key=key, offset=offset, byte_size=byte_size)
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         """Triton's status: every region, or the one named (404 if it is not registered)."""
@@ -254,6 +258,7 @@ class Regions:
         with self._lock:
             self.table.change(remove)
             self._sync()
+        log.info("shm_unregistered", region=name if name is not None else "*")
 
     def region(self, name: str) -> Region:
         """The region named, opened in this process on first use (404 if not registered)."""
@@ -268,6 +273,7 @@ class Regions:
                     name, entry["key"], entry["offset"], entry["byte_size"], entry["registration"]
                 )
                 self._open[name] = region
+                log.info("shm_opened", region=name, key=region.key)
             return region
 
     def read(self, name: str, offset: int, byte_size: int) -> np.ndarray:

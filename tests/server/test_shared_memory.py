@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -93,8 +94,15 @@ def _add_request(
     return [inp], [out]
 
 
+def _serving_workers(srv: ServerProcess) -> int:
+    """How many processes have used a region: registered it, or opened it on first use."""
+    events = re.compile(r"shm_(?:registered|opened)\b.*?(?:worker=(\d+))?$")
+    return len({m[1] for line in srv.log().splitlines() if (m := events.search(line))})
+
+
 @pytest.mark.workers(1, 2)
 def test_input_and_output_in_shared_memory_on_every_worker(
+    workers: int,
     server: Callable[..., ServerProcess],
     plugins: Path,
     models_dir: Path,
@@ -106,8 +114,9 @@ def test_input_and_output_in_shared_memory_on_every_worker(
     control = _client(srv)
     _register(control, ins, X.nbytes)
     _register(control, outs, X.nbytes)
-    # Each new client is a new connection: with 2 workers, both serve some of them.
-    for round in range(8):
+    # Each new client is a new connection: with 2 workers, go on until both have served
+    # some (the one that registered the regions, and the other, which opens them then).
+    for round in range(40):
         client = _client(srv)
         result = _infer(client, _add_request(ins._triton_shm_name, outs._triton_shm_name))
         output = result.get_output("y")
@@ -116,6 +125,9 @@ def test_input_and_output_in_shared_memory_on_every_worker(
         np.testing.assert_array_equal(got, X + 1 + round)
         shm.set_shared_memory_region(ins, [X + 1 + round])
         client.close()
+        if round >= 3 and _serving_workers(srv) == workers:
+            break
+    assert _serving_workers(srv) == workers
     assert control.get_server_metadata()["extensions"].count("system_shared_memory") == 1
     status = control.get_system_shared_memory_status()
     assert sorted(status, key=lambda r: r["name"]) == sorted(
