@@ -350,7 +350,8 @@ def _requested_outputs(raw: Any) -> list[RequestedOutput] | None:
         names.add(item["name"])
         parameters = _parameters(item, where)
         binary = _boolean(parameters, "binary_data", f"{where}: parameter")
-        outputs.append(RequestedOutput(item["name"], binary, shared_memory_ref(parameters, where)))
+        shared = shared_memory_ref(parameters, where)
+        outputs.append(RequestedOutput(item["name"], binary, shared=shared))
     return outputs
 
 

@@ -314,7 +314,7 @@ def test_shared_memory_tensors_are_decoded_as_references() -> None:
         "b": SharedInput(SharedMemoryRef("r", 8, 0), "FP16", (2, 2), 1)
     }
     assert request.outputs == [
-        RequestedOutput("y", False, SharedMemoryRef("o", 64, 16)),
+        RequestedOutput("y", False, shared=SharedMemoryRef("o", 64, 16)),
         RequestedOutput("z"),
     ]
     assert request.uses_shared_memory
@@ -328,7 +328,7 @@ def test_an_output_in_shared_memory_is_answered_with_its_metadata_only() -> None
         {},
         None,
         {"binary_data_output": True},
-        [RequestedOutput("y", None, SharedMemoryRef("o", 64))],
+        [RequestedOutput("y", shared=SharedMemoryRef("o", 64))],
     )
     body, headers = encode_response(request, "m", "1", {"y": np.ones((2, 3), np.float32)})
     assert headers == {"Content-Type": "application/json"}
