@@ -34,6 +34,9 @@ from server.state import (
     SETTINGS,
     WORKER,
 )
+from server.triton import shm_http
+from server.triton.shared_memory import Regions
+from server.triton.shm_table import LocalTable, SharedTable
 
 if TYPE_CHECKING:
     from server.processes.link import WorkerLink
@@ -163,6 +166,9 @@ def create_app(
     app[DRAIN] = Drain(settings.drain_timeout_s)
     app[BODIES] = Bodies(settings.max_body_bytes, settings.body_threads, settings.max_large_bodies)
     app.on_cleanup.append(_close_bodies)
+    # Workers share one table of shared memory regions (server/triton/shm_table.py).
+    table = LocalTable() if worker is None else SharedTable(worker.spec.control_dir)
+    app[shm_http.REGIONS] = Regions(table, settings.shared_memory, settings.max_body_bytes)
     app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
     app[ROUTE_STORE] = route_store(settings, app[REGISTRY])
     app[METRICS].collect_from(app[REGISTRY], app[ROUTE_STORE])
@@ -178,6 +184,7 @@ def create_app(
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
     _isolated_runners(app[REGISTRY], settings, worker)
     v2.add_routes(app, through)
+    shm_http.add_routes(app)
     predict.add_routes(app)
     admin.add_routes(app, through)
     app.router.add_get("/metrics", through or metrics)

@@ -6,6 +6,10 @@ header of that many bytes followed by the raw data of every input whose
 little-endian row-major; ``BYTES`` elements are each a 4-byte little-endian
 length followed by the bytes. Binary inputs are decoded without a copy
 (``numpy.frombuffer``), so they arrive read-only.
+
+Triton's shared memory extension: an input or requested output whose parameters
+name a ``shared_memory_region`` is decoded into a :class:`SharedMemoryRef`; the
+data itself is read and written by ``server/triton/shared_memory.py``.
 """
 
 from __future__ import annotations
@@ -41,11 +45,39 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
+SHM_REGION = "shared_memory_region"
+SHM_OFFSET = "shared_memory_offset"
+SHM_BYTE_SIZE = "shared_memory_byte_size"
+
+
+@dataclass(frozen=True)
+class SharedMemoryRef:
+    """Where a tensor's data lies: ``byte_size`` bytes at ``offset`` in a registered region."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class SharedInput:
+    """An input whose data is in shared memory: read once the request is decoded."""
+
+    ref: SharedMemoryRef
+    datatype: str
+    shape: tuple[int, ...]
+    index: int
+    """Its place among the request's inputs (the order the chain sees them in)."""
+
+
 @dataclass(frozen=True)
 class RequestedOutput:
     name: str
     binary: bool | None = None
+    shared: SharedMemoryRef | None = None
+    """Written into this shared memory; the response carries its metadata only."""
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    """The output's own parameters (gRPC passes them all; HTTP reads what it knows)."""
 
 
 @dataclass
@@ -56,6 +88,12 @@ class InferRequest:
     id: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
     outputs: list[RequestedOutput] | None = None
+    shared_inputs: dict[str, SharedInput] = field(default_factory=dict)
+    """Inputs still in shared memory: not in ``inputs`` until they are read."""
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        return bool(self.shared_inputs) or any(o.shared is not None for o in self.outputs or ())
 
     @property
     def binary_output(self) -> bool:
@@ -100,19 +138,24 @@ def _request(
     parameters = _parameters(doc, "request")
     _boolean(parameters, "binary_data_output", "request parameter")
     inputs: dict[str, np.ndarray] = {}
+    shared: dict[str, SharedInput] = {}
     offset = 0
-    for raw in raw_inputs:
+    for index, raw in enumerate(raw_inputs):
         name, array, used = _input(raw, binary, offset, limits, may_hold_bool)
-        if name in inputs:
+        if name in inputs or name in shared:
             raise InvalidInput(f"input {name!r} appears twice")
-        inputs[name] = array
+        if isinstance(array, SharedInput):
+            shared[name] = SharedInput(array.ref, array.datatype, array.shape, index)
+        else:
+            inputs[name] = array
         offset += used
     if offset != len(binary):
         raise InvalidInput(f"{len(binary) - offset} bytes of binary data belong to no input")
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
-    return InferRequest(inputs, request_id, parameters, _requested_outputs(doc.get("outputs")))
+    outputs = _requested_outputs(doc.get("outputs"))
+    return InferRequest(inputs, request_id, parameters, outputs, shared)
 
 
 def _parameters(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -130,9 +173,35 @@ def _boolean(parameters: Mapping[str, Any], key: str, where: str) -> bool | None
     return value
 
 
+def shared_memory_ref(parameters: Mapping[str, Any], where: str) -> SharedMemoryRef | None:
+    """Triton's shared memory parameters of an input or requested output, or ``None``.
+
+    ``shared_memory_region`` and ``shared_memory_byte_size`` go together;
+    ``shared_memory_offset`` is optional (0). Sizes are checked against the region later.
+    """
+    region = parameters.get(SHM_REGION)
+    size = parameters.get(SHM_BYTE_SIZE)
+    if region is None and size is None:
+        if SHM_OFFSET in parameters:
+            raise InvalidInput(f"{where}: {SHM_OFFSET} needs {SHM_REGION} and {SHM_BYTE_SIZE}")
+        return None
+    if region is None or size is None:
+        given, missing = (
+            (SHM_REGION, SHM_BYTE_SIZE) if size is None else (SHM_BYTE_SIZE, SHM_REGION)
+        )
+        raise InvalidInput(f"{where}: {given} needs {missing} too")
+    if not isinstance(region, str) or not region:
+        raise InvalidInput(f"{where}: {SHM_REGION} must be a region's name")
+    offset = parameters.get(SHM_OFFSET, 0)
+    for key, value in ((SHM_BYTE_SIZE, size), (SHM_OFFSET, offset)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+            raise InvalidInput(f"{where}: {key} must be a non-negative integer")
+    return SharedMemoryRef(region, size, offset)
+
+
 def _input(
     raw: Any, binary: memoryview, offset: int, limits: Limits, may_hold_bool: bool = True
-) -> tuple[str, np.ndarray, int]:
+) -> tuple[str, np.ndarray | SharedInput, int]:
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise InvalidInput("each input must be an object with a string 'name'")
     name = raw["name"]
@@ -146,7 +215,15 @@ def _input(
     ):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
     count = element_count(name, datatype, shape, limits)
-    size = _parameters(raw, f"input {name!r}").get("binary_data_size")
+    parameters = _parameters(raw, f"input {name!r}")
+    size = parameters.get("binary_data_size")
+    ref = shared_memory_ref(parameters, f"input {name!r}")
+    if ref is not None:
+        if size is not None or "data" in raw:
+            raise InvalidInput(
+                f"input {name!r} is in shared memory: it takes no 'data' or binary_data_size"
+            )
+        return name, SharedInput(ref, datatype, tuple(shape), -1), 0
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InvalidInput(f"input {name!r}: binary_data_size must be a non-negative integer")
@@ -218,6 +295,20 @@ def _to_bytes(name: str, value: Any) -> bytes:
     )
 
 
+def tensor_from_bytes(
+    name: str, datatype: str, shape: tuple[int, ...], chunk: memoryview
+) -> np.ndarray:
+    """The tensor whose v2 binary form is ``chunk`` (no copy: it shares the buffer)."""
+    return from_binary(name, datatype, list(shape), math.prod(shape), chunk)
+
+
+def tensor_byte_size(datatype: str, shape: tuple[int, ...]) -> int | None:
+    """The bytes a tensor's binary form takes; ``None`` for BYTES (it depends on the data)."""
+    if datatype == "BYTES":
+        return None
+    return math.prod(shape) * V2_TO_NUMPY[datatype].itemsize
+
+
 def from_binary(
     name: str, datatype: str, shape: list[int], count: int, chunk: memoryview
 ) -> np.ndarray:
@@ -267,8 +358,10 @@ def _requested_outputs(raw: Any) -> list[RequestedOutput] | None:
         if item["name"] in names:  # each repeat would be encoded again: a size multiplier
             raise InvalidInput(f"{where} is requested more than once")
         names.add(item["name"])
-        binary = _boolean(_parameters(item, where), "binary_data", f"{where}: parameter")
-        outputs.append(RequestedOutput(item["name"], binary))
+        parameters = _parameters(item, where)
+        binary = _boolean(parameters, "binary_data", f"{where}: parameter")
+        shared = shared_memory_ref(parameters, where)
+        outputs.append(RequestedOutput(item["name"], binary, shared=shared))
     return outputs
 
 
@@ -295,6 +388,7 @@ def encode_response(
 ) -> tuple[bytes, dict[str, str]]:
     """Build the response body and headers; binary where the request asked for it."""
     selected = select_outputs(request, outputs)
+    shared = {o.name for o in request.outputs or () if o.shared is not None}
     header_outputs = []
     chunks: list[bytes] = []
     finite = True
@@ -302,7 +396,9 @@ def encode_response(
         array = outputs[name]
         datatype = v2_datatype(array.dtype)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
-        if binary:
+        if name in shared:  # written into its region already: metadata only, as Triton answers
+            pass
+        elif binary:
             raw = to_binary(array, datatype)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)

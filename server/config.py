@@ -122,6 +122,9 @@ class Settings:
     response_cache_bytes: int = 64 * 1024 * 1024
     """The response cache's bound, per worker process: whole responses of the routes whose
     runner sets ``[runner] response_cache = true`` (registry/cache.py); 0 turns it off."""
+    shared_memory: str = "loopback"
+    """Who may use Triton's system shared memory extension: ``loopback`` (clients on this
+    host), ``any`` (every caller the data plane admits) or ``off``."""
     # -- processes (server/processes/) --
     workers: int | str = 1
     """HTTP worker processes sharing the port: a number, or ``auto`` (one per usable core).
@@ -170,6 +173,10 @@ class Settings:
             raise ConfigError(
                 f"grpc_port {self.grpc_port} is also {which}: give gRPC a port of its own "
                 "(or grpc_port = 0 to turn it off)"
+            )
+        if self.shared_memory not in ("loopback", "any", "off"):
+            raise ConfigError(
+                f"shared_memory must be loopback, any or off, not {self.shared_memory!r}"
             )
         if self.registry != "local" and not self.registry.startswith(("etcd://", "etcds://")):
             raise ConfigError(

@@ -30,7 +30,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
 _REASONS = {
     400: "malformed request",
     401: "no or wrong bearer token: admin, or inference when one is configured",
-    403: "admin call from a non-loopback address with no token configured",
+    403: "admin call from a non-loopback address with no token configured; shared memory "
+    "from a client not on loopback (setting shared_memory)",
     404: "unknown route, version, plugin or path",
     409: "the route entry moved on since the revision expected (If-Match): read it again",
     413: "body or tensor too large",
@@ -128,6 +129,52 @@ def _stats(routed: bool, versioned: bool) -> dict[str, Any]:
     }
 
 
+def _shared_memory(root: str, kind: str) -> dict[str, Any]:
+    """Triton's shared memory extension: register, status and unregister of regions."""
+    name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    errors = _errors(400, 401, 403, 404)
+    register = {
+        "type": "object",
+        "properties": {
+            "key": {"type": "string"},
+            "offset": {"type": "integer"},
+            "byte_size": {"type": "integer"},
+        },
+    }
+    paths: dict[str, Any] = {
+        f"{root}/region/{{name}}/register": {
+            "post": {
+                "summary": f"Register a {kind} shared memory region",
+                "parameters": [name],
+                "requestBody": {"required": True, "content": _json(register)},
+                "responses": {**_ok("registered"), **errors},
+            }
+        }
+    }
+    for prefix, params, which in (
+        (root, [], "every region"),
+        (root + "/region/{name}", [name], "the region"),
+    ):
+        paths[prefix + "/status"] = {
+            "get": {
+                "summary": f"The status of {which} ({kind} shared memory)",
+                "parameters": params,
+                "responses": {
+                    **_ok("regions", {"type": "array", "items": {"type": "object"}}),
+                    **errors,
+                },
+            }
+        }
+        paths[prefix + "/unregister"] = {
+            "post": {
+                "summary": f"Unregister {which} ({kind} shared memory)",
+                "parameters": params,
+                "responses": {**_ok("unregistered"), **errors},
+            }
+        }
+    return paths
+
+
 def _admin_version(action: str) -> dict[str, Any]:
     segment = {"in": "path", "required": True}
     return {
@@ -185,6 +232,8 @@ def document() -> dict[str, Any]:
             "/v2/models/{route}/versions/{version}": _model(True, False),
             "/v2/models/{route}/versions/{version}/ready": _model(True, True),
             "/v2/models/{route}/versions/{version}/infer": _infer(True),
+            **_shared_memory("/v2/systemsharedmemory", "system"),
+            **_shared_memory("/v2/cudasharedmemory", "CUDA (400: needs a GPU)"),
             "/predict/{route}": {
                 "post": {
                     "summary": "Run the chain on a raw body: JSON parsed, anything else as bytes",

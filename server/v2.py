@@ -27,8 +27,9 @@ from server.state import (
     SETTINGS,
     WORKER,
 )
+from server.triton import shm_http
 
-EXTENSIONS = ["binary_tensor_data", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "statistics", "system_shared_memory"]
 
 
 async def server_metadata(request: web.Request) -> web.Response:
@@ -119,11 +120,15 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     deadline = deadline_seconds(request, decoded.parameters)
     ctx = request_context(request, route, "v2", decoded.parameters, deadline)
     cache = app[RESPONSE_CACHE]
+    # The request's tensors in shared memory, if any: inputs read, output regions held.
+    shared = await shm_http.attach(request, decoded) if decoded.uses_shared_memory else None
 
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)
         result = await run_chain(cache, chain, decoded.inputs, ctx)
         outputs = named_outputs(chain, result)
+        if shared is not None:
+            await shm_http.place(request, shared, outputs)
         version = chain.runner_version
         if sum(a.nbytes for a in outputs.values()) <= LARGE_BODY_BYTES:
             payload, headers = encode_response(decoded, route, version, outputs)

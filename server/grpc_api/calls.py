@@ -9,6 +9,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from registry.errors import PlugserveError
+from server.triton.shared_memory import grpc_peer
 
 GRPC_CODES: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -59,12 +60,6 @@ class Call:
         )
 
     @property
-    def remote(self) -> str | None:
-        """The peer's IP address (gRPC's peer is ``ipv4:1.2.3.4:5`` or ``ipv6:[::1]:5``)."""
-        peer: str = self.context.peer() or ""
-        kind, _, rest = peer.partition(":")
-        if kind == "ipv4":
-            return rest.rpartition(":")[0]
-        if kind == "ipv6":
-            return rest.rpartition(":")[0].strip("[]")
-        return None
+    def peer(self) -> tuple[str | None, bool]:
+        """The peer's IP address (``None`` for a Unix socket), and whether it is one."""
+        return grpc_peer(self.context.peer() or "")

@@ -26,6 +26,7 @@ from google.protobuf import json_format
 from registry.cache import run_chain
 from registry.chain import Chain
 from registry.errors import (
+    InvalidInput,
     NotFound,
     PluginError,
     PlugserveError,
@@ -33,6 +34,8 @@ from registry.errors import (
     Unavailable,
 )
 from server import __version__, auth, v2
+from server.bodies import LARGE_BODY_BYTES
+from server.codec import InferRequest
 from server.grpc_api import tensors
 from server.grpc_api.calls import Call, error_details, grpc_code
 from server.grpc_api.generated import grpc_service_pb2 as pb
@@ -41,7 +44,9 @@ from server.grpc_api.generated import health_pb2, health_pb2_grpc
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.middleware import REQUEST_ID_HEADER, client_request_id, new_request_id
 from server.serving import admit, deadline_seconds, measured, request_context, serve
-from server.state import REGISTRY, RESPONSE_CACHE, SETTINGS, WORKER
+from server.state import BODIES, REGISTRY, RESPONSE_CACHE, SETTINGS, WORKER
+from server.triton.shared_memory import Attachment, Regions, check_key
+from server.triton.shm_http import REGIONS, cuda_unsupported
 
 T = TypeVar("T")
 log = structlog.get_logger("plugserve.grpc")
@@ -164,14 +169,36 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         deadline = _deadline(call, decoded.parameters)
         ctx = request_context(call, route, "grpc", decoded.parameters, deadline)
         cache = self.app[RESPONSE_CACHE]
+        shared = await self._attach(call, decoded) if decoded.uses_shared_memory else None
 
         async def run(chain: Chain) -> pb.ModelInferResponse:
             ctx.versions = dict(chain.versions)
             result = await run_chain(cache, chain, decoded.inputs, ctx)
             outputs = v2.named_outputs(chain, result)
+            if shared is not None:
+                await self._off_loop(shared.output_bytes(outputs), shared.write_outputs, outputs)
             return tensors.encode(decoded, route, chain.runner_version, outputs)
 
         return await serve(call, route, version, run, deadline)
+
+    async def _attach(self, call: Call, decoded: InferRequest) -> Attachment:
+        """The request's tensors in shared memory: inputs read, output regions held."""
+        regions = self._regions(call)
+        attached = regions.attach(decoded)
+        await self._off_loop(attached.input_bytes, attached.read_inputs, decoded)
+        return attached
+
+    def _regions(self, call: Call) -> Regions:
+        regions = self.app[REGIONS]
+        regions.admit(*call.peer)
+        return regions
+
+    async def _off_loop(self, size: int, work: Callable[[T], None], arg: T) -> None:
+        """``work(arg)``, on the body threads when ``size`` bytes make it large."""
+        if size > LARGE_BODY_BYTES:
+            await self.app[BODIES].run(lambda: work(arg))
+        else:
+            work(arg)
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
@@ -254,6 +281,59 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         if reply.status >= 400:
             raise _error_of(reply.status, doc)
         return doc if isinstance(doc, dict) else {}
+
+    # -- shared memory ----------------------------------------------------------------
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        async def work() -> Any:
+            regions = self._regions(self._call(context))
+            key = check_key(request.key)
+            regions.register(request.name, key, request.offset, request.byte_size)
+            return pb.SystemSharedMemoryRegisterResponse()
+
+        return await self._answer(context, "SystemSharedMemoryRegister", work)
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        async def work() -> Any:
+            regions = self._regions(self._call(context))
+            response = pb.SystemSharedMemoryStatusResponse()
+            for row in regions.status(request.name or None):
+                response.regions[row["name"]].CopyFrom(
+                    pb.SystemSharedMemoryStatusResponse.RegionStatus(**row)
+                )
+            return response
+
+        return await self._answer(context, "SystemSharedMemoryStatus", work)
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        async def work() -> Any:
+            self._regions(self._call(context)).unregister(request.name or None)
+            return pb.SystemSharedMemoryUnregisterResponse()
+
+        return await self._answer(context, "SystemSharedMemoryUnregister", work)
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        async def work() -> Any:
+            self._call(context)
+            raise InvalidInput(cuda_unsupported(request.name))
+
+        return await self._answer(context, "CudaSharedMemoryRegister", work)
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        async def work() -> Any:
+            self._call(context)
+            if request.name:
+                raise NotFound(f"Unable to find cuda shared memory region: '{request.name}'")
+            return pb.CudaSharedMemoryStatusResponse()
+
+        return await self._answer(context, "CudaSharedMemoryStatus", work)
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        async def work() -> Any:
+            self._call(context)
+            return pb.CudaSharedMemoryUnregisterResponse()
+
+        return await self._answer(context, "CudaSharedMemoryUnregister", work)
 
     # -- not offered ------------------------------------------------------------------
 

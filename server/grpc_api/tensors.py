@@ -10,6 +10,7 @@ raw ones are read without a copy. Outputs always go back as
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,9 +22,11 @@ from server.codec import (
     InferRequest,
     Limits,
     RequestedOutput,
+    SharedInput,
     element_count,
     from_binary,
     select_outputs,
+    shared_memory_ref,
     to_binary,
 )
 from server.grpc_api.generated import grpc_service_pb2 as pb
@@ -78,21 +81,35 @@ def decode(request: pb.ModelInferRequest, limits: Limits) -> InferRequest:
             f"{len(request.inputs)} inputs; at most {limits.max_inputs} (max_inputs)"
         )
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
+    # Inputs in shared memory have no raw entry (tritonclient sends none for them).
+    shared_refs = [
+        shared_memory_ref(parameters(t.parameters), f"input {t.name!r}") for t in request.inputs
+    ]
+    carried = sum(ref is None for ref in shared_refs)
+    if raw and len(raw) != carried:
         raise InvalidInput(
-            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: "
-            "one per input, in order, or none"
+            f"raw_input_contents has {len(raw)} entries for {carried} inputs: one per input "
+            "not in shared memory, in order, or none"
         )
     inputs: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(request.inputs):
+    shared: dict[str, SharedInput] = {}
+    contents = iter(raw)
+    for index, (tensor, ref) in enumerate(zip(request.inputs, shared_refs, strict=True)):
         name = tensor.name
-        if name in inputs:
+        if name in inputs or name in shared:
             raise InvalidInput(f"input {name!r} appears twice")
-        inputs[name] = _input(tensor, raw[index] if raw else None, limits)
-    outputs = [
-        RequestedOutput(output.name, True, parameters(output.parameters))
-        for output in request.outputs
-    ]
+        if ref is not None:
+            shape = _shape(tensor, limits)
+            if tensor.HasField("contents"):
+                raise InvalidInput(f"input {name!r} is in shared memory: it takes no contents")
+            shared[name] = SharedInput(ref, tensor.datatype, tuple(shape), index)
+        else:
+            inputs[name] = _input(tensor, next(contents) if raw else None, limits)
+    outputs = []
+    for output in request.outputs:
+        given = parameters(output.parameters)
+        where = f"output {output.name!r}"
+        outputs.append(RequestedOutput(output.name, True, shared_memory_ref(given, where), given))
     if len({o.name for o in outputs}) != len(outputs):
         raise InvalidInput("an output is requested more than once")
     return InferRequest(
@@ -100,12 +117,12 @@ def decode(request: pb.ModelInferRequest, limits: Limits) -> InferRequest:
         request.id or None,
         parameters(request.parameters),
         outputs or None,
+        shared,
     )
 
 
-def _input(
-    tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, limits: Limits
-) -> np.ndarray:
+def _shape(tensor: pb.ModelInferRequest.InferInputTensor, limits: Limits) -> list[int]:
+    """The input's shape, its datatype known and both within ``limits``."""
     name, datatype = tensor.name, tensor.datatype
     if datatype not in V2_TO_NUMPY:
         known = ", ".join(V2_TO_NUMPY)
@@ -113,7 +130,16 @@ def _input(
     shape = list(tensor.shape)
     if any(d < 0 for d in shape):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
-    count = element_count(name, datatype, shape, limits)
+    element_count(name, datatype, shape, limits)
+    return shape
+
+
+def _input(
+    tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, limits: Limits
+) -> np.ndarray:
+    name, datatype = tensor.name, tensor.datatype
+    shape = _shape(tensor, limits)
+    count = math.prod(shape)
     if raw is not None:
         if tensor.HasField("contents"):
             raise InvalidInput(f"input {name!r} has both contents and raw_input_contents")
@@ -152,9 +178,12 @@ def encode(
     response = pb.ModelInferResponse(model_name=model_name, model_version=model_version)
     if request.id is not None:
         response.id = request.id
+    shared = {o.name for o in request.outputs or () if o.shared is not None}
     for name, _ in select_outputs(request, outputs):
         array = outputs[name]
         datatype = v2_datatype(array.dtype)
         response.outputs.add(name=name, datatype=datatype, shape=array.shape)
-        response.raw_output_contents.append(to_binary(array, datatype))
+        # One entry per output, an empty one for an output written into shared memory
+        # (clients find an output's data by its place among the outputs).
+        response.raw_output_contents.append(b"" if name in shared else to_binary(array, datatype))
     return response

@@ -16,6 +16,8 @@ from server.codec import (
     InferRequest,
     Limits,
     RequestedOutput,
+    SharedInput,
+    SharedMemoryRef,
     decode_request,
     encode_response,
 )
@@ -280,3 +282,84 @@ def test_no_request_makes_the_decoder_raise_anything_but_a_client_error(
         assert isinstance(name, str) and isinstance(array, np.ndarray)
     if request.binary_output:  # only a literal true asks for binary ("false" did: finding 16)
         assert doc["parameters"]["binary_data_output"] is True
+
+
+def test_shared_memory_tensors_are_decoded_as_references() -> None:
+    doc = {
+        "inputs": [
+            {"name": "a", "shape": [1], "datatype": "INT32", "data": [1]},
+            {
+                "name": "b",
+                "shape": [2, 2],
+                "datatype": "FP16",
+                "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8},
+            },
+        ],
+        "outputs": [
+            {
+                "name": "y",
+                "parameters": {
+                    "binary_data": False,
+                    "shared_memory_region": "o",
+                    "shared_memory_byte_size": 64,
+                    "shared_memory_offset": 16,
+                },
+            },
+            {"name": "z"},
+        ],
+    }
+    request = decode_request(json.dumps(doc).encode(), None)
+    assert list(request.inputs) == ["a"]
+    assert request.shared_inputs == {
+        "b": SharedInput(SharedMemoryRef("r", 8, 0), "FP16", (2, 2), 1)
+    }
+    assert request.outputs == [
+        RequestedOutput("y", False, shared=SharedMemoryRef("o", 64, 16)),
+        RequestedOutput("z"),
+    ]
+    assert request.uses_shared_memory
+    assert not decode_request(
+        b'{"inputs": [{"name": "a", "shape": [1], "datatype": "INT32", "data": [1]}]}', None
+    ).uses_shared_memory
+
+
+def test_an_output_in_shared_memory_is_answered_with_its_metadata_only() -> None:
+    request = InferRequest(
+        {},
+        None,
+        {"binary_data_output": True},
+        [RequestedOutput("y", shared=SharedMemoryRef("o", 64))],
+    )
+    body, headers = encode_response(request, "m", "1", {"y": np.ones((2, 3), np.float32)})
+    assert headers == {"Content-Type": "application/json"}
+    assert json.loads(body)["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [2, 3]}]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"shared_memory_region": "r"}, "shared_memory_region needs shared_memory_byte_size"),
+        ({"shared_memory_byte_size": 4}, "shared_memory_byte_size needs shared_memory_region"),
+        ({"shared_memory_offset": 4}, "shared_memory_offset needs"),
+        ({"shared_memory_region": 5, "shared_memory_byte_size": 4}, "must be a region's name"),
+        ({"shared_memory_region": "r", "shared_memory_byte_size": True}, "non-negative"),
+        (
+            {"shared_memory_region": "r", "shared_memory_byte_size": 4, "shared_memory_offset": -1},
+            "non-negative",
+        ),
+        (
+            {"shared_memory_region": "r", "shared_memory_byte_size": 4, "binary_data_size": 4},
+            "takes no 'data' or binary_data_size",
+        ),
+    ],
+)
+def test_shared_memory_parameters_are_checked(parameters: dict[str, Any], message: str) -> None:
+    doc = {"inputs": [{"name": "a", "shape": [1], "datatype": "INT32", "parameters": parameters}]}
+    body = json.dumps(doc).encode()
+    if "binary_data_size" in parameters:
+        body += b"\0" * 4
+        header: str | None = str(len(json.dumps(doc)))
+    else:
+        header = None
+    with pytest.raises(InvalidInput, match=message):
+        decode_request(body, header)

@@ -188,7 +188,11 @@ def test_tritonclient_reads_the_statistics_extension(
     assert latest["batch_stats"][0]["batch_size"] == 3
     everything = triton.get_inference_statistics()["model_stats"]
     assert {s["name"] for s in everything} >= {"add", "ident"}
-    assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "statistics"]
+    assert triton.get_server_metadata()["extensions"] == [
+        "binary_tensor_data",
+        "statistics",
+        "system_shared_memory",
+    ]
 
 
 @pytest.mark.workers(1, 2)
