@@ -68,7 +68,11 @@ class NotFound(PlugserveError):
 
 
 class RouteNotFound(NotFound):
-    """No route of that name is served."""
+    """No route of that name is served: Triton's text, which its clients look for."""
+
+    def __init__(self, route: str) -> None:
+        super().__init__(f"Request for unknown model: '{route}' is not found")
+        self.route = route
 
 
 class VersionNotFound(NotFound):

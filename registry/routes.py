@@ -364,7 +364,7 @@ class RouteTable:
         """
         entry = self.entries.get(route)
         if entry is None:
-            raise RouteNotFound(f"unknown route {route!r}")
+            raise RouteNotFound(route)
         return entry.chain(version, headers)
 
     def describe(self) -> list[dict[str, Any]]:

@@ -101,7 +101,7 @@ async def test_version_selects_the_runner_and_errors_say_why(
         registry.routes.resolve("add", "9.0.0")
     with pytest.raises(Unavailable, match="runner/add@3.0.0 is failed"):
         registry.routes.resolve("add", "3.0.0")
-    with pytest.raises(RouteNotFound, match="unknown route 'nope'"):
+    with pytest.raises(RouteNotFound, match="Request for unknown model: 'nope' is not found"):
         registry.routes.resolve("nope")
 
 

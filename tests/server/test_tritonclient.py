@@ -106,7 +106,7 @@ def test_errors_reach_the_client_with_status(triton: httpclient.InferenceServerC
     with pytest.raises(InferenceServerException) as info:
         triton.infer("nope", [inp])
     assert info.value.status() == "404"
-    assert "unknown route 'nope'" in info.value.message()
+    assert info.value.message() == "Request for unknown model: 'nope' is not found"
     bad = httpclient.InferInput("x", [1, 3], "FP32")
     bad.set_data_from_numpy(np.zeros((1, 3), np.float32))
     with pytest.raises(InferenceServerException) as info:
