@@ -131,7 +131,9 @@ async def statistics(request: web.Request) -> web.Response:
     table = request.app[REGISTRY].routes
     route, version = request.match_info.get("route"), request.match_info.get("version")
     if route is not None:
-        table.resolve(route, version)  # 404/503 as for inference
+        resolved = table.resolve(route, version)  # 404/503 as for inference
+        if version is not None:  # an integer alias ("1") names the version it resolves to
+            version = resolved.runner_version
     stats = []
     for name, entry in sorted(table.entries.items()):
         if route is not None and name != route:
