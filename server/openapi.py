@@ -117,6 +117,17 @@ def _model(versioned: bool, ready: bool) -> dict[str, Any]:
     }
 
 
+def _config(versioned: bool) -> dict[str, Any]:
+    summary = "Triton's model configuration of the route, derived from its manifest"
+    return {
+        "get": {
+            "summary": summary,
+            "parameters": [ROUTE, VERSION] if versioned else [ROUTE],
+            "responses": {**_ok("the configuration", {"type": "object"}), **_errors(401, 404, 503)},
+        }
+    }
+
+
 def _stats(routed: bool, versioned: bool) -> dict[str, Any]:
     params = [ROUTE] if routed else []
     return {
@@ -184,6 +195,8 @@ def document() -> dict[str, Any]:
             "/v2/models/{route}/infer": _infer(False),
             "/v2/models/{route}/versions/{version}": _model(True, False),
             "/v2/models/{route}/versions/{version}/ready": _model(True, True),
+            "/v2/models/{route}/config": _config(False),
+            "/v2/models/{route}/versions/{version}/config": _config(True),
             "/v2/models/{route}/versions/{version}/infer": _infer(True),
             "/predict/{route}": {
                 "post": {

@@ -16,6 +16,7 @@ from server.bodies import LARGE_BODY_BYTES
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import admit, deadline_seconds, measured, request_context, serve
 from server.state import BODIES, DRAIN, REGISTRY, ROUTE_STORE, SETTINGS, WORKER
+from server.triton import config
 
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
@@ -81,6 +82,11 @@ async def model_metadata(request: web.Request) -> web.Response:
 async def model_ready(request: web.Request) -> web.Response:
     chain = _resolve(request)
     return web.json_response({"name": chain.route, "ready": True})
+
+
+async def model_config(request: web.Request) -> web.Response:
+    """Triton's model configuration extension: the route's configuration as its JSON."""
+    return web.json_response(config.model_config(_resolve(request)))
 
 
 async def infer(request: web.Request) -> web.Response:
@@ -193,3 +199,4 @@ def add_routes(app: web.Application, through: Handler | None = None) -> None:
     for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
         r.add_get(prefix, model_metadata)
         r.add_get(prefix + "/ready", model_ready)
+        r.add_get(prefix + "/config", model_config)
