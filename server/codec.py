@@ -23,6 +23,7 @@ import orjson
 from registry.datatypes import V2_TO_NUMPY, v2_datatype
 from registry.errors import InvalidInput, PayloadTooLarge
 from registry.tensors import bytes_elements, from_json
+from server.triton.classification import class_count
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _U32 = struct.Struct("<I")
@@ -45,6 +46,8 @@ DEFAULT_LIMITS = Limits()
 class RequestedOutput:
     name: str
     binary: bool | None = None
+    classification: int = 0
+    """Triton's classification extension: the top this many classes (0: the tensor itself)."""
 
 
 @dataclass
@@ -59,6 +62,10 @@ class InferRequest:
     @property
     def binary_output(self) -> bool:
         return self.parameters.get("binary_data_output") is True
+
+    def classifications(self) -> dict[str, int]:
+        """The outputs asked for as their top ``k`` classes, name: ``k``."""
+        return {o.name: o.classification for o in self.outputs or () if o.classification}
 
 
 def decode_request(
@@ -258,8 +265,9 @@ def _requested_outputs(raw: Any) -> list[RequestedOutput] | None:
         if item["name"] in names:  # each repeat would be encoded again: a size multiplier
             raise InvalidInput(f"{where} is requested more than once")
         names.add(item["name"])
-        binary = _boolean(_parameters(item, where), "binary_data", f"{where}: parameter")
-        outputs.append(RequestedOutput(item["name"], binary))
+        parameters = _parameters(item, where)
+        binary = _boolean(parameters, "binary_data", f"{where}: parameter")
+        outputs.append(RequestedOutput(item["name"], binary, class_count(parameters, where)))
     return outputs
 
 

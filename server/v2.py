@@ -16,7 +16,7 @@ from server.bodies import LARGE_BODY_BYTES
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import admit, deadline_seconds, measured, request_context, serve
 from server.state import BODIES, DRAIN, REGISTRY, ROUTE_STORE, SETTINGS, WORKER
-from server.triton import config
+from server.triton import classification, config
 
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
@@ -108,10 +108,14 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     deadline = deadline_seconds(request, decoded.parameters)
     ctx = request_context(request, route, "v2", decoded.parameters, deadline)
 
+    classes = decoded.classifications()
+
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)
         result = await chain.run(decoded.inputs, ctx)
         outputs = _outputs(chain, result)
+        if classes:
+            outputs = classification.classify_outputs(chain, outputs, classes)
         version = chain.runner_version
         if sum(a.nbytes for a in outputs.values()) <= LARGE_BODY_BYTES:
             payload, headers = encode_response(decoded, route, version, outputs)
