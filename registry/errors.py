@@ -168,6 +168,14 @@ class PluginCallTimeout(PluginLoadError):
         )
 
 
+class ModelLoadFailed(PluginLoadError):
+    """A model repository load of a route failed: Triton's wording, which its clients look for."""
+
+    def __init__(self, route: str, reason: str) -> None:
+        super().__init__(f"failed to load '{route}', {reason}")
+        self.route = route
+
+
 class ManifestError(PluginLoadError):
     """A ``plugin.toml`` is missing, unparsable or invalid; names file and field."""
 

@@ -136,11 +136,13 @@ class Manifest:
         return self.route.name or self.name
 
 
-def load_manifest(folder: Path) -> Manifest:
+def load_manifest(folder: Path, runner_overrides: Mapping[str, Any] | None = None) -> Manifest:
     """Read and validate ``folder/plugin.toml``.
 
     ``folder`` must be ``<plugins_dir>/<type>/<name>/<version>``: the manifest's
-    type, name and version must equal those folder names.
+    type, name and version must equal those folder names. ``runner_overrides``
+    replace ``[runner]`` keys before validation (a model repository load's
+    ``config``), checked as if the file held them.
     """
     path = folder / MANIFEST_NAME
     try:
@@ -149,6 +151,8 @@ def load_manifest(folder: Path) -> Manifest:
         raise ManifestError(path, "no plugin.toml in the plugin folder") from None
     except validation.ValueProblem as exc:
         raise ManifestError(path, exc.reason) from None
+    if runner_overrides and isinstance(raw.get("runner", {}), dict):
+        raw = {**raw, "runner": {**raw.get("runner", {}), **runner_overrides}}
     return parse_manifest(raw, folder)
 
 

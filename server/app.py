@@ -23,7 +23,17 @@ from server.config import Settings
 from server.metrics import Metrics
 from server.middleware import request_middleware
 from server.shutdown import CLOSE_FLOOR_S, Drain, within
-from server.state import BODIES, DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS, WORKER
+from server.state import (
+    BODIES,
+    DRAIN,
+    METRICS,
+    REGISTRY,
+    REPOSITORY,
+    ROUTE_STORE,
+    SETTINGS,
+    WORKER,
+)
+from server.triton.repository import LocalRepository, SupervisedRepository
 
 if TYPE_CHECKING:
     from server.processes.link import WorkerLink
@@ -164,6 +174,8 @@ def create_app(
         through = worker.forward
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
     _isolated_runners(app[REGISTRY], settings, worker)
+    repository = LocalRepository(app[REGISTRY])
+    app[REPOSITORY] = repository if worker is None else SupervisedRepository(worker.supervisor)
     v2.add_routes(app, through)
     predict.add_routes(app)
     admin.add_routes(app, through)

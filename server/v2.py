@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -12,11 +12,12 @@ from aiohttp.typedefs import Handler
 from registry.chain import Chain
 from registry.errors import PluginError, Unavailable
 from server import __version__
+from server.auth import admin_only
 from server.bodies import LARGE_BODY_BYTES
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import admit, deadline_seconds, measured, request_context, serve
-from server.state import BODIES, DRAIN, REGISTRY, ROUTE_STORE, SETTINGS, WORKER
-from server.triton import classification, config
+from server.state import BODIES, DRAIN, REGISTRY, REPOSITORY, ROUTE_STORE, SETTINGS, WORKER
+from server.triton import classification, config, repository
 
 EXTENSIONS = ["binary_tensor_data", "statistics"]
 
@@ -130,6 +131,37 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     return await serve(request, route, request.match_info.get("version"), run, deadline)
 
 
+async def repository_index(request: web.Request) -> web.Response:
+    """Triton's repository index: every route, each runner version with its state."""
+    ready_only = repository.index_request(await request.read())
+    return web.json_response(await request.app[REPOSITORY].index(ready_only))
+
+
+async def repository_load(request: web.Request) -> web.Response:
+    """Load a route from its files (or with Triton's ``config`` over its runner settings)."""
+    config = repository.load_request(await request.read())
+    route = request.match_info["route"]
+    return web.json_response(await request.app[REPOSITORY].load(route, config))
+
+
+async def repository_unload(request: web.Request) -> web.Response:
+    """Unload every version of a route's runner (``unload_dependents`` changes nothing)."""
+    return web.json_response(await request.app[REPOSITORY].unload(request.match_info["route"]))
+
+
+REPOSITORY_PATHS = (
+    ("/v2/repository/index", repository_index),
+    ("/v2/repository/models/{route}/load", repository_load),
+    ("/v2/repository/models/{route}/unload", repository_unload),
+)
+"""Triton's model repository extension: control-plane calls, under the admin rules."""
+
+
+def add_repository_routes(app: web.Application, guard: Callable[[Handler], Handler]) -> None:
+    for path, handler in REPOSITORY_PATHS:
+        app.router.add_post(path, guard(handler))
+
+
 ISOLATED_RUNNER = "_isolated_runner"
 """Marks, in a worker's statistics, an isolated runner whose executions its supervisor
 counts (and fills in, removing the mark)."""
@@ -200,6 +232,7 @@ def add_routes(app: web.Application, through: Handler | None = None) -> None:
     r.add_get("/v2", server_metadata)
     r.add_get("/v2/health/live", live)
     r.add_get("/v2/health/ready", ready)
+    add_repository_routes(app, admin_only)
     for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
         r.add_get(prefix, model_metadata)
         r.add_get(prefix + "/ready", model_ready)
