@@ -83,21 +83,29 @@ def _local_port(request: web.Request) -> int | None:
 
 
 def check_admin(request: web.Request, settings: Settings) -> None:
-    """Raise unless the request may use the control plane.
+    """Raise unless the request may use the control plane (:func:`check_admin_call`)."""
+    check_admin_call(settings, request.remote, bearer_token(request), _local_port(request))
+
+
+def check_admin_call(
+    settings: Settings, remote: str | None, token: bytes | None, local_port: int | None
+) -> None:
+    """Raise unless a call from ``remote`` with bearer ``token``, taken on ``local_port``,
+    may use the control plane: any protocol's admin rules.
 
     With ``admin_port`` set, the control plane answers on that port only (404
     elsewhere). With a token configured, ``Authorization: Bearer <token>`` must
     match it (the inference token never does); without one, only loopback
     clients are let in.
     """
-    if settings.admin_port is not None and _local_port(request) != settings.admin_port:
+    if settings.admin_port is not None and local_port != settings.admin_port:
         raise NotFound("the control plane listens on its own address")
-    token = settings.admin_token
-    if token is None:
-        if not is_loopback(request.remote):
+    admin_token = settings.admin_token
+    if admin_token is None:
+        if not is_loopback(remote):
             raise Forbidden("admin calls need a configured token when not from loopback")
         return
-    if not _accepts(bearer_token(request), (_digest(_as_bytes(token)),)):
+    if not _accepts(token, (_digest(_as_bytes(admin_token)),)):
         raise Unauthorized("admin calls need 'Authorization: Bearer <admin token>'")
 
 
