@@ -6,14 +6,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
 from registry.chain import Chain
 from registry.errors import PluginError, Unavailable
-from server import __version__
+from server import __version__, compression
 from server.auth import admin_only
-from server.bodies import LARGE_BODY_BYTES
+from server.bodies import LARGE_BODY_BYTES, Bodies
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import admit, deadline_seconds, measured, request_context, serve
 from server.state import BODIES, DRAIN, REGISTRY, REPOSITORY, ROUTE_STORE, SETTINGS, WORKER
@@ -110,6 +110,8 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     ctx = request_context(request, route, "v2", decoded.parameters, deadline)
 
     classes = decoded.classifications()
+    accept = request.headers.get(hdrs.ACCEPT_ENCODING)
+    coding = compression.accepted(accept) if accept else None
 
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)
@@ -124,6 +126,8 @@ async def _infer(request: web.Request, route: str) -> web.Response:
             payload, headers = await bodies.run(
                 lambda: encode_response(decoded, route, version, outputs)
             )
+        if coding is not None and len(payload) >= compression.MIN_BYTES:
+            return await _compressed(payload, headers, coding, bodies)
         if len(headers) == 1:  # JSON: no header dict to build
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, headers=headers)
@@ -160,6 +164,17 @@ REPOSITORY_PATHS = (
 def add_repository_routes(app: web.Application, guard: Callable[[Handler], Handler]) -> None:
     for path, handler in REPOSITORY_PATHS:
         app.router.add_post(path, guard(handler))
+
+
+async def _compressed(
+    payload: bytes, headers: dict[str, str], coding: str, bodies: Bodies
+) -> web.Response:
+    """The response in ``coding``; a large one compressed off the event loop."""
+    if len(payload) <= compression.OFF_LOOP_BYTES:
+        body = compression.compress(payload, coding)
+    else:
+        body = await bodies.run(lambda: compression.compress(payload, coding))
+    return web.Response(body=body, headers={**headers, hdrs.CONTENT_ENCODING: coding})
 
 
 ISOLATED_RUNNER = "_isolated_runner"
