@@ -19,7 +19,14 @@ from server.serving import admit, deadline_seconds, measured, request_context, s
 from server.state import BODIES, DRAIN, REGISTRY, REPOSITORY, ROUTE_STORE, SETTINGS, WORKER
 from server.triton import classification, config, repository
 
-EXTENSIONS = ["binary_tensor_data", "statistics"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "statistics",
+    "classification",
+    "model_repository",
+    "model_configuration",
+]
+"""Triton's extensions this server speaks, by Triton's names."""
 
 
 async def server_metadata(request: web.Request) -> web.Response:

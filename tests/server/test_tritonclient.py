@@ -188,7 +188,13 @@ def test_tritonclient_reads_the_statistics_extension(
     assert latest["batch_stats"][0]["batch_size"] == 3
     everything = triton.get_inference_statistics()["model_stats"]
     assert {s["name"] for s in everything} >= {"add", "ident"}
-    assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "statistics"]
+    assert triton.get_server_metadata()["extensions"] == [
+        "binary_tensor_data",
+        "statistics",
+        "classification",
+        "model_repository",
+        "model_configuration",
+    ]
 
 
 @pytest.mark.workers(1, 2)
