@@ -11,6 +11,7 @@ worker do it. Callers check the admin rules first (``server.auth``).
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -32,6 +33,7 @@ from registry.errors import (
     Unauthorized,
     Unavailable,
 )
+from registry.manifest import load_manifest
 from registry.records import VersionRecord
 from registry.registry import Registry
 from registry.routes import RouteEntry
@@ -81,18 +83,19 @@ class LocalRepository:
     async def load(self, route: str, config: str | None = None) -> dict[str, Any]:
         registry = self.registry
         entry = registry.routes.entries.get(route)
-        if entry is None:
+        versions = None if entry is None else _versions(entry)
+        runner = entry.spec.runner.name if entry is not None else await _declaring(registry, route)
+        if runner is None:
             raise ModelLoadFailed(route, "failed to poll from model repository")
         overrides = runner_overrides(route, config) if config is not None else None
-        versions = _versions(entry)
         folders = [
             f
             for f in registry.discover()
-            if registry.key_of(f)[:2] == ("runner", entry.spec.runner.name)
+            if registry.key_of(f)[:2] == ("runner", runner)
             and (versions is None or f.name in versions)
         ]
         if not folders:
-            raise ModelLoadFailed(route, f"runner {entry.spec.runner.name} has no version to load")
+            raise ModelLoadFailed(route, f"runner {runner} has no version to load")
         outcomes: dict[str, list[str]] = {}
         for folder in sorted(folders):
             outcome = await registry.load(folder, explicit=True, overrides=overrides)
@@ -117,6 +120,24 @@ class LocalRepository:
                 await registry.unload(record.key)
                 unloaded.append(record.label)
         return {"name": route, "unloaded": unloaded}
+
+
+async def _declaring(registry: Registry, route: str) -> str | None:
+    """The runner whose files declare ``route`` (``[route] name``): a route named apart from
+    its runner leaves the table while none of its versions is loaded."""
+
+    def find() -> str | None:
+        for folder in registry.discover():
+            kind, name, _ = registry.key_of(folder)
+            if kind == "runner":
+                try:
+                    if load_manifest(folder).route_name == route:
+                        return name
+                except PlugserveError:
+                    continue
+        return None
+
+    return await asyncio.to_thread(find)
 
 
 class SupervisedRepository:

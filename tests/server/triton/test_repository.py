@@ -12,7 +12,7 @@ from tritonclient.utils import InferenceServerException
 
 from registry.errors import ModelLoadFailed
 from server.triton.repository import runner_overrides
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, write_add_runner
 from tests.server.triton.conftest import write_python, write_scores
 
 
@@ -163,3 +163,30 @@ def test_what_a_config_may_set() -> None:
         with pytest.raises(ModelLoadFailed, match=why) as info:
             runner_overrides("scores", bad)
         assert info.value.message.startswith("failed to load 'scores', ")
+
+
+async def test_a_route_named_apart_from_its_runner_loads_again_after_an_unload(
+    plugins_dir: Path, client: Any
+) -> None:
+    """While none of its versions is loaded, a route named by [route] name is not in the
+    table (its runner's own name stands there): its files still say which runner it is."""
+    write_add_runner(plugins_dir, "iris", "1.0.0", route='[route]\nname = "flowers"\n')
+    cli = await client()
+    assert (await cli.post("/v2/repository/models/flowers/unload")).status == 200
+    assert (await cli.get("/v2/models/flowers/ready")).status == 404
+    index = await (await cli.post("/v2/repository/index", data=b"")).json()
+    assert index == [
+        {"name": "iris", "version": "1.0.0", "state": "UNAVAILABLE", "reason": "unloaded"}
+    ]
+    resp = await cli.post("/v2/repository/models/flowers/load", json={})
+    assert resp.status == 200, await resp.text()
+    assert await resp.json() == {"name": "flowers", "loaded": ["runner/iris@1.0.0"]}
+    assert (await cli.get("/v2/models/flowers/ready")).status == 200
+    ready = await (await cli.post("/v2/repository/index", json={"ready": True})).json()
+    assert [(r["name"], r["state"]) for r in ready] == [("flowers", "READY")]
+    for body, why in [(b"[1]", "JSON object"), (b'{"ready": 1}', "'ready' must be")]:
+        resp = await cli.post("/v2/repository/index", data=body)
+        assert resp.status == 400 and why in (await resp.json())["error"]
+    files = {"parameters": {"config": "{}", "file:1/model.onnx": "AAAA"}}
+    resp = await cli.post("/v2/repository/models/flowers/load", json=files)
+    assert resp.status == 400 and "file overrides" in (await resp.json())["error"]
