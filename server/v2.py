@@ -116,7 +116,7 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     deadline = deadline_seconds(request, decoded.parameters)
     ctx = request_context(request, route, "v2", decoded.parameters, deadline)
 
-    classes = decoded.classifications()
+    classes = decoded.classifications() if decoded.outputs else None
     accept = request.headers.get(hdrs.ACCEPT_ENCODING)
     coding = compression.accepted(accept) if accept else None
 
