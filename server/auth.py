@@ -84,13 +84,13 @@ def _local_port(request: web.Request) -> int | None:
 
 def check_admin(request: web.Request, settings: Settings) -> None:
     """Raise unless the request may use the control plane (:func:`check_admin_call`)."""
-    check_admin_call(settings, request.remote, bearer_token(request), _local_port(request))
+    check_admin_call(settings, _local_port(request), request.remote, bearer_token(request))
 
 
 def check_admin_call(
-    settings: Settings, remote: str | None, token: bytes | None, local_port: int | None
+    settings: Settings, local_port: int | None, remote: str | None, token: bytes | None
 ) -> None:
-    """Raise unless a call from ``remote`` with bearer ``token``, taken on ``local_port``,
+    """Raise unless a call that reached ``local_port`` from ``remote`` with bearer ``token``
     may use the control plane: any protocol's admin rules.
 
     With ``admin_port`` set, the control plane answers on that port only (404

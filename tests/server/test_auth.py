@@ -267,14 +267,14 @@ def test_admin_from_ipv4_loopback_on_a_dual_stack_listener(
 def test_the_admin_rules_without_a_request(tmp_path: Path) -> None:
     """check_admin_call: what another protocol (gRPC) calls with its peer, token and port."""
     open_ = Settings(plugins_dir=tmp_path, models_dir=tmp_path)
-    check_admin_call(open_, "127.0.0.1", None, 8001)
+    check_admin_call(open_, 8001, "127.0.0.1", None)
     with pytest.raises(Forbidden):
-        check_admin_call(open_, "10.0.0.1", None, 8001)
+        check_admin_call(open_, 8001, "10.0.0.1", None)
     tokened = Settings(plugins_dir=tmp_path, models_dir=tmp_path, admin_token=ADMIN)
-    check_admin_call(tokened, "10.0.0.1", ADMIN.encode(), 8001)
+    check_admin_call(tokened, 8001, "10.0.0.1", ADMIN.encode())
     for token in (None, INFERENCE.encode(), b""):
         with pytest.raises(Unauthorized):
-            check_admin_call(tokened, "127.0.0.1", token, 8001)
+            check_admin_call(tokened, 8001, "127.0.0.1", token)
     own_port = Settings(plugins_dir=tmp_path, models_dir=tmp_path, admin_port=9000)
     with pytest.raises(NotFound):
-        check_admin_call(own_port, "127.0.0.1", None, 8001)
+        check_admin_call(own_port, 8001, "127.0.0.1", None)
