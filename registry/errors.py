@@ -68,7 +68,11 @@ class NotFound(PlugserveError):
 
 
 class RouteNotFound(NotFound):
-    """No route of that name is served."""
+    """No route of that name is served: Triton's text, which its clients look for."""
+
+    def __init__(self, route: str) -> None:
+        super().__init__(f"Request for unknown model: '{route}' is not found")
+        self.route = route
 
 
 class VersionNotFound(NotFound):
@@ -162,6 +166,14 @@ class PluginCallTimeout(PluginLoadError):
             plugin=plugin,
             call=call,
         )
+
+
+class ModelLoadFailed(PluginLoadError):
+    """A model repository load of a route failed: Triton's wording, which its clients look for."""
+
+    def __init__(self, route: str, reason: str) -> None:
+        super().__init__(f"failed to load '{route}', {reason}")
+        self.route = route
 
 
 class ManifestError(PluginLoadError):

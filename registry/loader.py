@@ -15,6 +15,7 @@ import inspect
 import itertools
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -74,19 +75,29 @@ class Loader:
         return Roots(self.plugins_dir, self.models_dir)
 
     async def load(
-        self, folder: Path, in_process: bool = False, content: str | None = None
+        self,
+        folder: Path,
+        in_process: bool = False,
+        content: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
     ) -> LoadedPlugin:
         """Load and warm up the version in ``folder``; raise :class:`PluginLoadError`.
 
         A runner with ``isolation = "process"`` loads in runner processes of its
         own (:mod:`registry.isolation`) unless ``in_process`` (in such a process,
         as one instance); ``content`` (the folder's fingerprint) lets the workers
-        of one server share them.
+        of one server share them. ``overrides`` replace ``[runner]`` keys of the
+        manifest for this load (not for an isolated runner, whose processes read
+        the file).
         """
         await asyncio.to_thread(self.roots(folder).check_tree, folder)
-        manifest = load_manifest(folder)
+        manifest = load_manifest(folder, overrides)
         await asyncio.to_thread(verify_checksums, folder, self.fingerprinter, manifest.label)
         if manifest.runner is not None and manifest.runner.isolated:
+            if overrides:
+                raise PluginLoadError(
+                    f"{manifest.label}: an isolated runner takes its settings from its files only"
+                )
             if not in_process:
                 return await self._load_isolated(manifest, content)
             manifest = dataclasses.replace(

@@ -46,6 +46,8 @@ RUNNER_KEYS = frozenset(
         "device",
         "devices",
         "response_cache",
+        "formats",
+        "labels",
     }
 )
 """The ``[runner]`` keys plugserve reads itself; a backend declares its own (``runner_keys``)."""
@@ -57,6 +59,9 @@ MAX_QUEUE_DELAY_MS = 3_600_000.0
 MAX_PRIORITY_LEVELS = 1000
 ISOLATIONS = ("none", "process")
 """``[runner] isolation``: in the worker (``none``) or in runner processes of its own."""
+FORMATS = ("FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW")
+"""``[runner] formats``: an image input's layout, as Triton's model configuration names it."""
+MAX_LABELS_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,12 @@ class RunnerSection:
     """``cuda:N`` per instance, in turn (``device`` is one for all); ``()``: unset."""
     response_cache: bool = False
     """Cache whole responses of the routes this runner serves (registry/cache.py)."""
+    formats: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Input name: ``FORMAT_NCHW`` or ``FORMAT_NHWC`` (shown in the model configuration)."""
+    label_files: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Output name: its labels file, relative to the plugin folder."""
+    labels: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    """Output name: its labels, one per class index (read from ``label_files`` at load)."""
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
@@ -128,11 +139,13 @@ class Manifest:
         return self.route.name or self.name
 
 
-def load_manifest(folder: Path) -> Manifest:
+def load_manifest(folder: Path, runner_overrides: Mapping[str, Any] | None = None) -> Manifest:
     """Read and validate ``folder/plugin.toml``.
 
     ``folder`` must be ``<plugins_dir>/<type>/<name>/<version>``: the manifest's
-    type, name and version must equal those folder names.
+    type, name and version must equal those folder names. ``runner_overrides``
+    replace ``[runner]`` keys before validation (a model repository load's
+    ``config``), checked as if the file held them.
     """
     path = folder / MANIFEST_NAME
     try:
@@ -141,6 +154,8 @@ def load_manifest(folder: Path) -> Manifest:
         raise ManifestError(path, "no plugin.toml in the plugin folder") from None
     except validation.ValueProblem as exc:
         raise ManifestError(path, exc.reason) from None
+    if runner_overrides and isinstance(raw.get("runner", {}), dict):
+        raw = {**raw, "runner": {**raw.get("runner", {}), **runner_overrides}}
     return parse_manifest(raw, folder)
 
 
@@ -237,6 +252,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
     if model is not None and not model.startswith("models:"):
         _check_relative(p.path, folder, model, "runner.model")
     providers = _provider_names(p, table)
+    files = _label_files(p, table, folder)
     levels = p.integer(table, "runner.priority_levels", 1, 1, MAX_PRIORITY_LEVELS)
     return RunnerSection(
         backend=backend,
@@ -257,8 +273,50 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         isolation=_isolation(p, table),
         devices=_devices(p, table),
         response_cache=p.boolean(table, "runner.response_cache", False),
+        formats=_formats(p, table),
+        label_files=MappingProxyType(files),
+        labels=MappingProxyType(
+            {output: _read_labels(p, folder, f) for output, f in files.items()}
+        ),
         table=MappingProxyType(dict(table)),
     )
+
+
+def _formats(p: _Fields, table: Mapping[str, Any]) -> Mapping[str, str]:
+    """``formats = { image = "FORMAT_NCHW" }``: the layout of image inputs, by input name."""
+    formats = {}
+    for name, value in p.table(table, "runner.formats").items():
+        where = f"runner.formats.{validation.text(name, 'runner.formats', max_length=256)}"
+        if value not in FORMATS:
+            raise ManifestError(p.path, f"must be one of {', '.join(FORMATS)}", where)
+        formats[name] = value
+    return MappingProxyType(formats)
+
+
+def _label_files(p: _Fields, table: Mapping[str, Any], folder: Path) -> dict[str, str]:
+    """``labels = { scores = "labels.txt" }``: a file in the plugin folder per output."""
+    files = {}
+    for name, value in p.table(table, "runner.labels").items():
+        where = f"runner.labels.{validation.text(name, 'runner.labels', max_length=256)}"
+        relative = validation.relative_path(validation.text(value, where), where)
+        _check_relative(p.path, folder, relative, where)
+        if not (folder / relative).is_file():
+            raise ManifestError(p.path, f"{relative!r} is not a file in the plugin folder", where)
+        files[name] = relative
+    return files
+
+
+def _read_labels(p: _Fields, folder: Path, relative: str) -> tuple[str, ...]:
+    """One label a line (UTF-8); the line's index is the class index it names."""
+    where = "runner.labels"
+    path = folder / relative
+    if path.stat().st_size > MAX_LABELS_BYTES:
+        raise ManifestError(p.path, f"{relative!r} is over {MAX_LABELS_BYTES} bytes", where)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(p.path, f"{relative!r} cannot be read: {exc}", where) from None
+    return tuple(line.rstrip("\r") for line in text.removesuffix("\n").split("\n"))
 
 
 def _isolation(p: _Fields, table: Mapping[str, Any]) -> str:

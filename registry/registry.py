@@ -211,12 +211,20 @@ class Registry:
             extra.append(model)
         return self.fingerprinter.folder(folder, extra)
 
-    async def load(self, folder: Path, force: bool = False, explicit: bool = False) -> Outcome:
+    async def load(
+        self,
+        folder: Path,
+        force: bool = False,
+        explicit: bool = False,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> Outcome:
         """Load, or reload, the version in ``folder`` if its content changed.
 
         A failure keeps what was serving; the next change to the folder is tried
         again. ``force`` reloads unchanged content; ``explicit`` (an admin call
         for this version) also brings back a version unloaded through the API.
+        ``overrides`` replace ``[runner]`` keys of its manifest for this load
+        only (a model repository load's ``config``; give ``explicit`` with them).
         Whatever goes wrong becomes the outcome ``failed`` with the record's
         ``last_error``: nothing raises out of here, no version stays ``loading``.
         """
@@ -237,15 +245,17 @@ class Registry:
             if not (force or explicit) and fingerprint == record.fingerprint:
                 return "unchanged"
             record.fingerprint = fingerprint
-            return await self._load_locked(record, folder)
+            return await self._load_locked(record, folder, overrides)
 
-    async def _load_locked(self, record: VersionRecord, folder: Path) -> Outcome:
+    async def _load_locked(
+        self, record: VersionRecord, folder: Path, overrides: Mapping[str, Any] | None = None
+    ) -> Outcome:
         bound = log.bind(plugin=record.label)
         started = time.perf_counter()
         if record.current is None:
             record.state = "loading"
         try:
-            new = await self.loader.load(folder, content=record.fingerprint)
+            new = await self.loader.load(folder, content=record.fingerprint, overrides=overrides)
         except Exception as exc:
             return self._failed(record, exc, started)
         old = record.current

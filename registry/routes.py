@@ -30,6 +30,7 @@ from registry.ratelimit import RateLimit
 from registry.records import VersionRecord
 from registry.refs import NAME_PATTERN, Ref, is_valid_name
 from registry.variants import Candidate, WeightedChoice, salt_of
+from registry.versions import Version
 
 ROUTES_FILE = "routes.toml"
 _ROUTE_KEYS = {"runner", "preprocess", "postprocess", "sticky", "rate_limit"}
@@ -265,7 +266,11 @@ class RouteEntry:
                 return self._pick(self.choice, headers)
             target = self.default
         else:
-            target = self.by_version.get(version) or self._version_failure(version)
+            target = (
+                self.by_version.get(version)
+                or self._alias(version)
+                or self._version_failure(version)
+            )
         if isinstance(target, _Failure):
             raise target.error()
         return target
@@ -289,9 +294,32 @@ class RouteEntry:
             key = value.encode("utf-8", "surrogateescape") if value else None
         return choice.pick(key).target
 
+    def _alias(self, version: str) -> Chain | None:
+        """``N`` (ASCII digits) not found as such: the highest ready release ``N.x.y``, so
+        that Triton's integer versions (``model_version="1"``) address semantic ones."""
+        major = _major(version)
+        if major is None:
+            return None
+        matching = [
+            chain
+            for chain in self.by_version.values()
+            if isinstance(chain, Chain)
+            and chain.runner.manifest.version.major == major
+            and not chain.runner.manifest.version.prerelease
+        ]
+        return max(matching, key=lambda c: c.runner.manifest.version, default=None)
+
     def _version_failure(self, version: str) -> _Failure:
         spec = self.spec
         record = self.known_versions.get(version)
+        major = _major(version)
+        if record is None and major is not None:  # an alias: its highest known N.x.y says why
+            known = [
+                r
+                for r in self.known_versions.values()
+                if (v := r.sort_version) is not None and v.major == major and not v.prerelease
+            ]
+            record = max(known, key=lambda r: r.sort_version or Version(0, 0, 0), default=None)
         if spec.variants:
             if version not in {str(v.runner.version) for v in spec.variants}:
                 names = ", ".join(v.label for v in spec.variants)
@@ -341,6 +369,14 @@ class RouteEntry:
         return out
 
 
+def _major(version: str) -> int | None:
+    """The ``N`` of an integer version alias (ASCII digits, no leading zero), else ``None``."""
+    plain = version == "0" or not version.startswith("0")
+    if 0 < len(version) <= 18 and version.isascii() and version.isdigit() and plain:
+        return int(version)
+    return None
+
+
 def _not_ready(record: VersionRecord) -> str:
     detail = f": {record.last_error}" if record.last_error else ""
     return f"{record.label} is {record.state}{detail}"
@@ -364,7 +400,7 @@ class RouteTable:
         """
         entry = self.entries.get(route)
         if entry is None:
-            raise RouteNotFound(f"unknown route {route!r}")
+            raise RouteNotFound(route)
         return entry.chain(version, headers)
 
     def describe(self) -> list[dict[str, Any]]:

@@ -29,12 +29,14 @@ from server.state import (
     DRAIN,
     METRICS,
     REGISTRY,
+    REPOSITORY,
     RESPONSE_CACHE,
     ROUTE_STORE,
     SETTINGS,
     WORKER,
 )
 from server.triton import shm_http
+from server.triton.repository import LocalRepository, SupervisedRepository
 from server.triton.shared_memory import Regions
 from server.triton.shm_table import LocalTable, SharedTable
 
@@ -183,6 +185,8 @@ def create_app(
         through = worker.forward
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
     _isolated_runners(app[REGISTRY], settings, worker)
+    repository = LocalRepository(app[REGISTRY])
+    app[REPOSITORY] = repository if worker is None else SupervisedRepository(worker.supervisor)
     v2.add_routes(app, through)
     shm_http.add_routes(app)
     predict.add_routes(app)

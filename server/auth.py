@@ -87,21 +87,21 @@ def _local_port(request: web.Request) -> int | None:
 
 
 def check_admin(request: web.Request, settings: Settings) -> None:
-    """Raise unless the request may use the control plane.
-
-    With ``admin_port`` set, the control plane answers on that port only (404
-    elsewhere). With a token configured, ``Authorization: Bearer <token>`` must
-    match it (the inference token never does); without one, only loopback
-    clients are let in.
-    """
+    """Raise unless the request may use the control plane (:func:`check_admin_call`)."""
     check_admin_call(settings, _local_port(request), request.remote, bearer_token(request))
 
 
 def check_admin_call(
     settings: Settings, local_port: int | None, remote: str | None, token: bytes | None
 ) -> None:
-    """:func:`check_admin` for a call of any protocol: the port it reached, its peer's
-    address and its bearer token."""
+    """Raise unless a call that reached ``local_port`` from ``remote`` with bearer ``token``
+    may use the control plane: any protocol's admin rules.
+
+    With ``admin_port`` set, the control plane answers on that port only (404
+    elsewhere). With a token configured, ``Authorization: Bearer <token>`` must
+    match it (the inference token never does); without one, only loopback
+    clients are let in.
+    """
     if settings.admin_port is not None and local_port != settings.admin_port:
         raise NotFound("the control plane listens on its own address")
     admin_token = settings.admin_token

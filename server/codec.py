@@ -27,6 +27,7 @@ import orjson
 from registry.datatypes import V2_TO_NUMPY, v2_datatype
 from registry.errors import InvalidInput, PayloadTooLarge
 from registry.tensors import bytes_elements, from_json
+from server.triton.classification import class_count
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _U32 = struct.Struct("<I")
@@ -78,6 +79,8 @@ class RequestedOutput:
     """Written into this shared memory; the response carries its metadata only."""
     parameters: Mapping[str, Any] = field(default_factory=dict)
     """The output's own parameters (gRPC passes them all; HTTP reads what it knows)."""
+    classification: int = 0
+    """Triton's classification extension: the top this many classes (0: the tensor itself)."""
 
 
 @dataclass
@@ -98,6 +101,10 @@ class InferRequest:
     @property
     def binary_output(self) -> bool:
         return self.parameters.get("binary_data_output") is True
+
+    def classifications(self) -> dict[str, int]:
+        """The outputs asked for as their top ``k`` classes, name: ``k``."""
+        return {o.name: o.classification for o in self.outputs or () if o.classification}
 
 
 def decode_request(
@@ -361,7 +368,11 @@ def _requested_outputs(raw: Any) -> list[RequestedOutput] | None:
         parameters = _parameters(item, where)
         binary = _boolean(parameters, "binary_data", f"{where}: parameter")
         shared = shared_memory_ref(parameters, where)
-        outputs.append(RequestedOutput(item["name"], binary, shared=shared))
+        outputs.append(
+            RequestedOutput(
+                item["name"], binary, shared=shared, classification=class_count(parameters, where)
+            )
+        )
     return outputs
 
 

@@ -118,6 +118,29 @@ def _model(versioned: bool, ready: bool) -> dict[str, Any]:
     }
 
 
+def _config(versioned: bool) -> dict[str, Any]:
+    summary = "Triton's model configuration of the route, derived from its manifest"
+    return {
+        "get": {
+            "summary": summary,
+            "parameters": [ROUTE, VERSION] if versioned else [ROUTE],
+            "responses": {**_ok("the configuration", {"type": "object"}), **_errors(401, 404, 503)},
+        }
+    }
+
+
+def _repository(summary: str, routed: bool, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": ADMIN,
+            "parameters": [ROUTE] if routed else [],
+            "requestBody": {"required": False, "content": _json(body)},
+            "responses": {**_ok("done", {}), **_errors(400, 401, 403, 404, 503)},
+        }
+    }
+
+
 def _stats(routed: bool, versioned: bool) -> dict[str, Any]:
     params = [ROUTE] if routed else []
     return {
@@ -231,6 +254,29 @@ def document() -> dict[str, Any]:
             "/v2/models/{route}/infer": _infer(False),
             "/v2/models/{route}/versions/{version}": _model(True, False),
             "/v2/models/{route}/versions/{version}/ready": _model(True, True),
+            "/v2/repository/index": _repository(
+                "Triton's repository index: every route's versions and their states",
+                False,
+                {"type": "object", "properties": {"ready": {"type": "boolean"}}},
+            ),
+            "/v2/repository/models/{route}/load": _repository(
+                "Load the route from its files; parameters.config overrides runner settings",
+                True,
+                {
+                    "type": "object",
+                    "properties": {
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"config": {"type": "string"}},
+                        }
+                    },
+                },
+            ),
+            "/v2/repository/models/{route}/unload": _repository(
+                "Unload every version of the route's runner", True, {"type": "object"}
+            ),
+            "/v2/models/{route}/config": _config(False),
+            "/v2/models/{route}/versions/{version}/config": _config(True),
             "/v2/models/{route}/versions/{version}/infer": _infer(True),
             **_shared_memory("/v2/systemsharedmemory", "system"),
             **_shared_memory("/v2/cudasharedmemory", "CUDA (400: needs a GPU)"),

@@ -2,34 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import quote
 
 import numpy as np
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
 from registry.cache import run_chain
 from registry.chain import Chain
 from registry.errors import PluginError, Unavailable
 from registry.routes import RouteTable
-from server import __version__
-from server.bodies import LARGE_BODY_BYTES
+from server import __version__, compression
+from server.auth import admin_only
+from server.bodies import LARGE_BODY_BYTES, Bodies
 from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
 from server.serving import admit, deadline_seconds, measured, request_context, serve
 from server.state import (
     BODIES,
     DRAIN,
     REGISTRY,
+    REPOSITORY,
     RESPONSE_CACHE,
     ROUTE_STORE,
     SETTINGS,
     WORKER,
 )
-from server.triton import shm_http
+from server.triton import classification, config, repository, shm_http
 
-EXTENSIONS = ["binary_tensor_data", "statistics", "system_shared_memory"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "statistics",
+    "classification",
+    "model_repository",
+    "model_configuration",
+    "system_shared_memory",
+]
+"""Triton's extensions this server speaks, by Triton's names."""
 
 
 async def server_metadata(request: web.Request) -> web.Response:
@@ -101,6 +111,11 @@ async def model_ready(request: web.Request) -> web.Response:
     return web.json_response({"name": chain.route, "ready": True})
 
 
+async def model_config(request: web.Request) -> web.Response:
+    """Triton's model configuration extension: the route's configuration as its JSON."""
+    return web.json_response(config.model_config(_resolve(request)))
+
+
 async def infer(request: web.Request) -> web.Response:
     route = request.match_info["route"]
     return await measured(request, route, "v2", _infer(request, route))
@@ -123,10 +138,16 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     # The request's tensors in shared memory, if any: inputs read, output regions held.
     shared = await shm_http.attach(request, decoded) if decoded.uses_shared_memory else None
 
+    classes = decoded.classifications() if decoded.outputs else None
+    accept = request.headers.get(hdrs.ACCEPT_ENCODING)
+    coding = compression.accepted(accept) if accept else None
+
     async def run(chain: Chain) -> web.Response:
         ctx.versions = dict(chain.versions)
         result = await run_chain(cache, chain, decoded.inputs, ctx)
         outputs = named_outputs(chain, result)
+        if classes:
+            outputs = classification.classify_outputs(chain, outputs, classes)
         if shared is not None:
             await shm_http.place(request, shared, outputs)
         version = chain.runner_version
@@ -136,11 +157,55 @@ async def _infer(request: web.Request, route: str) -> web.Response:
             payload, headers = await bodies.run(
                 lambda: encode_response(decoded, route, version, outputs)
             )
+        if coding is not None and len(payload) >= compression.MIN_BYTES:
+            return await _compressed(payload, headers, coding, bodies)
         if len(headers) == 1:  # JSON: no header dict to build
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, headers=headers)
 
     return await serve(request, route, request.match_info.get("version"), run, deadline)
+
+
+async def repository_index(request: web.Request) -> web.Response:
+    """Triton's repository index: every route, each runner version with its state."""
+    ready_only = repository.index_request(await request.read())
+    return web.json_response(await request.app[REPOSITORY].index(ready_only))
+
+
+async def repository_load(request: web.Request) -> web.Response:
+    """Load a route from its files (or with Triton's ``config`` over its runner settings)."""
+    config = repository.load_request(await request.read())
+    route = request.match_info["route"]
+    return web.json_response(await request.app[REPOSITORY].load(route, config))
+
+
+async def repository_unload(request: web.Request) -> web.Response:
+    """Unload every version of a route's runner (``unload_dependents`` changes nothing)."""
+    return web.json_response(await request.app[REPOSITORY].unload(request.match_info["route"]))
+
+
+REPOSITORY_PATHS = (
+    ("/v2/repository/index", repository_index),
+    ("/v2/repository/models/{route}/load", repository_load),
+    ("/v2/repository/models/{route}/unload", repository_unload),
+)
+"""Triton's model repository extension: control-plane calls, under the admin rules."""
+
+
+def add_repository_routes(app: web.Application, guard: Callable[[Handler], Handler]) -> None:
+    for path, handler in REPOSITORY_PATHS:
+        app.router.add_post(path, guard(handler))
+
+
+async def _compressed(
+    payload: bytes, headers: dict[str, str], coding: str, bodies: Bodies
+) -> web.Response:
+    """The response in ``coding``; a large one compressed off the event loop."""
+    if len(payload) <= compression.OFF_LOOP_BYTES:
+        body = compression.compress(payload, coding)
+    else:
+        body = await bodies.run(lambda: compression.compress(payload, coding))
+    return web.Response(body=body, headers={**headers, hdrs.CONTENT_ENCODING: coding})
 
 
 ISOLATED_RUNNER = "_isolated_runner"
@@ -161,7 +226,9 @@ async def statistics_of(
     await app[REGISTRY].refresh_isolated()  # their processes count the executions
     table = app[REGISTRY].routes
     if route is not None:
-        table.resolve(route, version)  # 404/503 as for inference
+        resolved = table.resolve(route, version)  # 404/503 as for inference
+        if version is not None:  # an integer alias ("1") names the version it resolves to
+            version = resolved.runner_version
     stats = []
     for name, entry in sorted(table.entries.items()):
         if route is not None and name != route:
@@ -228,6 +295,8 @@ def add_routes(app: web.Application, through: Handler | None = None) -> None:
     r.add_get("/v2", server_metadata)
     r.add_get("/v2/health/live", live)
     r.add_get("/v2/health/ready", ready)
+    add_repository_routes(app, admin_only)
     for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
         r.add_get(prefix, model_metadata)
         r.add_get(prefix + "/ready", model_ready)
+        r.add_get(prefix + "/config", model_config)

@@ -46,7 +46,7 @@ async def grpc_lifetime(app: web.Application) -> AsyncIterator[None]:
         # As max_connections bounds HTTP's: past it a call is RESOURCE_EXHAUSTED at once.
         maximum_concurrent_rpcs=settings.max_connections or DEFAULT_MAX_CONNECTIONS,
     )
-    add_to_server(server, app)
+    add_to_server(server, app, settings.grpc_port)
     where = address(settings.host, settings.grpc_port)
     try:
         server.add_insecure_port(where)

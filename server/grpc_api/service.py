@@ -44,7 +44,8 @@ from server.grpc_api.generated import health_pb2, health_pb2_grpc
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.middleware import REQUEST_ID_HEADER, client_request_id, new_request_id
 from server.serving import admit, deadline_seconds, measured, request_context, serve
-from server.state import BODIES, REGISTRY, RESPONSE_CACHE, SETTINGS, WORKER
+from server.state import BODIES, REGISTRY, REPOSITORY, RESPONSE_CACHE, SETTINGS, WORKER
+from server.triton import classification, config
 from server.triton.shared_memory import Attachment, Regions, check_key
 from server.triton.shm_http import REGIONS, cuda_unsupported
 
@@ -59,8 +60,10 @@ not read until one finishes (backpressure to the client through gRPC's flow cont
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     """The KServe v2 gRPC service of one process (a worker, or the single server)."""
 
-    def __init__(self, app: web.Application) -> None:
+    def __init__(self, app: web.Application, port: int | None = None) -> None:
         self.app = app
+        self.port = port
+        """The port this service listens on (the admin rules compare it with admin_port)."""
         self.tokens = auth.data_plane_tokens(app[SETTINGS])
 
     # -- plumbing ---------------------------------------------------------------------
@@ -171,10 +174,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         cache = self.app[RESPONSE_CACHE]
         shared = await self._attach(call, decoded) if decoded.uses_shared_memory else None
 
+        classes = decoded.classifications() if decoded.outputs else None
+
         async def run(chain: Chain) -> pb.ModelInferResponse:
             ctx.versions = dict(chain.versions)
             result = await run_chain(cache, chain, decoded.inputs, ctx)
             outputs = v2.named_outputs(chain, result)
+            if classes:
+                outputs = classification.classify_outputs(chain, outputs, classes)
             if shared is not None:
                 await self._off_loop(shared.output_bytes(outputs), shared.write_outputs, outputs)
             return tensors.encode(decoded, route, chain.runner_version, outputs)
@@ -281,6 +288,66 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         if reply.status >= 400:
             raise _error_of(reply.status, doc)
         return doc if isinstance(doc, dict) else {}
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
+        async def work() -> Any:
+            self._call(context)
+            doc = config.model_config(self._resolve(request.name, request.version))
+            response = pb.ModelConfigResponse()
+            json_format.ParseDict(doc, response.config)
+            return response
+
+        return await self._answer(context, "ModelConfig", work)
+
+    # -- model repository (the control plane's) ----------------------------------------
+
+    def _admin(self, context: Any) -> Call:
+        """The call, if the admin rules let it use the control plane (as HTTP's /admin)."""
+        call = Call(self.app, context)
+        REQUEST_ID.set(client_request_id(call.headers.get(REQUEST_ID_HEADER)) or new_request_id())
+        token = auth.bearer(call.headers.get("authorization"))
+        auth.check_admin_call(self.app[SETTINGS], self.port, call.peer[0], token)
+        return call
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> Any:
+        async def work() -> Any:
+            self._admin(context)
+            rows = await self.app[REPOSITORY].index(request.ready)
+            response = pb.RepositoryIndexResponse()
+            for row in rows:
+                response.models.add(**{k: str(v) for k, v in row.items() if v is not None})
+            return response
+
+        return await self._answer(context, "RepositoryIndex", work)
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Any
+    ) -> Any:
+        async def work() -> Any:
+            self._admin(context)
+            files = sorted(k for k in request.parameters if k.startswith("file:"))
+            if files:
+                raise InvalidInput(f"file overrides are not supported ({', '.join(files)})")
+            given = None
+            if "config" in request.parameters:
+                parameter = request.parameters["config"]
+                if parameter.WhichOneof("parameter_choice") != "string_param":
+                    raise InvalidInput("parameter 'config' must be a string holding the JSON")
+                given = parameter.string_param
+            await self.app[REPOSITORY].load(request.model_name, given)
+            return pb.RepositoryModelLoadResponse()
+
+        return await self._answer(context, "RepositoryModelLoad", work)
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Any
+    ) -> Any:
+        async def work() -> Any:
+            self._admin(context)
+            await self.app[REPOSITORY].unload(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+
+        return await self._answer(context, "RepositoryModelUnload", work)
 
     # -- shared memory ----------------------------------------------------------------
 
@@ -391,9 +458,10 @@ def _error_of(status: int, doc: Any) -> PlugserveError:
     return error
 
 
-def add_to_server(server: Any, app: web.Application) -> InferenceService:
-    """Register the inference and health services of ``app`` on a ``grpc.aio`` server."""
-    service = InferenceService(app)
+def add_to_server(server: Any, app: web.Application, port: int | None = None) -> InferenceService:
+    """Register the inference and health services of ``app`` on a ``grpc.aio`` server that
+    listens on ``port``."""
+    service = InferenceService(app, port)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), server)  # type: ignore[no-untyped-call]
     return service

@@ -30,6 +30,7 @@ from server.codec import (
     to_binary,
 )
 from server.grpc_api.generated import grpc_service_pb2 as pb
+from server.triton.classification import class_count
 
 CONTENTS_FIELD = {
     "BOOL": "bool_contents",
@@ -109,7 +110,8 @@ def decode(request: pb.ModelInferRequest, limits: Limits) -> InferRequest:
     for output in request.outputs:
         given = parameters(output.parameters)
         where = f"output {output.name!r}"
-        outputs.append(RequestedOutput(output.name, True, shared_memory_ref(given, where), given))
+        ref, count = shared_memory_ref(given, where), class_count(given, where)
+        outputs.append(RequestedOutput(output.name, True, ref, given, count))
     if len({o.name for o in outputs}) != len(outputs):
         raise InvalidInput("an output is requested more than once")
     return InferRequest(

@@ -215,6 +215,29 @@ async def version_call(request: web.Request) -> web.Response:
     return web.json_response({**first, "plugin": rows[0]})
 
 
+async def repository_index(request: web.Request) -> web.Response:
+    """Triton's repository index: any worker's (every worker serves the same routes)."""
+    reply = await request.app[POOL].call_one("POST", "/v2/repository/index", await request.read())
+    if reply is None:
+        raise Unavailable("no worker is serving yet")
+    return _reply(reply)
+
+
+async def repository_change(request: web.Request) -> web.Response:
+    """Triton's repository load or unload of a route, on every worker; answers when all have."""
+    pool = request.app[POOL]
+    body = await request.read()
+    async with pool.changing:
+        answers = await pool.call_all("POST", request.rel_url.raw_path_qs, body=body)
+        refused = _first_refusal(answers)
+        if refused is not None:
+            await pool.refresh()
+            return refused
+        first = answers[0][1].json()
+        await pool.changed(first)
+    return web.json_response(first)
+
+
 async def status(request: web.Request) -> web.Response:
     pool, store = request.app[POOL], request.app[STORE]
     answers = await pool.call_all("GET", "/admin/status")
@@ -322,4 +345,7 @@ def control_app(
     r.add_get("/admin/status", status)
     r.add_get("/metrics", metrics)
     v2.add_stats_routes(app, statistics)
+    r.add_post("/v2/repository/index", repository_index)
+    r.add_post("/v2/repository/models/{route}/load", repository_change)
+    r.add_post("/v2/repository/models/{route}/unload", repository_change)
     return app

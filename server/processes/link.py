@@ -30,7 +30,8 @@ from server.config import Settings
 from server.middleware import request_middleware
 from server.processes.pool import routes_from_json
 from server.processes.unix import READ_TIMEOUT_S, UnixClient
-from server.state import BODIES, DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+from server.state import BODIES, DRAIN, METRICS, REGISTRY, REPOSITORY, ROUTE_STORE, SETTINGS
+from server.triton.repository import LocalRepository
 
 log = structlog.get_logger("plugserve.worker")
 
@@ -113,6 +114,7 @@ class WorkerLink:
         control[ROUTE_STORE], control[BODIES] = app[ROUTE_STORE], app[BODIES]
         control[admin.STARTED] = app[admin.STARTED]
         control[admin.PROFILING] = app[admin.PROFILING]
+        control[REPOSITORY] = LocalRepository(app[REGISTRY])
         _add_control_routes(control, self)
         self._runner = web.AppRunner(control, access_log=None)
         await self._runner.setup()
@@ -247,3 +249,4 @@ def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
     router.add_post(version + "/reload", admin.reload_version)
     router.add_post(version + "/unload", admin.unload_version)
     v2.add_stats_routes(control, v2.statistics)
+    v2.add_repository_routes(control, lambda handler: handler)  # the supervisor checked

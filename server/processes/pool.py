@@ -181,11 +181,11 @@ class WorkerPool:
         answers = await asyncio.gather(*(one(w) for w in workers))
         return [a for a in answers if a is not None]
 
-    async def call_one(self, method: str, path: str) -> Reply | None:
+    async def call_one(self, method: str, path: str, body: bytes | None = None) -> Reply | None:
         """A read that any worker answers alike (the route table): the first that answers."""
         for worker in list(self.workers.values()):
             try:
-                return await worker.client.call(method, path, timeout_s=READ_TIMEOUT_S)
+                return await worker.client.call(method, path, body, timeout_s=READ_TIMEOUT_S)
             except (aiohttp.ClientError, OSError, TimeoutError):
                 continue
         return None

@@ -11,7 +11,7 @@ import pytest
 from registry.errors import PluginCallTimeout, PluginLoadError
 from registry.loader import Loader
 from registry.manager import PluginHost
-from tests.helpers import write_plugin
+from tests.helpers import write_add_runner, write_plugin
 
 SIBLING_PLUGIN = """
     import pluggy
@@ -217,8 +217,6 @@ async def test_runner_keys_neither_plugserve_nor_the_backend_reads_fail_the_load
 ) -> None:
     """issue 12, finding 18: a typo in [runner] (``max_batch_sise``) fails the load, naming
     the key and listing the known ones; the backend's declared keys are among them."""
-    from tests.helpers import write_add_runner
-
     folder = write_add_runner(plugins_dir, "add", "1.0.0", runner="max_batch_sise = 8\n")
     with pytest.raises(
         PluginLoadError, match=r"runner: unknown key\(s\) \['max_batch_sise'\]"
@@ -233,8 +231,6 @@ async def test_every_key_a_builtin_backend_declares_is_accepted(
     plugins_dir: Path, loader: Loader
 ) -> None:
     """What works today keeps working: the onnxruntime keys, plugserve's own and cast_inputs."""
-    from tests.helpers import write_add_runner
-
     runner = """
         providers = ["CPUExecutionProvider"]
         require = false
@@ -367,3 +363,23 @@ async def test_a_close_that_never_returns_is_given_up_and_the_instance_released(
     assert _modules(package) == []
     assert package not in loader.host.names()
     (folder / "go").touch()
+
+
+async def test_overrides_replace_runner_keys_for_one_load(
+    plugins_dir: Path, loader: Loader
+) -> None:
+    """A model repository load's config: checked as the manifest's keys, never for an
+    isolated runner (its processes read the files)."""
+    folder = write_add_runner(plugins_dir, "add", "1.0.0", runner="max_batch_size = 8\n")
+    loaded = await loader.load(folder, overrides={"max_batch_size": 16, "instances": 2})
+    assert loaded.manifest.runner is not None
+    assert (loaded.manifest.runner.max_batch_size, loaded.manifest.runner.instances) == (16, 2)
+    await loader.release(loaded)
+    again = await loader.load(folder)
+    assert again.manifest.runner is not None and again.manifest.runner.max_batch_size == 8
+    await loader.release(again)
+    with pytest.raises(PluginLoadError, match="runner.max_batch_size"):
+        await loader.load(folder, overrides={"max_batch_size": -1})
+    isolated = write_add_runner(plugins_dir, "iso", "1.0.0", runner='isolation = "process"\n')
+    with pytest.raises(PluginLoadError, match="isolated runner takes its settings from its files"):
+        await loader.load(isolated, overrides={"max_batch_size": 4})

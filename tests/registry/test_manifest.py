@@ -222,3 +222,29 @@ def test_multiline_descriptions_and_bounded_numbers_still_load(plugins_dir: Path
     m = load_manifest(folder)
     assert m.description == "two\nlines" and m.route.rate_limit is not None
     assert m.route.rate_limit.rps == 0.001 and m.route.rate_limit.burst == 1
+
+
+def test_formats_and_labels_are_read_and_checked(plugins_dir: Path) -> None:
+    runner = '[runner]\nbackend = "onnxruntime"\nmodel = "m.onnx"\n'
+    folder = write_plugin(
+        plugins_dir, "runner", "img", "1.0.0",
+        runner + 'formats = { image = "FORMAT_NCHW" }\nlabels = { scores = "labels.txt" }\n',
+        {"labels.txt": "cat\ndog\r\n\nbird\n"}, module=None,
+    )  # fmt: skip
+    m = load_manifest(folder)
+    assert m.runner is not None
+    assert dict(m.runner.formats) == {"image": "FORMAT_NCHW"}
+    assert dict(m.runner.label_files) == {"scores": "labels.txt"}
+    assert m.runner.labels["scores"] == ("cat", "dog", "", "bird")  # a line per class index
+    for extra, field in [
+        ('formats = { image = "NCHW" }', "runner.formats.image"),
+        ('labels = { scores = "missing.txt" }', "runner.labels.scores"),
+        ('labels = { scores = "../labels.txt" }', "runner.labels.scores"),
+        ("labels = { scores = 3 }", "runner.labels.scores"),
+    ]:
+        (folder / "plugin.toml").write_text(
+            '[plugin]\nname = "img"\nversion = "1.0.0"\ntype = "runner"\n' + runner + extra
+        )
+        with pytest.raises(ManifestError) as info:
+            load_manifest(folder)
+        assert info.value.fields["field"] == field, info.value.message

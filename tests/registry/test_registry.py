@@ -101,8 +101,30 @@ async def test_version_selects_the_runner_and_errors_say_why(
         registry.routes.resolve("add", "9.0.0")
     with pytest.raises(Unavailable, match="runner/add@3.0.0 is failed"):
         registry.routes.resolve("add", "3.0.0")
-    with pytest.raises(RouteNotFound, match="unknown route 'nope'"):
+    with pytest.raises(RouteNotFound, match="Request for unknown model: 'nope' is not found"):
         registry.routes.resolve("nope")
+
+
+async def test_an_integer_version_selects_the_highest_ready_release_of_that_major(
+    plugins_dir: Path, registry: Registry
+) -> None:
+    """Triton's model_version="1": an exact version first, else the highest ready 1.x.y."""
+    for version, amount in (("1.0.0", 1), ("1.2.0", 12), ("1.10.0-rc.1", 110), ("2.0.0", 2)):
+        write_add_runner(plugins_dir, "add", version, amount=amount)
+    broken = write_add_runner(plugins_dir, "add", "3.0.0", amount=3)
+    (broken / "model.onnx").write_bytes(b"not onnx")
+    await registry.start()
+    routes = registry.routes
+    assert routes.resolve("add", "1").runner_version == "1.2.0"  # not the prerelease
+    assert routes.resolve("add", "2").runner_version == "2.0.0"
+    assert routes.resolve("add", "1.0.0").runner_version == "1.0.0"  # exact versions stay
+    with pytest.raises(Unavailable, match="runner/add@3.0.0 is failed"):
+        routes.resolve("add", "3")
+    for unknown in ("7", "01", "1.", "\u0661"):  # no 7.x.y; not ASCII digits in a plain form
+        with pytest.raises(VersionNotFound, match="no runner version"):
+            routes.resolve("add", unknown)
+    await registry.unload(("runner", "add", "1.2.0"))
+    assert registry.routes.resolve("add", "1").runner_version == "1.0.0"
 
 
 async def test_failed_load_is_recorded_and_the_rest_serves(

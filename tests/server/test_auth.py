@@ -14,7 +14,9 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
-from server.auth import is_loopback
+from registry.errors import Forbidden, NotFound, Unauthorized
+from server.auth import check_admin_call, is_loopback
+from server.config import Settings
 from tests.helpers import ServerProcess, write_add_runner
 
 INFERENCE, ADMIN = "inf-t0ken", "adm-t0ken"
@@ -260,3 +262,19 @@ def test_admin_from_ipv4_loopback_on_a_dual_stack_listener(
     srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir), "--host", "::")
     status, _, body = srv.request("GET", "/admin/plugins")
     assert status == 200, body
+
+
+def test_the_admin_rules_without_a_request(tmp_path: Path) -> None:
+    """check_admin_call: what another protocol (gRPC) calls with its peer, token and port."""
+    open_ = Settings(plugins_dir=tmp_path, models_dir=tmp_path)
+    check_admin_call(open_, 8001, "127.0.0.1", None)
+    with pytest.raises(Forbidden):
+        check_admin_call(open_, 8001, "10.0.0.1", None)
+    tokened = Settings(plugins_dir=tmp_path, models_dir=tmp_path, admin_token=ADMIN)
+    check_admin_call(tokened, 8001, "10.0.0.1", ADMIN.encode())
+    for token in (None, INFERENCE.encode(), b""):
+        with pytest.raises(Unauthorized):
+            check_admin_call(tokened, 8001, "127.0.0.1", token)
+    own_port = Settings(plugins_dir=tmp_path, models_dir=tmp_path, admin_port=9000)
+    with pytest.raises(NotFound):
+        check_admin_call(own_port, 8001, "127.0.0.1", None)

@@ -62,7 +62,7 @@ async def test_an_unknown_route_is_404_before_the_body_is_read(plugins_dir: Path
     for path in ("/v2/models/nope/infer", "/predict/nope"):
         resp = await cli.post(path, data=b"x" * 4096)
         assert resp.status == 404
-        assert "unknown route 'nope'" in (await resp.json())["error"]
+        assert "Request for unknown model: 'nope' is not found" in (await resp.json())["error"]
 
 
 async def test_large_body_parses_are_bounded() -> None:

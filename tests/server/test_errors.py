@@ -81,9 +81,9 @@ async def test_unknown_route_version_and_path_are_404_json(plugins_dir: Path, cl
     write_add_runner(plugins_dir, "add", "1.0.0")
     cli = await client()
     for path, message in [
-        ("/v2/models/nope/infer", "unknown route 'nope'"),
+        ("/v2/models/nope/infer", "Request for unknown model: 'nope' is not found"),
         ("/v2/models/add/versions/3.0.0/infer", "no runner version '3.0.0'"),
-        ("/predict/nope", "unknown route 'nope'"),
+        ("/predict/nope", "Request for unknown model: 'nope' is not found"),
     ]:
         resp = await cli.post(path, json=X)
         assert resp.status == 404

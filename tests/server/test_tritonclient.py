@@ -106,7 +106,7 @@ def test_errors_reach_the_client_with_status(triton: httpclient.InferenceServerC
     with pytest.raises(InferenceServerException) as info:
         triton.infer("nope", [inp])
     assert info.value.status() == "404"
-    assert "unknown route 'nope'" in info.value.message()
+    assert info.value.message() == "Request for unknown model: 'nope' is not found"
     bad = httpclient.InferInput("x", [1, 3], "FP32")
     bad.set_data_from_numpy(np.zeros((1, 3), np.float32))
     with pytest.raises(InferenceServerException) as info:
@@ -191,6 +191,9 @@ def test_tritonclient_reads_the_statistics_extension(
     assert triton.get_server_metadata()["extensions"] == [
         "binary_tensor_data",
         "statistics",
+        "classification",
+        "model_repository",
+        "model_configuration",
         "system_shared_memory",
     ]
 
@@ -217,3 +220,25 @@ def test_a_canary_route_through_tritonclient_headers(
             "model_version"
         ]
         assert again == version
+
+
+def test_integer_model_versions_select_the_highest_release_of_that_major(
+    triton: httpclient.InferenceServerClient,
+) -> None:
+    """Triton's clients name versions by integers: "1" serves add@1.0.0, "2" add@2.0.0."""
+    inp = httpclient.InferInput("x", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 4), np.float32), binary_data=True)
+    for version in ("1", "2"):
+        result = triton.infer("add", [inp], model_version=version)
+        assert result.get_response()["model_version"] == f"{version}.0.0"
+        assert float(result.as_numpy("y")[0, 0]) == float(version)
+        assert triton.is_model_ready("add", model_version=version)
+        meta = triton.get_model_metadata("add", model_version=version)
+        assert meta["name"] == "add"
+        stats = triton.get_inference_statistics("add", model_version=version)["model_stats"]
+        assert [(s["version"], s["inference_count"]) for s in stats] == [(f"{version}.0.0", 1)]
+    assert not triton.is_model_ready("add", model_version="7")
+    with pytest.raises(InferenceServerException) as info:
+        triton.infer("add", [inp], model_version="7")
+    assert info.value.status() == "404"
+    assert info.value.message() == "route 'add' has no runner version '7'"

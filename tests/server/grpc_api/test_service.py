@@ -471,3 +471,63 @@ def test_the_response_cache_answers_grpc_and_counts_in_its_statistics(
     assert int(stats["cache_hit"]["count"]) == 2
     assert int(stats["cache_miss"]["count"]) == 2
     assert int(row["execution_count"]) == 2
+
+
+def test_model_config_and_classification(triton: grpcclient.InferenceServerClient) -> None:
+    config = triton.get_model_config("add", as_json=True)["config"]
+    assert (config["name"], config["platform"]) == ("add", "onnxruntime_onnx")
+    assert [(i["name"], i["data_type"]) for i in config["input"]] == [("x", "TYPE_FP32")]
+    assert triton.get_model_config("add", "1.0.0", as_json=True)["config"]["name"] == "add"
+    with pytest.raises(InferenceServerException) as info:
+        triton.get_model_config("nope")
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    assert "Request for unknown model: 'nope' is not found" in info.value.message()
+    x = np.array([[0.5, 3.0, -1.0, 2.0]], np.float32)
+    result = triton.infer(
+        "add", [_input("x", x, "FP32")], outputs=[grpcclient.InferRequestedOutput("y", 2)]
+    )
+    top = result.as_numpy("y").reshape(-1).tolist()
+    assert top == [b"5.000000:1", b"4.000000:3"]  # x + 2, the two largest with their index
+
+
+@pytest.mark.workers(1, 2)
+def test_repository_index_unload_and_load_over_grpc(
+    triton: grpcclient.InferenceServerClient,
+) -> None:
+    index = triton.get_model_repository_index(as_json=True)["models"]
+    assert {(m["name"], m["version"], m["state"]) for m in index} >= {
+        ("add", "1.0.0", "READY"),
+        ("add", "2.0.0", "READY"),
+    }
+    triton.unload_model("add")
+    assert not triton.is_model_ready("add")
+    with pytest.raises(InferenceServerException):
+        triton.infer("add", [_input("x", _x(), "FP32")])
+    triton.load_model("add")
+    assert triton.is_model_ready("add")
+    np.testing.assert_array_equal(
+        triton.infer("add", [_input("x", _x(), "FP32")]).as_numpy("y"), _x() + 2
+    )
+    triton.load_model("add", config=json.dumps({"max_batch_size": 4}))
+    assert triton.get_model_config("add", as_json=True)["config"]["max_batch_size"] == 4
+    with pytest.raises(InferenceServerException) as info:
+        triton.load_model("nope")
+    assert "failed to load 'nope'" in info.value.message()
+
+
+def test_repository_calls_over_grpc_follow_the_admin_rules(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    _write_plugins(plugins_dir)
+    config = tmp_path / "tokens.toml"
+    config.write_text('inference_token = "data-s3cret"\nadmin_token = "admin-s3cret"\n')
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--config", str(config))  # fmt: skip
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    for headers in (None, {"authorization": "Bearer data-s3cret"}):
+        with pytest.raises(InferenceServerException) as info:
+            client.unload_model("add", headers=headers)
+        assert info.value.status() == "StatusCode.UNAUTHENTICATED"
+    assert client.is_model_ready("add", headers={"authorization": "Bearer data-s3cret"})
+    client.unload_model("add", headers={"authorization": "Bearer admin-s3cret"})
+    assert not client.is_model_ready("add", headers={"authorization": "Bearer data-s3cret"})
