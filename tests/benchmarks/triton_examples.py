@@ -370,16 +370,34 @@ def run_all(args: argparse.Namespace) -> list[Outcome]:
     return sorted(outcomes, key=lambda o: chosen.index(o.example))
 
 
+ERROR_LINE = re.compile(r"error|exception|fail|improper|expect|unknown", re.IGNORECASE)
+NOISE = ("Unclosed connector", "connector:", "connections:", "Traceback")
+
+
+def summary(outcome: Outcome, width: int = 100) -> str:
+    """One line for the table: why it was skipped, that it exited 0 without its PASS line,
+    or the failure's error: a gRPC error's details, else the last line that reads as one."""
+    lines = [line.strip() for line in outcome.detail.splitlines() if line.strip()]
+    if not lines or outcome.verdict == "PASS":
+        return ""
+    line = lines[-1]
+    if outcome.verdict == "SKIP" or lines[0].startswith("exit 0"):
+        line = lines[0]
+    elif details := [x for x in lines if x.startswith("details = ")]:
+        line = details[-1]
+    elif errors := [x for x in lines[1:] if ERROR_LINE.search(x) and not x.startswith(NOISE)]:
+        line = errors[-1]
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
 def report(outcomes: list[Outcome], examples_dir: Path, args: argparse.Namespace) -> None:
     width = max(len(o.example.name) for o in outcomes)
-    print(f"\n| {'example':<{width}} | protocol | result | s |")
-    print(f"| {'-' * width} | -------- | ------ | - |")
+    print(f"\n| {'example':<{width}} | protocol | result | s | why |")
+    print(f"| {'-' * width} | -------- | ------ | - | --- |")
     for o in outcomes:
-        first = o.detail.splitlines()[0] if o.verdict == "SKIP" else ""
-        note = f" {first}" if first else ""
         print(
             f"| {o.example.name:<{width}} | {o.example.protocol:<8} | {o.verdict:<6} |"
-            f" {o.seconds:.1f} |{note}"
+            f" {o.seconds:.1f} | {summary(o)} |"
         )
     passed = sum(o.verdict == "PASS" for o in outcomes)
     print(f"\n{passed} of {len(outcomes)} passed")
