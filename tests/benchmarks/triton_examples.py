@@ -20,6 +20,10 @@ load, reconfigure and unload ``simple`` and count the repository's models (seven
 over HTTP, eight over gRPC), each get a fresh server holding that many. Prints
 a table, the last lines of each failure, and the examples left out with why.
 
+``--server-root`` serves from a working tree as it is (a merge in progress
+included); to serve a commit, extract it first: ``git archive main | tar -x -C
+/tmp/main-snap`` and ``--server-root /tmp/main-snap``.
+
 The image examples need Pillow (and ``attrdict`` for HTTP) in the examples'
 Python: ``--client-path DIR`` puts DIR first on their ``PYTHONPATH`` (``pip
 install --target DIR pillow attrdict``). Not run by CI.
