@@ -328,7 +328,13 @@ class RouteEntry:
             return _Failure(VersionNotFound, f"route {spec.name!r} is pinned to {spec.runner}")
         if record is None:
             kind = Unavailable if spec.variants else VersionNotFound
-            return _Failure(kind, f"route {spec.name!r} has no runner version {version!r}")
+            message = f"route {spec.name!r} has no runner version {version!r}"
+            if major is None and not _is_version(version):  # Triton's words, which clients check
+                message = (
+                    f"failed to get model version from specified version string {version!r}: "
+                    f"{message} (a version is MAJOR.MINOR.PATCH, or a major number N)"
+                )
+            return _Failure(kind, message)
         return _Failure(Unavailable, _not_ready(record))
 
     @property
@@ -526,3 +532,12 @@ def _chain(spec: RouteSpec, runner: LoadedPlugin, index: _Index) -> Chain | _Fai
                 return _Failure(Unavailable, f"route {spec.name!r}: {picked.message}")
             stages[slot].append(picked)
     return Chain(spec.name, tuple(stages[0]), runner, tuple(stages[1]))
+
+
+def _is_version(text: str) -> bool:
+    """Whether ``text`` is a semantic version (known here or not)."""
+    try:
+        Version.parse(text)
+    except ValueError:
+        return False
+    return True

@@ -531,3 +531,19 @@ def test_repository_calls_over_grpc_follow_the_admin_rules(
     assert client.is_model_ready("add", headers={"authorization": "Bearer data-s3cret"})
     client.unload_model("add", headers={"authorization": "Bearer admin-s3cret"})
     assert not client.is_model_ready("add", headers={"authorization": "Bearer data-s3cret"})
+
+
+def test_a_version_that_is_no_version_answers_tritons_words(
+    triton: grpcclient.InferenceServerClient,
+) -> None:
+    """Triton's explicit-content examples look for these words to PASS."""
+    with pytest.raises(InferenceServerException) as info:
+        triton.infer("add", [_input("x", _x(), "FP32")], model_version="wrong_specification")
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    assert (
+        "failed to get model version from specified version string 'wrong_specification'"
+        in info.value.message()
+    )
+    with pytest.raises(InferenceServerException) as info:  # a version, just not installed
+        triton.infer("add", [_input("x", _x(), "FP32")], model_version="9.9.9")
+    assert "failed to get" not in info.value.message()
