@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import mmap
 import os
 import struct
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from registry import validation
+from registry.shared_files import locked, release
 
 MIN_RPS = 0.001
 """The smallest rate accepted: one request in 1000 s (smaller ones mean "closed")."""
@@ -80,7 +79,7 @@ class SharedTokenBucket:
         self.clock = clock
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            with _locked(fd):
+            with locked(fd):
                 if os.fstat(fd).st_size < self._SIZE:
                     os.ftruncate(fd, self._SIZE)
                 memory = mmap.mmap(fd, self._SIZE)
@@ -90,12 +89,12 @@ class SharedTokenBucket:
             os.close(fd)
             raise
         self._fd, self._memory = fd, memory
-        weakref.finalize(self, _release, fd, memory)
+        weakref.finalize(self, release, fd, memory)
 
     def take(self) -> float:
         """Take a token: 0.0 when granted, else the seconds until one is available."""
         limit, memory = self.limit, self._memory
-        with _locked(self._fd):
+        with locked(self._fd):
             tokens, stamp, _ = struct.unpack_from(self._FORMAT, memory)
             now = self.clock()
             tokens = min(limit.burst, tokens + max(0.0, now - stamp) * limit.rps)
@@ -104,20 +103,6 @@ class SharedTokenBucket:
                 tokens -= 1
             struct.pack_into(self._FORMAT, memory, 0, tokens, now, 1.0)
         return 0.0 if granted else (1 - tokens) / limit.rps
-
-
-@contextlib.contextmanager
-def _locked(fd: int) -> Iterator[None]:
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def _release(fd: int, memory: mmap.mmap) -> None:
-    memory.close()
-    os.close(fd)
 
 
 def shared_bucket_path(folder: Path, route: str, limit: RateLimit) -> Path:

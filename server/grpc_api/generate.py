@@ -9,8 +9,9 @@ needs no protoc. Regenerate after replacing a .proto (needs ``grpcio-tools``)::
 A test (tests/server/grpc_api/test_service.py) fails when the committed modules are
 not what this produces; the generator's version is pinned in the ``test`` extra
 (``grpcio-tools``), since each version writes its own header, and the runtime must
-be at least the protobuf the generator was made for (``install_requires``). protoc writes ``import model_config_pb2``, which works only with
-the folder on ``sys.path``; the imports are rewritten to the package's.
+be at least the protobuf the generator was made for (``install_requires``).
+protoc writes ``import model_config_pb2``, which works only with the folder on
+``sys.path``; the imports are rewritten to the package's.
 """
 
 from __future__ import annotations

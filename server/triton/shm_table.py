@@ -11,16 +11,17 @@ gone everywhere.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import mmap
 import os
 import struct
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+from registry.shared_files import locked, release
 
 T = TypeVar("T")
 Entries = dict[str, dict[str, Any]]
@@ -59,7 +60,7 @@ class SharedTable(LocalTable):
         self._path = folder / "shm-regions.json"
         fd = os.open(folder / "shm-regions.generation", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            with _locked(fd, fcntl.LOCK_EX):
+            with locked(fd, fcntl.LOCK_EX):
                 if os.fstat(fd).st_size < _GENERATION.size:
                     os.ftruncate(fd, _GENERATION.size)
             memory = mmap.mmap(fd, _GENERATION.size)
@@ -67,17 +68,17 @@ class SharedTable(LocalTable):
             os.close(fd)
             raise
         self._fd, self._memory = fd, memory
-        weakref.finalize(self, _release, fd, memory)
+        weakref.finalize(self, release, fd, memory)
 
     def generation(self) -> int:
         return int(_GENERATION.unpack_from(self._memory)[0])
 
     def read(self) -> tuple[int, Entries]:
-        with _locked(self._fd, fcntl.LOCK_SH):
+        with locked(self._fd, fcntl.LOCK_SH):
             return self.generation(), self._load()
 
     def change(self, edit: Callable[[Entries], T]) -> T:
-        with _locked(self._fd, fcntl.LOCK_EX):
+        with locked(self._fd, fcntl.LOCK_EX):
             entries = self._load()
             result = edit(entries)
             aside = self._path.with_suffix(f".{os.getpid()}.tmp")
@@ -92,17 +93,3 @@ class SharedTable(LocalTable):
         except FileNotFoundError:
             return {}
         return entries
-
-
-@contextlib.contextmanager
-def _locked(fd: int, how: int) -> Iterator[None]:
-    fcntl.flock(fd, how)
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def _release(fd: int, memory: mmap.mmap) -> None:
-    memory.close()
-    os.close(fd)
