@@ -87,6 +87,13 @@ def decode(request: pb.ModelInferRequest, limits: Limits) -> InferRequest:
         shared_memory_ref(parameters(t.parameters), f"input {t.name!r}") for t in request.inputs
     ]
     carried = sum(ref is None for ref in shared_refs)
+    if raw:  # Triton's words, which its clients check
+        for tensor in request.inputs:
+            if tensor.HasField("contents"):
+                raise InvalidInput(
+                    "contents field must not be specified when using raw_input_contents for "
+                    f"{tensor.name!r} for model {request.model_name!r}"
+                )
     if raw and len(raw) != carried:
         raise InvalidInput(
             f"raw_input_contents has {len(raw)} entries for {carried} inputs: one per input "
@@ -143,8 +150,6 @@ def _input(
     shape = _shape(tensor, limits)
     count = math.prod(shape)
     if raw is not None:
-        if tensor.HasField("contents"):
-            raise InvalidInput(f"input {name!r} has both contents and raw_input_contents")
         return from_binary(name, datatype, shape, count, memoryview(raw))
     field = CONTENTS_FIELD.get(datatype)
     if field is None:

@@ -187,6 +187,17 @@ def test_typed_contents_are_read_and_checked(grpc_server: ServerProcess) -> None
             infer("INT8", "int_contents", [1, 300, 3, 4], [2, 2])  # 300 is no INT8
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "does not fit INT8" in info.value.details()
+        request = service_pb2.ModelInferRequest(model_name="ident_i32")
+        tensor = request.inputs.add(name="in_i32", datatype="INT32", shape=[1, 2])
+        tensor.contents.int_contents.extend([1, 2])
+        request.raw_input_contents.append(np.array([1, 2], np.int32).tobytes())
+        with pytest.raises(grpc.RpcError) as info:  # both: Triton's words, its examples check
+            stub.ModelInfer(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == (
+            "contents field must not be specified when using raw_input_contents for "
+            "'in_i32' for model 'ident_i32'"
+        )
         with pytest.raises(grpc.RpcError) as info:
             infer("INT32", "int_contents", [1, 2, 3], [2, 2])
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
