@@ -73,6 +73,16 @@ class BatchPolicy:
         return self.default_priority or self.priority_levels
 
 
+def priority_level(priority: int | None, policy: BatchPolicy, label: str) -> int:
+    """The queue level of a v2 ``priority`` (0 or none: the runner's default); a 400 for
+    one outside the runner's levels."""
+    level = priority or policy.default_level
+    if not 1 <= level <= policy.priority_levels:
+        levels = policy.priority_levels
+        raise InvalidInput(f"priority {priority} is outside 1..{levels} for {label}")
+    return level
+
+
 @dataclass(eq=False)
 class Pending:
     """One queued request."""
@@ -238,12 +248,7 @@ class Scheduler:
                 return
 
     def _level(self, priority: int | None) -> int:
-        """The queue level of a v2 ``priority`` (0 or none: the runner's default)."""
-        level = priority or self.policy.default_level
-        if not 1 <= level <= self.policy.priority_levels:
-            levels = self.policy.priority_levels
-            raise InvalidInput(f"priority {priority} is outside 1..{levels} for {self.label}")
-        return level
+        return priority_level(priority, self.policy, self.label)
 
     # -- forming and dispatching batches ---------------------------------------------
 

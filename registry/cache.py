@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 import orjson
 
+from registry.batching import priority_level
 from registry.chain import Chain
+from registry.components import batch_policy
 from registry.registry import LifecycleEvent, Registry
 from registry.types import RequestContext
 
@@ -191,6 +193,9 @@ async def run_chain(cache: ResponseCache, chain: Chain, data: Any, ctx: RequestC
     entry = cache.get(key)
     stats = chain.runner.stats
     if entry is not None:
+        runner = chain.runner
+        if runner.manifest.runner is not None:  # what the runner's queue would refuse: 400
+            priority_level(ctx.priority, batch_policy(runner.manifest.runner), runner.label)
         ctx.rows = entry.rows
         result = entry.result()
         if stats is not None:

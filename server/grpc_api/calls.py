@@ -38,10 +38,16 @@ def grpc_code(status: int) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL
 
 
+MAX_DETAILS = 4096
+"""The longest error message sent: it travels in a header, which gRPC caps (16 KiB), and
+may repeat what the client sent (a long model name)."""
+
+
 def error_details(exc: PlugserveError) -> str:
-    """What a gRPC client reads of an error: the message (the JSON fields HTTP adds, such as
-    ``retry_after_s``, travel as trailing metadata)."""
-    return exc.message
+    """What a gRPC client reads of an error: the message, cut to ``MAX_DETAILS`` characters
+    (a longer one would arrive as RESOURCE_EXHAUSTED in place of its own code)."""
+    message = exc.message
+    return message if len(message) <= MAX_DETAILS else message[: MAX_DETAILS - 3] + "..."
 
 
 class Call:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from registry.datatypes import V2_TO_NUMPY, v2_datatype
-from registry.errors import InvalidInput
+from registry.errors import InvalidInput, PayloadTooLarge
 from server.codec import (
     InferRequest,
     Limits,
@@ -33,20 +33,21 @@ from server.grpc_api.generated import grpc_service_pb2 as pb
 from server.triton.classification import class_count
 
 CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
+    "BOOL": ("bool_contents", np.bool_),
+    "INT8": ("int_contents", np.int32),
+    "INT16": ("int_contents", np.int32),
+    "INT32": ("int_contents", np.int32),
+    "INT64": ("int64_contents", np.int64),
+    "UINT8": ("uint_contents", np.uint32),
+    "UINT16": ("uint_contents", np.uint32),
+    "UINT32": ("uint_contents", np.uint32),
+    "UINT64": ("uint64_contents", np.uint64),
+    "FP32": ("fp32_contents", np.float32),
+    "FP64": ("fp64_contents", np.float64),
+    "BYTES": ("bytes_contents", np.object_),
 }
-"""Which typed field of ``InferTensorContents`` carries a datatype (FP16 has none: raw only)."""
+"""Which typed field of ``InferTensorContents`` carries a datatype, and the field's own
+element type (FP16 has none: raw only)."""
 
 
 def parameters(given: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
@@ -151,19 +152,33 @@ def _input(
     count = math.prod(shape)
     if raw is not None:
         return from_binary(name, datatype, shape, count, memoryview(raw))
-    field = CONTENTS_FIELD.get(datatype)
-    if field is None:
+    typed = CONTENTS_FIELD.get(datatype)
+    if typed is None:
         raise InvalidInput(f"input {name!r}: {datatype} travels in raw_input_contents only")
+    field, wire = typed
     values = getattr(tensor.contents, field)
     if len(values) != count:
         raise InvalidInput(
             f"input {name!r}: shape {shape} needs {count} elements, the contents have {len(values)}"
         )
-    dtype = V2_TO_NUMPY[datatype]
+    # Each typed value becomes a Python object on its way into numpy, on the event loop:
+    # bounded as BYTES elements are (a large tensor goes raw, as tritonclient sends it).
+    if count > limits.max_bytes_elements:
+        raise PayloadTooLarge(
+            f"input {name!r} has {count} typed contents elements; at most "
+            f"{limits.max_bytes_elements} (max_bytes_elements): send it as raw_input_contents"
+        )
     if datatype == "BYTES":
         array = np.empty(count, dtype=object)
         array[:] = list(values)
         return array.reshape(shape)
+    dtype = V2_TO_NUMPY[datatype]
+    wide: np.ndarray = np.array(values, dtype=wire)  # exact: the field's own type holds every value
+    array = wide.astype(dtype)
+    if dtype != wide.dtype and count and not np.array_equal(array, wide):
+        # int_contents is int32: an INT8 value of 300 would wrap silently; refuse it instead.
+        raise InvalidInput(f"input {name!r}: a value does not fit {datatype}")
+    return array.reshape(shape)
     try:
         # int_contents is int32: an INT8 value of 300 would wrap silently; refuse it instead.
         wide = np.asarray(values, dtype=np.float64 if dtype.kind == "f" else None)

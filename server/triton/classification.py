@@ -45,7 +45,10 @@ def classify(
         raise InvalidInput(
             f"class result not available for output due to unsupported type '{datatype}'"
         )
-    rows = array.reshape(array.shape[0] if batched and array.ndim else 1, -1)
+    count_rows = array.shape[0] if batched and array.ndim else 1
+    if count_rows == 0:  # an empty batch: no row to classify
+        return np.empty((0, min(k, int(np.prod(array.shape[1:])))), dtype=object)
+    rows = array.reshape(count_rows, -1)
     classes = rows.shape[1]
     count = min(k, classes)
     # Descending, ties in index order: a stable ascending sort of the reversed rows, reversed.

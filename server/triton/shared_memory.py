@@ -139,16 +139,23 @@ class Region:
         while done < byte_size:
             count = os.preadv(self.fd, [view[done:]], start + done)
             if count == 0:
-                raise InvalidInput(
-                    f"shared memory region '{self.name}': '{self.key}' is now shorter than "
-                    "the region registered"
-                )
+                raise self._shrunk()
             done += count
         return data
 
+    def _shrunk(self) -> InvalidInput:
+        return InvalidInput(
+            f"shared memory region '{self.name}': '{self.key}' is now shorter than "
+            "the region registered"
+        )
+
     def write(self, offset: int, data: memoryview) -> None:
-        """Write ``data`` at ``offset`` in the region (checked by the caller)."""
+        """Write ``data`` at ``offset`` in the region (checked by the caller); a 400, and
+        nothing written, if the object has shrunk below it since it was registered (a
+        write past its end would grow it again)."""
         done, start = 0, self.offset + offset
+        if os.fstat(self.fd).st_size < start + len(data):
+            raise self._shrunk()
         while done < len(data):
             done += os.pwrite(self.fd, data[done:], start + done)
 

@@ -11,6 +11,7 @@ import pytest
 
 from registry.cache import ENTRY_OVERHEAD_BYTES, CacheKey, ResponseCache, freeze, run_chain
 from registry.chain import Chain
+from registry.errors import InvalidInput
 from registry.registry import Registry
 from registry.types import RequestContext
 from tests.helpers import write_plugin, write_processor
@@ -109,6 +110,21 @@ async def test_a_repeated_request_is_answered_without_running_a_stage(
     assert triton["inference_stats"]["cache_miss"]["count"] == 1
     assert triton["inference_stats"]["success"]["count"] == 2
     assert triton["execution_count"] == 1  # a hit runs nothing
+
+
+async def test_a_hit_refuses_a_priority_the_runner_would_refuse(registry: Registry) -> None:
+    """Found by attacking it: a hit answered 200 where a miss answered 400 for a priority
+    outside the runner's levels (the check was the queue's, which a hit never reaches)."""
+    cache = ResponseCache(1 << 20)
+    await infer(cache, registry, x(1, 2))
+    c = chain(registry)
+    context = ctx()
+    context.priority = 2  # one level only
+    with pytest.raises(InvalidInput, match="priority 2 is outside 1..1"):
+        await run_chain(cache, c, x(1, 2), context)
+    context.priority = 1
+    await run_chain(cache, c, x(1, 2), context)
+    assert calls(registry) == 1  # that one was a hit
 
 
 async def test_cached_arrays_are_copies_and_read_only(registry: Registry) -> None:

@@ -74,7 +74,7 @@ def _write_plugins(plugins_dir: Path) -> None:
         module=None,
     )
     identity_model(folder / "model.onnx", {k: v[0] for k, v in TYPES.items()})
-    for key in ("i8", "i32", "d", "s"):  # one input each: for the typed contents
+    for key in ("i8", "i32", "u64", "d", "s"):  # one input each: for the typed contents
         folder = write_plugin(
             plugins_dir,
             "runner",
@@ -198,6 +198,10 @@ def test_typed_contents_are_read_and_checked(grpc_server: ServerProcess) -> None
             "contents field must not be specified when using raw_input_contents for "
             "'in_i32' for model 'ident_i32'"
         )
+        # Found by attacking it: values above 2**63 beside small ones went through float64.
+        response = infer("UINT64", "uint64_contents", [5, 2**63 + 3, 2**64 - 1, 0], [2, 2])
+        got = np.frombuffer(response.raw_output_contents[0], "<u8").tolist()
+        assert got == [5, 2**63 + 3, 2**64 - 1, 0]
         with pytest.raises(grpc.RpcError) as info:
             infer("INT32", "int_contents", [1, 2, 3], [2, 2])
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -250,6 +254,36 @@ def test_errors_are_grpc_status_codes(triton: grpcclient.InferenceServerClient) 
         assert info.value.status() == f"StatusCode.{code}", info.value
         assert text in info.value.message(), info.value
     assert triton.is_server_ready()  # nothing above hurt the server
+
+
+def test_typed_contents_are_bounded_and_long_names_keep_their_code(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """Found by attacking it: 62 million typed values were made into Python objects on the
+    event loop (every client waited ~10 s), and an error repeating a 20,000-character model
+    name arrived as RESOURCE_EXHAUSTED (gRPC's header limit) in place of NOT_FOUND."""
+    _write_plugins(plugins_dir)
+    config = tmp_path / "limits.toml"
+    config.write_text("max_bytes_elements = 1000\n")
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--config", str(config))  # fmt: skip
+    with grpc.insecure_channel(srv.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = service_pb2.ModelInferRequest(model_name="ident_i32")
+        tensor = request.inputs.add(name="in_i32", datatype="INT32", shape=[1000, 2])
+        tensor.contents.int_contents.extend(range(2000))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "send it as raw_input_contents" in info.value.details()
+        request = service_pb2.ModelInferRequest(model_name="ident_i32")
+        request.inputs.add(name="in_i32", datatype="INT32", shape=[1000, 2])
+        request.raw_input_contents.append(np.arange(2000, dtype=np.int32).tobytes())
+        assert len(stub.ModelInfer(request).raw_output_contents[0]) == 8000  # raw: no bound
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelMetadata(service_pb2.ModelMetadataRequest(name="m" * 20000))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert len(info.value.details()) <= 4096
 
 
 def test_a_tensor_over_the_limits_is_refused_before_any_allocation(

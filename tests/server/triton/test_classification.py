@@ -26,6 +26,12 @@ def test_k_is_clamped_ties_keep_index_order_and_labels_may_run_short() -> None:
     assert out.tolist() == [[b"2.000000:1", b"2.000000:2", b"1.000000:0:only"]]
 
 
+def test_an_empty_batch_has_no_rows_to_classify() -> None:
+    """Found by attacking it: a batch of 0 rows was a 500 (numpy cannot reshape it to -1)."""
+    out = classify(np.zeros((0, 4), np.float32), 2, batched=True)
+    assert out.shape == (0, 2)
+
+
 def test_what_cannot_be_classified_is_a_400() -> None:
     with pytest.raises(InvalidInput, match="unsupported type 'BYTES'"):
         classify(np.array([b"a"], dtype=object), 1)

@@ -78,6 +78,10 @@ def test_a_shrunk_object_is_a_400_not_a_crash(objects: Callable[[bytes], str]) -
     attached = regions.attach(request)
     with pytest.raises(InvalidInput, match="is now shorter than the region registered"):
         attached.read_inputs(request)
+    # Found by attacking it: a write past the shrunk end grew the object again, and answered 200.
+    with pytest.raises(InvalidInput, match="is now shorter than the region registered"):
+        regions.write("in", 16, b"\0" * 16)
+    assert os.stat("/dev/shm" + key).st_size == 8
 
 
 def test_regions_offsets_and_bounds(objects: Callable[[bytes], str]) -> None:
