@@ -22,19 +22,17 @@ _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 def accepted(header: str | None) -> str | None:
     """The coding to answer with for an ``Accept-Encoding`` header, or ``None``.
 
-    ``gzip`` before ``deflate`` when both are acceptable; ``*`` is gzip; a coding
-    with ``q=0`` is refused.
+    ``gzip`` before ``deflate`` when both are acceptable; ``*`` stands for any coding
+    the header does not name; a coding with ``q=0`` is refused, ``*`` or not (RFC 9110).
     """
     if not header:
         return None
-    acceptable = set()
+    qualities: dict[str, float] = {}
     for item in header.lower().split(","):
         coding, _, params = item.partition(";")
-        if _quality(params) > 0:
-            acceptable.add(coding.strip())
-    if "*" in acceptable:
-        acceptable.add("gzip")
-    return next((c for c in CODINGS if c in acceptable), None)
+        qualities[coding.strip()] = _quality(params)
+    star = qualities.get("*", 0.0)
+    return next((c for c in CODINGS if qualities.get(c, star) > 0), None)
 
 
 def _quality(params: str) -> float:

@@ -205,7 +205,10 @@ async def _compressed(
         body = compression.compress(payload, coding)
     else:
         body = await bodies.run(lambda: compression.compress(payload, coding))
-    return web.Response(body=body, headers={**headers, hdrs.CONTENT_ENCODING: coding})
+    return web.Response(
+        body=body,
+        headers={**headers, hdrs.CONTENT_ENCODING: coding, hdrs.VARY: hdrs.ACCEPT_ENCODING},
+    )
 
 
 ISOLATED_RUNNER = "_isolated_runner"

@@ -418,6 +418,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         )
 
 
+SERVICES = ("", "inference.GRPCInferenceService")
+"""What the health check answers for: the server (``""``) and its one service."""
+
+
 class HealthService(health_pb2_grpc.HealthServicer):
     """gRPC's standard health check (``grpc.health.v1``): SERVING when the server is ready."""
 
@@ -425,6 +429,8 @@ class HealthService(health_pb2_grpc.HealthServicer):
         self.service = service
 
     async def Check(self, request: Any, context: Any) -> Any:
+        if request.service not in SERVICES:  # as the health protocol says
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         status = health_pb2.HealthCheckResponse
         ready = await self.service._ready()
         return status(status=status.SERVING if ready else status.NOT_SERVING)

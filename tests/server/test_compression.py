@@ -27,6 +27,10 @@ def test_the_coding_follows_accept_encoding() -> None:
         ("*", "gzip"),
         ("br, zstd", None),
         ("gzip;q=nope", None),
+        # Found by attacking it: an explicit q=0 stands against "*" (RFC 9110).
+        ("gzip;q=0, *", "deflate"),
+        ("gzip;q=0, deflate;q=0, *", None),
+        ("*;q=0", None),
     ]:
         assert accepted(header) == coding, header
     body = b"0123456789" * 500
@@ -79,6 +83,7 @@ def test_only_an_answer_worth_compressing_is_compressed(add_server: ServerProces
     for rows in (200, 8000):  # 8000 rows: over 64 KiB, compressed off the event loop
         headers, body = infer(rows, "gzip")
         assert headers["Content-Encoding"] == "gzip"
+        assert headers["Vary"] == "Accept-Encoding"  # caches must not mix the codings
         assert json.loads(gzip.decompress(body))["outputs"][0]["data"] == [1.5] * rows * 4
     headers, body = infer(200, "deflate;q=1, gzip;q=0")
     assert headers["Content-Encoding"] == "deflate"

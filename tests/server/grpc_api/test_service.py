@@ -592,3 +592,20 @@ def test_a_version_that_is_no_version_answers_tritons_words(
     with pytest.raises(InferenceServerException) as info:  # a version, just not installed
         triton.infer("add", [_input("x", _x(), "FP32")], model_version="9.9.9")
     assert "failed to get" not in info.value.message()
+
+
+def test_grpc_health_check(grpc_server: ServerProcess) -> None:
+    from server.grpc_api.generated import health_pb2
+
+    with grpc.insecure_channel(grpc_server.grpc_url) as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        for service in ("", "inference.GRPCInferenceService"):
+            answer = check(health_pb2.HealthCheckRequest(service=service))
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:  # the health protocol's answer
+            check(health_pb2.HealthCheckRequest(service="nope"))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
