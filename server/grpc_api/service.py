@@ -36,7 +36,7 @@ from registry.errors import (
 from server import __version__, auth, v2
 from server.bodies import LARGE_BODY_BYTES
 from server.codec import InferRequest
-from server.grpc_api import tensors
+from server.grpc_api import handlers, tensors
 from server.grpc_api.calls import Call, error_details, grpc_code
 from server.grpc_api.generated import grpc_service_pb2 as pb
 from server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
@@ -468,6 +468,7 @@ def add_to_server(server: Any, app: web.Application, port: int | None = None) ->
     """Register the inference and health services of ``app`` on a ``grpc.aio`` server that
     listens on ``port``."""
     service = InferenceService(app, port)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)  # type: ignore[no-untyped-call]
-    health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), server)  # type: ignore[no-untyped-call]
+    handlers.register(server, pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], service)
+    health = health_pb2.DESCRIPTOR.services_by_name["Health"]
+    handlers.register(server, health, HealthService(service))
     return service

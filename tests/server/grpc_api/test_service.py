@@ -609,3 +609,30 @@ def test_grpc_health_check(grpc_server: ServerProcess) -> None:
         with pytest.raises(grpc.RpcError) as info:  # the health protocol's answer
             check(health_pb2.HealthCheckRequest(service="nope"))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_request_that_does_not_parse_is_invalid_and_leaves_no_traceback(
+    grpc_server: ServerProcess,
+) -> None:
+    """Found by attacking it: bytes that are no ModelInferRequest ended UNKNOWN and logged a
+    traceback each, before the token was checked."""
+    with grpc.insecure_channel(grpc_server.grpc_url) as channel:
+        raw = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer", request_serializer=lambda x: x
+        )
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as info:
+                raw(b"\xff\xff\xff\xff")
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid ModelInferRequest message" in info.value.details()
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer", request_serializer=lambda x: x
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream(iter([b"\xff\xff\xff\xff"])))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        watch = channel.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=lambda x: x)
+        with pytest.raises(grpc.RpcError) as info:
+            list(watch(b""))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "Traceback" not in grpc_server.log()

@@ -1,0 +1,103 @@
+"""A service's methods registered on a gRPC server, with requests that do not parse
+answered ``INVALID_ARGUMENT``.
+
+protoc's ``add_..._to_server`` parses each request with ``FromString``: a message
+that does not parse then ends the call ``UNKNOWN`` and grpc logs a traceback,
+before any token is checked. Here a request that does not parse reaches the method
+as :class:`Undecodable`, which ends the call with a clear error and no log line.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
+
+
+class Undecodable:
+    """A request whose bytes are not the method's message."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def register(server: Any, service: ServiceDescriptor, servicer: Any) -> None:
+    """Serve every method of ``service`` with the servicer's method of the same name."""
+    handlers = {
+        method.name: _handler(method, getattr(servicer, method.name)) for method in service.methods
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _handler(method: MethodDescriptor, behaviour: Callable[..., Any]) -> Any:
+    parse = _lenient(GetMessageClass(method.input_type).FromString)
+    serialize = GetMessageClass(method.output_type).SerializeToString
+    what = method.input_type.name
+    if not inspect.iscoroutinefunction(behaviour):  # protoc's base class: not served here
+        behaviour = _unimplemented(method.full_name)
+    if method.client_streaming:
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.stream_unary_rpc_method_handler
+        )
+        return make(_checked_stream(behaviour, what), parse, serialize)
+    make = (
+        grpc.unary_stream_rpc_method_handler
+        if method.server_streaming
+        else grpc.unary_unary_rpc_method_handler
+    )
+    return make(_checked(behaviour, what), parse, serialize)
+
+
+def _unimplemented(name: str) -> Callable[..., Any]:
+    async def call(request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not served here")
+
+    return call
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse_or_keep(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+
+    return parse_or_keep
+
+
+def _refusal(what: str, request: Undecodable) -> str:
+    return f"the request is not a valid {what} message: {request.error}"
+
+
+def _checked(behaviour: Callable[..., Any], what: str) -> Callable[..., Any]:
+    async def call(request: Any, context: Any) -> Any:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(what, request))
+        return await behaviour(request, context)
+
+    return call
+
+
+def _checked_stream(behaviour: Callable[..., Any], what: str) -> Callable[..., Any]:
+    async def call(requests: AsyncIterator[Any], context: Any) -> Any:
+        async def parsed() -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(what, request))
+                yield request
+
+        return await behaviour(parsed(), context)
+
+    return call
