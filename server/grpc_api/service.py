@@ -46,6 +46,7 @@ from server.middleware import REQUEST_ID_HEADER, client_request_id, new_request_
 from server.serving import admit, deadline_seconds, measured, request_context, serve
 from server.state import BODIES, REGISTRY, REPOSITORY, RESPONSE_CACHE, SETTINGS, WORKER
 from server.triton import classification, config
+from server.triton.repository import relayed
 from server.triton.shared_memory import Attachment, Regions, check_key
 from server.triton.shm_http import REGIONS, cuda_unsupported
 
@@ -68,13 +69,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- plumbing ---------------------------------------------------------------------
 
-    def _call(self, context: Any) -> Call:
-        """The call, its request id bound, its inference token checked."""
+    def _call(self, context: Any, admin: bool = False) -> Call:
+        """The call, its request id bound, and its token checked: the inference token, or
+        with ``admin`` the control plane's rules (as HTTP's /admin)."""
         call = Call(self.app, context)
         request_id = client_request_id(call.headers.get(REQUEST_ID_HEADER)) or new_request_id()
         REQUEST_ID.set(request_id)
         REQUEST_CHAIN.set(None)
-        if not auth.accepts(auth.bearer(call.headers.get("authorization")), self.tokens):
+        token = auth.bearer(call.headers.get("authorization"))
+        if admin:
+            auth.check_admin_call(self.app[SETTINGS], self.port, call.peer[0], token)
+        elif not auth.accepts(token, self.tokens):
             raise Unauthorized("this call needs 'authorization: Bearer <inference token>'")
         return call
 
@@ -286,7 +291,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise Unavailable(f"the supervisor is not answering: {exc!r}") from None
         doc = orjson.loads(reply.body) if reply.body else {}
         if reply.status >= 400:
-            raise _error_of(reply.status, doc)
+            message = doc.get("error") if isinstance(doc, dict) else None
+            raise relayed(reply.status, str(message or f"the supervisor answered {reply.status}"))
         return doc if isinstance(doc, dict) else {}
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
@@ -301,17 +307,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- model repository (the control plane's) ----------------------------------------
 
-    def _admin(self, context: Any) -> Call:
-        """The call, if the admin rules let it use the control plane (as HTTP's /admin)."""
-        call = Call(self.app, context)
-        REQUEST_ID.set(client_request_id(call.headers.get(REQUEST_ID_HEADER)) or new_request_id())
-        token = auth.bearer(call.headers.get("authorization"))
-        auth.check_admin_call(self.app[SETTINGS], self.port, call.peer[0], token)
-        return call
-
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> Any:
         async def work() -> Any:
-            self._admin(context)
+            self._call(context, admin=True)
             rows = await self.app[REPOSITORY].index(request.ready)
             response = pb.RepositoryIndexResponse()
             for row in rows:
@@ -324,7 +322,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> Any:
         async def work() -> Any:
-            self._admin(context)
+            self._call(context, admin=True)
             files = sorted(k for k in request.parameters if k.startswith("file:"))
             if files:
                 raise InvalidInput(f"file overrides are not supported ({', '.join(files)})")
@@ -343,7 +341,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelUnloadRequest, context: Any
     ) -> Any:
         async def work() -> Any:
-            self._admin(context)
+            self._call(context, admin=True)
             await self.app[REPOSITORY].unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
 
@@ -454,14 +452,6 @@ def _log_refusal(exc: PlugserveError, method: str) -> None:
         log.error("request_failed", rpc=method, error=exc.message, status=exc.status)
     else:
         log.debug("request_failed", rpc=method, error=exc.message, status=exc.status)
-
-
-def _error_of(status: int, doc: Any) -> PlugserveError:
-    """A supervisor's error answer as the error it was."""
-    message = doc.get("error") if isinstance(doc, dict) else None
-    error = PlugserveError(str(message or f"the supervisor answered {status}"))
-    error.status = status
-    return error
 
 
 def add_to_server(server: Any, app: web.Application, port: int | None = None) -> InferenceService:
