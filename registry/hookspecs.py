@@ -56,6 +56,58 @@ rerun. Example::
         def infer(self, inputs):
             return {"y": inputs["x"] * 2}
 
+Streaming runners (Triton's decoupled models) answer one request with several
+responses, in order. A runner streams in one of two ways:
+
+- ``infer`` is a generator (``def infer(inputs): ... yield {...}``) or an async
+  generator: called once per request with that request's own arrays (never
+  batched with others); each yielded dict of arrays is one response. A sync
+  generator's steps (each ``next()``) run on the runner's threads.
+- ``start(inputs) -> state`` and ``step(states) -> list`` (continuous
+  batching): ``start`` runs once per request on the runner's thread (the
+  prompt's prefill, say) and returns the stream's state, an object of the
+  runner's own; ``step`` advances several streams by one step at once and
+  returns, per state in the same order, that stream's response (a dict of
+  arrays) or ``None`` when the stream has ended (``None`` sends nothing).
+  Streams join and leave between steps: a step takes up to ``max_batch_size``
+  of the streams in progress (round robin when more are), so a new stream
+  waits one step, not for the others to finish. An optional ``stop(state)``
+  is called once when a stream leaves for any reason (ended, cancelled by its
+  client, past its deadline, failed): free what it holds there.
+
+``[runner] max_streams`` (default 64) bounds the streams in progress at once;
+more wait, by priority and then arrival, up to ``max_queue_size`` (429 beyond).
+A stream's deadline covers the whole stream (504 when it passes, sent as the
+stream's last event); a client that hangs up stops its stream before the next
+step. Generation parameters reach the runner as tensors (a preprocessor turns
+``ctx.parameters`` such as ``max_tokens`` or ``temperature`` into inputs), so a
+runner sees arrays only. For text generation, one response is one token: the
+server counts ``completion_tokens`` as the runner's responses, and a
+preprocessor reports ``ctx.usage["prompt_tokens"]``.
+
+The postprocessors of a streaming route run once per response, in order, with
+the same ``ctx`` for the whole stream: ``ctx.state`` keeps what a stage carries
+from one response to the next (an incremental detokenizer, say). ``format`` may
+return ``None`` to send nothing for that response (half of a UTF-8 character).
+Example::
+
+    class Countdown:  # a streaming runner: one response per number
+        def infer(self, inputs):
+            for n in range(int(inputs["start"][0]), 0, -1):
+                yield {"n": np.array([n], dtype=np.int64)}
+
+    class Generator:  # continuous batching: one model call advances every stream
+        def start(self, inputs):
+            return Stream(inputs["input_ids"][0], int(inputs["max_tokens"][0]))
+
+        def step(self, states):
+            live = [s for s in states if not s.done]
+            tokens = self.model.next_tokens(live)  # one batched call
+            ...  # one {"token_id": ...} per live stream, None for the ended
+
+        def stop(self, state):
+            state.release()
+
 Declared inputs are checked: when the first stage of a route declares
 ``metadata()["inputs"]``, v2 requests must match them (names, ranks, fixed
 dimensions, datatypes) or get a 400 before any plugin runs; a runner converts

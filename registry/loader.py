@@ -151,7 +151,8 @@ class Loader:
         content = content or f"load-{next(self._loads)}"
         group = await self.runners.acquire(f"{manifest.label}@{content}", spec)
         remote = RemoteRunner(self.runners, group)
-        loaded = LoadedPlugin(manifest, _info(manifest), remote, model_path=model_path)
+        info = _info(manifest, self.models_dir, model_path)
+        loaded = LoadedPlugin(manifest, info, remote, model_path=model_path)
         await loaded.warmup(self.load_timeout)  # reads the metadata the processes sent
         return loaded
 
@@ -165,12 +166,12 @@ class Loader:
 
         When ``abandoned`` is set meanwhile (the load timed out), what was made is dropped.
         """
-        info = _info(manifest)
         if manifest.module is not None and package is None:
             package = package_name(manifest.type, manifest.name, str(manifest.version))
         module = self._import(manifest, package)
         try:
             model_path = self.model_path(manifest)
+            info = _info(manifest, self.models_dir, model_path)
             component = self._create(manifest, info, module, model_path)
             loaded = LoadedPlugin(
                 manifest, info, component, package=package, hook_name=package, model_path=model_path
@@ -270,7 +271,7 @@ class Loader:
             forget(package)
 
 
-def _info(manifest: Manifest) -> PluginInfo:
+def _info(manifest: Manifest, models_dir: Path, model: Path | None) -> PluginInfo:
     return PluginInfo(
         name=manifest.name,
         version=str(manifest.version),
@@ -279,6 +280,8 @@ def _info(manifest: Manifest) -> PluginInfo:
         logger=structlog.get_logger("plugserve.plugin").bind(
             plugin_type=manifest.type, plugin=manifest.name, version=str(manifest.version)
         ),
+        model=model,
+        models_dir=models_dir,
     )
 
 

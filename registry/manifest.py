@@ -23,7 +23,7 @@ from registry.versions import Version
 MANIFEST_NAME = "plugin.toml"
 
 _PLUGIN_KEYS = {"name", "version", "type", "module", "description"}
-_ROUTE_KEYS = {"name", "preprocess", "postprocess", "rate_limit"}
+_ROUTE_KEYS = {"name", "preprocess", "postprocess", "rate_limit", "openai"}
 _TABLES = {"plugin", "config", "runner", "route"}
 RUNNER_KEYS = frozenset(
     {
@@ -39,6 +39,7 @@ RUNNER_KEYS = frozenset(
         "default_priority_level",
         "tenant_weights",
         "inline_budget_us",
+        "max_streams",
         "breaker_failures",
         "breaker_reset_s",
         "cast_inputs",
@@ -62,6 +63,8 @@ ISOLATIONS = ("none", "process")
 FORMATS = ("FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW")
 """``[runner] formats``: an image input's layout, as Triton's model configuration names it."""
 MAX_LABELS_BYTES = 16 * 1024 * 1024
+OPENAI_KINDS = ("embeddings", "chat", "completions")
+"""``[route] openai``: the OpenAI-compatible routes (``/v1/...``) a route is served at."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class RunnerSection:
     default_priority_level: int | None = None
     tenant_weights: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     inline_budget_us: int = 250
+    max_streams: int = 64
+    """A streaming runner's streams in progress at once (more wait in its queue)."""
     breaker_failures: int = 5
     breaker_reset_s: float = 10.0
     cast_inputs: bool = False
@@ -109,6 +114,8 @@ class RouteSection:
     preprocess: tuple[Ref, ...] = ()
     postprocess: tuple[Ref, ...] = ()
     rate_limit: RateLimit | None = None
+    openai: tuple[str, ...] = ()
+    """``embeddings``, ``chat``, ``completions``: served at ``/v1/<kind>`` as ``model``."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +274,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         default_priority_level=_default_level(p, table, levels),
         tenant_weights=_tenant_weights(p, table),
         inline_budget_us=p.integer(table, "runner.inline_budget_us", 250, 0, 60_000_000),
+        max_streams=p.integer(table, "runner.max_streams", 64, 1, MAX_BATCH_SIZE),
         breaker_failures=p.integer(table, "runner.breaker_failures", 5, 0, 1_000_000),
         breaker_reset_s=p.number(table, "runner.breaker_reset_s", 10.0, 86_400.0),
         cast_inputs=p.boolean(table, "runner.cast_inputs", False),
@@ -410,7 +418,25 @@ def _route_section(p: _Fields, raw: Mapping[str, Any]) -> RouteSection:
         preprocess=p.refs(table, "route.preprocess"),
         postprocess=p.refs(table, "route.postprocess"),
         rate_limit=rate_limit,
+        openai=_openai(p, table),
     )
+
+
+def _openai(p: _Fields, table: Mapping[str, Any]) -> tuple[str, ...]:
+    """``openai = "chat"`` or a list (``["chat", "completions"]``); embeddings stands alone."""
+    value = table.get("openai")
+    kinds = p.string_list(table, "route.openai") if isinstance(value, list) else [value]
+    kinds = [k for k in kinds if k is not None]
+    if not all(isinstance(k, str) for k in kinds):
+        raise ManifestError(p.path, "must be a name or a list of names", "route.openai")
+    for kind in kinds:
+        if kind not in OPENAI_KINDS:
+            raise ManifestError(
+                p.path, f"{kind!r} is not one of {', '.join(OPENAI_KINDS)}", "route.openai"
+            )
+    if "embeddings" in kinds and len(set(kinds)) > 1:
+        raise ManifestError(p.path, "embeddings does not mix with text generation", "route.openai")
+    return tuple(dict.fromkeys(kinds))
 
 
 def _check_relative(path: Path, folder: Path, relative: str, key: str) -> None:

@@ -38,10 +38,22 @@ class PluginInfo:
     type: PluginType
     path: Path
     logger: FilteringBoundLogger
+    model: Path | None = None
+    """The file a runner's ``[runner] model`` resolves to (for a module runner to open)."""
+    models_dir: Path | None = None
 
     @property
     def label(self) -> str:
         return f"{self.type}/{self.name}@{self.version}"
+
+    def resolve(self, spec: str) -> Path:
+        """A file named the way ``[runner] model`` names one: a path relative to the
+        plugin's folder, or ``models:<name>/<version>/<file>`` in the models dir (a
+        tokenizer, a vocabulary, a labels file). Raises :class:`PluginLoadError`
+        when it does not exist or lies outside the plugins and models dirs."""
+        from registry.models import resolve_model
+
+        return resolve_model(spec, self.path, self.models_dir or self.path, None)
 
 
 @dataclass
@@ -71,6 +83,9 @@ class RequestContext:
     tenant: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     rows: int = 0
+    usage: dict[str, int] = field(default_factory=dict)
+    """Tokens counted for the OpenAI routes' ``usage``: a preprocessor sets
+    ``prompt_tokens``; the server counts a stream's ``completion_tokens``."""
 
 
 BackendFactory = Callable[[PluginInfo, Mapping[str, Any], "Path | None"], Any]
