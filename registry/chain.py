@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,54 @@ class Chain:
             ok = True
             return data
         except asyncio.CancelledError:  # the client hung up: neither a success nor a failure
+            cancelled = True
+            raise
+        finally:
+            if self.runner.stats is not None and not cancelled:
+                took = time.perf_counter() - started
+                self.runner.stats.record_request(ok, took, ctx.timings, ctx.rows)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the runner streams (several responses a request, registry/streaming.py)."""
+        return self.runner.streams is not None
+
+    async def stream(self, data: Any, ctx: RequestContext) -> AsyncGenerator[Any, None]:
+        """Run the chain on a request answered by a stream of responses, in order.
+
+        The preprocessors run once; each runner response then goes through every
+        postprocessor (a postprocessor's ``None`` sends nothing for it), counted
+        in ``ctx.usage["completion_tokens"]``. A runner that answers once gives
+        one response. Closing this generator (``aclose()``: the client left)
+        closes the runner's stream before its next step.
+        """
+        if not self.streaming:
+            yield await self.run(data, ctx)
+            return
+        started = time.perf_counter()
+        ok = cancelled = False
+        call = _call if tracing.TRACER is None else _traced
+        usage = ctx.usage
+        try:
+            if _tensors(data):
+                data = self.stages[0].check_request(data, self.route)
+            for stage in self.preprocess:
+                data = await call(stage, data, ctx)
+            ctx.timings["compute_input"] = time.perf_counter() - started
+            responses = self.runner.open_stream(data, ctx)
+            try:
+                async for response in responses:
+                    usage["completion_tokens"] = usage.get("completion_tokens", 0) + 1
+                    for stage in self.postprocess:
+                        response = await call(stage, response, ctx)
+                        if response is None:
+                            break
+                    else:
+                        yield response
+            finally:
+                responses.close()
+            ok = True
+        except (asyncio.CancelledError, GeneratorExit):  # the client left
             cancelled = True
             raise
         finally:

@@ -24,6 +24,7 @@ from registry.inputs import InputSpec, conform, input_specs
 from registry.isolation.remote import RemoteRunner
 from registry.manifest import Manifest, RunnerSection
 from registry.stats import RunnerStats
+from registry.streaming import Stream, StreamScheduler, stream_kind
 from registry.tensors import from_json
 from registry.types import PluginInfo, RequestContext
 
@@ -97,6 +98,8 @@ class LoadedPlugin:
     _validate: Callable[[Mapping[str, np.ndarray]], Any] | None = field(
         init=False, default=None, repr=False
     )
+    streams: StreamScheduler | None = field(init=False, default=None, repr=False)
+    """A streaming runner's streams (``registry/streaming.py``); ``None`` for the others."""
     remote: RemoteRunner | None = field(init=False, default=None, repr=False)
     """An isolated runner's processes (``isolation = "process"``): they batch and run it."""
     always_inline: bool = field(init=False, default=False, repr=False)
@@ -104,16 +107,35 @@ class LoadedPlugin:
     else to do: requests that arrive meanwhile wait in the socket and form the next batch)."""
 
     def __post_init__(self) -> None:
-        name = STAGE_METHOD[self.manifest.type]
+        runner = self.manifest.runner
+        kind = None if runner is None else stream_kind(self.component)
+        name = "step" if kind == "steps" else STAGE_METHOD[self.manifest.type]
         method = getattr(self.component, name, None)
         if not callable(method):
             raise PluginLoadError(f"{self.label}: its component has no {name}() method")
         self._method = method
         self._is_async = inspect.iscoroutinefunction(method)
-        runner = self.manifest.runner
         if isinstance(self.component, RemoteRunner):
             self.remote = self.component
             self.stats = RunnerStats()  # the requests this process sent; executions are theirs
+        elif runner is not None and kind is not None:
+            self.breaker = CircuitBreaker(
+                self.label, runner.breaker_failures, runner.breaker_reset_s
+            )
+            self.stats = RunnerStats()
+            if _needs_threads(self.component, kind):
+                self._executor = ThreadPoolExecutor(runner.instances, thread_name_prefix=self.label)
+            self.streams = StreamScheduler(
+                self.component,
+                kind,
+                batch_policy(runner),
+                runner.max_streams,
+                self.label,
+                self._executor,
+                self.breaker,
+                self._fault,
+                on_execution=self.stats.record_execution,
+            )
         elif runner is not None:
             validate = getattr(self.component, "validate", None)
             self._validate = validate if callable(validate) else None
@@ -169,6 +191,8 @@ class LoadedPlugin:
             return
         if self.scheduler is not None:
             self.scheduler.close()
+        if self.streams is not None:
+            self.streams.close()
         try:
             await self._call_optional("close", within, "close_timeout_s")
         finally:
@@ -248,6 +272,11 @@ class LoadedPlugin:
         A runner's call goes through its scheduler (batching, queue, priorities),
         an isolated runner's to its processes, where a scheduler batches it.
         """
+        if self.streams is not None:
+            raise InvalidInput(
+                f"route {ctx.route!r} streams its responses: call .../generate_stream, "
+                ".../generate or gRPC ModelStreamInfer (or /v1 for an OpenAI route)"
+            )
         remote = self.remote
         if remote is not None:
             inputs = self.runner_inputs(data)
@@ -278,6 +307,22 @@ class LoadedPlugin:
             raise
         except Exception as exc:
             raise PluginError(self.label, exc) from exc
+
+    def open_stream(self, data: Any, ctx: RequestContext) -> Stream:
+        """A streaming runner's responses to ``data``: started now, or queued for a place."""
+        assert self.streams is not None
+        inputs = self.runner_inputs(data)
+        self.validate_request(inputs)
+        ctx.rows = _rows(inputs)
+        return self.streams.open(inputs, ctx.priority)
+
+    def _fault(self, exc: BaseException) -> PlugserveError:
+        """What the client of a stream gets for ``exc`` raised in the runner."""
+        if isinstance(exc, InvalidInput):
+            return self._refused(exc)
+        if isinstance(exc, PlugserveError):
+            return exc
+        return PluginError(self.label, exc)
 
     def validate_request(self, inputs: Mapping[str, np.ndarray]) -> None:
         """The runner's own per-request check (``validate``), before it can join a batch."""
@@ -413,6 +458,14 @@ class LoadedPlugin:
             return from_json(value, dtype)
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"input {name!r} of runner {self.label}: {exc}") from None
+
+
+def _needs_threads(component: Any, kind: str) -> bool:
+    """Whether a streaming runner has sync methods to run on threads of its own."""
+    if kind == "generator":
+        return not inspect.isasyncgenfunction(component.infer)
+    coroutine = inspect.iscoroutinefunction
+    return not (coroutine(component.start) and coroutine(component.step))
 
 
 def batch_policy(runner: RunnerSection) -> BatchPolicy:

@@ -425,9 +425,11 @@ def _route_section(p: _Fields, raw: Mapping[str, Any]) -> RouteSection:
 def _openai(p: _Fields, table: Mapping[str, Any]) -> tuple[str, ...]:
     """``openai = "chat"`` or a list (``["chat", "completions"]``); embeddings stands alone."""
     value = table.get("openai")
-    kinds = p.string_list(table, "route.openai") if isinstance(value, list) else [value]
-    kinds = [k for k in kinds if k is not None]
-    if not all(isinstance(k, str) for k in kinds):
+    if isinstance(value, list):
+        kinds = p.string_list(table, "route.openai")
+    elif value is None or isinstance(value, str):
+        kinds = [] if value is None else [value]
+    else:
         raise ManifestError(p.path, "must be a name or a list of names", "route.openai")
     for kind in kinds:
         if kind not in OPENAI_KINDS:

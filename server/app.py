@@ -35,7 +35,7 @@ from server.state import (
     SETTINGS,
     WORKER,
 )
-from server.triton import shm_http
+from server.triton import generate, shm_http
 from server.triton.repository import LocalRepository, SupervisedRepository
 from server.triton.shared_memory import Regions
 from server.triton.shm_table import LocalTable, SharedTable
@@ -188,6 +188,7 @@ def create_app(
     repository = LocalRepository(app[REGISTRY])
     app[REPOSITORY] = repository if worker is None else SupervisedRepository(worker.supervisor)
     v2.add_routes(app, through)
+    generate.add_routes(app)
     shm_http.add_routes(app)
     predict.add_routes(app)
     admin.add_routes(app, through)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,37 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.first_token = Histogram(
+            "plugserve_time_to_first_token_seconds",
+            "Time from a streamed request's start to its first response (token), by route.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "plugserve_inter_token_latency_seconds",
+            "Time between consecutive responses (tokens) of a stream, by route.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "plugserve_generated_tokens",
+            "Responses (tokens) made by streaming runners, by route: rate() is tokens/s.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.streams = Gauge(
+            "plugserve_streams_in_flight",
+            "Streamed requests being answered now, by route.",
+            ["route"],
+            registry=self.registry,
+        )
+
+    def stream(self, route: str) -> StreamClock:
+        """Time one stream of ``route``, counted in flight until :meth:`StreamClock.done`."""
+        return StreamClock(self, route)
+
     def collect_from(self, registry: Registry, store: RouteStore | None = None) -> None:
         """Add the gauges read from the registry at scrape time (always current, and an
         unloaded version's series are gone with it), and the fleet's in fleet mode."""
@@ -139,6 +171,40 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StreamClock:
+    """The generation figures of one stream: first token, gaps between tokens, tokens made."""
+
+    __slots__ = ("_counted", "_first", "_gaps", "_in_flight", "_last", "_started", "_tokens")
+
+    def __init__(self, metrics: Metrics, route: str) -> None:
+        self._first = metrics.first_token.labels(route)
+        self._gaps = metrics.inter_token.labels(route)
+        self._tokens = metrics.tokens.labels(route)
+        self._in_flight = metrics.streams.labels(route)
+        self._in_flight.inc()
+        self._started = time.perf_counter()
+        self._last: float | None = None
+        self._counted = 0
+
+    def response(self, tokens: int) -> None:
+        """A response was sent; ``tokens``: the stream's runner responses so far."""
+        now = time.perf_counter()
+        if self._last is None:
+            self._first.observe(now - self._started)
+        else:
+            self._gaps.observe(now - self._last)
+        self._last = now
+        if tokens > self._counted:
+            self._tokens.inc(tokens - self._counted)
+            self._counted = tokens
+
+    def done(self, tokens: int) -> None:
+        if tokens > self._counted:
+            self._tokens.inc(tokens - self._counted)
+            self._counted = tokens
+        self._in_flight.dec()
 
 
 PLUGIN_LABELS = ["type", "name", "version"]

@@ -104,10 +104,11 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         # and inflate, the rest for up to 10 s after the answer. Close the connection instead.
         request.content.feed_eof()
         response.force_close()
-    response.headers[REQUEST_ID_HEADER] = request_id
-    chain = REQUEST_CHAIN.get()
-    if chain is not None:
-        response.headers[VARIANT_HEADER] = chain.variant
+    if not response.prepared:  # a stream (server/events.py) set its headers as it began
+        response.headers[REQUEST_ID_HEADER] = request_id
+        chain = REQUEST_CHAIN.get()
+        if chain is not None:
+            response.headers[VARIANT_HEADER] = chain.variant
     if request.app[SETTINGS].access_log:
         log.info(
             "request",

@@ -68,7 +68,7 @@ async def predict(request: web.Request) -> web.Response:
     return await measured(request, route, "predict", _predict(request, route))
 
 
-def _parse_json(body: bytes) -> Any:
+def parse_json(body: bytes) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -82,7 +82,7 @@ async def _predict(request: web.Request, route: str) -> web.Response:
     body = await bodies.read(request)
     data: Any = body
     if is_json(request.content_type):
-        data = await bodies.parse(request, body, _parse_json)
+        data = await bodies.parse(request, body, parse_json)
 
     deadline = deadline_seconds(request, {})
     ctx = request_context(request, route, "predict", dict(request.query), deadline)

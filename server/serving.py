@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
@@ -210,3 +211,18 @@ async def serve(
         drain.leave()
         if span is not None:
             span.__exit__(*sys.exc_info())
+
+
+async def streamed(
+    request: Incoming, chain: Chain, data: Any, ctx: RequestContext
+) -> AsyncGenerator[Any, None]:
+    """``chain.stream(data, ctx)``, timed: time to first token, between tokens, tokens made and
+    streams in flight (``server/metrics.py``). Close it (``aclose``) to stop the stream."""
+    clock = request.app[METRICS].stream(chain.route)
+    try:
+        async with contextlib.aclosing(chain.stream(data, ctx)) as responses:
+            async for response in responses:
+                clock.response(ctx.usage.get("completion_tokens", 0))
+                yield response
+    finally:
+        clock.done(ctx.usage.get("completion_tokens", 0))

@@ -70,6 +70,95 @@ ADD_PROCESSOR = """
 """
 
 
+# Streaming runners (registry/hookspecs.py, "Streaming runners"), as a plugin author writes them.
+# Each takes "n" (how many responses) and answers i = 1..n, one a step, "step_s" apart; the
+# step runner also reports how many streams its step advanced ("batch"), and both write the
+# steps they ran to the file [config] log names, if any (a test reads when steps stopped).
+STREAMING_RUNNERS = """
+    import asyncio
+    import time
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    def _log(path, line):
+        if path:
+            with open(path, "a") as f:
+                f.write(line + "\\n")
+
+    class Countdown:
+        def __init__(self, config):
+            self.step_s = config.get("step_s", 0.0)
+            self.log = config.get("log")
+
+        def metadata(self):
+            return {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1]}]}
+
+        def infer(self, inputs):
+            for i in range(1, int(inputs["n"][0]) + 1):
+                time.sleep(self.step_s)
+                _log(self.log, f"step {i}")
+                yield {"i": np.array([i], np.int64), "text_output": np.array([f"t{i} "], object)}
+
+    class AsyncCountdown(Countdown):
+        async def infer(self, inputs):
+            for i in range(1, int(inputs["n"][0]) + 1):
+                await asyncio.sleep(self.step_s)
+                _log(self.log, f"step {i}")
+                yield {"i": np.array([i], np.int64), "text_output": np.array([f"t{i} "], object)}
+
+    class Steps:
+        def __init__(self, config):
+            self.step_s = config.get("step_s", 0.0)
+            self.log = config.get("log")
+            self.stopped = 0
+
+        def metadata(self):
+            return {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1]}]}
+
+        def start(self, inputs):
+            n = int(inputs["n"][0])
+            if n < 0:
+                raise ValueError("a negative count")
+            return {"left": n, "i": 0}
+
+        def step(self, states):
+            time.sleep(self.step_s)
+            _log(self.log, f"step {len(states)}")
+            out = []
+            for state in states:
+                if state["left"] == 0:
+                    out.append(None)
+                    continue
+                state["left"] -= 1
+                state["i"] += 1
+                i, batch = np.array([state["i"]], np.int64), np.array([len(states)], np.int64)
+                out.append({"i": i, "batch": batch, "text_output": np.array([f"t{state['i']} "], object)})
+            return out
+
+        def stop(self, state):
+            _log(self.log, "stop")
+
+    KINDS = {"generator": Countdown, "async": AsyncCountdown, "steps": Steps}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return KINDS[config.get("kind", "steps")](config)
+"""
+
+
+def write_streaming_runner(
+    plugins_dir: Path, name: str, kind: str = "steps", runner: str = "", config: str = ""
+) -> Path:
+    """A streaming runner (``kind``: ``steps``, ``generator`` or ``async``) serving ``name``."""
+    manifest = f'[config]\nkind = "{kind}"\n{config}\n[runner]\n{runner}\n'
+    return write_plugin(
+        plugins_dir, "runner", name, "1.0.0", manifest, {"plugin.py": STREAMING_RUNNERS}
+    )
+
+
 def processor_source(kind: str) -> str:
     return ADD_PROCESSOR.format(method="process" if kind == "preprocessor" else "format")
 

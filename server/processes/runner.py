@@ -31,7 +31,7 @@ import structlog
 
 from registry import tracing
 from registry.components import LoadedPlugin
-from registry.errors import PluginError, PlugserveError
+from registry.errors import PluginError, PluginLoadError, PlugserveError
 from registry.isolation.shm import Allocator, Region
 from registry.isolation.wire import (
     SMALL_BYTES,
@@ -91,6 +91,12 @@ class RunnerProcess:
         try:
             self.loaded = loaded = await loader.load(Path(spec["folder"]), in_process=True)
             loaded.always_inline = True  # one thread hop fewer on every batch
+            if loaded.streams is not None:
+                await loader.release(loaded)
+                raise PluginLoadError(
+                    f"{loaded.label}: a streaming runner cannot run isolated (isolation = "
+                    '"process") yet: its responses have no way back; serve it in the workers'
+                )
         except PlugserveError as exc:
             self._answer(ready=False, error=exc.message)
             return 1

@@ -1,0 +1,352 @@
+"""Streaming runners: several responses to one request, and continuous batching of steps.
+
+A streaming runner (``registry/hookspecs.py``, "Streaming runners") is a generator
+(``infer`` yields its responses) or a step runner (``start`` and ``step``). One
+:class:`StreamScheduler` per loaded runner serves its streams:
+
+- At most ``max_streams`` streams are in progress at once; more wait, by priority
+  level and then arrival, up to ``max_queue_size`` of them (429 beyond).
+- A step runner's streams advance together: each ``step`` call takes up to
+  ``max_batch_size`` of the streams in progress, round robin, so a stream that
+  arrives joins at the next step rather than after the others finish
+  (continuous batching). Steps run one at a time, on the runner's thread.
+- A generator's steps (each ``next()``) run on the runner's threads, or on the
+  event loop for an async generator; each stream is its own.
+- A stream closed by its consumer (the client hung up, the deadline passed)
+  leaves before its next step: no more steps run for it, and a step runner's
+  ``stop(state)`` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import inspect
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Executor
+from typing import Any, Literal
+
+import numpy as np
+import structlog
+
+from registry.batching import BatchPolicy, priority_level
+from registry.breaker import CircuitBreaker
+from registry.errors import PlugserveError, TooManyRequests, Unavailable
+
+StreamKind = Literal["generator", "steps"]
+Arrays = Mapping[str, np.ndarray]
+_END = object()
+RETRY_AFTER_S = 1
+
+log = structlog.get_logger("plugserve.streaming")
+
+
+def stream_kind(component: Any) -> StreamKind | None:
+    """How ``component`` streams: ``steps`` (``start`` and ``step``), ``generator`` (``infer``
+    yields), or ``None`` for a runner that answers once."""
+    if callable(getattr(component, "start", None)) and callable(getattr(component, "step", None)):
+        return "steps"
+    infer = getattr(component, "infer", None)
+    if inspect.isgeneratorfunction(infer) or inspect.isasyncgenfunction(infer):
+        return "generator"
+    return None
+
+
+class Stream:
+    """One request's responses, in order: ``async for`` them, and ``close()`` when done."""
+
+    def __init__(self, scheduler: StreamScheduler, inputs: Arrays, level: int, seq: int) -> None:
+        self._scheduler = scheduler
+        self.inputs = inputs
+        self.level = level
+        self.seq = seq
+        self.state: Any = None
+        """A step runner's state for this stream (what ``start`` returned)."""
+        self.place: Literal["waiting", "running", "left"] = "waiting"
+        self.closed = False
+        """Its consumer left: no more steps run for it."""
+        self.task: asyncio.Task[None] | None = None
+        """A generator's stream: the task running it."""
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+
+    def __aiter__(self) -> AsyncIterator[Arrays]:
+        return self
+
+    async def __anext__(self) -> Arrays:
+        item = await self._items.get()
+        if item is _END:
+            self._items.put_nowait(_END)  # iterating again ends again
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._items.put_nowait(_END)
+            raise item
+        return item  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Stop the stream: it leaves the queue, or its runner, before its next step."""
+        if not self.closed:
+            self.closed = True
+            self._scheduler.closed(self)
+
+    def put(self, response: Arrays) -> None:
+        if not self.closed:
+            self._items.put_nowait(response)
+
+    def end(self, error: BaseException | None = None) -> None:
+        self._items.put_nowait(_END if error is None else error)
+
+
+class StreamScheduler:
+    """Admits, orders and runs the streams of one streaming runner."""
+
+    def __init__(
+        self,
+        component: Any,
+        kind: StreamKind,
+        policy: BatchPolicy,
+        max_streams: int,
+        label: str,
+        executor: Executor | None,
+        breaker: CircuitBreaker,
+        fault: Callable[[BaseException], PlugserveError],
+        on_execution: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.policy = policy
+        self.max_streams = max_streams
+        self.batch_size = max(policy.max_batch_size, 1)
+        self.label = label
+        self.executor = executor
+        self.breaker = breaker
+        self.fault = fault
+        self.on_execution = on_execution
+        self._generate = getattr(component, "infer", None)
+        self._start = getattr(component, "start", None)
+        self._step = getattr(component, "step", None)
+        stop = getattr(component, "stop", None)
+        self._stop = stop if callable(stop) else None
+        self._waiting: list[tuple[int, int, Stream]] = []
+        self.waiting = 0
+        self.running = 0
+        self._starting: deque[Stream] = deque()
+        self._active: deque[Stream] = deque()
+        self._stepping: list[Stream] = []
+        self._seq = itertools.count()
+        self._steps_task: asyncio.Task[None] | None = None
+        self._pumps: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self.steps = 0
+        """Step calls made (a step runner), each advancing one or more streams."""
+
+    # -- admission -------------------------------------------------------------------
+
+    def open(self, inputs: Arrays, priority: int | None) -> Stream:
+        """A new stream for ``inputs``: it starts now if a place is free, else waits its turn.
+
+        Raises :class:`TooManyRequests` when ``max_queue_size`` streams already wait,
+        :class:`Unavailable` while the circuit is open or the runner is closing.
+        """
+        if self._closing:
+            raise Unavailable(f"runner {self.label} is closing")
+        level = priority_level(priority, self.policy, self.label)
+        limit = self.policy.max_queue_size
+        if limit and self.running >= self.max_streams and self.waiting >= limit:
+            raise TooManyRequests(
+                f"runner {self.label} has {self.waiting} streams waiting (max_queue_size {limit})",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        self.breaker.allow()
+        stream = Stream(self, inputs, level, next(self._seq))
+        heapq.heappush(self._waiting, (level, stream.seq, stream))
+        self.waiting += 1
+        self._admit()
+        return stream
+
+    def closed(self, stream: Stream) -> None:
+        """``stream``'s consumer left (called by :meth:`Stream.close`)."""
+        if stream.place == "waiting":
+            stream.place = "left"
+            self.waiting -= 1
+            self.breaker.release()
+        elif stream.task is not None:  # a generator: stopped now (a sync one: after its step)
+            stream.task.cancel()
+
+    def _admit(self) -> None:
+        while self._waiting and self.running < self.max_streams:
+            _, _, stream = heapq.heappop(self._waiting)
+            if stream.place != "waiting":
+                continue  # closed while it waited
+            self.waiting -= 1
+            self.running += 1
+            stream.place = "running"
+            if self.kind == "generator":
+                stream.task = asyncio.create_task(self._pump(stream))
+                self._pumps.add(stream.task)
+                stream.task.add_done_callback(self._pumps.discard)
+            else:
+                self._starting.append(stream)
+        if self._starting and (self._steps_task is None or self._steps_task.done()):
+            self._steps_task = asyncio.create_task(self._run_steps(), name=f"steps {self.label}")
+
+    def _left(self, stream: Stream, error: BaseException | None = None) -> None:
+        """``stream`` is over (ended, failed or closed): free its place and its state."""
+        if stream.place != "running":
+            return
+        stream.place = "left"
+        self.running -= 1
+        stream.end(error)
+        if error is None or not isinstance(error, PlugserveError) or error.status != 500:
+            self.breaker.release()
+        if self._stop is not None and stream.state is not None:
+            try:
+                self._stop(stream.state)
+            except Exception as exc:  # its state is gone either way
+                log.warning("stream_stop_failed", plugin=self.label, error=repr(exc))
+        stream.state = None
+        if not self._closing:
+            self._admit()
+
+    def _failed(self, exc: BaseException) -> PlugserveError:
+        error = self.fault(exc)
+        if error.status == 500:
+            self.breaker.failure()
+        return error
+
+    # -- step runners: continuous batching ---------------------------------------------
+
+    async def _run_steps(self) -> None:
+        """Start new streams, then step up to ``batch_size`` of those in progress; repeat."""
+        while self._starting or self._active:
+            while self._starting:
+                stream = self._starting.popleft()
+                if stream.closed:
+                    self._left(stream)
+                    continue
+                try:
+                    stream.state = await self._call(self._start, stream.inputs)
+                except Exception as exc:
+                    self._left(stream, self._failed(exc))
+                    continue
+                self._active.append(stream)
+            batch: list[Stream] = []
+            while self._active and len(batch) < self.batch_size:
+                stream = self._active.popleft()
+                if stream.closed:
+                    self._left(stream)
+                else:
+                    batch.append(stream)
+            if batch:
+                self._stepping = batch
+                await self._advance(batch)
+                self._stepping = []
+
+    async def _advance(self, batch: list[Stream]) -> None:
+        started = time.perf_counter()
+        try:
+            results = await self._call(self._step, [s.state for s in batch])
+            if not isinstance(results, list | tuple) or len(results) != len(batch):
+                got = len(results) if isinstance(results, list | tuple) else type(results).__name__
+                raise TypeError(f"step() of {len(batch)} states returned {got}, not one per state")
+        except Exception as exc:
+            error = self._failed(exc)
+            for stream in batch:
+                self._left(stream, error)
+            return
+        self.steps += 1
+        if self.on_execution is not None:
+            self.on_execution(len(batch), time.perf_counter() - started)
+        self.breaker.success()
+        for stream, result in zip(batch, results, strict=True):
+            if result is None or stream.closed:
+                self._left(stream)
+            elif not isinstance(result, Mapping):
+                problem = TypeError(f"step() gave {type(result).__name__}, not a dict of arrays")
+                self._left(stream, self._failed(problem))
+            else:
+                stream.put(result)
+                self._active.append(stream)
+
+    async def _call(self, method: Any, argument: Any) -> Any:
+        if inspect.iscoroutinefunction(method):
+            return await method(argument)
+        assert self.executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self.executor, method, argument)
+
+    # -- generator runners -----------------------------------------------------------------
+
+    async def _pump(self, stream: Stream) -> None:
+        """Run one stream's generator, a response at a time, until it ends or is closed."""
+        error: BaseException | None = None
+        try:
+            produced = self._generate(stream.inputs)  # type: ignore[misc]
+            if inspect.isasyncgen(produced):
+                async with contextlib.aclosing(produced):
+                    async for response in produced:
+                        self._put(stream, response)
+            else:
+                await self._pump_sync(stream, produced)
+        except asyncio.CancelledError:
+            if not stream.closed:  # the runner is closing, not the consumer leaving
+                error = Unavailable(f"runner {self.label} closed during the stream")
+        except Exception as exc:
+            error = self._failed(exc)
+        else:
+            self.breaker.success()
+        finally:
+            self._left(stream, error)
+
+    async def _pump_sync(self, stream: Stream, produced: Any) -> None:
+        assert self.executor is not None
+        executor = self.executor
+        step = None
+        try:
+            while not stream.closed:
+                step = executor.submit(next, produced, _END)
+                response = await asyncio.wrap_future(step)
+                if response is _END:
+                    return
+                self._put(stream, response)
+        finally:
+            # Closed on the runner's thread, once its last step returned (none can be stopped).
+            if step is None or step.done():
+                with contextlib.suppress(RuntimeError):  # the pool is shut down: nothing runs
+                    executor.submit(_close_quietly, produced)
+            else:
+                step.add_done_callback(lambda _: _close_quietly(produced))
+
+    def _put(self, stream: Stream, response: Any) -> None:
+        if not isinstance(response, Mapping):
+            raise TypeError(f"infer() yielded {type(response).__name__}, not a dict of arrays")
+        if self.on_execution is not None:
+            self.on_execution(1, 0.0)
+        stream.put(response)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The runner is unloading: every stream still here ends with a 503."""
+        self._closing = True
+        gone = Unavailable(f"runner {self.label} closed during the stream")
+        for _, _, stream in self._waiting:
+            if stream.place == "waiting":
+                stream.place = "left"
+                stream.end(gone)
+        self._waiting.clear()
+        self.waiting = 0
+        for stream in [*self._starting, *self._active, *self._stepping]:
+            self._left(stream, gone)
+        self._starting.clear()
+        self._active.clear()
+        if self._steps_task is not None:
+            self._steps_task.cancel()
+        for task in list(self._pumps):
+            task.cancel()
+
+
+def _close_quietly(generator: Any) -> None:
+    with contextlib.suppress(Exception):
+        generator.close()

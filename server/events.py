@@ -1,0 +1,82 @@
+"""Server-Sent Events: a stream of responses sent as events, each as soon as it is made.
+
+What fails before the first event is an ordinary error answer (its status, its
+JSON); once the stream has begun, an error, or the request's deadline passing,
+is sent as the stream's last event, in the shape of the protocol (Triton's
+``{"error": ...}``, OpenAI's ``{"error": {...}}``). A client that hangs up
+cancels the handler (``server/connections.py``), which closes the stream: the
+runner is told before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from registry.errors import DeadlineExceeded, PlugserveError
+from server.logs import REQUEST_CHAIN, REQUEST_ID
+from server.middleware import REQUEST_ID_HEADER, VARIANT_HEADER
+
+HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx: pass each event on as it comes
+}
+_END = object()
+
+log = structlog.get_logger("plugserve.server")
+
+
+def event(payload: Any) -> bytes:
+    """One ``data:`` event of ``payload`` as JSON (orjson writes no newlines)."""
+    return b"data: " + orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
+
+
+async def send(
+    request: web.Request,
+    responses: AsyncIterator[Any],
+    encode: Callable[[Any], bytes],
+    fail: Callable[[PlugserveError], bytes],
+    deadline_s: float | None = None,
+    last: bytes = b"",
+) -> web.StreamResponse:
+    """Send ``encode(response)`` for each of ``responses`` as it comes, then ``last``.
+
+    ``deadline_s`` bounds the whole stream. The caller closes ``responses``.
+    """
+    until = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
+    try:
+        async with asyncio.timeout_at(until):
+            first = await anext(responses, _END)
+    except TimeoutError:
+        raise _late(deadline_s) from None
+    answer = web.StreamResponse(headers=HEADERS)
+    answer.headers[REQUEST_ID_HEADER] = REQUEST_ID.get() or ""
+    chain = REQUEST_CHAIN.get()
+    if chain is not None:
+        answer.headers[VARIANT_HEADER] = chain.variant
+    answer.enable_chunked_encoding()
+    await answer.prepare(request)
+    try:
+        async with asyncio.timeout_at(until):
+            if first is not _END:
+                await answer.write(encode(first))
+                async for response in responses:
+                    await answer.write(encode(response))
+        await answer.write(last)
+    except TimeoutError:
+        await answer.write(fail(_late(deadline_s)))
+    except PlugserveError as exc:
+        log.log(40 if exc.status == 500 else 10, "stream_failed", error=exc.message)
+        await answer.write(fail(exc))
+    await answer.write_eof()
+    return answer
+
+
+def _late(deadline_s: float | None) -> DeadlineExceeded:
+    return DeadlineExceeded(f"the request's deadline of {deadline_s:g} s passed")

@@ -1,0 +1,136 @@
+"""Triton's generate extension: ``POST /v2/models/{route}/generate`` and ``.../generate_stream``.
+
+The body is a JSON object: its ``parameters`` object is the request's
+parameters, and the rest reaches the chain's first stage as a ``/predict`` JSON
+body would (``{"text_input": "...", "max_tokens": 16}``). Each response is the
+last stage's output as a JSON object (a one-element array as its value, a
+longer one as a list) beside ``model_name`` and ``model_version``.
+
+``generate_stream`` sends every response of a streaming route as a Server-Sent
+Event (``data: {...}``); an error after the stream began is its last event,
+``data: {"error": "..."}``, as Triton sends it. ``generate`` answers once: a
+streaming route's responses merged (text concatenated, arrays joined on their
+first axis), any other route's one response.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from registry.chain import Chain
+from registry.errors import InvalidInput, PlugserveError
+from server import events
+from server.predict import parse_json
+from server.serving import admit, deadline_seconds, measured, request_context, serve, streamed
+from server.state import BODIES
+
+PROTOCOL = "generate"
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    route = request.match_info["route"]
+    return await measured(request, route, PROTOCOL, _generate(request, route, stream=False))
+
+
+async def generate_stream(request: web.Request) -> web.StreamResponse:
+    route = request.match_info["route"]
+    return await measured(request, route, PROTOCOL, _generate(request, route, stream=True))
+
+
+async def _generate(request: web.Request, route: str, stream: bool) -> web.StreamResponse:
+    version = request.match_info.get("version")
+    admit(request, route, version)
+    bodies = request.app[BODIES]
+    body = await bodies.read(request)
+    data = await bodies.parse(request, body, parse_json)
+    if not isinstance(data, dict):
+        raise InvalidInput("the body must be a JSON object of inputs and 'parameters'")
+    parameters = data.pop("parameters", None) or {}
+    if not isinstance(parameters, dict):
+        raise InvalidInput("'parameters' must be a JSON object")
+    deadline = deadline_seconds(request, parameters)
+    ctx = request_context(request, route, PROTOCOL, parameters, deadline)
+
+    async def run(chain: Chain) -> web.StreamResponse:
+        ctx.versions = dict(chain.versions)
+        head = {"model_name": chain.route, "model_version": chain.runner_version}
+        async with contextlib.aclosing(streamed(request, chain, data, ctx)) as responses:
+            if not stream:
+                merged = merge([r async for r in responses])
+                return web.json_response({**head, **fields(merged)}, dumps=_dumps)
+            return await events.send(
+                request,
+                responses,
+                lambda response: events.event({**head, **fields(response)}),
+                _error_event,
+                deadline,
+            )
+
+    # The deadline of a stream is kept by events.send, which can still tell the client.
+    return await serve(request, route, version, run, None if stream else deadline)
+
+
+def fields(result: Any) -> dict[str, Any]:
+    """A response as the JSON fields of Triton's generate answer."""
+    if not isinstance(result, dict):
+        return {"output": _value(result)}
+    return {str(name): _value(value) for name, value in result.items()}
+
+
+def _value(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        if value.size == 1:
+            value = value.reshape(()).item()
+        else:
+            if value.dtype.kind == "O":
+                return [_value(v) for v in value.tolist()]
+            return np.ascontiguousarray(value)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def merge(responses: list[Any]) -> Any:
+    """A stream's responses as one: strings concatenated, arrays and lists joined, the rest
+    the last value (``None`` for a stream that sent nothing)."""
+    if len(responses) <= 1:
+        return responses[0] if responses else {}
+    if not all(isinstance(r, dict) for r in responses):
+        return responses[-1]
+    merged: dict[str, Any] = {}
+    for name in dict.fromkeys(k for r in responses for k in r):
+        values = [r[name] for r in responses if name in r]
+        merged[name] = _joined(values)
+    return merged
+
+
+def _joined(values: list[Any]) -> Any:
+    texts = [_value(v) for v in values]
+    if all(isinstance(t, str) for t in texts):
+        return "".join(texts)
+    if all(isinstance(v, np.ndarray) for v in values):
+        return np.concatenate([np.atleast_1d(v) for v in values])
+    if all(isinstance(v, list) for v in values):
+        return [item for v in values for item in v]
+    return values[-1]
+
+
+def _error_event(exc: PlugserveError) -> bytes:
+    return events.event({"error": exc.message})
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+
+
+def add_routes(app: web.Application) -> None:
+    for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
+        app.router.add_post(prefix + "/generate", generate)
+        app.router.add_post(prefix + "/generate_stream", generate_stream)
