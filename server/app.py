@@ -23,6 +23,7 @@ from server.bodies import Bodies
 from server.config import Settings
 from server.metrics import Metrics
 from server.middleware import request_middleware
+from server.openai_api import routes as openai_routes
 from server.shutdown import CLOSE_FLOOR_S, Drain, within
 from server.state import (
     BODIES,
@@ -189,6 +190,7 @@ def create_app(
     app[REPOSITORY] = repository if worker is None else SupervisedRepository(worker.supervisor)
     v2.add_routes(app, through)
     generate.add_routes(app)
+    openai_routes.add_routes(app)
     shm_http.add_routes(app)
     predict.add_routes(app)
     admin.add_routes(app, through)

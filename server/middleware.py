@@ -14,6 +14,7 @@ from registry.errors import PluginError, PlugserveError
 from server.bodies import release_slot, too_large
 from server.connections import begin_request
 from server.logs import REQUEST_CHAIN, REQUEST_ID
+from server.openai_api import errors as openai_errors
 from server.state import BODIES, SETTINGS
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -44,8 +45,16 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
-def error_response(exc: PlugserveError) -> web.Response:
-    return web.json_response(exc.to_json(), status=exc.status, headers=exc.headers())
+def error_response(exc: PlugserveError, path: str = "") -> web.Response:
+    """``{"error": message, ...}``, or OpenAI's shape under ``/v1/``."""
+    payload = openai_errors.of(exc) if openai_errors.is_openai(path) else exc.to_json()
+    return web.json_response(payload, status=exc.status, headers=exc.headers())
+
+
+def _plain_error(path: str, status: int, message: str) -> web.Response:
+    if openai_errors.is_openai(path):
+        return web.json_response(openai_errors.body(status, message), status=status)
+    return web.json_response({"error": message}, status=status)
 
 
 @web.middleware
@@ -86,19 +95,19 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
             log.error("request_failed", error=exc.message, status=exc.status)
         else:  # refused or timed out (503, 504, 429) or the client's mistake: expected
             log.debug("request_failed", error=exc.message, status=exc.status)
-        response = error_response(exc)
+        response = error_response(exc, request.path)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         reason = exc.reason
         if isinstance(exc, web.HTTPRequestEntityTooLarge):  # aiohttp's own body limit
             reason = too_large(request.app[SETTINGS].max_body_bytes).message
-        response = web.json_response({"error": reason}, status=exc.status)
+        response = _plain_error(request.path, exc.status, reason)
         if "Allow" in exc.headers:
             response.headers["Allow"] = exc.headers["Allow"]
     except Exception:
         log.exception("internal_error", path=request.path)
-        response = web.json_response({"error": "internal server error"}, status=500)
+        response = _plain_error(request.path, 500, "internal server error")
     if response.status >= 400 and _large_body_left(request):
         # Refused before its body was read (404, 401, 429, 413 ...): aiohttp would read,
         # and inflate, the rest for up to 10 s after the answer. Close the connection instead.

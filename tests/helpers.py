@@ -71,7 +71,8 @@ ADD_PROCESSOR = """
 
 
 # Streaming runners (registry/hookspecs.py, "Streaming runners"), as a plugin author writes them.
-# Each takes "n" (how many responses) and answers i = 1..n, one a step, "step_s" apart; the
+# Each takes "n" (how many responses) and answers i = 1..n, one a step, "step_s" apart (a sync
+# generator fails at step "fail_at" if set); the
 # step runner also reports how many streams its step advanced ("batch"), and both write the
 # steps they ran to the file [config] log names, if any (a test reads when steps stopped).
 STREAMING_RUNNERS = """
@@ -92,6 +93,7 @@ STREAMING_RUNNERS = """
         def __init__(self, config):
             self.step_s = config.get("step_s", 0.0)
             self.log = config.get("log")
+            self.fail_at = config.get("fail_at", 0)
 
         def metadata(self):
             return {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1]}]}
@@ -100,6 +102,8 @@ STREAMING_RUNNERS = """
             for i in range(1, int(inputs["n"][0]) + 1):
                 time.sleep(self.step_s)
                 _log(self.log, f"step {i}")
+                if i == self.fail_at:
+                    raise RuntimeError(f"failed at step {i}")
                 yield {"i": np.array([i], np.int64), "text_output": np.array([f"t{i} "], object)}
 
     class AsyncCountdown(Countdown):

@@ -78,17 +78,18 @@ async def _generate(request: web.Request, route: str, stream: bool) -> web.Strea
 def fields(result: Any) -> dict[str, Any]:
     """A response as the JSON fields of Triton's generate answer."""
     if not isinstance(result, dict):
-        return {"output": _value(result)}
-    return {str(name): _value(value) for name, value in result.items()}
+        return {"output": json_value(result)}
+    return {str(name): json_value(value) for name, value in result.items()}
 
 
-def _value(value: Any) -> Any:
+def json_value(value: Any) -> Any:
+    """A response's value as JSON: a one-element array as its item, text decoded."""
     if isinstance(value, np.ndarray):
         if value.size == 1:
             value = value.reshape(()).item()
         else:
             if value.dtype.kind == "O":
-                return [_value(v) for v in value.tolist()]
+                return [json_value(v) for v in value.tolist()]
             return np.ascontiguousarray(value)
     if isinstance(value, bytes):
         return value.decode("utf-8", errors="replace")
@@ -112,7 +113,7 @@ def merge(responses: list[Any]) -> Any:
 
 
 def _joined(values: list[Any]) -> Any:
-    texts = [_value(v) for v in values]
+    texts = [json_value(v) for v in values]
     if all(isinstance(t, str) for t in texts):
         return "".join(texts)
     if all(isinstance(v, np.ndarray) for v in values):

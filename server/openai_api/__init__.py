@@ -1,0 +1,1 @@
+"""OpenAI-compatible routes (``/v1/...``) for routes that declare ``[route] openai``."""
