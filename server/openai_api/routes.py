@@ -341,16 +341,20 @@ async def _chunks(
             part = {"index": choice.index, "text": text or "", "logprobs": None}
         return {**head, "choices": [{**part, "finish_reason": finish}], **extra}
 
-    for choice in choices:  # chat: the role first; completions: the prompt, if echoed
-        if kind == "chat" or asked.echo:
-            yield chunk(choice, "" if kind == "chat" else choice.prompt, None)
+    def piece(choice: Choice, text: str | None) -> dict[str, Any]:
+        return chunk(choice, text, None) if text is not None else chunk(choice, None, choice.finish)
+
     async with contextlib.aclosing(_interleaved(request, chain, choices, asked)) as pieces:
+        # What fails before the first piece (a preprocessor's 400, a full queue's 429) is
+        # an ordinary error answer: nothing is sent until the first piece is made.
+        first = await anext(pieces, None)
+        for choice in choices:  # chat: the role first; completions: the prompt, if echoed
+            if kind == "chat" or asked.echo:
+                yield chunk(choice, "" if kind == "chat" else choice.prompt, None)
+        if first is not None:
+            yield piece(*first)
         async for choice, text in pieces:
-            yield (
-                chunk(choice, text, None)
-                if text is not None
-                else chunk(choice, None, choice.finish)
-            )
+            yield piece(choice, text)
     if asked.include_usage:
         yield {**head, "choices": [], "usage": _usage(choices, asked)}
 
