@@ -1,0 +1,191 @@
+"""The stream scheduler on its own: admission, order, continuous batching, failures, closing."""
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from registry.batching import BatchPolicy
+from registry.breaker import CircuitBreaker
+from registry.errors import InvalidInput, PluginError, PlugserveError, TooManyRequests
+from registry.streaming import Stream, StreamScheduler, stream_kind
+
+
+class Counter:
+    """A step runner: each stream counts to its ``n``; records every step's streams."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[str]] = []
+        self.stopped: list[str] = []
+        self.fail_step = False
+
+    def start(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        if int(inputs["n"][0]) < 0:
+            raise InvalidInput("n must not be negative")
+        return {"name": str(inputs["name"][0]), "left": int(inputs["n"][0])}
+
+    def step(self, states: list[dict[str, Any]]) -> list[Any]:
+        self.steps.append([s["name"] for s in states])
+        if self.fail_step:
+            raise RuntimeError("the model broke")
+        out: list[Any] = []
+        for state in states:
+            state["left"] -= 1
+            out.append(None if state["left"] < 0 else {"left": np.array([state["left"]])})
+        return out
+
+    def stop(self, state: dict[str, Any]) -> None:
+        self.stopped.append(state["name"])
+
+
+def fault(exc: BaseException) -> PlugserveError:
+    if isinstance(exc, PlugserveError):
+        return exc
+    return PluginError("runner/counter@1", exc)
+
+
+def scheduler(
+    component: Any, max_streams: int = 8, batch: int = 8, **policy: Any
+) -> StreamScheduler:
+    return StreamScheduler(
+        component,
+        "steps",
+        BatchPolicy(max_batch_size=batch, **policy),
+        max_streams,
+        "runner/counter@1",
+        ThreadPoolExecutor(1),
+        CircuitBreaker("runner/counter@1", failures=2),
+        fault,
+    )
+
+
+def inputs(name: str, n: int) -> dict[str, np.ndarray]:
+    return {"name": np.array([name], object), "n": np.array([n])}
+
+
+async def drain(stream: Stream) -> list[int]:
+    return [int(r["left"][0]) async for r in stream]
+
+
+def test_stream_kinds() -> None:
+    class Gen:
+        def infer(self, inputs: Any) -> Any:
+            yield inputs
+
+    class Once:
+        def infer(self, inputs: Any) -> Any:
+            return inputs
+
+    assert stream_kind(Counter()) == "steps"
+    assert stream_kind(Gen()) == "generator"
+    assert stream_kind(Once()) is None
+
+
+async def test_streams_join_and_leave_between_steps() -> None:
+    runner = Counter()
+    streams = scheduler(runner)
+    a = streams.open(inputs("a", 3), None)
+    first = await anext(a)
+    b = streams.open(inputs("b", 1), None)  # arrives while a is in progress
+    assert int(first["left"][0]) == 2
+    assert await drain(a) == [1, 0] and await drain(b) == [0]
+    assert runner.steps[0] == ["a"] and ["a", "b"] in runner.steps  # b joined a's steps
+    assert sorted(runner.stopped) == ["a", "b"] and streams.running == 0
+
+
+async def test_a_step_takes_at_most_max_batch_size_streams_round_robin() -> None:
+    runner = Counter()
+    streams = scheduler(runner, batch=2)
+    opened = [streams.open(inputs(name, 2), None) for name in "abc"]
+    results = await asyncio.gather(*(drain(s) for s in opened))
+    assert results == [[1, 0]] * 3
+    assert all(len(step) <= 2 for step in runner.steps)
+    assert runner.steps[:3] == [["a", "b"], ["c", "a"], ["b", "c"]]
+
+
+async def test_waiting_streams_start_by_priority_then_arrival_and_the_queue_is_bounded() -> None:
+    runner = Counter()
+    streams = scheduler(runner, max_streams=1, priority_levels=2, max_queue_size=2)
+    first = streams.open(inputs("first", 1), 2)
+    low = streams.open(inputs("low", 1), 2)
+    high = streams.open(inputs("high", 1), 1)
+    with pytest.raises(TooManyRequests):
+        streams.open(inputs("over", 1), 1)
+    with pytest.raises(InvalidInput):  # a priority outside the levels
+        streams.open(inputs("bad", 1), 3)
+    await asyncio.gather(drain(first), drain(low), drain(high))
+    assert [step[0] for step in runner.steps][::2] == ["first", "high", "low"]
+
+
+async def test_a_closed_stream_runs_no_more_steps_and_frees_its_place() -> None:
+    runner = Counter()
+    streams = scheduler(runner, max_streams=1)
+    long = streams.open(inputs("long", 1000), None)
+    waiting = streams.open(inputs("waiting", 1), None)
+    await anext(long)
+    long.close()
+    assert await drain(waiting) == [0]
+    assert [s for s in runner.steps if "long" in s] == [["long"]] * len(
+        [s for s in runner.steps if "long" in s]
+    )
+    assert len([s for s in runner.steps if "long" in s]) <= 2  # the one sent, one in flight
+    assert runner.stopped == ["long", "waiting"]
+    gone = streams.open(inputs("gone", 5), None)
+    gone.close()  # closed before it started: it never starts
+    await asyncio.sleep(0.05)
+    assert "gone" not in runner.stopped and streams.waiting == 0 and streams.running == 0
+
+
+async def test_failures_reach_the_streams_of_their_step_and_count_against_the_runner() -> None:
+    runner = Counter()
+    streams = scheduler(runner)
+    refused = streams.open(inputs("neg", -1), None)
+    with pytest.raises(InvalidInput):
+        await drain(refused)
+    assert streams.breaker.failures == 0  # the client's fault, not the runner's
+    runner.fail_step = True
+    a, b = streams.open(inputs("a", 3), None), streams.open(inputs("b", 3), None)
+    for stream in (a, b):
+        with pytest.raises(PluginError, match="the model broke"):
+            await drain(stream)
+    assert streams.breaker.failures >= 1 and streams.running == 0
+
+
+async def test_closing_the_runner_ends_every_stream_with_503() -> None:
+    runner = Counter()
+    streams = scheduler(runner, max_streams=1)
+    running = streams.open(inputs("a", 10_000), None)
+    queued = streams.open(inputs("b", 1), None)
+    await anext(running)
+    streams.close()
+    for stream in (running, queued):
+        with pytest.raises(PlugserveError) as ended:
+            await drain(stream)
+        assert ended.value.status == 503
+
+
+async def test_a_generator_runner_streams_and_is_closed_when_its_client_leaves() -> None:
+    closed: list[int] = []
+
+    class Gen:
+        def infer(self, inputs: Any) -> Any:
+            try:
+                for i in range(1000):
+                    yield {"i": np.array([i])}
+            finally:
+                closed.append(1)
+
+    streams = StreamScheduler(
+        Gen(), "generator", BatchPolicy(), 4, "runner/gen@1", ThreadPoolExecutor(1),
+        CircuitBreaker("runner/gen@1"), fault,
+    )  # fmt: skip
+    stream = streams.open({"x": np.array([1])}, None)
+    assert [int((await anext(stream))["i"][0]) for _ in range(3)] == [0, 1, 2]
+    stream.close()
+    for _ in range(50):
+        if closed:
+            break
+        await asyncio.sleep(0.01)
+    assert closed == [1] and streams.running == 0
