@@ -83,7 +83,9 @@ step. Generation parameters reach the runner as tensors (a preprocessor turns
 ``ctx.parameters`` such as ``max_tokens`` or ``temperature`` into inputs), so a
 runner sees arrays only. For text generation, one response is one token: the
 server counts ``completion_tokens`` as the runner's responses, and a
-preprocessor reports ``ctx.usage["prompt_tokens"]``.
+preprocessor reports ``ctx.usage["prompt_tokens"]`` (and ``ctx.usage["max_tokens"]``
+when it caps a completion itself, so that the OpenAI routes can say
+``finish_reason: "length"``).
 
 The postprocessors of a streaming route run once per response, in order, with
 the same ``ctx`` for the whole stream: ``ctx.state`` keeps what a stage carries

@@ -85,7 +85,8 @@ class RequestContext:
     rows: int = 0
     usage: dict[str, int] = field(default_factory=dict)
     """Tokens counted for the OpenAI routes' ``usage``: a preprocessor sets
-    ``prompt_tokens``; the server counts a stream's ``completion_tokens``."""
+    ``prompt_tokens`` (and ``max_tokens``, the cap it applied); the server counts a
+    stream's ``completion_tokens``."""
 
 
 BackendFactory = Callable[[PluginInfo, Mapping[str, Any], "Path | None"], Any]
