@@ -7,8 +7,8 @@ The chain of an ``openai`` route reads:
 - chat: ``{"messages": [{"role": ..., "content": text}, ...]}``; completions:
   ``{"prompt": text}``. Each response of the stream carries ``text_output``,
   the new text. The generation settings (``max_tokens``, ``temperature``,
-  ``top_p``, ``seed``, ``stop``, ``presence_penalty``, ``frequency_penalty``)
-  are the request's parameters (``ctx.parameters``).
+  ``top_p``, ``seed``, ``stop``, ``presence_penalty``, ``frequency_penalty``,
+  and vLLM's ``ignore_eos``) are the request's parameters (``ctx.parameters``).
 
 Anything a route cannot honour is refused with a 400 that names the field,
 never ignored: tools, logprobs, a JSON response format, token prompts.
@@ -157,6 +157,8 @@ def _generation(
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) is not None:
             parameters[name] = _number(body[name], name, -2.0, 2.0)
+    if body.get("ignore_eos") is not None:  # vLLM's extension: generate max_tokens, always
+        parameters["ignore_eos"] = _boolean(body["ignore_eos"], "ignore_eos")
     seed = body.get("seed")
     if seed is not None:
         parameters["seed"] = _integer(seed, "seed", -(2**63), 2**63 - 1)
