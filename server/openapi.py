@@ -225,6 +225,64 @@ def _admin_version(action: str) -> dict[str, Any]:
     }
 
 
+def _generate(versioned: bool, stream: bool) -> dict[str, Any]:
+    summary = (
+        "Triton's generate_stream: each response of the chain as a Server-Sent Event"
+        if stream
+        else "Triton's generate: the chain's response (a stream's responses merged) as JSON"
+    )
+    answer = (
+        {"text/event-stream": {"schema": {"type": "string"}}}
+        if stream
+        else _json({"type": "object"})
+    )
+    return {
+        "post": {
+            "summary": summary,
+            "parameters": [ROUTE, VERSION] if versioned else [ROUTE],
+            "requestBody": {
+                "required": True,
+                "content": _json(
+                    {
+                        "type": "object",
+                        "description": "inputs for the first stage, and 'parameters'",
+                        "properties": {"parameters": {"type": "object"}},
+                    }
+                ),
+            },
+            "responses": {
+                "200": {"description": summary, "content": answer},
+                **_errors(400, 401, 404, 413, 429, 500, 503, 504),
+            },
+        }
+    }
+
+
+def _openai(summary: str, required: list[str], stream: bool) -> dict[str, Any]:
+    content: dict[str, Any] = _json({"type": "object"})
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": _json(
+                    {
+                        "type": "object",
+                        "required": required,
+                        "properties": {"model": {"type": "string"}},
+                    }
+                ),
+            },
+            "responses": {
+                "200": {"description": summary, "content": content},
+                **_errors(400, 401, 404, 413, 429, 500, 503, 504),
+            },
+        }
+    }
+
+
 def document() -> dict[str, Any]:
     tensor_data = {"type": "array", "items": {}}
     return {
@@ -280,6 +338,30 @@ def document() -> dict[str, Any]:
             "/v2/models/{route}/versions/{version}/infer": _infer(True),
             **_shared_memory("/v2/systemsharedmemory", "system"),
             **_shared_memory("/v2/cudasharedmemory", "CUDA (400: needs a GPU)"),
+            "/v2/models/{route}/generate": _generate(False, False),
+            "/v2/models/{route}/generate_stream": _generate(False, True),
+            "/v2/models/{route}/versions/{version}/generate": _generate(True, False),
+            "/v2/models/{route}/versions/{version}/generate_stream": _generate(True, True),
+            "/v1/models": {
+                "get": {
+                    "summary": "OpenAI: the routes served at /v1 (those with [route] openai)",
+                    "responses": {**_ok("the models", {"type": "object"}), **_errors(401)},
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "OpenAI: one route served at /v1",
+                    "parameters": [{**ROUTE, "name": "model"}],
+                    "responses": {**_ok("the model", {"type": "object"}), **_errors(401, 404)},
+                }
+            },
+            "/v1/embeddings": _openai("OpenAI: embeddings of texts", ["model", "input"], False),
+            "/v1/chat/completions": _openai(
+                "OpenAI: a chat completion, streamed with stream: true", ["model", "messages"], True
+            ),
+            "/v1/completions": _openai(
+                "OpenAI: a text completion, streamed with stream: true", ["model", "prompt"], True
+            ),
             "/predict/{route}": {
                 "post": {
                     "summary": "Run the chain on a raw body: JSON parsed, anything else as bytes",
