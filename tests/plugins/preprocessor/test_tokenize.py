@@ -1,5 +1,6 @@
 """The tokenize preprocessor: OpenAI and v2 inputs, padding to multiples of 16, masks, usage, refusals."""
 
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from registry.errors import InvalidInput
-from tests.plugins.bundled import MODELS, context
+from tests.plugins.bundled import MODELS, context, folder
 
 
 @pytest.fixture
@@ -94,3 +95,17 @@ def test_refusals_are_invalid_input_with_a_clear_message(
     with pytest.raises(InvalidInput) as caught:
         tokenize.process(data, context())
     assert message in str(caught.value)
+
+
+def test_token_type_ids_for_bert_style_encoders(tokenizer: Tokenizer) -> None:
+    """``token_type_ids = true``: zeros beside the ids (what optimum's BERT exports take)."""
+    spec = importlib.util.spec_from_file_location(
+        "tokenize_plugin", folder("preprocessor", "tokenize") / "plugin.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tokenize = module.Tokenize(tokenizer, 128, 256, "[PAD]", token_type_ids=True)
+    out = tokenize.process({"input": ["a b", "c"]}, context())
+    assert out["token_type_ids"].shape == out["input_ids"].shape
+    assert out["token_type_ids"].dtype == np.int64 and not out["token_type_ids"].any()

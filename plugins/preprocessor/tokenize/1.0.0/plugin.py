@@ -18,7 +18,14 @@ PAD_TO = 16
 
 
 class Tokenize:
-    def __init__(self, tokenizer: Tokenizer, max_length: int, max_inputs: int, pad_token: str):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_length: int,
+        max_inputs: int,
+        pad_token: str,
+        token_type_ids: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length)
@@ -27,6 +34,7 @@ class Tokenize:
         self.vocab = tokenizer.get_vocab_size()
         pad_id = tokenizer.token_to_id(pad_token)
         self.pad_id = 0 if pad_id is None else pad_id
+        self.token_type_ids = token_type_ids
 
     def process(self, data, ctx):
         rows = self._rows(self._inputs(data, ctx), ctx)
@@ -39,6 +47,8 @@ class Tokenize:
             mask[i, : len(row)] = 1
         ctx.state["attention_mask"] = mask
         ctx.usage["prompt_tokens"] = int(mask.sum())
+        if self.token_type_ids:  # BERT-style encoders exported by optimum take them
+            return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
         return {"input_ids": ids, "attention_mask": mask}
 
     def _inputs(self, data, ctx) -> list:
@@ -122,4 +132,5 @@ def plugserve_create_component(plugin, config):
         max_length=int(config.get("max_length", 128)),
         max_inputs=int(config.get("max_inputs", 256)),
         pad_token=config.get("pad_token", "[PAD]"),
+        token_type_ids=bool(config.get("token_type_ids", False)),
     )
