@@ -15,8 +15,8 @@ without torch: ``tokenizers``, ``onnx.helper``, numpy and ONNX Runtime.
   costs the same at any length: token embedding (64) -> ONNX ``GRU`` (256) with
   fixed RANDOM weights (seed 16) -> a linear readout to the logits that is
   TRAINED: ridge regression (numpy, closed form) from the GRU's states over
-  the dialogues to the next token, scaled to the temperature that fits them
-  best. Inputs ``input_ids`` int64 [B, T] and ``state`` float32 [B, 256] (zeros
+  the dialogues to the next token, its scale 3 times the one that fits them
+  best (``SHARPEN``). Inputs ``input_ids`` int64 [B, T] and ``state`` float32 [B, 256] (zeros
   to begin); outputs ``logits`` float32 [B, V] (of the last position) and
   ``state_out`` float32 [B, 256]. One graph serves a prompt's prefill (B = 1,
   T = its length) and a batched step (T = 1, B = streams).
@@ -43,6 +43,11 @@ VOCAB = 500
 EMBED = 64
 HIDDEN = 256
 RIDGE = 1e-2
+SHARPEN = 3.0
+"""Logits are this many times sharper than the scale that fits the training text best:
+a model this small compounds its errors, and at the fitted scale sampling at temperature 1
+leaves its dialogues within a few tokens (3 of 50 samples were one of its answers; 36 of 50
+at 3 times sharper). Greedy decoding does not change."""
 SPECIAL = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 EOS = "<|end|>"
 
@@ -158,7 +163,7 @@ def fit_readout(
     states: np.ndarray, targets: np.ndarray, vocab: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ridge regression from states [n, H] to one-hot next tokens, then the logit scale
-    (one number) that minimizes the cross-entropy of the training text."""
+    (one number) that minimizes the cross-entropy of the training text, times ``SHARPEN``."""
     x = np.hstack([states, np.ones((len(states), 1))]).astype(np.float64)
     y = np.zeros((len(states), vocab))
     y[np.arange(len(states)), targets] = 1.0
@@ -171,7 +176,7 @@ def fit_readout(
         z -= z.max(axis=1, keepdims=True)
         return float(np.mean(np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(z)), targets]))
 
-    scale = min(np.arange(1.0, 40.0, 0.5), key=nll)
+    scale = min(np.arange(1.0, 40.0, 0.5), key=nll) * SHARPEN
     return (solved[:-1] * scale).astype(np.float32), (solved[-1] * scale).astype(np.float32)
 
 
