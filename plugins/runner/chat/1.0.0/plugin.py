@@ -40,14 +40,14 @@ class Stream:
             return int(np.argmax(self.logits))
         z = self.logits.astype(np.float64) / self.temperature
         p = np.exp(z - z.max())
-        p /= p.sum()
-        order = np.argsort(-p, kind="stable")
+        if self.top_p >= 1.0:
+            cumulative = np.cumsum(p)
+            return int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], "right"))
+        order = np.argsort(-p, kind="stable")  # the nucleus: most likely first, up to top_p
         cumulative = np.cumsum(p[order])
-        keep = order[: int(np.searchsorted(cumulative, self.top_p * cumulative[-1])) + 1]
-        kept = np.cumsum(p[keep])
-        return int(
-            keep[min(int(np.searchsorted(kept, self.rng.random() * kept[-1])), len(keep) - 1)]
-        )
+        cut = int(np.searchsorted(cumulative, self.top_p * cumulative[-1])) + 1
+        draw = self.rng.random() * cumulative[cut - 1]
+        return int(order[min(int(np.searchsorted(cumulative[:cut], draw, "right")), cut - 1)])
 
     def release(self) -> None:
         self.state = self.logits = None
