@@ -49,5 +49,8 @@ def test_each_token_of_plain_text_sends_its_own_text(detokenize: Any, tokenizer:
 
 
 def test_special_tokens_send_nothing(detokenize: Any, tokenizer: Tokenizer) -> None:
-    ids = [*tokenizer.encode("Hi").ids, tokenizer.token_to_id("<|end|>")]
-    assert stream(detokenize, ids)[-1] is None
+    end = tokenizer.token_to_id("<|end|>")
+    assert end is not None
+    sent = stream(detokenize, [*tokenizer.encode("Hi").ids, end])
+    assert "".join(s for s in sent if s) == "Hi"
+    assert sent[-1] is None
