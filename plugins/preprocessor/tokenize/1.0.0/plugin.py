@@ -87,7 +87,13 @@ class Tokenize:
 
     def _rows(self, items: list, ctx) -> list[list[int]]:
         texts = [item for item in items if isinstance(item, str)]
-        encoded = iter(self.tokenizer.encode_batch(texts)) if texts else iter(())
+        # One text (the usual request) skips encode_batch's thread pool hand-off.
+        batch = (
+            [self.tokenizer.encode(texts[0])]
+            if len(texts) == 1
+            else self.tokenizer.encode_batch(texts)
+        )
+        encoded = iter(batch)
         cut = self.max_length
         return [
             next(encoded).ids if isinstance(item, str) else [int(v) for v in item[:cut]]
