@@ -26,8 +26,8 @@ def context(route: str = "test", parameters: dict[str, Any] | None = None) -> Re
 
 def create_component(kind: str, name: str) -> Any:
     """A plugin's component made by its own ``plugserve_create_component`` with a real
-    :class:`PluginInfo`: for the chat runner, which has ``start``/``step`` and no
-    ``infer`` (a loader that predates streaming runners refuses it)."""
+    :class:`PluginInfo`, outside any loader: the chat runner's ``start``/``step`` called
+    directly, step by step (tests/server/openai_api/test_bundled.py serves it)."""
     where = folder(kind, name)
     manifest = load_manifest(where)
     runner = manifest.runner

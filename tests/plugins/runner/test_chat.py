@@ -29,6 +29,7 @@ def request(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    ignore_eos: bool = False,
 ) -> dict[str, np.ndarray]:
     ids = tokenizer.encode(f"<|user|>\n{question}<|end|>\n<|assistant|>\n").ids
     return {
@@ -37,6 +38,7 @@ def request(
         "temperature": np.array([temperature], dtype=np.float32),
         "top_p": np.array([top_p], dtype=np.float32),
         "seed": np.array([seed], dtype=np.int64),
+        "ignore_eos": np.array([ignore_eos], dtype=np.bool_),
     }
 
 
@@ -178,3 +180,15 @@ async def test_the_route_streams_text_through_its_three_plugins(bundled: Any, ch
     chat.stop(state)
     assert "".join(pieces) == "Hello! How can I help you today?"
     assert len(pieces) > 3  # streamed, a piece per token
+
+
+def test_ignore_eos_generates_max_tokens_whatever_the_model_says(
+    chat: Any, tokenizer: Tokenizer
+) -> None:
+    """vLLM's ignore_eos (what the generation benchmark asks for): a stream that would end at
+    <|end|> after a few tokens goes on to max_tokens, and never sends the end token."""
+    ended = alone(chat, request(tokenizer, "Hello!", max_tokens=40))
+    assert len(ended) < 40
+    tokens = alone(chat, request(tokenizer, "Hello!", max_tokens=40, ignore_eos=True))
+    assert len(tokens) == 40 and chat.eos not in tokens
+    assert tokens[: len(ended)] == ended  # greedy: the same text, then more

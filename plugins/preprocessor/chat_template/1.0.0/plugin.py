@@ -10,7 +10,8 @@ never the tag.
 
 Settings come from ``ctx.parameters`` or the request's top-level keys (Triton's
 generate puts them there): ``max_tokens`` (or ``max_completion_tokens``),
-``temperature`` (0 to 2; 0 is greedy), ``top_p`` (0 < p <= 1) and ``seed``;
+``temperature`` (0 to 2; 0 is greedy), ``top_p`` (0 < p <= 1), ``seed`` and
+vLLM's ``ignore_eos``;
 they reach the runner as one-element tensors.
 """
 
@@ -59,7 +60,7 @@ class ChatTemplate:
         settings = {**{k: v for k, v in data.items() if k in SETTINGS}, **ctx.parameters}
         max_tokens = self._max_tokens(settings, ctx)
         ctx.usage["prompt_tokens"] = len(ids)
-        ctx.state["max_tokens"] = max_tokens
+        ctx.usage["max_tokens"] = ctx.state["max_tokens"] = max_tokens
         return {
             "input_ids": np.array([ids], dtype=np.int64),
             "max_tokens": np.array([max_tokens], dtype=np.int32),
@@ -68,6 +69,7 @@ class ChatTemplate:
             ),
             "top_p": np.array([_top_p(settings, ctx)], dtype=np.float32),
             "seed": np.array([_seed(settings, ctx)], dtype=np.int64),
+            "ignore_eos": np.array([_flag(settings, "ignore_eos", ctx)], dtype=np.bool_),
         }
 
     def _prompt(self, data, ctx) -> list[int]:
@@ -109,7 +111,14 @@ class ChatTemplate:
         return int(value)
 
 
-SETTINGS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed"}
+SETTINGS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "ignore_eos"}
+
+
+def _flag(settings, key: str, ctx) -> bool:
+    value = _value(settings.get(key, False))
+    if not isinstance(value, bool):
+        raise ctx.InvalidInput(f"{key} must be true or false; got {value!r}")
+    return value
 
 
 def _value(value):

@@ -8,7 +8,8 @@ token for each stream in progress and advances all that go on with ONE
 ``session.run`` (T = 1, B = streams). Sampling is per stream, with the stream's
 own generator seeded from its request: greedy at temperature 0, else
 temperature and top-p (nucleus) sampling. A stream ends (``None``) when it
-samples ``<|end|>`` (not sent) or has sent ``max_tokens`` tokens.
+samples ``<|end|>`` (not sent; never, with ``ignore_eos``) or has sent ``max_tokens``
+tokens.
 """
 
 import numpy as np
@@ -18,13 +19,19 @@ from tokenizers import Tokenizer
 
 hookimpl = pluggy.HookimplMarker("plugserve")
 
-SCALARS = {"max_tokens": np.int32, "temperature": np.float32, "top_p": np.float32, "seed": np.int64}
+SCALARS = {
+    "max_tokens": np.int32,
+    "temperature": np.float32,
+    "top_p": np.float32,
+    "seed": np.int64,
+    "ignore_eos": np.bool_,
+}
 
 
 class Stream:
     """One request's generation: its recurrent state, the logits of its next token, its settings."""
 
-    __slots__ = ("left", "logits", "rng", "state", "temperature", "top_p")
+    __slots__ = ("ignore_eos", "left", "logits", "rng", "state", "temperature", "top_p")
 
     def __init__(self, state, logits, settings):
         self.state = state  # [H]
@@ -33,6 +40,7 @@ class Stream:
         self.temperature = float(settings["temperature"])
         self.top_p = float(settings["top_p"])
         self.rng = np.random.default_rng(int(settings["seed"]) & 0xFFFF_FFFF_FFFF_FFFF)
+        self.ignore_eos = bool(settings["ignore_eos"])
 
     def sample(self) -> int:
         """The next token from the pending logits."""
@@ -97,6 +105,8 @@ class Chat:
             if stream.logits is None or stream.left <= 0:
                 stream.logits = None
                 continue
+            if stream.ignore_eos:  # vLLM's ignore_eos: never end before max_tokens
+                stream.logits[self.eos] = -np.inf
             token = stream.sample()
             if token == self.eos:
                 stream.logits = None
@@ -124,6 +134,7 @@ class Chat:
                 {"name": "temperature", "datatype": "FP32", "shape": [1]},
                 {"name": "top_p", "datatype": "FP32", "shape": [1]},
                 {"name": "seed", "datatype": "INT64", "shape": [1]},
+                {"name": "ignore_eos", "datatype": "BOOL", "shape": [1]},
             ],
             "outputs": [{"name": "token_id", "datatype": "INT64", "shape": [1]}],
         }
