@@ -15,6 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tests.fixtures.triton_models.build import build
 from tests.helpers import ServerProcess, write_add_runner, write_streaming_runner
 
 pytestmark = pytest.mark.slow
@@ -207,3 +208,52 @@ def test_unary_infer_on_a_streaming_route_and_its_config(
     client.close()
     status, _, body = streaming_server.request("GET", "/v2/models/async/config")
     assert status == 200 and json.loads(body)["model_transaction_policy"] == {"decoupled": True}
+
+
+def test_tritons_repeat_model(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """The fixture ``repeat_int32`` as Triton's repeat backend answers its example."""
+    plugins, _ = build(tmp_path / "triton", runners=["repeat_int32"])
+    served = server("--plugins-dir", str(plugins), "--models-dir", str(models_dir))
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+
+    def repeat(request_id: str, values: list[int], delays: list[int], wait: int = 0) -> None:
+        tensors = [
+            ("IN", np.array(values, np.int32), "INT32"),
+            ("DELAY", np.array(delays, np.uint32), "UINT32"),
+            ("WAIT", np.array([wait], np.uint32), "UINT32"),
+        ]
+        inputs = []
+        for name, array, datatype in tensors:
+            inputs.append(grpcclient.InferInput(name, list(array.shape), datatype))
+            inputs[-1].set_data_from_numpy(array)
+        client.async_stream_infer(
+            "repeat_int32", inputs, request_id=request_id, enable_empty_final_response=True
+        )
+
+    try:
+        repeat("a", [10, 11, 12], [100, 100, 100])
+        repeat("b", [20, 21, 22], [100, 100, 100])  # WAIT 0: both run at once
+        repeat("none", [], [])
+        repeat("odd", [1, 2], [1])
+        got = [answers.get(timeout=15) for _ in range(3 + 1 + 3 + 1 + 1 + 1)]
+    finally:
+        client.stop_stream()
+        client.close()
+    errors = [e.message() for r, e in got if e is not None]
+    assert errors == [
+        "runner/repeat_int32@1.0.0: expected IN and DELAY shape to match, got [2] and [1]"
+    ]
+    by_id = _by_id([(r, e) for r, e in got if e is None])
+    assert [r.get_response().outputs for r in by_id["none"]] == [[]]  # only the final one
+    for request_id, first in (("a", 10), ("b", 20)):
+        *responses, final = by_id[request_id]
+        assert [(r.as_numpy("OUT").tolist(), r.as_numpy("IDX").tolist()) for r in responses] == [
+            ([first + k], [k]) for k in range(3)
+        ]
+        assert responses[0].as_numpy("IDX").dtype == np.uint32 and _final(final)
+    order = [r.get_response().id for r, e in got if e is None and r.get_response().outputs]
+    assert order[:2] in (["a", "b"], ["b", "a"])  # intermixed: neither waited for the other
