@@ -260,7 +260,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         async def send(answer: pb.ModelStreamInferResponse) -> None:
             async with writing:
-                await context.write(answer)
+                await _write_whole(context, answer)
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
@@ -472,6 +472,20 @@ def _deadline(call: Call, parameters: dict[str, Any]) -> float | None:
         remaining = max(remaining, 1e-6)
         budget = remaining if budget is None else min(budget, remaining)
     return budget
+
+
+async def _write_whole(context: Any, answer: pb.ModelStreamInferResponse) -> None:
+    """``context.write(answer)``, finished even when its request stops meanwhile (its
+    deadline passed while a slow client held the write): a write cut short leaves gRPC's
+    send in flight, and the stream's next write fails (``TOO_MANY_OPERATIONS``)."""
+    write = asyncio.ensure_future(context.write(answer))
+    try:
+        await asyncio.shield(write)
+    except asyncio.CancelledError:
+        await asyncio.wait([write])
+        if not write.cancelled():
+            write.exception()  # retrieved: the request is over either way
+        raise
 
 
 EMPTY_FINAL = "triton_enable_empty_final_response"

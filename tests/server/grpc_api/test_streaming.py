@@ -13,10 +13,16 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.fixtures.triton_models.build import build
-from tests.helpers import ServerProcess, write_add_runner, write_streaming_runner
+from tests.helpers import (
+    ServerProcess,
+    write_add_runner,
+    write_plugin,
+    write_streaming_runner,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -257,3 +263,58 @@ def test_tritons_repeat_model(
         assert responses[0].as_numpy("IDX").dtype == np.uint32 and _final(final)
     order = [r.get_response().id for r, e in got if e is None and r.get_response().outputs]
     assert order[:2] in (["a", "b"], ["b", "a"])  # intermixed: neither waited for the other
+
+
+BLOBS = """
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Blobs:  # responses of 4 MiB: a client that does not read soon holds a write
+        def infer(self, inputs):
+            for _ in range(int(inputs["n"][0])):
+                yield {"blob": np.zeros(4 << 20, np.uint8)}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Blobs()
+"""
+
+
+def test_a_deadline_during_a_held_write_leaves_the_stream_writable(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_plugin(plugins_dir, "runner", "blobs", "1.0.0", "", {"plugin.py": BLOBS})
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    served = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+
+    def request(route: str, request_id: str, **inputs: np.ndarray) -> Any:
+        message = service_pb2.ModelInferRequest(model_name=route, id=request_id)
+        for name, array in inputs.items():
+            datatype = "INT64" if array.dtype == np.int64 else "FP32"
+            message.inputs.add(name=name, datatype=datatype, shape=array.shape)
+            message.raw_input_contents.append(array.tobytes())
+        if route == "blobs":
+            message.parameters["timeout"].int64_param = 300_000  # µs
+        return message
+
+    def requests() -> Iterator[Any]:
+        yield request("blobs", "big", n=np.array([50], np.int64))
+        time.sleep(1.0)  # past big's deadline, its write still held: nothing read yet
+        yield request("add", "small", x=np.ones((1, 4), np.float32))
+
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    with grpc.insecure_channel(served.grpc_url, options=options) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        answers = stub.ModelStreamInfer(requests(), timeout=20)
+        time.sleep(1.5)
+        got = []
+        for answer in answers:
+            got.append((answer.infer_response.id, answer.error_message))
+            if {"small", "big:error"} <= {f"{i}:error" if e else i for i, e in got}:
+                break
+        answers.cancel()
+    assert ("small", "") in got
+    assert any(i == "big" and "deadline of 0.3 s passed" in e for i, e in got)
+    assert got.count(("big", "")) < 5
