@@ -211,6 +211,8 @@ def test_unary_infer_on_a_streaming_route_and_its_config(
     config = client.get_model_config("steps", as_json=True)["config"]
     assert config["model_transaction_policy"] == {"decoupled": True}
     assert "model_transaction_policy" not in client.get_model_config("add", as_json=True)["config"]
+    client.load_model("steps", config=json.dumps(config))  # what it answered loads back
+    assert client.get_model_config("steps", as_json=True)["config"] == config
     client.close()
     status, _, body = streaming_server.request("GET", "/v2/models/async/config")
     assert status == 200 and json.loads(body)["model_transaction_policy"] == {"decoupled": True}
