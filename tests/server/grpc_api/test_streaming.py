@@ -91,7 +91,8 @@ def _by_id(answers: list[tuple[Any, Any]]) -> dict[str, list[Any]]:
 def test_each_kind_streams_its_responses_in_order(stream: Stream) -> None:
     for kind in KINDS:
         stream.send(kind, 3, f"{kind}-final", enable_empty_final_response=True)
-        stream.send(kind, 2, f"{kind}-plain")
+        only_i = [grpcclient.InferRequestedOutput("i")]
+        stream.send(kind, 2, f"{kind}-plain", outputs=only_i)
     got = _by_id(stream.take(len(KINDS) * (3 + 1 + 2)))
     for kind in KINDS:
         *responses, empty = got[f"{kind}-final"]
@@ -107,6 +108,7 @@ def test_each_kind_streams_its_responses_in_order(stream: Stream) -> None:
         assert _final(empty)
         plain = got[f"{kind}-plain"]  # no empty final response asked for: none sent
         assert [r.as_numpy("i").tolist() for r in plain] == [[1], [2]]
+        assert all(r.as_numpy("text_output") is None for r in plain)  # the outputs asked for
         assert not any(_final(r) for r in plain)
     assert stream.answers.empty()
 
