@@ -13,6 +13,7 @@ plane's, under the admin rules.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -43,7 +44,7 @@ from server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
 from server.grpc_api.generated import health_pb2, health_pb2_grpc
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.middleware import REQUEST_ID_HEADER, client_request_id, new_request_id
-from server.serving import admit, deadline_seconds, measured, request_context, serve
+from server.serving import admit, deadline_seconds, measured, request_context, serve, streamed
 from server.state import BODIES, REGISTRY, REPOSITORY, RESPONSE_CACHE, SETTINGS, WORKER
 from server.triton import classification, config
 from server.triton.repository import relayed
@@ -56,6 +57,12 @@ log = structlog.get_logger("plugserve.grpc")
 STREAM_IN_FLIGHT = 64
 """Requests of one ``ModelStreamInfer`` stream running at once; the stream's next request is
 not read until one finishes (backpressure to the client through gRPC's flow control)."""
+
+DECOUPLED_UNARY = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+"""Triton's words for a unary call to a decoupled model (a streaming route here)."""
+
+Send = Callable[[pb.ModelStreamInferResponse], Awaitable[None]]
+"""Writes one answer on a ``ModelStreamInfer`` stream."""
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
@@ -164,13 +171,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         return await self._answer(context, "ModelInfer", work)
 
-    async def _infer(self, call: Call, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _infer(
+        self, call: Call, request: pb.ModelInferRequest, send: Send | None = None
+    ) -> pb.ModelInferResponse | None:
+        """The request's one answer; a streaming route's answers go to ``send`` (a
+        ``ModelStreamInfer`` call) and this returns ``None``."""
         route = request.model_name
-        return await measured(call, route, "grpc", self._run(call, request, route))
+        return await measured(call, route, "grpc", self._run(call, request, route, send))
 
     async def _run(
-        self, call: Call, request: pb.ModelInferRequest, route: str
-    ) -> pb.ModelInferResponse:
+        self, call: Call, request: pb.ModelInferRequest, route: str, send: Send | None
+    ) -> pb.ModelInferResponse | None:
         version = request.model_version or None
         admit(call, route, version)
         decoded = tensors.decode(request, self.app[SETTINGS].limits)
@@ -181,9 +192,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         classes = decoded.classifications() if decoded.outputs else None
 
-        async def run(chain: Chain) -> pb.ModelInferResponse:
-            ctx.versions = dict(chain.versions)
-            result = await run_chain(cache, chain, decoded.inputs, ctx)
+        async def answer(chain: Chain, result: Any) -> pb.ModelInferResponse:
             outputs = v2.named_outputs(chain, result)
             if classes:
                 outputs = classification.classify_outputs(chain, outputs, classes)
@@ -191,6 +200,26 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 await self._off_loop(shared.output_bytes(outputs), shared.write_outputs, outputs)
             return tensors.encode(decoded, route, chain.runner_version, outputs)
 
+        async def run(chain: Chain) -> pb.ModelInferResponse | None:
+            ctx.versions = dict(chain.versions)
+            if not chain.streaming:
+                return await answer(chain, await run_chain(cache, chain, decoded.inputs, ctx))
+            if send is None:
+                raise InvalidInput(
+                    f"{DECOUPLED_UNARY}: route {route!r} streams its responses, "
+                    "call ModelStreamInfer"
+                )
+            async with contextlib.aclosing(streamed(call, chain, decoded.inputs, ctx)) as results:
+                async for result in results:
+                    await send(_final(await answer(chain, result), False))
+            if decoded.parameters.get(EMPTY_FINAL) is True:
+                empty = pb.ModelInferResponse(model_name=route, model_version=chain.runner_version)
+                empty.id = request.id
+                await send(_final(empty, True))
+            return None
+
+        # A stream's deadline bounds the whole stream: past it, it closes (its runner
+        # stops before the next step) and the request answers DEADLINE_EXCEEDED.
         return await serve(call, route, version, run, deadline)
 
     async def _attach(self, call: Call, decoded: InferRequest) -> Attachment:
@@ -216,8 +245,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> None:
         """Each request of the stream runs as it arrives (up to ``STREAM_IN_FLIGHT`` at
-        once) and its response is written when it is done, in the order they finish; a
-        failed request answers ``error_message`` and the stream goes on, as Triton's does."""
+        once) and its answers are written as they come, requests interleaved: one for a
+        route that answers once, one per response, in order, for a streaming route (Triton's
+        decoupled models). A failed request answers ``error_message`` and the stream goes
+        on, as Triton's does; a client that cancels the call closes every stream it had open.
+        """
         try:
             self._call(context)
         except PlugserveError as exc:
@@ -226,26 +258,23 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         writing = asyncio.Lock()
         running: set[asyncio.Task[None]] = set()
 
+        async def send(answer: pb.ModelStreamInferResponse) -> None:
+            async with writing:
+                await _write_whole(context, answer)
+
         async def one(request: pb.ModelInferRequest) -> None:
             try:
                 try:
                     call = self._call(context)
-                    answer = pb.ModelStreamInferResponse(
-                        infer_response=await self._infer(call, request)
-                    )
+                    response = await self._infer(call, request, send)
+                    if response is not None:
+                        await send(_final(response, True))
                 except PlugserveError as exc:
                     _log_refusal(exc, "ModelStreamInfer")
-                    answer = pb.ModelStreamInferResponse(
-                        error_message=error_details(exc),
-                        infer_response=pb.ModelInferResponse(
-                            model_name=request.model_name, id=request.id
-                        ),
-                    )
+                    await send(_failed(request, error_details(exc)))
                 except Exception:
                     log.exception("internal_error", rpc="ModelStreamInfer")
-                    answer = pb.ModelStreamInferResponse(error_message="internal server error")
-                async with writing:
-                    await context.write(answer)
+                    await send(_failed(request, "internal server error"))
             finally:
                 slots.release()
 
@@ -258,7 +287,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
         finally:
-            for task in running:  # the client went away: nobody reads the answers
+            for task in running:  # the client went away: its streams close
                 task.cancel()
 
     # -- statistics and configuration -------------------------------------------------
@@ -443,6 +472,41 @@ def _deadline(call: Call, parameters: dict[str, Any]) -> float | None:
         remaining = max(remaining, 1e-6)
         budget = remaining if budget is None else min(budget, remaining)
     return budget
+
+
+async def _write_whole(context: Any, answer: pb.ModelStreamInferResponse) -> None:
+    """``context.write(answer)``, finished even when its request stops meanwhile (its
+    deadline passed while a slow client held the write): a write cut short leaves gRPC's
+    send in flight, and the stream's next write fails (``TOO_MANY_OPERATIONS``)."""
+    write = asyncio.ensure_future(context.write(answer))
+    try:
+        await asyncio.shield(write)
+    except asyncio.CancelledError:
+        await asyncio.wait([write])
+        if not write.cancelled():
+            write.exception()  # retrieved: the request is over either way
+        raise
+
+
+EMPTY_FINAL = "triton_enable_empty_final_response"
+"""A request's parameter (``true``): after its last response, an empty one marked final."""
+FINAL = "triton_final_response"
+"""The parameter of each answer on the stream: whether it is its request's last."""
+
+
+def _final(response: pb.ModelInferResponse, final: bool) -> pb.ModelStreamInferResponse:
+    """An answer on the stream, with ``triton_final_response`` as Triton sets it."""
+    response.parameters[FINAL].bool_param = final
+    return pb.ModelStreamInferResponse(infer_response=response)
+
+
+def _failed(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+    """A request's error on the stream: its last answer, naming the request."""
+    response = pb.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id
+    )
+    response.parameters[FINAL].bool_param = True
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=response)
 
 
 def _log_refusal(exc: PlugserveError, method: str) -> None:

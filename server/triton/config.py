@@ -37,7 +37,8 @@ def model_config(chain: Chain) -> dict[str, Any]:
 
     Inputs are the first stage's, outputs the last stage's (as in the model
     metadata); without batching (``max_batch_size`` 0) ``dims`` is the whole
-    shape, with it the shape after the batch dimension.
+    shape, with it the shape after the batch dimension. A streaming route is
+    ``model_transaction_policy: {decoupled: true}``, as Triton shows a decoupled model.
     """
     runner = chain.runner.manifest.runner or RunnerSection()
     specs = chain.metadata()
@@ -53,6 +54,8 @@ def model_config(chain: Chain) -> dict[str, Any]:
     }
     if batching:
         config["dynamic_batching"] = _dynamic_batching(runner)
+    if chain.streaming:  # Triton's decoupled model: several responses to one request
+        config["model_transaction_policy"] = {"decoupled": True}
     return config
 
 

@@ -47,7 +47,9 @@ STATES = {
     "unloaded": "UNAVAILABLE",
 }
 """Triton's model states, by a runner version's state."""
-DERIVED = frozenset({"platform", "backend", "version_policy", "output", "runtime"})
+DERIVED = frozenset(
+    {"platform", "backend", "version_policy", "output", "runtime", "model_transaction_policy"}
+)
 """Configuration fields plugserve derives from the runner itself: a load ignores them."""
 
 
@@ -233,8 +235,8 @@ def runner_overrides(route: str, config: str) -> dict[str, Any]:
     ``max_batch_size``, ``dynamic_batching`` (``max_queue_delay_microseconds``,
     ``preferred_batch_size``, ``priority_levels``, ``default_priority_level``),
     ``instance_group`` (the counts, summed) and the inputs' ``format``. What the
-    runner itself decides (platform, backend, outputs, version policy) is ignored;
-    any other field is refused.
+    runner itself decides (platform, backend, outputs, version and transaction policy)
+    is ignored; any other field is refused.
     """
     try:
         doc = validation.parse_json(config.encode("utf-8", "surrogatepass"))

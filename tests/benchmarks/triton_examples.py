@@ -117,6 +117,7 @@ EXAMPLES = (
     Example("simple_grpc_shm_string_client.py", "gRPC"),
     Example("reuse_infer_objects_client.py", "gRPC", "-i grpc"),
     Example("simple_grpc_model_control.py", "gRPC", repository=EIGHT),
+    Example("simple_grpc_custom_repeat.py", "gRPC"),  # decoupled: ten responses to one request
     Example("grpc_client.py", "gRPC"),
     Example(
         "image_client.py",
@@ -144,8 +145,6 @@ EXCLUDED = {
     "(get_server_metadata()['name'])",
     "simple_grpc_health_metadata.py": "fails unless the server's name is 'triton' "
     "(ServerMetadata.name)",
-    "simple_grpc_custom_repeat.py": "decoupled model repeat_int32 (many responses to one "
-    "request on the gRPC stream): the later decoupled-models issue",
     "memory_growth_test.py": "no URL option (localhost:8000 and 8001 written in) and no PASS "
     "line: a QA memory test; runs with --http-port 8000 --grpc-port 8001",
 }
