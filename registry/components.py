@@ -119,6 +119,8 @@ class LoadedPlugin:
             self.remote = self.component
             self.stats = RunnerStats()  # the requests this process sent; executions are theirs
         elif runner is not None and kind is not None:
+            validate = getattr(self.component, "validate", None)
+            self._validate = validate if callable(validate) else None
             self.breaker = CircuitBreaker(
                 self.label, runner.breaker_failures, runner.breaker_reset_s
             )
@@ -274,7 +276,8 @@ class LoadedPlugin:
         """
         if self.streams is not None:
             raise InvalidInput(
-                f"route {ctx.route!r} streams its responses: call .../generate_stream, "
+                "HTTP end point doesn't support models with decoupled transaction policy: "
+                f"route {ctx.route!r} streams its responses; call .../generate_stream, "
                 ".../generate or gRPC ModelStreamInfer (or /v1 for an OpenAI route)"
             )
         remote = self.remote

@@ -114,10 +114,15 @@ STREAMING_RUNNERS = """
                 yield {"i": np.array([i], np.int64), "text_output": np.array([f"t{i} "], object)}
 
     class Steps:
-        def __init__(self, config):
+        def __init__(self, config, invalid=ValueError):
             self.step_s = config.get("step_s", 0.0)
             self.log = config.get("log")
             self.stopped = 0
+            self.InvalidInput = invalid
+
+        def validate(self, inputs):
+            if int(inputs["n"][0]) > 100_000:
+                raise self.InvalidInput("n is at most 100000")
 
         def metadata(self):
             return {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1]}]}
@@ -149,7 +154,10 @@ STREAMING_RUNNERS = """
 
     @hookimpl
     def plugserve_create_component(plugin, config):
-        return KINDS[config.get("kind", "steps")](config)
+        kind = config.get("kind", "steps")
+        if kind == "steps":
+            return Steps(config, plugin.InvalidInput)
+        return KINDS[kind](config)
 """
 
 

@@ -78,6 +78,9 @@ def test_streaming_routes_refuse_single_answer_calls_and_bad_requests(
     assert status == 500 and "negative" in json.loads(body)["error"], body
     status, _, body = streams.request("POST", "/v2/models/steps/generate_stream", {"n": ["x"]})
     assert status == 400, body
+    # The runner's validate() runs before its stream starts.
+    status, _, body = streams.request("POST", "/v2/models/steps/generate_stream", {"n": [10**6]})
+    assert status == 400 and "at most 100000" in json.loads(body)["error"], body
 
 
 def test_a_stream_that_fails_or_times_out_ends_with_an_error_event(streams: ServerProcess) -> None:
