@@ -265,6 +265,8 @@ def test_a_slow_multi_file_copy_is_never_loaded_half_written(
     write_tagger(plugins_dir, "1.0.0", "one")
     # A wide debounce, so that a stall of the test machine cannot pass for a finished copy.
     srv = serve("--config", str(write_config(plugins_dir.parent, reload_debounce_ms=1000)))
+    # Every worker past its first scan: a worker still starting would load the copy as it is.
+    until(lambda: workers == 1 or srv.log().count("worker_registered") >= workers)
     folder = plugins_dir / "runner" / "tagger" / "1.5.0"
     folder.mkdir()
     # Each piece arrives well inside the 1 s debounce; the whole copy takes ~1 s.
