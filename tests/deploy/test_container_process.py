@@ -67,6 +67,9 @@ def test_image_command_as_pid_1_drains_on_sigterm(tmp_path: Path) -> None:
     unshare = shutil.which("unshare")
     if unshare is None or os.geteuid() != 0:
         pytest.skip("needs unshare (util-linux) and root for a PID namespace")
+    probe = subprocess.run([unshare, "--pid", "--fork", "true"], capture_output=True, timeout=10)
+    if probe.returncode != 0:
+        pytest.skip(f"no PID namespace can be made here: {probe.stderr.decode().strip()}")
     port = free_port()
     log_path = tmp_path / "server.log"
     with log_path.open("wb") as log:

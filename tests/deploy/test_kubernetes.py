@@ -306,6 +306,17 @@ def test_fleet_registry_points_at_the_etcd_service(tmp_path: Path) -> None:
     assert statefulset["spec"]["serviceName"] == etcd["metadata"]["name"]
     labels = statefulset["spec"]["template"]["metadata"]["labels"]
     assert etcd["spec"]["selector"].items() <= labels.items()
+    # The one member's name and URLs are its pod's stable DNS name: <set>-0.<service>.
+    member = f"{statefulset['metadata']['name']}-0"
+    flags = dict(
+        arg.removeprefix("--").split("=", 1)
+        for arg in statefulset["spec"]["template"]["spec"]["containers"][0]["command"][1:]
+    )
+    dns = f"{member}.{etcd['metadata']['name']}"
+    assert flags["name"] == member
+    assert flags["advertise-client-urls"] == f"http://{dns}:{client_port}"
+    assert flags["initial-cluster"] == f"{member}={flags['initial-advertise-peer-urls']}"
+    assert flags["initial-advertise-peer-urls"].startswith(f"http://{dns}:")
 
 
 def test_disruption_budget_and_autoscaler_fit_the_deployment() -> None:
