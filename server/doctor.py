@@ -44,6 +44,11 @@ PROVIDER_FILES = {
     "TensorrtExecutionProvider": "libonnxruntime_providers_tensorrt.so",
 }
 
+WHEELS_FIX = (
+    "found in the NVIDIA wheels only, which ONNX Runtime searches once "
+    "onnxruntime.preload_dlls() has run: export LD_LIBRARY_PATH={folders}"
+)
+
 
 @dataclasses.dataclass
 class Check:
@@ -152,12 +157,15 @@ def gpu_checks(capi: Path, cuda_version: str, package: str) -> list[Check]:
     for group, sonames in groups.items():
         found = {soname: find_library(soname) for soname in sonames}
         missing = [s for s, where in found.items() if where is None]
+        wheels = sorted({where for where in found.values() if where not in (None, "system")})
         detail = ", ".join(f"{s} ({where or 'missing'})" for s, where in found.items())
         fix = install_command(group, missing, major, package) if missing else None
+        if wheels and not missing:
+            fix = WHEELS_FIX.format(folders=":".join(wheels))
         checks.append(
             Check(
                 group,
-                "warning" if missing else "ok",
+                "warning" if missing or wheels else "ok",
                 detail or "nothing needed",
                 fix,
                 data={"libraries": found, "missing": missing},
