@@ -56,6 +56,7 @@ class Loader:
         plugins_dir: Path | None = None,
         load_timeout: float = 120.0,
         close_timeout: float = 10.0,
+        check_layout: bool = True,
     ) -> None:
         self.host = host
         self.models_dir = models_dir
@@ -63,6 +64,9 @@ class Loader:
         self.plugins_dir = plugins_dir
         self.load_timeout = load_timeout
         self.close_timeout = close_timeout
+        self.check_layout = check_layout
+        """Whether a version folder must be ``<type>/<name>/<version>`` (the server's
+        rule); ``plugserve validate`` turns it off for a package staged anywhere."""
         self.runners: Runners | None = None
         """Where ``isolation = "process"`` runners run: a worker's supervisor, or a
         :class:`RunnerHost` of this process made at the first such load."""
@@ -91,7 +95,7 @@ class Loader:
         the file).
         """
         await asyncio.to_thread(self.roots(folder).check_tree, folder)
-        manifest = load_manifest(folder, overrides)
+        manifest = load_manifest(folder, overrides, self.check_layout)
         await asyncio.to_thread(verify_checksums, folder, self.fingerprinter, manifest.label)
         if manifest.runner is not None and manifest.runner.isolated:
             if overrides:

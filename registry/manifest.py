@@ -146,13 +146,16 @@ class Manifest:
         return self.route.name or self.name
 
 
-def load_manifest(folder: Path, runner_overrides: Mapping[str, Any] | None = None) -> Manifest:
+def load_manifest(
+    folder: Path, runner_overrides: Mapping[str, Any] | None = None, check_layout: bool = True
+) -> Manifest:
     """Read and validate ``folder/plugin.toml``.
 
     ``folder`` must be ``<plugins_dir>/<type>/<name>/<version>``: the manifest's
-    type, name and version must equal those folder names. ``runner_overrides``
-    replace ``[runner]`` keys before validation (a model repository load's
-    ``config``), checked as if the file held them.
+    type, name and version must equal those folder names (unless not
+    ``check_layout``: a package staged anywhere, as ``plugserve validate``
+    checks it). ``runner_overrides`` replace ``[runner]`` keys before validation
+    (a model repository load's ``config``), checked as if the file held them.
     """
     path = folder / MANIFEST_NAME
     try:
@@ -163,15 +166,15 @@ def load_manifest(folder: Path, runner_overrides: Mapping[str, Any] | None = Non
         raise ManifestError(path, exc.reason) from None
     if runner_overrides and isinstance(raw.get("runner", {}), dict):
         raw = {**raw, "runner": {**raw.get("runner", {}), **runner_overrides}}
-    return parse_manifest(raw, folder)
+    return parse_manifest(raw, folder, check_layout)
 
 
-def parse_manifest(raw: Mapping[str, Any], folder: Path) -> Manifest:
+def parse_manifest(raw: Mapping[str, Any], folder: Path, check_layout: bool = True) -> Manifest:
     """Validate a parsed manifest ``raw`` from ``folder``; raises :class:`ManifestError` only."""
     path = folder / MANIFEST_NAME
     try:
         validation.shallow(raw)
-        return _parse(raw, folder, _Fields(path))
+        return _parse(raw, folder, _Fields(path), check_layout)
     except ManifestError:
         raise
     except validation.ValueProblem as exc:
@@ -193,7 +196,7 @@ def check_runner_keys(manifest: Manifest, backend: str, declared: Iterable[str])
         ) from None
 
 
-def _parse(raw: Mapping[str, Any], folder: Path, p: _Fields) -> Manifest:
+def _parse(raw: Mapping[str, Any], folder: Path, p: _Fields, check_layout: bool) -> Manifest:
     path = p.path
     p.no_unknown_keys(raw, "", _TABLES)
     plugin = p.table(raw, "plugin", required=True)
@@ -211,15 +214,8 @@ def _parse(raw: Mapping[str, Any], folder: Path, p: _Fields) -> Manifest:
     except ValueError as exc:
         raise ManifestError(path, str(exc), "plugin.version") from None
 
-    folders = {"plugin.version": folder.name, "plugin.name": folder.parent.name}
-    folders["plugin.type"] = folder.parent.parent.name
-    for key, value in (("plugin.type", kind), ("plugin.name", name)):
-        if value != folders[key]:
-            raise ManifestError(path, f"{value!r} differs from folder {folders[key]!r}", key)
-    if version_text != folder.name:
-        raise ManifestError(
-            path, f"{version_text!r} differs from folder {folder.name!r}", "plugin.version"
-        )
+    if check_layout:
+        _check_layout(path, folder, kind, name, version_text)
 
     module = p.string(plugin, "plugin.module")
     if module is not None:
@@ -246,6 +242,19 @@ def _parse(raw: Mapping[str, Any], folder: Path, p: _Fields) -> Manifest:
         runner=runner,
         route=_route_section(p, raw) if kind == "runner" else RouteSection(),
     )
+
+
+def _check_layout(path: Path, folder: Path, kind: str, name: str, version: str) -> None:
+    """``folder`` is ``<type>/<name>/<version>`` as the manifest says."""
+    folders = {"plugin.version": folder.name, "plugin.name": folder.parent.name}
+    folders["plugin.type"] = folder.parent.parent.name
+    for key, value in (("plugin.type", kind), ("plugin.name", name)):
+        if value != folders[key]:
+            raise ManifestError(path, f"{value!r} differs from folder {folders[key]!r}", key)
+    if version != folder.name:
+        raise ManifestError(
+            path, f"{version!r} differs from folder {folder.name!r}", "plugin.version"
+        )
 
 
 def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerSection:

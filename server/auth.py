@@ -109,8 +109,10 @@ def check_admin_call(
         if not is_loopback(remote):
             raise Forbidden("admin calls need a configured token when not from loopback")
         return
-    if not _accepts(token, (_digest(_as_bytes(admin_token)),)):
+    if token is None:
         raise Unauthorized("admin calls need 'Authorization: Bearer <admin token>'")
+    if not _accepts(token, (_digest(_as_bytes(admin_token)),)):
+        raise Unauthorized("the bearer token given is not the admin token")
 
 
 def admin_only(handler: Handler) -> Handler:
@@ -147,6 +149,18 @@ def accepts(token: bytes | None, accepted: tuple[bytes, ...] | None) -> bool:
     return accepted is None or _accepts(token, accepted)
 
 
+def check_inference_token(
+    token: bytes | None, accepted: tuple[bytes, ...] | None, header: str = "Authorization"
+) -> None:
+    """Raise :class:`Unauthorized` unless a data-plane call with ``token`` may go on; a
+    missing token and a wrong one get different messages (``header``: as the protocol spells it)."""
+    if accepts(token, accepted):
+        return
+    if token is None:
+        raise Unauthorized(f"this call needs '{header}: Bearer <inference token>'")
+    raise Unauthorized("the bearer token given is not the inference token (nor the admin token)")
+
+
 def middlewares(settings: Settings) -> list[Middleware]:
     """The data plane's token check, or nothing when no inference token is configured."""
     accepted = data_plane_tokens(settings)
@@ -155,8 +169,8 @@ def middlewares(settings: Settings) -> list[Middleware]:
 
     @web.middleware
     async def inference_token(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not _is_open(request) and not _accepts(bearer_token(request), accepted):
-            raise Unauthorized("this call needs 'Authorization: Bearer <inference token>'")
+        if not _is_open(request):
+            check_inference_token(bearer_token(request), accepted)
         return await handler(request)
 
     return [inference_token]

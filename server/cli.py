@@ -1,4 +1,4 @@
-"""The ``plugserve`` command: ``serve`` and ``validate``."""
+"""The ``plugserve`` command: ``serve``, ``validate``, ``new`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -19,11 +19,9 @@ import structlog
 
 from registry.errors import ConfigError, PlugserveError
 from registry.fleet import EtcdLocation
-from registry.loader import Loader
-from registry.manager import PluginHost
 from server import __version__
 from server.app import create_app
-from server.config import Settings, bundled_dir, load_settings
+from server.config import Settings, load_settings
 from server.connections import (
     MIN_REFUSING,
     ConnectionLimits,
@@ -39,6 +37,7 @@ from server.logs import configure_logging, protocol_logger
 from server.shutdown import install_signal_handlers
 from server.state import METRICS
 from server.streams import flush_std_streams, protect_std_streams
+from server.validate import ERROR, Report, validate
 
 if TYPE_CHECKING:
     from server.processes.link import WorkerLink
@@ -86,10 +85,34 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     validate = commands.add_parser(
-        "validate", help="load one plugin package as the server would, without a server"
+        "validate",
+        help="load one plugin package as the server would, without a server",
+        description="Exit 0: valid; 1: invalid package; 2: usage or environment error.",
     )
-    validate.add_argument("folder", type=Path, help="<plugins_dir>/<type>/<name>/<version>")
-    validate.add_argument("--models-dir", type=Path, help="default: the bundled models/")
+    validate.add_argument(
+        "folder", type=Path, help="a package: <plugins_dir>/<type>/<name>/<version>, or anywhere"
+    )
+    validate.add_argument("--models-dir", type=Path, help="default: ./models")
+    validate.add_argument(
+        "--plugins-dir",
+        type=Path,
+        help="check the runner's chain against this folder (default: the one FOLDER lies in)",
+    )
+    validate.add_argument("--json", action="store_true", help="print a JSON object")
+
+    new = commands.add_parser("new", help="write a working plugin package to start from")
+    new.add_argument("type", choices=["runner", "preprocessor", "postprocessor"])
+    new.add_argument("name", help="[a-z0-9][a-z0-9_-]{0,63}")
+    new.add_argument("--version", default="1.0.0", dest="package_version")
+    new.add_argument("--dir", type=Path, default=Path("plugins"), help="default: ./plugins")
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this machine: Python, ONNX Runtime, GPU libraries, etcd, settings",
+        description="Exit 0: serving would work; 1: it would not.",
+    )
+    doctor.add_argument("--config", type=Path, help="a TOML settings file")
+    doctor.add_argument("--json", action="store_true", help="print a JSON object")
     return parser
 
 
@@ -98,6 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "new":
+            return _new(args)
+        if args.command == "doctor":
+            from server.doctor import run_doctor
+
+            return run_doctor(args.config, args.json)
         return _validate(args)
     except PlugserveError as exc:
         print(f"plugserve: {exc.message}", file=sys.stderr)
@@ -256,37 +285,32 @@ def _event_loop(choice: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def _validate(args: argparse.Namespace) -> int:
-    configure_logging("console", "warning")
-    models_dir = (args.models_dir or bundled_dir("models")).resolve()
-    # Not resolved: a version folder that is a symlink out must be judged where it is linked.
-    report = asyncio.run(validate(Path(os.path.abspath(args.folder)), models_dir))
-    print(json.dumps(report, indent=2))
-    code = 0 if report["valid"] else 1
-    _leave_lingering_threads(code)
-    return code
+def _new(args: argparse.Namespace) -> int:
+    """``plugserve new``: 0 with the package written, 1 when its folder exists already."""
+    from server.scaffold import write_package
 
-
-async def validate(folder: Path, models_dir: Path) -> dict[str, object]:
-    """Load, warm up and release one plugin version; report what the server would see."""
-    host = PluginHost()
-    host.load_builtins()
-    host.load_entry_points()
-    loader = Loader(host, models_dir)
     try:
-        try:
-            loaded = await loader.load(folder)
-        except PlugserveError as exc:
-            return {"valid": False, "folder": str(folder), "error": exc.message}
-        try:
-            return {
-                "valid": True,
-                "plugin": loaded.label,
-                "route": loaded.manifest.route_name if loaded.manifest.type == "runner" else None,
-                "metadata": loaded.metadata(),
-            }
-        finally:
-            await loader.release(loaded)
-    finally:
-        if loader.runners is not None:  # an isolated runner: its processes and their folder
-            await loader.runners.close()
+        folder = write_package(args.type, args.name, args.package_version, args.dir)
+    except FileExistsError as exc:
+        print(f"plugserve: {exc}: not overwritten", file=sys.stderr)
+        return 1
+    print(f"wrote {folder}")
+    print(f"  check it:  plugserve validate {folder}")
+    print(f"  test it:   pytest {folder / 'test_plugin.py'}")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """``plugserve validate``: the report on stdout, its outcome as the exit code."""
+    configure_logging("console", "warning")
+    models_dir = Path(os.path.abspath(args.models_dir or "models"))
+    try:
+        report = validate(args.folder, models_dir, args.plugins_dir, args.models_dir is not None)
+    except ConfigError as exc:  # a usage error: still one JSON object with --json
+        if not args.json:
+            raise
+        report = Report(Path(os.path.abspath(args.folder)), models_dir, code=ERROR)
+        report.problems.append(exc.message)
+    print(json.dumps(report.as_json(), indent=2) if args.json else report.text())
+    _leave_lingering_threads(report.code)
+    return report.code

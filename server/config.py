@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -189,7 +190,7 @@ class Settings:
         for name in TOKENS:
             token = getattr(self, name)
             if token is not None and not isinstance(token, str):
-                raise ConfigError(f"{name} must be a string, not {type(token).__name__}")
+                raise ConfigError(f"{name} must be a string, not {_described(token)}")
             if token is not None and not token.strip():
                 raise ConfigError(f"{name} is set but empty: set a token or remove the setting")
         if self.inference_token is not None and self.inference_token == self.admin_token:
@@ -312,16 +313,43 @@ def _read_config(path: Path) -> dict[str, Any]:
             except validation.ValueProblem as exc:
                 raise ConfigError(f"{path}: {exc}") from None
         elif key in _PATHS:
-            raise ConfigError(
-                f"{path}: {key} must be a path (a string), not {type(value).__name__}"
-            )
+            raise ConfigError(f"{path}: {key} must be a path (a string), not {_described(value)}")
     for key in _PATHS & raw.keys():
         raw[key] = path.parent / raw[key]
     for key, value in raw.items():
         expected = _expected_type(key)
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise ConfigError(f"{path}: {key} must be {expected}, not {type(value).__name__}")
+            raise ConfigError(f"{path}: {key} must be {_kind(expected)}, not {_described(value)}")
     return raw
+
+
+_KINDS: dict[type, str] = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    Path: "a path (a string)",
+    list: "a list",
+    dict: "a table",
+}
+
+
+def _kind(expected: type | tuple[type, ...]) -> str:
+    """What a setting must be, in words: ``an integer``, ``a number``, ``true or false``."""
+    if expected == (int, float):
+        return "a number"
+    if expected == (int, str):
+        return "a number or 'auto'"
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    return " or ".join(_KINDS.get(kind, kind.__name__) for kind in kinds)
+
+
+def _described(value: Any) -> str:
+    """A wrong value and what it is, for a message: ``a string ("abc")``."""
+    shown = json.dumps(value) if isinstance(value, str) else repr(value)
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    return f"{_KINDS.get(type(value), 'a ' + type(value).__name__)} ({shown})"
 
 
 def _expected_type(key: str) -> type | tuple[type, ...]:

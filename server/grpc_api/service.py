@@ -31,7 +31,6 @@ from registry.errors import (
     NotFound,
     PluginError,
     PlugserveError,
-    Unauthorized,
     Unavailable,
 )
 from server import __version__, auth, v2
@@ -86,8 +85,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         token = auth.bearer(call.headers.get("authorization"))
         if admin:
             auth.check_admin_call(self.app[SETTINGS], self.port, call.peer[0], token)
-        elif not auth.accepts(token, self.tokens):
-            raise Unauthorized("this call needs 'authorization: Bearer <inference token>'")
+        else:
+            auth.check_inference_token(token, self.tokens, header="authorization")
         return call
 
     async def _answer(self, context: Any, method: str, work: Callable[[], Awaitable[T]]) -> T:

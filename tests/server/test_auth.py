@@ -278,3 +278,19 @@ def test_the_admin_rules_without_a_request(tmp_path: Path) -> None:
     own_port = Settings(plugins_dir=tmp_path, models_dir=tmp_path, admin_port=9000)
     with pytest.raises(NotFound):
         check_admin_call(own_port, 8001, "127.0.0.1", None)
+
+
+async def test_a_wrong_token_and_a_missing_one_get_different_messages(
+    secured: TestClient,
+) -> None:
+    """issue 17: both 401 with WWW-Authenticate; the message says which it was."""
+    errors = {}
+    for who in ("none", "wrong"):
+        resp = await secured.post("/v2/models/add/infer", json=X, headers=HEADERS[who])
+        assert resp.status == 401 and resp.headers["WWW-Authenticate"].startswith("Bearer")
+        errors[who] = (await resp.json())["error"]
+    assert "needs 'Authorization: Bearer <inference token>'" in errors["none"]
+    assert "is not the inference token" in errors["wrong"]
+    for who, expected in (("none", "need 'Authorization"), ("wrong", "not the admin token")):
+        resp = await secured.get("/admin/plugins", headers=HEADERS[who])
+        assert resp.status == 401 and expected in (await resp.json())["error"], who

@@ -14,10 +14,12 @@ from tests.helpers import ROOT, ServerProcess, write_add_runner, write_plugin
 pytestmark = pytest.mark.slow
 
 
-def plugserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def plugserve(
+    *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "server", *args],
-        cwd=ROOT,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=60,
@@ -54,11 +56,12 @@ def test_serve_without_flags_serves_the_bundled_iris_chain(
 
 def test_validate_accepts_the_bundled_plugins() -> None:
     for folder in ("runner/iris/1.0.0", "preprocessor/scale/1.0.0", "postprocessor/label/1.0.0"):
-        result = plugserve("validate", str(ROOT / "plugins" / folder))
+        result = plugserve("validate", str(ROOT / "plugins" / folder), "--json")
         assert result.returncode == 0, result.stderr
         report = json.loads(result.stdout)
         assert report["valid"] is True
-    report = json.loads(plugserve("validate", str(ROOT / "plugins/runner/iris/1.0.0")).stdout)
+    iris = str(ROOT / "plugins/runner/iris/1.0.0")
+    report = json.loads(plugserve("validate", iris, "--json").stdout)
     assert report["route"] == "iris"
     assert report["metadata"]["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
 
@@ -71,8 +74,9 @@ def test_validate_loads_an_isolated_runner_in_its_process_and_leaves_nothing(
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     result = plugserve(
-        "validate", str(folder), "--models-dir", str(tmp_path), env={"TMPDIR": str(scratch)}
-    )
+        "validate", str(folder), "--models-dir", str(tmp_path), "--json",
+        env={"TMPDIR": str(scratch)},
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["valid"] is True
@@ -84,12 +88,12 @@ def test_validate_reports_a_broken_plugin(plugins_dir: Path) -> None:
     folder = write_plugin(
         plugins_dir, "preprocessor", "bad", "1.0.0", files={"plugin.py": "import not_a_module_xyz"}
     )
-    result = plugserve("validate", str(folder))
+    result = plugserve("validate", str(folder), "--json")
     assert result.returncode == 1
     report = json.loads(result.stdout)
-    assert report["valid"] is False
-    assert "ModuleNotFoundError" in report["error"]
-    assert "preprocessor/bad@1.0.0" in report["error"]
+    assert report["valid"] is False and report["outcome"] == "invalid"
+    assert "ModuleNotFoundError" in report["problems"][0]
+    assert "preprocessor/bad@1.0.0" in report["problems"][0]
 
 
 def test_validate_exits_when_the_plugin_left_a_thread_running(plugins_dir: Path) -> None:
@@ -114,7 +118,7 @@ def test_validate_exits_when_the_plugin_left_a_thread_running(plugins_dir: Path)
             return Pre()
     """
     folder = write_plugin(plugins_dir, "preprocessor", "spin", "1.0.0", files={"plugin.py": source})
-    result = plugserve("validate", str(folder))
+    result = plugserve("validate", str(folder), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["valid"] is True
     assert "exit_with_threads" in result.stderr and "left-running" in result.stderr

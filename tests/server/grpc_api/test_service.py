@@ -427,9 +427,11 @@ def test_the_inference_token_guards_grpc(
     with pytest.raises(InferenceServerException) as info:
         client.infer("add", [_input("x", _x(), "FP32")])
     assert info.value.status() == "StatusCode.UNAUTHENTICATED"
+    assert "needs 'authorization: Bearer <inference token>'" in info.value.message()
     with pytest.raises(InferenceServerException) as info:
         client.infer("add", [_input("x", _x(), "FP32")], headers={"authorization": "Bearer no"})
     assert info.value.status() == "StatusCode.UNAUTHENTICATED"
+    assert "is not the inference token" in info.value.message()  # issue 17: not "needs"
     for token in ("data-s3cret", "admin-s3cret"):
         result = client.infer(
             "add", [_input("x", _x(), "FP32")], headers={"authorization": f"Bearer {token}"}

@@ -1,0 +1,242 @@
+"""``plugserve new``: a working plugin package to start from (manifest, module, a test)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from registry.errors import ConfigError
+from registry.refs import NAME_PATTERN, is_valid_name
+from registry.versions import Version
+
+RUNNER_MANIFEST = """\
+[plugin]
+name = "{name}"
+version = "{version}"
+type = "runner"
+module = "plugin.py"
+description = "TODO: say what {name} computes"
+
+[config]                    # handed to plugserve_create_component
+factor = 2.0
+
+[runner]
+max_batch_size = 8          # requests batched into one infer() call; 0 turns batching off
+max_queue_delay_ms = 1.0    # how long a batch waits to fill
+
+[route]                     # served at /predict/{name} and /v2/models/{name}/infer
+name = "{name}"
+# preprocess = ["scale"]    # stages from <plugins>/preprocessor, in order (name or name@1.2.3)
+# postprocess = ["label"]   # stages from <plugins>/postprocessor
+"""
+
+PROCESSOR_MANIFEST = """\
+[plugin]
+name = "{name}"
+version = "{version}"
+type = "{kind}"
+module = "plugin.py"
+description = "TODO: say what {name} does"
+
+[config]                    # handed to plugserve_create_component
+"""
+
+RUNNER_MODULE = '''\
+"""{name}: a runner that multiplies its input by ``[config] factor``.
+
+TODO: replace the multiplication with your model. The contract (plugserve's
+``registry/hookspecs.py``): ``infer`` takes and returns a dict of numpy arrays
+whose first axis is the batch (requests are batched together, up to
+``[runner] max_batch_size`` rows); ``metadata()`` declares the tensors, so that
+requests are checked before ``infer`` runs; ``warmup()`` runs once before the
+first request and ``close()`` after the last. Raise ``plugin.InvalidInput`` for
+a bad request (the client gets a 400).
+"""
+
+import numpy as np
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("plugserve")
+
+
+class Runner:
+    def __init__(self, plugin, factor):
+        self.InvalidInput = plugin.InvalidInput
+        self.factor = np.float32(factor)
+
+    def metadata(self):
+        # -1: any size; the first axis is the batch
+        spec = {{"datatype": "FP32", "shape": [-1, -1]}}
+        return {{
+            "inputs": [{{"name": "input", **spec}}],
+            "outputs": [{{"name": "output", **spec}}],
+        }}
+
+    def validate(self, inputs):
+        if not np.isfinite(inputs["input"]).all():
+            raise self.InvalidInput("input must be finite numbers")
+
+    def infer(self, inputs):
+        return {{"output": inputs["input"] * self.factor}}
+
+    def warmup(self):
+        self.infer({{"input": np.zeros((1, 1), dtype=np.float32)}})
+
+    def close(self):
+        pass  # release what the runner holds (sessions, threads, files)
+
+
+@hookimpl
+def plugserve_create_component(plugin, config):
+    return Runner(plugin, float(config.get("factor", 2.0)))
+'''
+
+PROCESSOR_MODULE = '''\
+"""{name}: a {kind} that passes its data through unchanged.
+
+TODO: transform the data. The contract (plugserve's ``registry/hookspecs.py``):
+``{method}(data, ctx)`` takes the request's data ({what}) and returns
+the data for the next stage; raise ``ctx.InvalidInput`` for a bad request (the
+client gets a 400). ``ctx.parameters`` holds the request's parameters.
+"""
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("plugserve")
+
+
+class {cls}:
+    def __init__(self, config):
+        self.config = config
+
+    def {method}(self, data, ctx):
+        return data  # TODO
+
+
+@hookimpl
+def plugserve_create_component(plugin, config):
+    return {cls}(config)
+'''
+
+TEST_HEAD = '''\
+"""Tests of {name}: ``pytest test_plugin.py`` in this folder (numpy, pluggy and pytest).
+
+They load the module as plugserve does (its manifest's ``module`` and
+``[config]``) and call the component; ``plugserve validate .`` checks the
+package as the server loads it.
+"""
+
+import importlib.util
+import tomllib
+import types
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+class InvalidInput(ValueError):
+    """Stands for plugserve's InvalidInput (a 400 for the client)."""
+
+
+def create():
+    manifest = tomllib.loads((HERE / "plugin.toml").read_text())
+    module_file = HERE / manifest["plugin"]["module"]
+    spec = importlib.util.spec_from_file_location("{name}_plugin", module_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    plugin = types.SimpleNamespace(
+        name=manifest["plugin"]["name"],
+        version=manifest["plugin"]["version"],
+        type=manifest["plugin"]["type"],
+        path=HERE,
+        InvalidInput=InvalidInput,
+    )
+    config = manifest.get("config", {{}})
+    return module.plugserve_create_component(plugin=plugin, config=config)
+'''
+
+RUNNER_TEST = """
+
+def test_it_multiplies_its_input_by_the_factor():
+    runner = create()
+    runner.warmup()
+    batch = {"input": np.array([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32)}
+    out = runner.infer(batch)
+    np.testing.assert_allclose(out["output"], [[2.0, 4.0], [6.0, 8.0]])
+    assert out["output"].dtype == np.float32
+
+
+def test_it_refuses_what_is_not_finite():
+    runner = create()
+    try:
+        runner.validate({"input": np.array([[np.nan]], dtype=np.float32)})
+    except InvalidInput:
+        return
+    raise AssertionError("a NaN passed validate()")
+"""
+
+PROCESSOR_TEST = """
+
+def test_it_passes_the_data_through():
+    stage = create()
+    ctx = types.SimpleNamespace(InvalidInput=InvalidInput, parameters={{}}, state={{}})
+    data = {{"input": np.array([[1.0, 2.0]], dtype=np.float32)}}
+    out = stage.{method}(data, ctx)
+    np.testing.assert_array_equal(out["input"], data["input"])
+"""
+
+METHODS = {"preprocessor": "process", "postprocessor": "format"}
+
+
+def package_files(kind: str, name: str, version: str) -> dict[str, str]:
+    """The files of a new ``kind`` package: ``plugin.toml``, ``plugin.py``, ``test_plugin.py``."""
+    head = TEST_HEAD.format(name=name)
+    if kind == "runner":
+        return {
+            "plugin.toml": RUNNER_MANIFEST.format(name=name, version=version),
+            "plugin.py": RUNNER_MODULE.format(name=name),
+            "test_plugin.py": head + RUNNER_TEST,
+        }
+    method = METHODS[kind]
+    what = "the client's inputs" if kind == "preprocessor" else "the runner's outputs"
+    cls = "".join(part.capitalize() for part in name.replace("-", "_").split("_")) or "Stage"
+    return {
+        "plugin.toml": PROCESSOR_MANIFEST.format(name=name, version=version, kind=kind),
+        "plugin.py": PROCESSOR_MODULE.format(
+            name=name, kind=kind, method=method, what=what, cls=cls
+        ),
+        "test_plugin.py": head + PROCESSOR_TEST.format(method=method),
+    }
+
+
+def write_package(kind: str, name: str, version: str, plugins_dir: Path) -> Path:
+    """Write ``<plugins_dir>/<kind>/<name>/<version>/``; the folder it wrote.
+
+    Written under a hidden name first and then renamed, so a server watching
+    ``plugins_dir`` sees the whole package at once. Raises
+    :class:`FileExistsError` when the folder exists (never overwritten) and
+    :class:`ConfigError` for a name or version plugserve refuses.
+    """
+    if not is_valid_name(name):
+        raise ConfigError(f"{name!r}: a plugin name must match {NAME_PATTERN}")
+    try:
+        Version.parse(version)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    parent = Path(os.path.abspath(plugins_dir)) / kind / name
+    folder = parent / version
+    if folder.exists() or folder.is_symlink():
+        raise FileExistsError(str(folder))
+    staging = parent / f".{version}.tmp"
+    staging.mkdir(parents=True, exist_ok=False)
+    try:
+        for relative, text in package_files(kind, name, version).items():
+            (staging / relative).write_text(text, encoding="utf-8")
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder

@@ -1,0 +1,202 @@
+"""``plugserve validate``: load one plugin package as the server would, wherever it lies.
+
+A package inside a plugins folder (``<plugins_dir>/<type>/<name>/<version>``)
+is checked as the server checks it, folder names included. A package anywhere
+else (a staged ``build/iris-2.0.0/``) takes its type, name and version from its
+manifest alone. Either way the symlink rule (``registry/confine.py``) holds:
+what the package reads must lie in its plugins folder (the package folder
+itself, for a staged one) or the models folder. A runner's chain is checked
+against a plugins folder: the one given, else the one the package lies in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from registry.errors import ConfigError, PlugserveError
+from registry.loader import Loader
+from registry.manager import PluginHost
+from registry.manifest import MANIFEST_NAME, Manifest, load_manifest
+from registry.refs import PLUGIN_TYPES, Ref, is_ignored_name
+
+VALID, INVALID, ERROR = 0, 1, 2
+"""Exit codes: the package is valid; it is not; the command could not check it (usage)."""
+OUTCOMES = {VALID: "valid", INVALID: "invalid", ERROR: "error"}
+
+
+@dataclasses.dataclass
+class Report:
+    """What ``plugserve validate`` found; :meth:`as_json` is its ``--json`` shape."""
+
+    path: Path
+    models_dir: Path
+    plugins_dir: Path | None = None
+    layout_checked: bool = False
+    manifest: Manifest | None = None
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    chain: list[dict[str, str | None]] = dataclasses.field(default_factory=list)
+    metadata: dict[str, Any] | None = None
+    code: int = VALID
+
+    def as_json(self) -> dict[str, Any]:
+        manifest = self.manifest
+        return {
+            "outcome": OUTCOMES[self.code],
+            "valid": self.code == VALID,
+            "path": str(self.path),
+            "plugin": manifest.label if manifest else None,
+            "type": manifest.type if manifest else None,
+            "name": manifest.name if manifest else None,
+            "version": str(manifest.version) if manifest else None,
+            "route": manifest.route_name if manifest and manifest.type == "runner" else None,
+            "models_dir": str(self.models_dir),
+            "plugins_dir": None if self.plugins_dir is None else str(self.plugins_dir),
+            "layout_checked": self.layout_checked,
+            "chain": self.chain,
+            "problems": self.problems,
+            "notes": self.notes,
+            "metadata": self.metadata,
+        }
+
+    def text(self) -> str:
+        """The human summary."""
+        label = self.manifest.label if self.manifest else str(self.path)
+        verdict = {VALID: "valid", INVALID: "INVALID", ERROR: "not checked"}[self.code]
+        lines = [f"{label}: {verdict}"]
+        lines += [f"  problem: {problem}" for problem in self.problems]
+        where = "in a plugins folder" if self.layout_checked else "a package anywhere"
+        lines.append(f"  folder:      {self.path} ({where})")
+        lines.append(f"  models dir:  {self.models_dir}")
+        if self.plugins_dir is not None:
+            lines.append(f"  plugins dir: {self.plugins_dir}")
+        if self.manifest is not None and self.manifest.type == "runner":
+            lines.append(f"  route:       {self.manifest.route_name}")
+        for stage in self.chain:
+            found = stage["resolved"] or "missing"
+            lines.append(f"  {stage['stage']}: {stage['ref']} -> {found}")
+        for kind in ("inputs", "outputs"):
+            for spec in (self.metadata or {}).get(kind) or []:
+                lines.append(
+                    f"  {kind[:-1]}: {spec.get('name')} {spec.get('datatype')} {spec.get('shape')}"
+                )
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def plugins_folder(path: Path, plugins_dir: Path | None) -> Path | None:
+    """The plugins folder ``path`` lies in as ``<type>/<name>/<version>``, or ``None``.
+
+    With ``plugins_dir`` given, ``path`` is in it when it lies under it; else when
+    its grandparent is named for a plugin type (``runner``, ``preprocessor``,
+    ``postprocessor``), as the server's own layout has it.
+    """
+    if plugins_dir is not None:
+        inside = path != plugins_dir and path.is_relative_to(plugins_dir)
+        return plugins_dir if inside else None
+    if path.parent.parent.name in PLUGIN_TYPES:
+        return path.parent.parent.parent
+    return None
+
+
+def check_paths(path: Path, models_dir: Path, plugins_dir: Path | None, explicit: bool) -> None:
+    """Raise :class:`ConfigError` (exit 2) for a path the command cannot work with."""
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such folder")
+    if not (path / MANIFEST_NAME).is_file():
+        raise ConfigError(f"{path}: no {MANIFEST_NAME} here: not a plugin package")
+    if explicit and not models_dir.is_dir():
+        raise ConfigError(f"--models-dir {models_dir}: no such folder")
+    if plugins_dir is not None and not plugins_dir.is_dir():
+        raise ConfigError(f"--plugins-dir {plugins_dir}: no such folder")
+
+
+def validate(
+    path: Path, models_dir: Path, plugins_dir: Path | None = None, explicit_models: bool = True
+) -> Report:
+    """Check the manifest, the chain and the load (import, create, warmup, release).
+
+    Raises :class:`ConfigError` for a path the command cannot work with (exit 2).
+    """
+    path = Path(os.path.abspath(path))  # not resolved: a linked folder is judged where it is
+    plugins_dir = None if plugins_dir is None else Path(os.path.abspath(plugins_dir))
+    check_paths(path, models_dir, plugins_dir, explicit_models)
+    home = plugins_folder(path, plugins_dir)
+    report = Report(path, models_dir, plugins_dir or home, layout_checked=home is not None)
+    if not models_dir.is_dir():
+        report.notes.append(f"models dir {models_dir} does not exist (--models-dir sets it)")
+    try:
+        report.manifest = load_manifest(path, check_layout=home is not None)
+    except PlugserveError as exc:
+        report.problems.append(exc.message)
+        report.code = INVALID
+        return report
+    if report.plugins_dir is not None:
+        check_chain(report, report.manifest, report.plugins_dir)
+    elif report.manifest.route.preprocess or report.manifest.route.postprocess:
+        report.notes.append("the chain was not checked: give --plugins-dir")
+    asyncio.run(_load(report, report.manifest, home))
+    report.code = INVALID if report.problems else VALID
+    return report
+
+
+def check_chain(report: Report, manifest: Manifest, plugins_dir: Path) -> None:
+    """Each ``[route]`` stage must have a version in ``plugins_dir`` that its ref matches."""
+    stages = [("preprocess", "preprocessor", r) for r in manifest.route.preprocess]
+    stages += [("postprocess", "postprocessor", r) for r in manifest.route.postprocess]
+    for stage, kind, ref in stages:
+        resolved = _resolve(plugins_dir, kind, ref)
+        report.chain.append({"stage": stage, "ref": str(ref), "resolved": resolved})
+        if resolved is None:
+            wanted = f"version {ref.version}" if ref.version else "version"
+            report.problems.append(
+                f"route.{stage}: {kind} {ref} has no {wanted} in {plugins_dir}"
+                " (the route would answer 503)"
+            )
+
+
+def _resolve(plugins_dir: Path, kind: str, ref: Ref) -> str | None:
+    """The version ``ref`` picks among the valid manifests in ``plugins_dir``, if any."""
+    folder = plugins_dir / kind / ref.name
+    try:
+        names = [n for n in os.listdir(folder) if not is_ignored_name(n)]
+    except OSError:
+        return None
+    versions = []
+    for name in names:
+        try:
+            versions.append(load_manifest(folder / name).version)
+        except PlugserveError:
+            continue  # not a version the server would load
+    if ref.version is not None:
+        return str(ref.version) if ref.version in versions else None
+    return str(max(versions)) if versions else None
+
+
+async def _load(report: Report, manifest: Manifest, home: Path | None) -> None:
+    """Load, warm up and release the package; a failure is the report's problem."""
+    host = PluginHost()
+    host.load_builtins()
+    host.load_entry_points()
+    loader = Loader(host, report.models_dir, plugins_dir=home, check_layout=home is not None)
+    # An isolated runner's processes read their folder as the server lays it out.
+    in_process = home is None and manifest.runner is not None and manifest.runner.isolated
+    if in_process:
+        report.notes.append('isolation = "process": loaded in this process (a staged package)')
+    try:
+        try:
+            loaded = await loader.load(report.path, in_process=in_process)
+        except PlugserveError as exc:
+            report.problems.append(exc.message)
+            return
+        try:
+            report.metadata = loaded.metadata()
+        finally:
+            await loader.release(loaded)
+    finally:
+        if loader.runners is not None:  # an isolated runner: its processes and their folder
+            await loader.runners.close()

@@ -1,0 +1,73 @@
+"""``plugserve new``: packages that validate, whose own tests pass, and that a server serves."""
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ServerProcess
+from tests.server.test_cli import plugserve
+
+pytestmark = pytest.mark.slow
+
+
+def new(tmp_path: Path, *args: str) -> Path:
+    result = plugserve("new", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.split()[1])
+
+
+def test_new_packages_validate_pass_their_tests_and_serve_a_chain(
+    tmp_path: Path, server: Callable[..., ServerProcess]
+) -> None:
+    runner = new(tmp_path, "runner", "demo")
+    assert runner == tmp_path / "plugins/runner/demo/1.0.0"
+    pre = new(tmp_path, "preprocessor", "prep", "--version", "0.1.0")
+    post = new(tmp_path, "postprocessor", "post", "--dir", "plugins")
+    assert sorted(p.name for p in runner.iterdir()) == [
+        "plugin.py",
+        "plugin.toml",
+        "test_plugin.py",
+    ]
+    manifest = runner / "plugin.toml"
+    text = manifest.read_text().replace('# preprocess = ["scale"]', 'preprocess = ["prep@0.1.0"]')
+    manifest.write_text(text.replace('# postprocess = ["label"]', 'postprocess = ["post"]'))
+    for folder in (runner, pre, post):
+        result = plugserve("validate", str(folder), "--json", cwd=tmp_path)
+        assert result.returncode == 0, result.stdout
+        report = json.loads(result.stdout)
+        assert report["outcome"] == "valid"
+        tests = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_plugin.py"],
+            cwd=folder, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert tests.returncode == 0, tests.stdout + tests.stderr
+    runner_report = json.loads(plugserve("validate", str(runner), "--json", cwd=tmp_path).stdout)
+    assert [s["resolved"] for s in runner_report["chain"]] == ["0.1.0", "1.0.0"]
+
+    srv = server("--plugins-dir", str(tmp_path / "plugins"), "--models-dir", str(tmp_path))
+    status, _, body = srv.request("POST", "/predict/demo", {"input": [[1.0, 2.5]]})
+    assert status == 200, body
+    assert json.loads(body) == {"output": [[2.0, 5.0]]}
+    v2 = {"inputs": [{"name": "input", "shape": [1, 2], "datatype": "FP32", "data": [3, 4]}]}
+    status, _, body = srv.request("POST", "/v2/models/demo/infer", v2)
+    assert status == 200, body
+    assert json.loads(body)["outputs"][0]["data"] == [6.0, 8.0]
+    status, _, body = srv.request("POST", "/predict/demo", {"input": [["x"]]})
+    assert status == 400, body  # not the FP32 rows its metadata() declares
+
+
+def test_new_never_overwrites_and_refuses_bad_names(tmp_path: Path) -> None:
+    folder = new(tmp_path, "preprocessor", "taken")
+    (folder / "plugin.py").write_text("# mine\n")
+    result = plugserve("new", "preprocessor", "taken", cwd=tmp_path)
+    assert result.returncode == 1 and "not overwritten" in result.stderr
+    assert (folder / "plugin.py").read_text() == "# mine\n"
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["1.0.0"]
+    result = plugserve("new", "runner", "Bad Name", cwd=tmp_path)
+    assert result.returncode == 2 and "must match" in result.stderr
+    result = plugserve("new", "runner", "ok", "--version", "1.0", cwd=tmp_path)
+    assert result.returncode == 2 and "semantic version" in result.stderr

@@ -1,0 +1,138 @@
+"""``plugserve validate``: a package anywhere, the models dir of the current directory, the
+chain against a plugins folder, exit codes per outcome, and the symlink rule kept."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, write_add_runner, write_plugin
+from tests.server.test_cli import plugserve
+
+pytestmark = pytest.mark.slow
+
+
+def staged_iris(tmp_path: Path) -> Path:
+    """The bundled iris runner copied to ``build/iris-2.0.0``, as the docs stage a release."""
+    folder = tmp_path / "build" / "iris-2.0.0"
+    shutil.copytree(ROOT / "plugins/runner/iris/1.0.0", folder)
+    manifest = folder / "plugin.toml"
+    manifest.write_text(manifest.read_text().replace('version = "1.0.0"', 'version = "2.0.0"'))
+    return folder
+
+
+def test_a_staged_package_validates_with_its_chain_checked(tmp_path: Path) -> None:
+    """issue 17: `plugserve validate build/iris-2.0.0` failed on the folder names."""
+    folder = staged_iris(tmp_path)
+    result = plugserve(
+        "validate", "build/iris-2.0.0", "--models-dir", str(ROOT / "models"),
+        "--plugins-dir", str(ROOT / "plugins"), "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["outcome"] == "valid" and report["problems"] == []
+    assert (report["plugin"], report["type"], report["version"]) == (
+        "runner/iris@2.0.0",
+        "runner",
+        "2.0.0",
+    )
+    assert report["path"] == str(folder) and report["layout_checked"] is False
+    assert report["models_dir"] == str(ROOT / "models")
+    assert [(s["ref"], s["resolved"]) for s in report["chain"]] == [
+        ("scale", "1.0.0"),
+        ("label", "1.0.0"),
+    ]
+    assert report["metadata"]["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+
+
+def test_the_models_dir_defaults_to_the_current_directory_and_is_printed(tmp_path: Path) -> None:
+    """issue 17: without --models-dir, validate used the clone's bundled models."""
+    staged_iris(tmp_path)
+    result = plugserve("validate", "build/iris-2.0.0", cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"models dir:  {tmp_path / 'models'}" in result.stdout
+    assert "runner/iris@2.0.0: INVALID" in result.stdout
+    assert "models:iris" in result.stdout  # the model it could not find there
+    (tmp_path / "models").symlink_to(ROOT / "models")
+    result = plugserve("validate", "build/iris-2.0.0", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout
+    report = json.loads(result.stdout)
+    assert report["models_dir"] == str(tmp_path / "models")
+    assert report["notes"] == ["the chain was not checked: give --plugins-dir"]
+
+
+def test_a_chain_stage_that_does_not_exist_is_an_error(plugins_dir: Path) -> None:
+    """issue 17: a chain naming a missing plugin passed, and the route answered 503."""
+    route = '[route]\npreprocess = ["there", "missing"]\npostprocess = ["there@2.0.0"]\n'
+    write_plugin(plugins_dir, "preprocessor", "there", "1.0.0", files={"plugin.py": ""})
+    write_plugin(plugins_dir, "postprocessor", "there", "1.0.0", files={"plugin.py": ""})
+    folder = write_add_runner(plugins_dir, "chained", "1.0.0", route=route)
+    result = plugserve("validate", str(folder), "--json")  # its plugins folder: where it lies
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["outcome"] == "invalid" and report["layout_checked"] is True
+    assert report["plugins_dir"] == str(plugins_dir)
+    assert [(s["stage"], s["ref"], s["resolved"]) for s in report["chain"]] == [
+        ("preprocess", "there", "1.0.0"),
+        ("preprocess", "missing", None),
+        ("postprocess", "there@2.0.0", None),
+    ]
+    assert len(report["problems"]) == 2
+    assert "preprocessor missing has no version" in report["problems"][0]
+    assert "postprocessor there@2.0.0 has no version 2.0.0" in report["problems"][1]
+    assert report["metadata"] is not None  # the package itself loaded
+
+
+def test_the_folder_layout_is_checked_inside_a_plugins_folder(plugins_dir: Path) -> None:
+    folder = write_add_runner(plugins_dir, "newcomer", "1.0.0")
+    moved = plugins_dir / "runner" / "renamed" / "1.0.0"
+    moved.parent.mkdir()
+    folder.rename(moved)
+    result = plugserve("validate", str(moved), "--json")
+    assert result.returncode == 1
+    assert "'newcomer' differs from folder 'renamed'" in json.loads(result.stdout)["problems"][0]
+
+
+@pytest.mark.parametrize("backend", [True, False])
+def test_an_unknown_runner_key_is_an_error(plugins_dir: Path, backend: bool) -> None:
+    """issue 17: a typo in [runner] must not pass, with a backend or a module."""
+    if backend:
+        folder = write_add_runner(plugins_dir, "typo", "1.0.0", runner="max_batch_sise = 8")
+    else:
+        source = "import pluggy\nhookimpl = pluggy.HookimplMarker('plugserve')\n"
+        folder = write_plugin(
+            plugins_dir, "runner", "typo", "1.0.0", "[runner]\nmax_batch_sise = 8\n",
+            files={"plugin.py": source},
+        )  # fmt: skip
+    result = plugserve("validate", str(folder), "--json")
+    assert result.returncode == 1
+    assert "unknown key(s) ['max_batch_sise']" in json.loads(result.stdout)["problems"][0]
+
+
+def test_a_staged_package_keeps_the_symlink_rule(tmp_path: Path) -> None:
+    """Staged anywhere, a package may read only its own folder and the models dir."""
+    outside = tmp_path / "outside.py"
+    outside.write_text("X = 1\n")
+    folder = tmp_path / "build" / "linked"
+    write_plugin(tmp_path / "src", "preprocessor", "linked", "1.0.0", files={"plugin.py": ""})
+    shutil.copytree(tmp_path / "src/preprocessor/linked/1.0.0", folder)
+    os.symlink(outside, folder / "helper.py")
+    result = plugserve("validate", str(folder), "--models-dir", str(tmp_path / "src"), "--json")
+    assert result.returncode == 1
+    assert "leads outside the plugins dir" in json.loads(result.stdout)["problems"][0]
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    result = plugserve("validate", str(tmp_path / "nope"), "--json")
+    assert result.returncode == 2
+    report = json.loads(result.stdout)
+    assert report["outcome"] == "error" and "no such folder" in report["problems"][0]
+    result = plugserve("validate", str(tmp_path))
+    assert result.returncode == 2 and "no plugin.toml here" in result.stderr
+    folder = staged_iris(tmp_path)
+    result = plugserve("validate", str(folder), "--plugins-dir", str(tmp_path / "nope"))
+    assert result.returncode == 2 and "--plugins-dir" in result.stderr
+    result = plugserve("validate", str(folder), "--models-dir", str(tmp_path / "nope"))
+    assert result.returncode == 2 and "--models-dir" in result.stderr
