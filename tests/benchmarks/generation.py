@@ -114,7 +114,11 @@ def measure(url: str, streams: int, seconds: float, tokens: int) -> dict[str, An
     command = [sys.executable, "-m", "tests.benchmarks.generation", "--client", url,
                str(streams), str(seconds), str(tokens)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
-    return json.loads(done.stdout)  # type: ignore[no-any-return]
+    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    try:
+        return json.loads(last)  # type: ignore[no-any-return]
+    except json.JSONDecodeError:
+        raise RuntimeError(f"client: {done.stdout[:300]!r} {done.stderr[-2000:]}") from None
 
 
 # -- the servers -------------------------------------------------------------------------------
