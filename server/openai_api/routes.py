@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import contextlib
 import time
 from collections.abc import AsyncGenerator
@@ -221,9 +222,11 @@ async def _pieces(
     """The text of one choice, piece by piece; ``choice.finish`` is set when it ends."""
     stops = Stops(asked.stop)
     usage = choice.ctx.usage
+    # Bytes are decoded across responses: a character's bytes may come in two tokens.
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
     async with contextlib.aclosing(streamed(request, chain, choice.data, choice.ctx)) as responses:
         async for response in responses:
-            text, stopped = stops.feed(_text(chain, response))
+            text, stopped = stops.feed(_text(chain, response, decoder))
             if text:
                 yield text
             if stopped:
@@ -234,16 +237,24 @@ async def _pieces(
                 and usage.get("completion_tokens", 0) >= asked.max_tokens
             ):
                 break
-    if tail := stops.flush():
+    text, stopped = stops.feed(decoder.decode(b"", final=True))
+    if tail := text + ("" if stopped else stops.flush()):
         yield tail
+    if stopped:
+        choice.finish = "stop"
+        return
     limit = asked.max_tokens or usage.get("max_tokens")
     made = usage.get("completion_tokens", 0)
     choice.finish = "length" if limit is not None and made >= limit else "stop"
 
 
-def _text(chain: Chain, response: Any) -> str:
+def _text(chain: Chain, response: Any, decoder: codecs.IncrementalDecoder) -> str:
     if isinstance(response, dict):
         response = response.get("text_output", response.get("text"))
+    if isinstance(response, np.ndarray) and response.size == 1:
+        response = response.reshape(()).item()
+    if isinstance(response, bytes):
+        return decoder.decode(response)
     value = json_value(response)
     if not isinstance(value, str):
         problem = TypeError(f"a response without 'text_output' text ({type(value).__name__})")

@@ -135,11 +135,6 @@ def test_a_refused_openai_body_is_counted(
     assert metric(proc, r'^plugserve_requests_total\{protocol="openai".*status="400"') == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack16: each response's bytes are decoded alone (server/triton/generate.py "
-    "json_value), so a character split over two tokens comes out as two U+FFFD",
-)
 def test_a_character_split_over_two_tokens_reaches_the_client_whole(
     plugins_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
