@@ -28,6 +28,9 @@ HEADERS = {
     "X-Accel-Buffering": "no",  # nginx: pass each event on as it comes
 }
 _END = object()
+STREAM_STATUS = web.RequestKey("stream_status", int)
+"""The status of the error that ended a stream after it began (its answer said 200): what
+the request is counted as (``server/serving.py`` measured)."""
 
 log = structlog.get_logger("plugserve.server")
 
@@ -70,9 +73,12 @@ async def send(
                     await answer.write(encode(response))
         await answer.write(last)
     except TimeoutError:
-        await answer.write(fail(_late(deadline_s)))
+        late = _late(deadline_s)
+        request[STREAM_STATUS] = late.status
+        await answer.write(fail(late))
     except PlugserveError as exc:
         log.log(40 if exc.status == 500 else 10, "stream_failed", error=exc.message)
+        request[STREAM_STATUS] = exc.status
         await answer.write(fail(exc))
     await answer.write_eof()
     return answer

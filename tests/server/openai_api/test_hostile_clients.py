@@ -92,11 +92,6 @@ def test_a_client_that_stops_reading_holds_its_runner_back(
         sock.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack16: a stream that fails after it began is counted as a 200 "
-    "(server/events.py send() swallows the error; server/serving.py measured())",
-)
 def test_a_stream_that_fails_midway_is_counted_with_its_error_status(
     plugins_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
