@@ -18,9 +18,9 @@ import base64
 import codecs
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -34,11 +34,20 @@ from server import events
 from server.logs import REQUEST_ID
 from server.openai_api import errors, requests
 from server.predict import parse_json
-from server.serving import admit, deadline_seconds, measured, request_context, serve, streamed
-from server.state import BODIES, REGISTRY, RESPONSE_CACHE
+from server.serving import (
+    UNKNOWN_ROUTE,
+    admit,
+    deadline_seconds,
+    measured,
+    request_context,
+    serve,
+    streamed,
+)
+from server.state import BODIES, METRICS, REGISTRY, RESPONSE_CACHE
 from server.triton.generate import json_value
 
 PROTOCOL = "openai"
+T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 
 
@@ -97,14 +106,27 @@ def _check_serves(chain: Chain, kind: str) -> None:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    body = await _body(request)
-    asked = requests.embeddings(body)
+    asked = await _asked(request, requests.embeddings)
     return await measured(request, asked.model, PROTOCOL, _embed(request, asked))
 
 
-async def _body(request: web.Request) -> Any:
-    bodies = request.app[BODIES]
-    return await bodies.parse(request, await bodies.read(request), parse_json)
+async def _asked(request: web.Request, check: Callable[[Any], T]) -> T:
+    """The request's body, read and checked by ``check``. A refusal is counted here (its
+    route is known only once the body is read): :func:`measured` never sees it."""
+    started = time.perf_counter()
+    body = None
+    try:
+        bodies = request.app[BODIES]
+        body = await bodies.parse(request, await bodies.read(request), parse_json)
+        return check(body)
+    except PlugserveError as exc:
+        model = body.get("model") if isinstance(body, dict) else None
+        route = model if isinstance(model, str) else UNKNOWN_ROUTE
+        if route not in request.app[REGISTRY].routes.entries:
+            route = UNKNOWN_ROUTE
+        took = time.perf_counter() - started
+        request.app[METRICS].observe(route, PROTOCOL, exc.status, took)
+        raise
 
 
 async def _embed(request: web.Request, asked: requests.Embeddings) -> web.Response:
@@ -166,12 +188,12 @@ def _shortened(vectors: np.ndarray, dimensions: int) -> np.ndarray:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    asked = requests.chat(await _body(request))
+    asked = await _asked(request, requests.chat)
     return await measured(request, asked.model, PROTOCOL, _generate(request, asked, "chat"))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    asked = requests.completions(await _body(request))
+    asked = await _asked(request, requests.completions)
     return await measured(request, asked.model, PROTOCOL, _generate(request, asked, "completions"))
 
 

@@ -115,11 +115,6 @@ def test_a_stream_that_fails_midway_is_counted_with_its_error_status(
     assert metric(proc, r'route="failing",status="200"') == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attack16: a body refused by server/openai_api/requests.py is never counted "
-    "(it is checked before measured())",
-)
 def test_a_refused_openai_body_is_counted(
     plugins_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
@@ -127,7 +122,15 @@ def test_a_refused_openai_body_is_counted(
     proc = server("--plugins-dir", str(plugins_dir))
     with pytest.raises(openai.BadRequestError):
         client(proc).chat.completions.create(model="talk", messages=USER, max_tokens=0)
-    assert metric(proc, r'^plugserve_requests_total\{protocol="openai".*status="400"') == 1
+    assert (
+        metric(proc, r'^plugserve_requests_total\{protocol="openai",route="talk",status="400"') == 1
+    )
+    status, _, _ = proc.request("POST", "/v1/embeddings", b"{not json")
+    assert status == 400
+    assert (
+        metric(proc, r'^plugserve_requests_total\{protocol="openai",route="_unknown",status="400"')
+        == 1
+    )
 
 
 def test_a_character_split_over_two_tokens_reaches_the_client_whole(
