@@ -403,16 +403,17 @@ async def _interleaved(
                 yield choice, text
         yield choice, None
         return
-    queue: asyncio.Queue[tuple[Choice, str | None] | BaseException] = asyncio.Queue()
+    # Bounded: a client that reads slowly holds the choices' streams back (READ_AHEAD).
+    queue: asyncio.Queue[tuple[Choice, str | None] | BaseException] = asyncio.Queue(len(choices))
 
     async def pump(choice: Choice) -> None:
         try:
             async with contextlib.aclosing(_pieces(request, chain, choice, asked)) as pieces:
                 async for text in pieces:
-                    queue.put_nowait((choice, text))
-            queue.put_nowait((choice, None))
+                    await queue.put((choice, text))
+            await queue.put((choice, None))
         except Exception as exc:
-            queue.put_nowait(exc)
+            await queue.put(exc)
 
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     try:
