@@ -15,6 +15,8 @@ A streaming runner (``registry/hookspecs.py``, "Streaming runners") is a generat
 - A stream closed by its consumer (the client hung up, the deadline passed)
   leaves before its next step: no more steps run for it, and a step runner's
   ``stop(state)`` is called.
+- A stream holds at most ``READ_AHEAD`` responses its consumer has not taken:
+  a slow client's stream takes no step until it reads (the others step on).
 """
 
 from __future__ import annotations
