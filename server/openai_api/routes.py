@@ -111,16 +111,22 @@ async def embeddings(request: web.Request) -> web.Response:
 
 
 async def _asked(request: web.Request, check: Callable[[Any], T]) -> T:
-    """The request's body, read and checked by ``check``. A refusal is counted here (its
-    route is known only once the body is read): :func:`measured` never sees it."""
+    """The request's body, read and checked by ``check`` (on the pool with the parse, for a
+    large body: a million messages take seconds). A refusal is counted here (its route is
+    known only once the body is read): :func:`measured` never sees it."""
     started = time.perf_counter()
-    body = None
+    model: Any = None
+
+    def parsed(raw: bytes) -> T:
+        nonlocal model
+        body = parse_json(raw)
+        model = body.get("model") if isinstance(body, dict) else None
+        return check(body)
+
     try:
         bodies = request.app[BODIES]
-        body = await bodies.parse(request, await bodies.read(request), parse_json)
-        return check(body)
+        return await bodies.parse(request, await bodies.read(request), parsed)
     except PlugserveError as exc:
-        model = body.get("model") if isinstance(body, dict) else None
         route = model if isinstance(model, str) else UNKNOWN_ROUTE
         if route not in request.app[REGISTRY].routes.entries:
             route = UNKNOWN_ROUTE
