@@ -18,7 +18,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from registry.errors import DeadlineExceeded, PlugserveError
+from registry.errors import DeadlineExceeded, PluginError, PlugserveError
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.middleware import REQUEST_ID_HEADER, VARIANT_HEADER
 
@@ -77,9 +77,16 @@ async def send(
         request[STREAM_STATUS] = late.status
         await answer.write(fail(late))
     except PlugserveError as exc:
-        log.log(40 if exc.status == 500 else 10, "stream_failed", error=exc.message)
+        cause = exc.exc if isinstance(exc, PluginError) else None  # its traceback, logged
+        log.log(40 if exc.status == 500 else 10, "stream_failed", error=exc.message, exc_info=cause)
         request[STREAM_STATUS] = exc.status
         await answer.write(fail(exc))
+    except ConnectionError:  # the client left: nothing more can reach it
+        raise
+    except Exception:  # a fault of the server's once the answer began: the client is told
+        log.exception("stream_internal_error")
+        request[STREAM_STATUS] = 500
+        await answer.write(fail(PlugserveError("internal server error")))
     await answer.write_eof()
     return answer
 
