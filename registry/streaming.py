@@ -15,6 +15,8 @@ A streaming runner (``registry/hookspecs.py``, "Streaming runners") is a generat
 - A stream closed by its consumer (the client hung up, the deadline passed)
   leaves before its next step: no more steps run for it, and a step runner's
   ``stop(state)`` is called.
+- A stream holds at most ``READ_AHEAD`` responses its consumer has not taken:
+  a slow client's stream takes no step until it reads (the others step on).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ StreamKind = Literal["generator", "steps"]
 Arrays = Mapping[str, np.ndarray]
 _END = object()
 RETRY_AFTER_S = 1
+READ_AHEAD = 8
+"""Responses a stream may hold that its consumer has not taken: past it, no step runs for
+it (a step runner's stream waits out of the batch; a generator's next step waits), so a
+client that reads slowly, or not at all, holds its runner back rather than filling memory."""
 
 log = structlog.get_logger("plugserve.streaming")
 
@@ -71,13 +77,21 @@ class Stream:
         """Its consumer left: no more steps run for it."""
         self.task: asyncio.Task[None] | None = None
         """A generator's stream: the task running it."""
+        self.parked = False
+        """A step runner's stream left out of the batches until its consumer takes a response."""
         self._items: asyncio.Queue[Any] = asyncio.Queue()
+        self._room = asyncio.Event()
+        self._room.set()
 
     def __aiter__(self) -> AsyncIterator[Arrays]:
         return self
 
     async def __anext__(self) -> Arrays:
         item = await self._items.get()
+        if not self.full:
+            self._room.set()
+            if self.parked:
+                self._scheduler.resume(self)
         if item is _END:
             self._items.put_nowait(_END)  # iterating again ends again
             raise StopAsyncIteration
@@ -92,9 +106,20 @@ class Stream:
             self.closed = True
             self._scheduler.closed(self)
 
+    @property
+    def full(self) -> bool:
+        """Whether it holds :data:`READ_AHEAD` responses its consumer has not taken."""
+        return self._items.qsize() >= READ_AHEAD
+
+    async def room(self) -> None:
+        """Wait until its consumer has taken enough responses for one more."""
+        await self._room.wait()
+
     def put(self, response: Arrays) -> None:
         if not self.closed:
             self._items.put_nowait(response)
+            if self.full:
+                self._room.clear()
 
     def end(self, error: BaseException | None = None) -> None:
         self._items.put_nowait(_END if error is None else error)
@@ -135,6 +160,7 @@ class StreamScheduler:
         self._starting: deque[Stream] = deque()
         self._active: deque[Stream] = deque()
         self._stepping: list[Stream] = []
+        self._parked: set[Stream] = set()
         self._seq = itertools.count()
         self._steps_task: asyncio.Task[None] | None = None
         self._pumps: set[asyncio.Task[None]] = set()
@@ -172,8 +198,22 @@ class StreamScheduler:
             stream.place = "left"
             self.waiting -= 1
             self.breaker.release()
+        elif stream.parked:  # a step runner's stream out of the batches: it leaves now
+            self._parked.discard(stream)
+            stream.parked = False
+            self._left(stream)
         elif stream.task is not None:  # a generator: stopped now (a sync one: after its step)
             stream.task.cancel()
+
+    def resume(self, stream: Stream) -> None:
+        """``stream``'s consumer took a response: it joins the batches again."""
+        self._parked.discard(stream)
+        stream.parked = False
+        if self._closing or stream.place != "running":
+            return
+        self._active.append(stream)
+        if self._steps_task is None or self._steps_task.done():
+            self._steps_task = asyncio.create_task(self._run_steps(), name=f"steps {self.label}")
 
     def _admit(self) -> None:
         while self._waiting and self.running < self.max_streams:
@@ -237,6 +277,9 @@ class StreamScheduler:
                 stream = self._active.popleft()
                 if stream.closed:
                     self._left(stream)
+                elif stream.full:  # its consumer is behind: no step for it until it reads
+                    stream.parked = True
+                    self._parked.add(stream)
                 else:
                     batch.append(stream)
             if batch:
@@ -287,6 +330,7 @@ class StreamScheduler:
                 async with contextlib.aclosing(produced):
                     async for response in produced:
                         self._put(stream, response)
+                        await stream.room()
             else:
                 await self._pump_sync(stream, produced)
         except asyncio.CancelledError:
@@ -305,6 +349,7 @@ class StreamScheduler:
         step = None
         try:
             while not stream.closed:
+                await stream.room()
                 step = executor.submit(next, produced, _END)
                 response = await asyncio.wrap_future(step)
                 if response is _END:
@@ -337,10 +382,12 @@ class StreamScheduler:
                 stream.end(gone)
         self._waiting.clear()
         self.waiting = 0
-        for stream in [*self._starting, *self._active, *self._stepping]:
+        for stream in [*self._starting, *self._active, *self._stepping, *self._parked]:
+            stream.parked = False
             self._left(stream, gone)
         self._starting.clear()
         self._active.clear()
+        self._parked.clear()
         if self._steps_task is not None:
             self._steps_task.cancel()
         for task in list(self._pumps):

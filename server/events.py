@@ -18,7 +18,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from registry.errors import DeadlineExceeded, PlugserveError
+from registry.errors import DeadlineExceeded, PluginError, PlugserveError
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.middleware import REQUEST_ID_HEADER, VARIANT_HEADER
 
@@ -28,6 +28,9 @@ HEADERS = {
     "X-Accel-Buffering": "no",  # nginx: pass each event on as it comes
 }
 _END = object()
+STREAM_STATUS = web.RequestKey("stream_status", int)
+"""The status of the error that ended a stream after it began (its answer said 200): what
+the request is counted as (``server/serving.py`` measured)."""
 
 log = structlog.get_logger("plugserve.server")
 
@@ -70,10 +73,20 @@ async def send(
                     await answer.write(encode(response))
         await answer.write(last)
     except TimeoutError:
-        await answer.write(fail(_late(deadline_s)))
+        late = _late(deadline_s)
+        request[STREAM_STATUS] = late.status
+        await answer.write(fail(late))
     except PlugserveError as exc:
-        log.log(40 if exc.status == 500 else 10, "stream_failed", error=exc.message)
+        cause = exc.exc if isinstance(exc, PluginError) else None  # its traceback, logged
+        log.log(40 if exc.status == 500 else 10, "stream_failed", error=exc.message, exc_info=cause)
+        request[STREAM_STATUS] = exc.status
         await answer.write(fail(exc))
+    except ConnectionError:  # the client left: nothing more can reach it
+        raise
+    except Exception:  # a fault of the server's once the answer began: the client is told
+        log.exception("stream_internal_error")
+        request[STREAM_STATUS] = 500
+        await answer.write(fail(PlugserveError("internal server error")))
     await answer.write_eof()
     return answer
 

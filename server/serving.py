@@ -23,6 +23,7 @@ from registry.errors import (
 )
 from registry.types import RequestContext
 from server.connections import cancel_on_hangup
+from server.events import STREAM_STATUS
 from server.logs import REQUEST_CHAIN, REQUEST_ID
 from server.state import DRAIN, METRICS, REGISTRY
 
@@ -121,7 +122,10 @@ async def measured(request: Incoming, route: str, protocol: str, work: Coroutine
         request.app[METRICS].observe(UNKNOWN_ROUTE, protocol, 503, 0.0)
         raise Unavailable("the server is shutting down")
     try:
-        return await work
+        answer = await work
+        if isinstance(request, web.BaseRequest):  # a stream that failed after it began
+            status = request.get(STREAM_STATUS, status)
+        return answer
     except PlugserveError as exc:
         status = exc.status
         raise

@@ -23,6 +23,9 @@ from registry.errors import InvalidInput
 
 MAX_CHOICES = 16
 MAX_STOPS = 4
+MAX_STOP_CHARS = 1000
+"""Longest ``stop`` sequence: the text that may begin one is held back and searched on every
+token (``server/openai_api/routes.py`` Stops), in time that grows with its square."""
 MAX_TOKENS_LIMIT = 1_000_000
 ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "audio")
@@ -220,6 +223,8 @@ def _stops(value: Any) -> tuple[str, ...]:
         or not all(isinstance(s, str) and s for s in stops)
     ):
         raise Refused(f"'stop' must be a text or up to {MAX_STOPS} non-empty texts", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise Refused(f"a 'stop' sequence must be at most {MAX_STOP_CHARS} characters", "stop")
     return tuple(stops)
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -33,11 +34,20 @@ from server import events
 from server.logs import REQUEST_ID
 from server.openai_api import errors, requests
 from server.predict import parse_json
-from server.serving import admit, deadline_seconds, measured, request_context, serve, streamed
-from server.state import BODIES, REGISTRY, RESPONSE_CACHE
+from server.serving import (
+    UNKNOWN_ROUTE,
+    admit,
+    deadline_seconds,
+    measured,
+    request_context,
+    serve,
+    streamed,
+)
+from server.state import BODIES, METRICS, REGISTRY, RESPONSE_CACHE
 from server.triton.generate import json_value
 
 PROTOCOL = "openai"
+T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 
 
@@ -96,14 +106,33 @@ def _check_serves(chain: Chain, kind: str) -> None:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    body = await _body(request)
-    asked = requests.embeddings(body)
+    asked = await _asked(request, requests.embeddings)
     return await measured(request, asked.model, PROTOCOL, _embed(request, asked))
 
 
-async def _body(request: web.Request) -> Any:
-    bodies = request.app[BODIES]
-    return await bodies.parse(request, await bodies.read(request), parse_json)
+async def _asked(request: web.Request, check: Callable[[Any], T]) -> T:
+    """The request's body, read and checked by ``check`` (on the pool with the parse, for a
+    large body: a million messages take seconds). A refusal is counted here (its route is
+    known only once the body is read): :func:`measured` never sees it."""
+    started = time.perf_counter()
+    model: Any = None
+
+    def parsed(raw: bytes) -> T:
+        nonlocal model
+        body = parse_json(raw)
+        model = body.get("model") if isinstance(body, dict) else None
+        return check(body)
+
+    try:
+        bodies = request.app[BODIES]
+        return await bodies.parse(request, await bodies.read(request), parsed)
+    except PlugserveError as exc:
+        route = model if isinstance(model, str) else UNKNOWN_ROUTE
+        if route not in request.app[REGISTRY].routes.entries:
+            route = UNKNOWN_ROUTE
+        took = time.perf_counter() - started
+        request.app[METRICS].observe(route, PROTOCOL, exc.status, took)
+        raise
 
 
 async def _embed(request: web.Request, asked: requests.Embeddings) -> web.Response:
@@ -165,12 +194,12 @@ def _shortened(vectors: np.ndarray, dimensions: int) -> np.ndarray:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    asked = requests.chat(await _body(request))
+    asked = await _asked(request, requests.chat)
     return await measured(request, asked.model, PROTOCOL, _generate(request, asked, "chat"))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    asked = requests.completions(await _body(request))
+    asked = await _asked(request, requests.completions)
     return await measured(request, asked.model, PROTOCOL, _generate(request, asked, "completions"))
 
 
@@ -221,9 +250,11 @@ async def _pieces(
     """The text of one choice, piece by piece; ``choice.finish`` is set when it ends."""
     stops = Stops(asked.stop)
     usage = choice.ctx.usage
+    # Bytes are decoded across responses: a character's bytes may come in two tokens.
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
     async with contextlib.aclosing(streamed(request, chain, choice.data, choice.ctx)) as responses:
         async for response in responses:
-            text, stopped = stops.feed(_text(chain, response))
+            text, stopped = stops.feed(_text(chain, response, decoder))
             if text:
                 yield text
             if stopped:
@@ -234,16 +265,24 @@ async def _pieces(
                 and usage.get("completion_tokens", 0) >= asked.max_tokens
             ):
                 break
-    if tail := stops.flush():
+    text, stopped = stops.feed(decoder.decode(b"", final=True))
+    if tail := text + ("" if stopped else stops.flush()):
         yield tail
+    if stopped:
+        choice.finish = "stop"
+        return
     limit = asked.max_tokens or usage.get("max_tokens")
     made = usage.get("completion_tokens", 0)
     choice.finish = "length" if limit is not None and made >= limit else "stop"
 
 
-def _text(chain: Chain, response: Any) -> str:
+def _text(chain: Chain, response: Any, decoder: codecs.IncrementalDecoder) -> str:
     if isinstance(response, dict):
         response = response.get("text_output", response.get("text"))
+    if isinstance(response, np.ndarray) and response.size == 1:
+        response = response.reshape(()).item()
+    if isinstance(response, bytes):
+        return decoder.decode(response)
     value = json_value(response)
     if not isinstance(value, str):
         problem = TypeError(f"a response without 'text_output' text ({type(value).__name__})")
@@ -370,16 +409,17 @@ async def _interleaved(
                 yield choice, text
         yield choice, None
         return
-    queue: asyncio.Queue[tuple[Choice, str | None] | BaseException] = asyncio.Queue()
+    # Bounded: a client that reads slowly holds the choices' streams back (READ_AHEAD).
+    queue: asyncio.Queue[tuple[Choice, str | None] | BaseException] = asyncio.Queue(len(choices))
 
     async def pump(choice: Choice) -> None:
         try:
             async with contextlib.aclosing(_pieces(request, chain, choice, asked)) as pieces:
                 async for text in pieces:
-                    queue.put_nowait((choice, text))
-            queue.put_nowait((choice, None))
+                    await queue.put((choice, text))
+            await queue.put((choice, None))
         except Exception as exc:
-            queue.put_nowait(exc)
+            await queue.put(exc)
 
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     try:

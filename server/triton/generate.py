@@ -16,6 +16,7 @@ first axis), any other route's one response.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from registry.chain import Chain
-from registry.errors import InvalidInput, PlugserveError
+from registry.errors import InvalidInput, PluginError, PlugserveError
 from server import events
 from server.predict import parse_json
 from server.serving import admit, deadline_seconds, measured, request_context, serve, streamed
@@ -62,11 +63,12 @@ async def _generate(request: web.Request, route: str, stream: bool) -> web.Strea
         async with contextlib.aclosing(streamed(request, chain, data, ctx)) as responses:
             if not stream:
                 merged = merge([r async for r in responses])
-                return web.json_response({**head, **fields(merged)}, dumps=_dumps)
+                body = _encoded(chain, _dumps, {**head, **fields(merged)})
+                return web.Response(body=body, content_type="application/json")
             return await events.send(
                 request,
                 responses,
-                lambda response: events.event({**head, **fields(response)}),
+                lambda response: _encoded(chain, events.event, {**head, **fields(response)}),
                 _error_event,
                 deadline,
             )
@@ -88,7 +90,7 @@ def json_value(value: Any) -> Any:
         if value.size == 1:
             value = value.reshape(()).item()
         else:
-            if value.dtype.kind == "O":
+            if value.dtype.kind in "OUS":  # orjson writes no text arrays
                 return [json_value(v) for v in value.tolist()]
             return np.ascontiguousarray(value)
     if isinstance(value, bytes):
@@ -123,12 +125,21 @@ def _joined(values: list[Any]) -> Any:
     return values[-1]
 
 
+def _encoded(chain: Chain, encode: Callable[[Any], bytes], payload: dict[str, Any]) -> bytes:
+    """``encode(payload)``; a value JSON cannot hold (complex numbers) is the last stage's
+    fault, a 500 naming it (an error event once the stream began), not an internal error."""
+    try:
+        return encode(payload)
+    except TypeError as exc:
+        raise PluginError(chain.stages[-1].label, exc) from None
+
+
+def _dumps(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def _error_event(exc: PlugserveError) -> bytes:
     return events.event({"error": exc.message})
-
-
-def _dumps(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).decode()
 
 
 def add_routes(app: web.Application) -> None:

@@ -10,7 +10,7 @@ import pytest
 from registry.batching import BatchPolicy
 from registry.breaker import CircuitBreaker
 from registry.errors import InvalidInput, PluginError, PlugserveError, TooManyRequests
-from registry.streaming import Stream, StreamScheduler, stream_kind
+from registry.streaming import READ_AHEAD, Stream, StreamScheduler, stream_kind
 
 
 class Counter:
@@ -189,3 +189,36 @@ async def test_a_generator_runner_streams_and_is_closed_when_its_client_leaves()
             break
         await asyncio.sleep(0.01)
     assert closed == [1] and streams.running == 0
+
+
+async def test_a_stream_whose_consumer_does_not_read_runs_no_further_than_read_ahead() -> None:
+    counter = Counter()
+    streams = scheduler(counter)
+    idle = streams.open(inputs("idle", 1000), None)
+    busy = streams.open(inputs("busy", 30), None)
+    assert await drain(busy) == list(range(29, -1, -1))  # the other streams step on
+    await asyncio.sleep(0.05)
+    assert sum("idle" in names for names in counter.steps) == READ_AHEAD
+    assert len(await drain(idle)) == 1000  # read, it runs to its end
+    parked = streams.open(inputs("parked", 1000), None)
+    await asyncio.sleep(0.05)
+    parked.close()  # closed while out of the batches: stopped, its place freed
+    assert counter.stopped[-1] == "parked" and streams.running == 0
+
+    made: list[int] = []
+
+    class Endless:
+        async def infer(self, inputs: Any) -> Any:
+            while True:
+                made.append(1)
+                yield {"i": np.array([len(made)])}
+
+    generators = StreamScheduler(
+        Endless(), "generator", BatchPolicy(), 4, "runner/gen@1", None,
+        CircuitBreaker("runner/gen@1"), fault,
+    )  # fmt: skip
+    stream = generators.open({"x": np.array([1])}, None)
+    await asyncio.sleep(0.05)
+    assert len(made) == READ_AHEAD
+    assert [int((await anext(stream))["i"][0]) for _ in range(20)] == list(range(1, 21))
+    stream.close()
