@@ -107,18 +107,16 @@ def client_main(argv: list[str]) -> None:
         uvloop.install()
     except ImportError:
         pass
-    print(json.dumps(asyncio.run(_client(url, streams, seconds, tokens))))
+    result = asyncio.run(_client(url, streams, seconds, tokens))
+    Path(argv[4]).write_text(json.dumps(result))  # a file: stdout is not blocking-safe here
 
 
 def measure(url: str, streams: int, seconds: float, tokens: int) -> dict[str, Any]:
-    command = [sys.executable, "-m", "tests.benchmarks.generation", "--client", url,
-               str(streams), str(seconds), str(tokens)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
-    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    try:
-        return json.loads(last)  # type: ignore[no-any-return]
-    except json.JSONDecodeError:
-        raise RuntimeError(f"client: {done.stdout[:300]!r} {done.stderr[-2000:]}") from None
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [sys.executable, "-m", "tests.benchmarks.generation", "--client", url,
+                   str(streams), str(seconds), str(tokens), out.name]  # fmt: skip
+        subprocess.run(command, cwd=ROOT, check=True)
+        return json.loads(Path(out.name).read_text())  # type: ignore[no-any-return]
 
 
 # -- the servers -------------------------------------------------------------------------------
