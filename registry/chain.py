@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +13,9 @@ import numpy as np
 from registry import tracing
 from registry.components import LoadedPlugin
 from registry.types import RequestContext
+
+
+StageCall = Callable[[LoadedPlugin, Any, RequestContext], Awaitable[Any]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,12 +69,7 @@ class Chain:
         ok = cancelled = False
         call = _call if tracing.TRACER is None else _traced
         try:
-            if _tensors(data):
-                data = self.stages[0].check_request(data, self.route)
-            for stage in self.preprocess:
-                data = await call(stage, data, ctx)
-            mark = time.perf_counter()
-            ctx.timings["compute_input"] = mark - started
+            data = await self._preprocess(data, ctx, call, started)
             data = await call(self.runner, data, ctx)
             mark = time.perf_counter()
             for stage in self.postprocess:
@@ -83,9 +81,23 @@ class Chain:
             cancelled = True
             raise
         finally:
-            if self.runner.stats is not None and not cancelled:
-                took = time.perf_counter() - started
-                self.runner.stats.record_request(ok, took, ctx.timings, ctx.rows)
+            if not cancelled:
+                self._record(ok, started, ctx)
+
+    async def _preprocess(self, data: Any, ctx: RequestContext, call: Any, started: float) -> Any:
+        """The request checked against the first stage's inputs, through the preprocessors."""
+        if _tensors(data):
+            data = self.stages[0].check_request(data, self.route)
+        for stage in self.preprocess:
+            data = await call(stage, data, ctx)
+        ctx.timings["compute_input"] = time.perf_counter() - started
+        return data
+
+    def _record(self, ok: bool, started: float, ctx: RequestContext) -> None:
+        """The request in the runner version's statistics."""
+        if self.runner.stats is not None:
+            took = time.perf_counter() - started
+            self.runner.stats.record_request(ok, took, ctx.timings, ctx.rows)
 
     @property
     def streaming(self) -> bool:
@@ -109,11 +121,7 @@ class Chain:
         call = _call if tracing.TRACER is None else _traced
         usage = ctx.usage
         try:
-            if _tensors(data):
-                data = self.stages[0].check_request(data, self.route)
-            for stage in self.preprocess:
-                data = await call(stage, data, ctx)
-            ctx.timings["compute_input"] = time.perf_counter() - started
+            data = await self._preprocess(data, ctx, call, started)
             responses = self.runner.open_stream(data, ctx)
             try:
                 async for response in responses:
@@ -131,9 +139,8 @@ class Chain:
             cancelled = True
             raise
         finally:
-            if self.runner.stats is not None and not cancelled:
-                took = time.perf_counter() - started
-                self.runner.stats.record_request(ok, took, ctx.timings, ctx.rows)
+            if not cancelled:
+                self._record(ok, started, ctx)
 
     def metadata(self) -> dict[str, Any]:
         """Tensor specs of the route: the first stage's inputs and the last stage's outputs.
