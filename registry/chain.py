@@ -14,7 +14,6 @@ from registry import tracing
 from registry.components import LoadedPlugin
 from registry.types import RequestContext
 
-
 StageCall = Callable[[LoadedPlugin, Any, RequestContext], Awaitable[Any]]
 
 
