@@ -64,7 +64,7 @@ def blocks(path: Path) -> list[Block]:
         marker = MARKER.search(before[-1]) if before else None
         found.append(
             Block(
-                doc=path.relative_to(ROOT).as_posix(),
+                doc=(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path).as_posix(),
                 line=index + 1,
                 lang=opening.group(2),
                 text="\n".join(lines[index + 1 : end]) + "\n",
