@@ -49,7 +49,18 @@ def manifest_error(block: Block, project: Project) -> None:
     assert str(error.value) == f"{project.folder / 'errors'}/{line}", block.where
 
 
+def file_list(block: Block, project: Project) -> None:
+    """A folder's listing (the folder, then one entry a line): exactly what it holds."""
+    folder, *entries = block.text.strip().splitlines()
+    listed = {line.split()[0] for line in entries}
+    held = {p.name + ("/" if p.is_dir() else "") for p in (ROOT / folder).iterdir()}
+    assert listed == held, (
+        f"{block.where}: lists {sorted(listed - held)}, leaves out {sorted(held - listed)}"
+    )
+
+
 CHECKS: dict[str, Callable[[Block, Project], None]] = {
+    "file-list": file_list,
     "cli-synopsis": cli_synopsis,
     "manifest-error": manifest_error,
 }

@@ -3,12 +3,15 @@ in operations.md's table, the reload statuses, and links that stay in the reposi
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from registry.manifest import RUNNER_KEYS
+from server.config import Settings
 from tests.docs.blocks import DOCS
 from tests.docs.compare import mismatch, parse_expected
 from tests.helpers import ROOT, ServerProcess
@@ -98,3 +101,50 @@ def test_docs_point_only_at_files_in_the_repository(doc: Path) -> None:
             continue
         target = (doc.parent / link).resolve()
         assert target.is_relative_to(ROOT) and target.exists(), f"{doc.name}: link {link}"
+
+
+SECURITY = (ROOT / "docs" / "security.md").read_text()
+UNITS = {"": 1, "s": 1, "ms": 1, "KiB": 1024, "MiB": 1024**2}
+
+
+def test_security_md_limits_name_real_settings_with_their_defaults() -> None:
+    defaults = Settings()
+    checked = 0
+    table = SECURITY.split("| limit | default | setting | over it |\n| --- | --- | --- | --- |\n")[
+        1
+    ]
+    rows = table.split("\n\n")[0].splitlines()
+    assert len(rows) > 20
+    for row in rows:
+        _, default, setting, _ = (cell.strip() for cell in row.strip("|").split(" | ", 3))
+        names = re.findall(r"`([a-z]+(?:_[a-z]+)+)", setting)
+        if setting.startswith("`[runner]"):
+            assert set(names) <= RUNNER_KEYS, f"docs/security.md: {row}"
+            continue
+        names = [n for n in names if n != "rate_limit"]  # a [route] key
+        assert set(names) <= Settings.__dataclass_fields__.keys(), f"docs/security.md: {row}"
+        number = re.fullmatch(r"(\d+)(?: (s|ms|MiB|KiB))?|2\^(\d+) \([\d,]+\)", default)
+        if names and number:
+            value = (
+                int(number.group(1)) * UNITS[number.group(2) or ""]
+                if number.group(1)
+                else 2 ** int(number.group(3))
+            )
+            assert getattr(defaults, names[0]) == value, f"docs/security.md: {row}"
+            checked += 1
+    assert checked >= 8, checked
+
+
+def test_error_messages_the_docs_quote_are_the_servers(bundled: ServerProcess) -> None:
+    unknown = re.search(r"Triton's text, which its clients look for: `([^`]+)`", API)
+    assert unknown, "docs/api.md: the unknown route's text"
+    _, _, body = bundled.request("POST", "/v2/models/nowhere/infer", {"inputs": []})
+    assert json.loads(body)["error"] == unknown.group(1).replace("<route>", "nowhere")
+    plugins = (ROOT / "docs" / "plugins.md").read_text()
+    cast = re.search(r"a 400 such as `(input 'x' is FP32; the request sent FP64)`", plugins)
+    assert cast, "docs/plugins.md: the datatype error"
+    request = {
+        "inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP64", "data": [1, 2, 3, 4]}]
+    }
+    status, _, body = bundled.request("POST", "/v2/models/iris/infer", request)
+    assert status == 400 and json.loads(body)["error"] == cast.group(1).replace("'x'", "'input'")
