@@ -18,7 +18,7 @@ from registry.registry import Registry
 from registry.routes import RouteSpec, RouteSpecError, parse_route
 from registry.versions import Version
 from server import __version__
-from server.auth import ADMIN_PREFIX
+from server.auth import ADMIN_PREFIX, check_page_address
 from server.auth import admin_only as protected
 from server.state import METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
@@ -165,8 +165,10 @@ async def status_page(request: web.Request) -> web.Response:
     """A small self-contained page (no external assets) that refreshes itself from /admin/status.
 
     With a token configured, open it as ``/admin/#token=<token>``: the fragment never
-    leaves the browser, and the page sends it as a bearer token.
+    leaves the browser, and the page sends it as a bearer token. With ``admin_port`` set
+    it is served there only, as the data it shows.
     """
+    check_page_address(request, request.app[SETTINGS])
     return web.Response(body=STATUS_PAGE, content_type="text/html")
 
 

@@ -102,8 +102,7 @@ def check_admin_call(
     match it (the inference token never does); without one, only loopback
     clients are let in.
     """
-    if settings.admin_port is not None and local_port != settings.admin_port:
-        raise NotFound("the control plane listens on its own address")
+    check_admin_address(settings, local_port)
     admin_token = settings.admin_token
     if admin_token is None:
         if not is_loopback(remote):
@@ -113,6 +112,17 @@ def check_admin_call(
         raise Unauthorized("admin calls need 'Authorization: Bearer <admin token>'")
     if not _accepts(token, (_digest(_as_bytes(admin_token)),)):
         raise Unauthorized("the bearer token given is not the admin token")
+
+
+def check_admin_address(settings: Settings, local_port: int | None) -> None:
+    """Raise 404 when ``admin_port`` is set and the call reached another port."""
+    if settings.admin_port is not None and local_port != settings.admin_port:
+        raise NotFound("the control plane listens on its own address")
+
+
+def check_page_address(request: web.Request, settings: Settings) -> None:
+    """The status page, open to all, is still only on the control plane's address."""
+    check_admin_address(settings, _local_port(request))
 
 
 def admin_only(handler: Handler) -> Handler:

@@ -236,6 +236,12 @@ def test_admin_on_its_own_port_with_a_token_from_a_file(
     request = urllib.request.Request(admin + "/admin/plugins", headers=auth)
     with urllib.request.urlopen(request, timeout=5) as response:
         assert response.status == 200
+    # issue 17: the status page too is only on the admin port; that port serves the data
+    # plane as well (docs/security.md says both).
+    assert srv.request("GET", "/admin/")[0] == 404
+    for path in ("/admin/", "/v2/health/live"):
+        with urllib.request.urlopen(admin + path, timeout=5) as response:
+            assert response.status == 200, path
     assert "s3cret-token" not in srv.log()
 
 
