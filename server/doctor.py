@@ -112,13 +112,9 @@ def _python() -> Check:
 def _onnxruntime() -> list[Check]:
     """ONNX Runtime's version and providers, then the libraries its GPU providers need."""
     runtimes = installed_runtimes()
-    if len(runtimes) > 1:  # one overwrote the other's files: which one imports is luck
-        fix = (
-            extra_command("gpu", replace=list(RUNTIMES))
-            + f"  (CPU only: {extra_command('cpu', replace=list(RUNTIMES))})"
-        )
-        detail = "onnxruntime and onnxruntime-gpu are both installed: they share one module"
-        return [Check("onnxruntime", "error", detail, fix, data={"installed": runtimes})]
+    conflict = runtime_conflict(runtimes)
+    if conflict is not None:
+        return [conflict]
     try:
         import onnxruntime
     except ImportError as exc:
@@ -143,6 +139,18 @@ def _onnxruntime() -> list[Check]:
         checks.append(Check("gpu", "warning", "a CPU-only ONNX Runtime: no CUDA provider", fix))
         return checks
     return checks + gpu_checks(Path(onnxruntime.__file__).parent / "capi", cuda, package)
+
+
+def runtime_conflict(runtimes: list[str]) -> Check | None:
+    """An error when both ONNX Runtime builds are installed: one overwrote the other's files."""
+    if len(runtimes) < 2:
+        return None
+    fix = (
+        extra_command("gpu", replace=list(RUNTIMES))
+        + f"  (CPU only: {extra_command('cpu', replace=list(RUNTIMES))})"
+    )
+    detail = "onnxruntime and onnxruntime-gpu are both installed: they share one module"
+    return Check("onnxruntime", "error", detail, fix, data={"installed": runtimes})
 
 
 def _build_info() -> dict[str, str]:
