@@ -242,15 +242,7 @@ def _fallback(ort: Any, requested: str, used: str, options: OrtOptions, plugin: 
         fields["reason"] = reason or "no usable GPU (no device, or no NVIDIA driver)"
         if library is not None:
             fields["missing_library"] = library
-        fields["fix"] = (
-            (
-                install_command("tensorrt")
-                if library.startswith(TENSORRT_LIBRARIES)
-                else gpu_fix(ort)
-            )
-            if library is not None
-            else "check nvidia-smi and the driver; plugserve doctor lists the GPU libraries"
-        )
+        fields["fix"] = _fix(ort, library)
     if options.require:
         said = "; ".join(f"{k}: {v}" for k, v in fields.items() if k in ("reason", "fix"))
         raise PluginLoadError(
@@ -258,6 +250,19 @@ def _fallback(ort: Any, requested: str, used: str, options: OrtOptions, plugin: 
             f"fell back to {used}" + (f" ({said})" if said else " (see ONNX Runtime's log)")
         )
     plugin.logger.warning("provider_fallback", **fields)
+
+
+def _fix(ort: Any, library: str | None) -> str:
+    """The command that brings ``library``, or where to look when none was missing."""
+    if library is None:
+        return "check nvidia-smi and the driver; plugserve doctor lists the GPU libraries"
+    if library.startswith(TENSORRT_LIBRARIES):
+        # ONNX Runtime does not search the TensorRT wheel's folder (docs/gpu.md).
+        return (
+            f"{install_command('tensorrt')}, then its tensorrt_libs folder on "
+            "LD_LIBRARY_PATH (plugserve doctor prints it)"
+        )
+    return gpu_fix(ort)
 
 
 def _session_options(ort: Any, options: OrtOptions, model_path: Path) -> tuple[Any, Path]:

@@ -63,6 +63,22 @@ def test_a_cuda_fallback_names_the_missing_library_and_the_extra(tmp_path: Path)
     assert library in message and "[gpu]" in message
 
 
+@pytest.mark.skipif(not GPU_BUILD, reason="the CPU build of ONNX Runtime: no TensorRT provider")
+def test_a_tensorrt_fallback_says_which_library_too(tmp_path: Path) -> None:
+    reason = provider_load_error(ort, "TensorrtExecutionProvider")
+    if reason is None:
+        pytest.skip("TensorRT's provider loads here: nothing falls back for that")
+    model = add_model(tmp_path / "a.onnx")
+    providers = ["TensorrtExecutionProvider", "CPUExecutionProvider"]
+    with structlog.testing.capture_logs() as events:
+        create_runner(info(tmp_path), {"providers": providers}, model)
+    (fallback,) = [e for e in events if e["event"] == "provider_fallback"]
+    assert fallback["requested"] == "TensorrtExecutionProvider"
+    assert fallback["missing_library"] in reason
+    trt = fallback["missing_library"].startswith(("libnvinfer", "libnvonnxparser"))
+    assert ("[tensorrt]" if trt else "[gpu]") in fallback["fix"]
+
+
 @pytest.mark.skipif(GPU_BUILD, reason="onnxruntime-gpu: the CUDA provider is there")
 def test_the_cpu_build_says_how_to_get_the_gpu_one(tmp_path: Path) -> None:
     model = add_model(tmp_path / "a.onnx")
