@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from registry.backends.ort_gpu import RUNTIMES, installed_runtimes
+from registry.backends.ort_gpu import install_command as extra_command
 from registry.errors import PlugserveError
 from registry.fleet import EtcdLocation
 from server import __version__
@@ -45,8 +47,11 @@ PROVIDER_FILES = {
 }
 
 WHEELS_FIX = (
-    "found in the NVIDIA wheels only, which ONNX Runtime searches once "
-    "onnxruntime.preload_dlls() has run: export LD_LIBRARY_PATH={folders}"
+    "found in the TensorRT wheels only, which ONNX Runtime's TensorRT provider does not "
+    "search: export LD_LIBRARY_PATH={folders}"
+)
+WHEELS_PRELOADED = (
+    "{detail}; from the NVIDIA wheels, which plugserve loads (onnxruntime.preload_dlls)"
 )
 
 
@@ -106,10 +111,14 @@ def _python() -> Check:
 
 def _onnxruntime() -> list[Check]:
     """ONNX Runtime's version and providers, then the libraries its GPU providers need."""
+    runtimes = installed_runtimes()
+    conflict = runtime_conflict(runtimes)
+    if conflict is not None:
+        return [conflict]
     try:
         import onnxruntime
     except ImportError as exc:
-        fix = 'pip install onnxruntime  (or "onnxruntime-gpu[cuda,cudnn]" for NVIDIA GPUs)'
+        fix = f"{extra_command('cpu')}  (NVIDIA GPUs: {extra_command('gpu')})"
         return [Check("onnxruntime", "error", f"cannot be imported: {exc}", fix)]
     build = _build_info()
     providers = onnxruntime.get_available_providers()
@@ -126,10 +135,22 @@ def _onnxruntime() -> list[Check]:
         ),
     ]
     if cuda is None:
-        fix = f'pip uninstall -y {package} && pip install "onnxruntime-gpu[cuda,cudnn]"'
+        fix = extra_command("gpu", replace=runtimes or [package])
         checks.append(Check("gpu", "warning", "a CPU-only ONNX Runtime: no CUDA provider", fix))
         return checks
     return checks + gpu_checks(Path(onnxruntime.__file__).parent / "capi", cuda, package)
+
+
+def runtime_conflict(runtimes: list[str]) -> Check | None:
+    """An error when both ONNX Runtime builds are installed: one overwrote the other's files."""
+    if len(runtimes) < 2:
+        return None
+    fix = (
+        extra_command("gpu", replace=list(RUNTIMES))
+        + f"  (CPU only: {extra_command('cpu', replace=list(RUNTIMES))})"
+    )
+    detail = "onnxruntime and onnxruntime-gpu are both installed: they share one module"
+    return Check("onnxruntime", "error", detail, fix, data={"installed": runtimes})
 
 
 def _build_info() -> dict[str, str]:
@@ -160,12 +181,15 @@ def gpu_checks(capi: Path, cuda_version: str, package: str) -> list[Check]:
         wheels = sorted({where for where in found.values() if where not in (None, "system")})
         detail = ", ".join(f"{s} ({where or 'missing'})" for s, where in found.items())
         fix = install_command(group, missing, major, package) if missing else None
-        if wheels and not missing:
+        preloaded = bool(wheels) and not missing and group != "tensorrt"
+        if wheels and not missing and not preloaded:
             fix = WHEELS_FIX.format(folders=":".join(wheels))
+        if preloaded:
+            detail = WHEELS_PRELOADED.format(detail=detail)
         checks.append(
             Check(
                 group,
-                "warning" if missing or wheels else "ok",
+                "warning" if missing or (wheels and not preloaded) else "ok",
                 detail or "nothing needed",
                 fix,
                 data={"libraries": found, "missing": missing},
@@ -255,8 +279,10 @@ def _pip_command(group: str, missing: list[str], major: str, package: str) -> st
     wanted = [_wheel(soname, major) for soname in missing]
     covered = set(extras.get("cuda", ())) | set(extras.get("cudnn", ()))
     rest = sorted({w for w in wanted if w.split("~=")[0] not in covered})
-    head = f'"{package}[cuda,cudnn]=={_version(package)}"' if extras else ""
-    return "pip install " + " ".join(filter(None, [head, *(f'"{w}"' for w in rest)]))
+    if not extras:  # an onnxruntime-gpu without the cuda/cudnn extras: the wheels by name
+        return "pip install " + " ".join(f'"{w}"' for w in rest)
+    # plugserve[gpu] is onnxruntime-gpu[cuda,cudnn]; the installed one satisfies it.
+    return " ".join([extra_command("gpu"), *(f'"{w}"' for w in rest)])
 
 
 def _wheel(soname: str, major: str) -> str:
@@ -291,13 +317,6 @@ def _extras(package: str) -> dict[str, list[str]]:
             name = requirement.split("~=")[0].split(">=")[0].split("==")[0].strip()
             extras.setdefault(extra, []).append(name)
     return {k: v for k, v in extras.items() if k in ("cuda", "cudnn")}
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 def _settings(config: Path | None) -> tuple[Check, Settings | None]:

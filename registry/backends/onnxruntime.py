@@ -20,6 +20,16 @@ from typing import Any
 
 import numpy as np
 
+from registry.backends.ort_gpu import (
+    GPU_PROVIDERS,
+    TENSORRT_LIBRARIES,
+    build_package,
+    gpu_fix,
+    install_command,
+    missing_library,
+    preload_gpu_libraries,
+    provider_load_error,
+)
 from registry.backends.ort_options import (
     DEFAULT_PROVIDERS,
     RUNNER_KEYS,
@@ -205,15 +215,54 @@ def _choose_providers(ort: Any, options: OrtOptions, plugin: PluginInfo) -> list
     chosen = [p for p in options.providers if p.name in available]
     missing = [p.name for p in options.providers if p.name not in available]
     if missing:
+        gpu = [name for name in missing if name in GPU_PROVIDERS]
+        fix = {"fix": gpu_fix(ort), "onnxruntime": build_package(ort)} if gpu else {}
         if options.require and options.providers[0].name in missing:
+            hint = f"; {fix['onnxruntime']} has no GPU providers: {fix['fix']}" if fix else ""
             raise PluginLoadError(
                 f"{plugin.label}: provider {options.providers[0].name} is required "
-                f"but not available (available: {', '.join(sorted(available))})"
+                f"but not available (available: {', '.join(sorted(available))}){hint}"
             )
         plugin.logger.warning(
-            "providers_unavailable", missing=missing, using=[p.name for p in chosen]
+            "providers_unavailable", missing=missing, using=[p.name for p in chosen], **fix
         )
+    if any(p.name in GPU_PROVIDERS for p in chosen):
+        failed = preload_gpu_libraries(ort)
+        if failed:
+            plugin.logger.debug("gpu_libraries_preload", failed=failed)
     return chosen or [Provider(name) for name in DEFAULT_PROVIDERS]
+
+
+def _fallback(ort: Any, requested: str, used: str, options: OrtOptions, plugin: PluginInfo) -> None:
+    """The session did not take ``requested``: say why and how to fix it, or fail if required."""
+    reason = provider_load_error(ort, requested) if requested in GPU_PROVIDERS else None
+    library = missing_library(reason)
+    fields: dict[str, Any] = {"requested": requested, "using": used}
+    if requested in GPU_PROVIDERS:
+        fields["reason"] = reason or "no usable GPU (no device, or no NVIDIA driver)"
+        if library is not None:
+            fields["missing_library"] = library
+        fields["fix"] = _fix(ort, library)
+    if options.require:
+        said = "; ".join(f"{k}: {v}" for k, v in fields.items() if k in ("reason", "fix"))
+        raise PluginLoadError(
+            f"{plugin.label}: provider {requested} is required but the session "
+            f"fell back to {used}" + (f" ({said})" if said else " (see ONNX Runtime's log)")
+        )
+    plugin.logger.warning("provider_fallback", **fields)
+
+
+def _fix(ort: Any, library: str | None) -> str:
+    """The command that brings ``library``, or where to look when none was missing."""
+    if library is None:
+        return "check nvidia-smi and the driver; plugserve doctor lists the GPU libraries"
+    if library.startswith(TENSORRT_LIBRARIES):
+        # ONNX Runtime does not search the TensorRT wheel's folder (docs/gpu.md).
+        return (
+            f"{install_command('tensorrt')}, then its tensorrt_libs folder on "
+            "LD_LIBRARY_PATH (plugserve doctor prints it)"
+        )
+    return gpu_fix(ort)
 
 
 def _session_options(ort: Any, options: OrtOptions, model_path: Path) -> tuple[Any, Path]:
@@ -253,7 +302,13 @@ def create_runner(
     plugin: PluginInfo, runner: Mapping[str, Any], model_path: Path | None
 ) -> OnnxRuntimeRunner:
     """The ``onnxruntime`` backend factory."""
-    import onnxruntime as ort  # imported on first use: importing plugserve stays light
+    try:
+        import onnxruntime as ort  # imported on first use: importing plugserve stays light
+    except ImportError as exc:
+        raise PluginLoadError(
+            f"{plugin.label}: ONNX Runtime is not installed ({exc}): "
+            f"{install_command('cpu')}, or {install_command('gpu')} for NVIDIA GPUs"
+        ) from None
 
     if model_path is None:
         raise PluginLoadError(f"{plugin.label}: the onnxruntime backend needs [runner] model")
@@ -268,14 +323,7 @@ def create_runner(
     )
     used = session.get_providers()
     if used[:1] != [providers[0].name]:
-        if options.require:
-            raise PluginLoadError(
-                f"{plugin.label}: provider {providers[0].name} is required but the session "
-                f"fell back to {used[0]} (see ONNX Runtime's log for why)"
-            )
-        plugin.logger.warning(
-            "provider_fallback", requested=[p.name for p in providers], using=used
-        )
+        _fallback(ort, providers[0].name, used[0], options, plugin)
     serving = (
         next(p for p in providers if p.name == used[0])
         if used[0] in {p.name for p in providers}

@@ -133,6 +133,14 @@ def _provider(item: Any, index: int, fail: Any) -> Provider:
         return Provider(item)
     if isinstance(item, dict) and isinstance(item.get("name"), str):
         options = {str(k): _text(v) for k, v in item.items() if k != "name"}
+        if options.get("enable_cuda_graph", "").lower() in ("true", "1"):
+            # A captured graph replays on the device addresses of its first run; the
+            # backend hands ONNX Runtime new buffers each batch (docs/gpu.md, CUDA graphs).
+            raise fail(
+                f"providers[{index}].enable_cuda_graph",
+                "CUDA graphs need inputs and outputs kept at fixed device addresses, "
+                "which this backend does not do yet (docs/gpu.md)",
+            )
         return Provider(item["name"], options)
     raise fail(f"providers[{index}]", "must be a provider name or a table with a 'name'")
 

@@ -122,15 +122,31 @@ def _names(requirements: list[str]) -> set[str]:
     return {Requirement(r).name.lower().replace("_", "-") for r in requirements}
 
 
-def test_cpu_requirements_are_setup_cfgs() -> None:
-    """requirements-cpu.txt is install_requires with ONNX Runtime's CPU build for the GPU one."""
+def _requirements(extra: str | None) -> set[str]:
+    """What installing plugserve (with ``extra``) asks for on Linux x86_64, by name."""
     setup = configparser.ConfigParser()
     setup.read(ROOT / "setup.cfg")
-    declared = [r for r in setup["options"]["install_requires"].splitlines() if r.strip()]
-    lines = (DOCKER / "requirements-cpu.txt").read_text().splitlines()
-    cpu = [line for line in lines if line.strip() and not line.startswith("#")]
-    assert _names(cpu) == (_names(declared) - {"onnxruntime-gpu"}) | {"onnxruntime"}
-    assert "onnxruntime-gpu" not in _names(cpu)
+    lines = setup["options"]["install_requires"].splitlines()
+    if extra is not None:
+        lines += setup["options.extras_require"][extra].splitlines()
+    marker = {"platform_system": "Linux", "platform_machine": "x86_64", "sys_platform": "linux"}
+    wanted = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+    return _names([str(r) for r in wanted if r.marker is None or r.marker.evaluate(marker)])
+
+
+def test_each_recipe_installs_one_onnx_runtime() -> None:
+    """The CPU image installs the [cpu] extra (ONNX Runtime's CPU build, nothing of CUDA's);
+    the CUDA image [gpu-system] (onnxruntime-gpu, CUDA and cuDNN from its base image)."""
+    runtimes = {"onnxruntime", "onnxruntime-gpu"}
+    assert not _requirements(None) & runtimes  # the base names neither: docs/gpu.md
+    assert _requirements("cpu") & runtimes == {"onnxruntime"}
+    assert _requirements("gpu-system") & runtimes == {"onnxruntime-gpu"}
+    assert not any(n.startswith("nvidia-") for n in _requirements("cpu"))
+    cpu = [i.text for i in instructions(DOCKER / "Dockerfile") if i.keyword == "RUN"]
+    assert any("pip wheel" in text and '".[cpu]"' in text for text in cpu), cpu
+    assert any("--no-index" in text for text in cpu)  # the final stage takes only those wheels
+    cuda = [i.text for i in instructions(DOCKER / "Dockerfile.cuda") if i.keyword == "RUN"]
+    assert any('".[gpu-system]"' in text for text in cuda), cuda
 
 
 def test_cuda_base_matches_onnxruntime_gpu() -> None:

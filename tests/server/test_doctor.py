@@ -1,14 +1,16 @@
 """``plugserve doctor``: the runtime, the GPU libraries with their install command, the
 settings, and a fleet's etcd; exit 0 when serving would work."""
 
+import importlib.metadata
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import onnxruntime
 import pytest
 
-from server.doctor import install_command, needed_libraries
+from server.doctor import install_command, needed_libraries, runtime_conflict
 from tests.etcd import EtcdProcess
 from tests.helpers import free_port
 from tests.server.test_cli import plugserve
@@ -31,35 +33,55 @@ def test_doctor_reports_the_runtime_and_the_gpu_libraries(tmp_path: Path) -> Non
     assert checks["settings"]["data"]["port"] == 8000
     if checks["onnxruntime"]["data"]["cuda_version"] is None:  # a CPU-only onnxruntime
         assert checks["gpu"]["status"] == "warning"
-        assert "onnxruntime-gpu[cuda,cudnn]" in checks["gpu"]["fix"]
+        assert checks["gpu"]["fix"].startswith("pip uninstall -y onnxruntime && pip install")
+        assert checks["gpu"]["fix"].endswith("[gpu]'")
         return
     cuda = checks["cuda"]
     major = checks["onnxruntime"]["data"]["cuda_version"].split(".")[0]
     assert f"libcublasLt.so.{major}" in cuda["data"]["libraries"]
     if cuda["data"]["missing"]:  # no GPU libraries here: a warning and the command to get them
         assert cuda["status"] == "warning"
-        assert cuda["fix"].startswith("pip install ")
+        assert cuda["fix"].startswith("pip install ") and "[gpu]'" in cuda["fix"]
         missing = " ".join(cuda["data"]["missing"])
         assert f"libcublasLt.so.{major}" in missing or "libcuda.so.1" in missing
     elif set(cuda["data"]["libraries"].values()) == {"system"}:
         assert cuda["status"] == "ok" and cuda["fix"] is None
-    else:  # some only in the NVIDIA wheels' folders
-        assert cuda["status"] == "warning" and "LD_LIBRARY_PATH=" in cuda["fix"]
+    else:  # some only in the NVIDIA wheels' folders, which plugserve preloads from
+        assert cuda["status"] == "ok" and "plugserve loads" in cuda["detail"]
     assert "libcudnn.so.9" in checks["cudnn"]["data"]["libraries"]
 
 
 def test_the_install_command_names_the_wheels_the_extras_lack() -> None:
-    """onnxruntime-gpu's [cuda] extra brings no cuBLAS: the command adds nvidia-cublas."""
+    """plugserve[gpu] is onnxruntime-gpu[cuda,cudnn], whose [cuda] names no cuBLAS (cuDNN's
+    wheel brings it): the command adds nvidia-cublas anyway, by name."""
     command = install_command(
         "cuda", ["libcublasLt.so.13", "libcurand.so.10"], "13", "onnxruntime-gpu"
     )
-    assert command.startswith('pip install "onnxruntime-gpu[cuda,cudnn]==')
-    assert '"nvidia-cublas~=13.0"' in command and "curand" not in command
+    assert '"nvidia-cublas~=13.0"' in command
+    try:
+        extras = " ".join(importlib.metadata.requires("onnxruntime-gpu") or [])
+    except importlib.metadata.PackageNotFoundError:
+        extras = ""
+    if "cudnn" in extras:
+        assert re.match(r"pip install (-e '.*\[gpu\]'|'plugserve\[gpu\]') ", command), command
+        assert "curand" not in command  # the [gpu] extra brings it
+    else:  # no onnxruntime-gpu with its extras here (the CPU build): every wheel by name
+        assert command == 'pip install "nvidia-cublas~=13.0" "nvidia-curand~=10.0"'
+
     assert "nvidia-cublas-cu12~=12.0" in install_command("cuda", ["libcublas.so.12"], "12", "none")
     assert install_command("tensorrt", ["libnvinfer.so.10"], "13", "onnxruntime-gpu") == (
         'pip install "tensorrt-cu13-libs>=10,<11"'
     )
     assert "NVIDIA driver" in install_command("cuda", ["libcuda.so.1"], "13", "onnxruntime-gpu")
+
+
+def test_both_onnx_runtimes_installed_is_an_error_with_the_way_out() -> None:
+    assert runtime_conflict(["onnxruntime-gpu"]) is None
+    check = runtime_conflict(["onnxruntime", "onnxruntime-gpu"])
+    assert check is not None and check.status == "error"
+    assert check.fix is not None
+    assert check.fix.startswith("pip uninstall -y onnxruntime onnxruntime-gpu && pip install")
+    assert "[gpu]'" in check.fix and "[cpu]'" in check.fix
 
 
 @pytest.mark.skipif(

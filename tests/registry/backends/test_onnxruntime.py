@@ -157,6 +157,10 @@ def test_a_required_provider_the_session_falls_back_from_fails_the_load(tmp_path
         ({"providers": [7]}, r"runner.providers\[0\]: must be a provider name"),
         ({"graph_optimization_level": "max"}, "graph_optimization_level: must be one of"),
         ({"require": "yes"}, "require: must be true or false"),
+        (
+            {"providers": [{"name": "CUDAExecutionProvider", "enable_cuda_graph": True}]},
+            r"providers\[0\].enable_cuda_graph: CUDA graphs need inputs and outputs kept at fixed",
+        ),
         ({"intra_op_threads": -1}, "intra_op_threads: must be an integer"),
         ({"warmup": {"runs": 0}}, "runs and batch_size must be integers >= 1"),
         (
