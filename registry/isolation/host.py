@@ -231,9 +231,10 @@ class RunnerHost:
 
     def _socket_path(self) -> Path:
         if self._folder is None:
-            sweep_folders()
+            under = socket_root()
+            sweep_folders(under)
             prefix = f"{FOLDER_PREFIX}{os.getpid()}-"
-            self._folder = Path(tempfile.mkdtemp(prefix=prefix))  # mode 0700: ours alone
+            self._folder = Path(tempfile.mkdtemp(prefix=prefix, dir=under))  # 0700: ours alone
         self._sockets += 1
         return self._folder / f"{self._sockets}.sock"
 
@@ -571,6 +572,18 @@ async def _start(
 
 
 FOLDER_PREFIX = "plugserve-runners-"
+
+
+UNIX_PATH_MAX = 107
+"""The longest path a Unix socket may bind (108 bytes with its terminating zero, Linux)."""
+
+
+def socket_root() -> Path:
+    """Where runner sockets go: the temporary dir, or ``/tmp`` when that one's path is too
+    long for a socket inside it (a deep ``TMPDIR``: ``bind`` fails with "path too long")."""
+    root = Path(tempfile.gettempdir())
+    longest = f"{root}/{FOLDER_PREFIX}{os.getpid()}-xxxxxxxx/{10**6}.sock"
+    return root if len(os.fsencode(longest)) <= UNIX_PATH_MAX else Path("/tmp")
 
 
 def sweep_folders(under: Path | None = None) -> list[Path]:
