@@ -314,6 +314,19 @@ class Registry:
         self._emit(record, "unloaded", started)
         return "unloaded"
 
+    def end_streams(self, reason: str) -> int:
+        """End every stream still open, on every loaded runner (draining ones too), with a
+        503 saying ``reason``; returns how many runners had streams. For a shutdown whose
+        drain ran out: their clients get a last event rather than a cut connection."""
+        ended = 0
+        for record in self.records.values():
+            for loaded in [record.current, *record.draining]:
+                streams = None if loaded is None else loaded.streams
+                if streams is not None and (streams.running or streams.waiting):
+                    streams.close(reason)
+                    ended += 1
+        return ended
+
     async def close(self, within: float | None = None) -> None:
         """Unload everything at shutdown, within ``within`` seconds (default: the close timeout).
 

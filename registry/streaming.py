@@ -372,10 +372,11 @@ class StreamScheduler:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def close(self) -> None:
-        """The runner is unloading: every stream still here ends with a 503."""
+    def close(self, reason: str | None = None) -> None:
+        """The runner is unloading (or the server stopping, ``reason``): every stream still
+        here ends with a 503, which its consumer can still send to its client."""
         self._closing = True
-        gone = Unavailable(f"runner {self.label} closed during the stream")
+        gone = Unavailable(reason or f"runner {self.label} closed during the stream")
         for _, _, stream in self._waiting:
             if stream.place == "waiting":
                 stream.place = "left"

@@ -30,6 +30,8 @@ log = structlog.get_logger("plugserve.server")
 
 CLOSE_FLOOR_S = 1.0
 """The least time plugin closes get at shutdown, even when requests used the whole drain."""
+STREAM_GOODBYE_S = 0.5
+"""How long streams ended at the drain's bound get to send their last event."""
 SHUTDOWN_MARGIN_S = 5.0
 """After the first signal the process is gone within ``drain_timeout_s`` plus this."""
 
@@ -47,6 +49,9 @@ class Drain:
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.at_timeout: Callable[[], int] | None = None
+        """Called when the drain runs out with requests in flight: it ends what can still be
+        told (open streams get a last 503 event); a moment is left for them to be sent."""
         self.before_stop: Callable[[], Awaitable[None]] | None = None
         """Awaited once drained, within the drain's bound: a worker among several waits
         there until every worker has drained, so they stop listening together."""
@@ -96,6 +101,9 @@ class Drain:
             await asyncio.wait_for(self._idle.wait(), self.timeout_s)
         except TimeoutError:
             log.warning("drain_timeout", in_flight=self.active, timeout_s=self.timeout_s)
+            if self.at_timeout is not None and self.at_timeout():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._idle.wait(), STREAM_GOODBYE_S)
         if self.before_stop is not None and self.deadline is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.before_stop(), self.deadline - time.monotonic())

@@ -2,6 +2,7 @@
 kinds of streaming runner, and what a client sees when a stream fails, times out or is left."""
 
 import json
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -142,3 +143,29 @@ def test_a_client_that_hangs_up_stops_the_runner_within_one_step(
     metrics = proc.request("GET", "/metrics")[2].decode()
     assert 'plugserve_streams_in_flight{route="long"} 0.0' in metrics
     assert 'plugserve_time_to_first_token_seconds_count{route="long"} 1.0' in metrics
+
+
+@pytest.mark.workers(1, 2)
+def test_a_stream_longer_than_the_drain_ends_with_an_error_event_at_shutdown(
+    plugins_dir: Path, tmp_path: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """Attack round after issue 16: at SIGTERM, a stream still running when the drain ran
+    out was cut without a last event (the openai client raised APIConnectionError)."""
+    write_streaming_runner(plugins_dir, "long", "steps", config="step_s = 0.1\n")
+    config = tmp_path / "plugserve.toml"
+    config.write_text("drain_timeout_s = 1\n")
+    proc = server("--plugins-dir", str(plugins_dir), "--config", str(config))
+    body = json.dumps({"n": [1000]}).encode()
+    with socket.create_connection(("127.0.0.1", proc.port)) as sock:
+        sock.sendall(
+            b"POST /v2/models/long/generate_stream HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        seen = _read_events(sock, 2)
+        proc.proc.send_signal(signal.SIGTERM)
+        sock.settimeout(10)
+        while chunk := sock.recv(65536):
+            seen += chunk
+    last = seen.rsplit(b"data: ", 1)[1]
+    assert b"the server is shutting down" in last, seen[-500:]
+    assert proc.proc.wait(10) == 0
