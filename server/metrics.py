@@ -288,6 +288,8 @@ class _RegistryCollector(Collector):
                     )
             if current.scheduler is not None:
                 queued.add_metric(key, current.scheduler.queued)
+            elif current.streams is not None:  # streams waiting for a place (max_streams)
+                queued.add_metric(key, current.streams.waiting)
             if current.breaker is not None and current.breaker.enabled:
                 circuit.add_metric(key, 0 if current.breaker.state == "closed" else 1)
         yield from (in_flight, queued, circuit, batch, stage, executions, outcomes)

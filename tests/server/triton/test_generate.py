@@ -169,3 +169,37 @@ def test_a_stream_longer_than_the_drain_ends_with_an_error_event_at_shutdown(
     last = seen.rsplit(b"data: ", 1)[1]
     assert b"the server is shutting down" in last, seen[-500:]
     assert proc.proc.wait(10) == 0
+
+
+def test_streams_waiting_for_a_place_are_queued_in_the_metrics(
+    plugins_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """Attack round after issue 16: streams waiting for a place (max_streams) were not in
+    plugserve_queued."""
+    write_streaming_runner(plugins_dir, "one", "steps", runner="max_streams = 1\n",
+                           config="step_s = 0.05\n")  # fmt: skip
+    proc = server("--plugins-dir", str(plugins_dir))
+    body = json.dumps({"n": [1000]}).encode()
+    request = (
+        b"POST /v2/models/one/generate_stream HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    with socket.create_connection(("127.0.0.1", proc.port)) as first:
+        first.sendall(request)
+        _read_events(first, 1)
+        with socket.create_connection(("127.0.0.1", proc.port)) as second:
+            second.sendall(request)
+            series = 'plugserve_queued{name="one",type="runner",version="1.0.0"}'
+
+            def queued() -> str:
+                lines = proc.request("GET", "/metrics")[2].decode().splitlines()
+                return next((line for line in lines if line.startswith(series)), "")
+
+            deadline = time.monotonic() + 5
+            while queued() != f"{series} 1.0" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert queued() == f"{series} 1.0"
+    deadline = time.monotonic() + 5
+    while queued() != f"{series} 0.0" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert queued() == f"{series} 0.0"  # both gone: the waiting one left the queue
