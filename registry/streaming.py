@@ -212,8 +212,7 @@ class StreamScheduler:
         if self._closing or stream.place != "running":
             return
         self._active.append(stream)
-        if self._steps_task is None or self._steps_task.done():
-            self._steps_task = asyncio.create_task(self._run_steps(), name=f"steps {self.label}")
+        self._wake_steps()
 
     def _admit(self) -> None:
         while self._waiting and self.running < self.max_streams:
@@ -229,7 +228,12 @@ class StreamScheduler:
                 stream.task.add_done_callback(self._pumps.discard)
             else:
                 self._starting.append(stream)
-        if self._starting and (self._steps_task is None or self._steps_task.done()):
+        if self._starting:
+            self._wake_steps()
+
+    def _wake_steps(self) -> None:
+        """Start the step loop unless it runs (it ends when no stream is left to step)."""
+        if self._steps_task is None or self._steps_task.done():
             self._steps_task = asyncio.create_task(self._run_steps(), name=f"steps {self.label}")
 
     def _left(self, stream: Stream, error: BaseException | None = None) -> None:
