@@ -19,8 +19,8 @@ import structlog
 from aiohttp import web
 
 from registry.errors import DeadlineExceeded, PluginError, PlugserveError
-from server.logs import REQUEST_CHAIN, REQUEST_ID
-from server.middleware import REQUEST_ID_HEADER, VARIANT_HEADER
+from server.logs import REQUEST_ID
+from server.middleware import identify
 
 HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -59,10 +59,7 @@ async def send(
     except TimeoutError:
         raise _late(deadline_s) from None
     answer = web.StreamResponse(headers=HEADERS)
-    answer.headers[REQUEST_ID_HEADER] = REQUEST_ID.get() or ""
-    chain = REQUEST_CHAIN.get()
-    if chain is not None:
-        answer.headers[VARIANT_HEADER] = chain.variant
+    identify(answer, REQUEST_ID.get() or "")  # the middleware cannot, once it is sent
     answer.enable_chunked_encoding()
     await answer.prepare(request)
     try:

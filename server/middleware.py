@@ -45,6 +45,14 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
+def identify(response: web.StreamResponse, request_id: str) -> None:
+    """The answer's ``X-Request-ID`` and, once a runner version was chosen, its variant."""
+    response.headers[REQUEST_ID_HEADER] = request_id
+    chain = REQUEST_CHAIN.get()
+    if chain is not None:
+        response.headers[VARIANT_HEADER] = chain.variant
+
+
 def error_response(exc: PlugserveError, path: str = "") -> web.Response:
     """``{"error": message, ...}``, or OpenAI's shape under ``/v1/``."""
     payload = openai_errors.of(exc) if openai_errors.is_openai(path) else exc.to_json()
@@ -114,10 +122,7 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         request.content.feed_eof()
         response.force_close()
     if not response.prepared:  # a stream (server/events.py) set its headers as it began
-        response.headers[REQUEST_ID_HEADER] = request_id
-        chain = REQUEST_CHAIN.get()
-        if chain is not None:
-            response.headers[VARIANT_HEADER] = chain.variant
+        identify(response, request_id)
     if request.app[SETTINGS].access_log:
         log.info(
             "request",
