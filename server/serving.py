@@ -104,14 +104,17 @@ def request_context(
     )
 
 
-async def measured(request: Incoming, route: str, protocol: str, work: Coroutine[Any, Any, T]) -> T:
+async def measured(
+    request: Incoming, route: str | Callable[[], str], protocol: str, work: Coroutine[Any, Any, T]
+) -> T:
     """Await ``work`` (decode, chain, encode) and record its status and duration.
 
     The work is cancelled if the client hangs up first (counted as 499): a
     request waiting in a runner's queue leaves it without running.
 
     A route not in the table is labelled ``_unknown``, so clients cannot grow
-    the metric series by asking for made-up routes.
+    the metric series by asking for made-up routes. ``route`` may be a callable
+    for a route named in the body (OpenAI's ``model``): asked once ``work`` ends.
     """
     started = time.perf_counter()
     status = 200
@@ -139,6 +142,8 @@ async def measured(request: Incoming, route: str, protocol: str, work: Coroutine
         status = 500
         raise
     finally:
+        if not isinstance(route, str):
+            route = route()
         known = route in request.app[REGISTRY].routes.entries
         chain = REQUEST_CHAIN.get()
         request.app[METRICS].observe(

@@ -43,7 +43,7 @@ from server.serving import (
     serve,
     streamed,
 )
-from server.state import BODIES, METRICS, REGISTRY, RESPONSE_CACHE
+from server.state import BODIES, REGISTRY, RESPONSE_CACHE
 from server.triton.generate import json_value
 
 PROTOCOL = "openai"
@@ -106,36 +106,37 @@ def _check_serves(chain: Chain, kind: str) -> None:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    asked = await _asked(request, requests.embeddings)
-    return await measured(request, asked.model, PROTOCOL, _embed(request, asked))
+    named = _Named()
+    return await measured(request, named, PROTOCOL, _embed(request, named))
 
 
-async def _asked(request: web.Request, check: Callable[[Any], T]) -> T:
+class _Named:
+    """The route a /v1 body names (``model``), for the metrics: ``_unknown`` until read."""
+
+    def __init__(self) -> None:
+        self.model = UNKNOWN_ROUTE
+
+    def __call__(self) -> str:
+        return self.model
+
+
+async def _asked(request: web.Request, check: Callable[[Any], T], named: _Named) -> T:
     """The request's body, read and checked by ``check`` (on the pool with the parse, for a
-    large body: a million messages take seconds). A refusal is counted here (its route is
-    known only once the body is read): :func:`measured` never sees it."""
-    started = time.perf_counter()
-    model: Any = None
+    large body: a million messages take seconds)."""
 
     def parsed(raw: bytes) -> T:
-        nonlocal model
         body = parse_json(raw)
         model = body.get("model") if isinstance(body, dict) else None
+        if isinstance(model, str):
+            named.model = model
         return check(body)
 
-    try:
-        bodies = request.app[BODIES]
-        return await bodies.parse(request, await bodies.read(request), parsed)
-    except PlugserveError as exc:
-        route = model if isinstance(model, str) else UNKNOWN_ROUTE
-        if route not in request.app[REGISTRY].routes.entries:
-            route = UNKNOWN_ROUTE
-        took = time.perf_counter() - started
-        request.app[METRICS].observe(route, PROTOCOL, exc.status, took)
-        raise
+    bodies = request.app[BODIES]
+    return await bodies.parse(request, await bodies.read(request), parsed)
 
 
-async def _embed(request: web.Request, asked: requests.Embeddings) -> web.Response:
+async def _embed(request: web.Request, named: _Named) -> web.Response:
+    asked = await _asked(request, requests.embeddings, named)
     admit(request, asked.model, None)
     deadline = deadline_seconds(request, {})
     ctx = request_context(request, asked.model, PROTOCOL, {}, deadline)
@@ -194,13 +195,13 @@ def _shortened(vectors: np.ndarray, dimensions: int) -> np.ndarray:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    asked = await _asked(request, requests.chat)
-    return await measured(request, asked.model, PROTOCOL, _generate(request, asked, "chat"))
+    named = _Named()
+    return await measured(request, named, PROTOCOL, _generate(request, named, "chat"))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    asked = await _asked(request, requests.completions)
-    return await measured(request, asked.model, PROTOCOL, _generate(request, asked, "completions"))
+    named = _Named()
+    return await measured(request, named, PROTOCOL, _generate(request, named, "completions"))
 
 
 @dataclass
@@ -290,9 +291,9 @@ def _text(chain: Chain, response: Any, decoder: codecs.IncrementalDecoder) -> st
     return value
 
 
-async def _generate(
-    request: web.Request, asked: requests.Generation, kind: str
-) -> web.StreamResponse:
+async def _generate(request: web.Request, named: _Named, kind: str) -> web.StreamResponse:
+    check = requests.chat if kind == "chat" else requests.completions
+    asked = await _asked(request, check, named)
     admit(request, asked.model, None)
     deadline = deadline_seconds(request, {})
     choices: list[Choice] = []
