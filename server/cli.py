@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -294,6 +295,9 @@ def _new(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         print(f"plugserve: {exc}: not overwritten", file=sys.stderr)
         return 1
+    except OSError as exc:  # --dir a file, unwritable: the environment's, as a usage error
+        print(f"plugserve: cannot write the package under {args.dir}: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {folder}")
     print(f"  check it:  plugserve validate {folder}")
     print(f"  test it:   pytest {folder / 'test_plugin.py'}")
@@ -305,7 +309,12 @@ def _validate(args: argparse.Namespace) -> int:
     configure_logging("console", "warning")
     models_dir = Path(os.path.abspath(args.models_dir or "models"))
     try:
-        report = validate(args.folder, models_dir, args.plugins_dir, args.models_dir is not None)
+        # What the package prints (at import, create, warmup) goes to stderr: stdout is the
+        # report's, which --json keeps one JSON object.
+        with contextlib.redirect_stdout(sys.stderr):
+            report = validate(
+                args.folder, models_dir, args.plugins_dir, args.models_dir is not None
+            )
     except ConfigError as exc:  # a usage error: still one JSON object with --json
         if not args.json:
             raise

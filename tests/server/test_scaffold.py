@@ -71,3 +71,8 @@ def test_new_never_overwrites_and_refuses_bad_names(tmp_path: Path) -> None:
     assert result.returncode == 2 and "must match" in result.stderr
     result = plugserve("new", "runner", "ok", "--version", "1.0", cwd=tmp_path)
     assert result.returncode == 2 and "semantic version" in result.stderr
+    # Attack round after issue 17: --dir a file was a traceback.
+    (tmp_path / "afile").write_text("")
+    result = plugserve("new", "runner", "ok", "--dir", "afile", cwd=tmp_path)
+    assert result.returncode == 2 and "cannot write the package" in result.stderr
+    assert "Traceback" not in result.stderr

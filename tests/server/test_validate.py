@@ -136,3 +136,19 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2 and "--plugins-dir" in result.stderr
     result = plugserve("validate", str(folder), "--models-dir", str(tmp_path / "nope"))
     assert result.returncode == 2 and "--models-dir" in result.stderr
+
+
+def test_what_a_package_prints_leaves_the_json_report_whole(tmp_path: Path) -> None:
+    """Attack round after issue 17: a module printing at import broke `validate --json`."""
+    folder = staged_iris(tmp_path)
+    (folder / "noisy.py").write_text('import sys\nprint("HELLO")\nsys.stdout.write("{bad")\n')
+    manifest = folder / "plugin.toml"  # the module is imported beside the backend
+    manifest.write_text(
+        manifest.read_text().replace("[runner]", 'module = "noisy.py"\n\n[runner]', 1)
+    )
+    result = plugserve(
+        "validate", str(folder), "--models-dir", str(ROOT / "models"), "--json", cwd=tmp_path
+    )
+    report = json.loads(result.stdout)  # one object, whatever the package printed
+    assert report["outcome"] == "valid", report
+    assert "HELLO" in result.stderr
