@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -18,7 +17,7 @@ from registry.isolation.host import ProcessSettings, RunnerHost
 from registry.registry import Registry
 from registry.route_store import Replica, RouteStore, RouteTarget
 from registry.watcher import Watcher
-from server import admin, auth, openapi, predict, v2
+from server import admin, auth, heap, openapi, predict, v2
 from server.bodies import Bodies
 from server.config import Settings
 from server.metrics import Metrics
@@ -73,9 +72,7 @@ async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
     if worker is not None:  # one of several workers: the supervisor has the rest of the state
         worker.watch_supervisor()
         await worker.start(app)
-    # What start-up loaded lives as long as the server: keep it out of the
-    # collector's sight, so full collections stay short on the request path.
-    gc.freeze()
+    heap.settle()  # the collector off the request path (server/heap.py)
     watcher = Watcher(registry, settings.reload_debounce_ms / 1000) if settings.watch else None
     task = asyncio.create_task(watcher.run()) if watcher else None
     yield

@@ -43,6 +43,7 @@ from registry.isolation.wire import (
 )
 from registry.loader import Loader
 from registry.manager import PluginHost
+from server import heap
 
 log = structlog.get_logger("plugserve.runner")
 
@@ -112,6 +113,7 @@ class RunnerProcess:
         loop.add_signal_handler(signal.SIGTERM, self.stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the server's Ctrl-C: its call
         loop.add_reader(0, self._lifeline)
+        heap.settle()  # the collector off the request path (server/heap.py)
         self._answer(ready=True, pid=os.getpid(), metadata=loaded.metadata())
         await self.stop.wait()
         loop.remove_reader(listener.fileno())
