@@ -10,23 +10,31 @@ range, or a number other than 0 and 1 cast to ``BOOL`` is.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from registry.datatypes import v2_datatype
 
+MayHoldBool = bool | Callable[[], bool]
+"""Whether JSON data may hold a boolean: known, or asked only when it matters."""
+
 _JSON_KINDS = {"b": "booleans", "i": "numbers", "u": "numbers", "f": "numbers"}
 
 
-def from_json(values: Any, dtype: np.dtype[Any], may_hold_bool: bool = True) -> np.ndarray:
+def from_json(values: Any, dtype: np.dtype[Any], may_hold_bool: MayHoldBool = True) -> np.ndarray:
     """An array of ``dtype`` from parsed JSON ``values`` (nested lists), refusing any loss.
 
     ``BOOL`` takes JSON booleans only, numeric types take numbers only (no
     booleans, no strings), and each value must survive the conversion.
-    ``may_hold_bool=False``: the caller knows the values hold no boolean (the
-    JSON text had no ``true`` or ``false``), which spares a pass over them.
+    ``may_hold_bool`` false (or a callable answering false): the caller knows the
+    values hold no boolean (the JSON text had no ``true`` or ``false``), which spares
+    a pass over them.
     """
+    floats = _float_list(values, dtype)
+    if floats is not None:
+        return floats
     try:
         raw = np.asarray(values)
     except (ValueError, TypeError) as exc:
@@ -36,6 +44,8 @@ def from_json(values: Any, dtype: np.dtype[Any], may_hold_bool: bool = True) -> 
     want = "booleans" if dtype.kind == "b" else "numbers"
     got = _JSON_KINDS.get(raw.dtype.kind, "strings or mixed values")
     # [true, 2] is inferred as integers
+    if callable(may_hold_bool):
+        may_hold_bool = may_hold_bool()
     if got == "numbers" and may_hold_bool and _holds_bool(values):
         got = "booleans among numbers"
     if got != want:
@@ -53,6 +63,28 @@ def from_json(values: Any, dtype: np.dtype[Any], may_hold_bool: bool = True) -> 
         except (OverflowError, ValueError, TypeError):
             pass  # cast_exact names the value
     return cast_exact(raw, dtype)
+
+
+_FLOAT = {float}
+
+
+def _float_list(values: Any, dtype: np.dtype[Any]) -> np.ndarray | None:
+    """The common case in one C pass each: a flat list of floats (JSON numbers with a point
+    or an exponent) for a floating-point type. ``None``: take the general path, which also
+    names the value when one overflows the type."""
+    if dtype.kind != "f" or type(values) is not list or not values:
+        return None
+    if set(map(type, values)) != _FLOAT:  # no bool, int, string or list among them
+        return None
+    array = np.array(values, dtype=np.float64)
+    if dtype.itemsize == 8:
+        return array
+    if not np.abs(array).max() <= _FLOAT_MAX[dtype.itemsize]:  # NaN says no
+        return None  # a value past the type's range, or inf/nan given by a Python caller
+    return array.astype(dtype)
+
+
+_FLOAT_MAX = {size: float(np.finfo(f"f{size}").max) for size in (2, 4)}
 
 
 def _holds_bool(values: Any) -> bool:

@@ -14,6 +14,7 @@ data itself is read and written by ``server/triton/shared_memory.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -26,7 +27,7 @@ import orjson
 
 from registry.datatypes import V2_TO_NUMPY, v2_datatype
 from registry.errors import InvalidInput, PayloadTooLarge
-from registry.tensors import bytes_elements, from_json
+from registry.tensors import MayHoldBool, bytes_elements, from_json
 from server.triton.classification import class_count
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -130,12 +131,14 @@ def decode_request(
         raise InvalidInput(f"the request is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidInput("the request must be a JSON object")
-    # No "true" or "false" anywhere in the text: no tensor holds a JSON boolean.
-    return _request(doc, binary, limits, b"true" in header or b"false" in header)
+    # No "true" or "false" anywhere in the text: no tensor holds a JSON boolean. Asked only
+    # for data that is not a plain list of floats (registry/tensors.py).
+    may_hold_bool = functools.cache(lambda: b"true" in header or b"false" in header)
+    return _request(doc, binary, limits, may_hold_bool)
 
 
 def _request(
-    doc: dict[str, Any], binary: memoryview, limits: Limits, may_hold_bool: bool = True
+    doc: dict[str, Any], binary: memoryview, limits: Limits, may_hold_bool: MayHoldBool = True
 ) -> InferRequest:
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
@@ -207,7 +210,7 @@ def shared_memory_ref(parameters: Mapping[str, Any], where: str) -> SharedMemory
 
 
 def _input(
-    raw: Any, binary: memoryview, offset: int, limits: Limits, may_hold_bool: bool = True
+    raw: Any, binary: memoryview, offset: int, limits: Limits, may_hold_bool: MayHoldBool = True
 ) -> tuple[str, np.ndarray | SharedInput, int]:
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise InvalidInput("each input must be an object with a string 'name'")
@@ -272,7 +275,12 @@ def element_count(name: str, datatype: str, shape: list[int], limits: Limits) ->
 
 
 def _from_json(
-    name: str, datatype: str, shape: list[int], count: int, data: Any, may_hold_bool: bool = True
+    name: str,
+    datatype: str,
+    shape: list[int],
+    count: int,
+    data: Any,
+    may_hold_bool: MayHoldBool = True,
 ) -> np.ndarray:
     """The tensor of a JSON ``data`` list: every value must fit ``datatype`` exactly."""
     if not isinstance(data, list):

@@ -1,5 +1,6 @@
 """Tensors from JSON values and exact casts: a value is carried exactly or refused."""
 
+import re
 from typing import Any
 
 import numpy as np
@@ -117,3 +118,24 @@ def test_any_json_value_is_carried_exactly_or_refused_with_a_reason(
             assert got == sent and type(sent) is not str
         else:
             assert np.isfinite(got) and not isinstance(sent, bool)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.floats(width=64), min_size=1, max_size=8),
+    st.sampled_from(["FP16", "FP32", "FP64"]),
+)
+def test_a_list_of_floats_takes_the_fast_path_to_the_same_answer(
+    values: list[float], datatype: str
+) -> None:
+    """A flat list of floats skips the general path: same array, or the same refusal."""
+    dtype = V2_TO_NUMPY[datatype]
+    try:
+        expected = cast_exact(np.asarray(values), dtype)
+    except ValueError as exc:
+        with pytest.raises(ValueError, match=re.escape(str(exc))):
+            from_json(values, dtype)
+        return
+    got = from_json(values, dtype, may_hold_bool=False)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, expected)  # inf and nan from a Python caller included
