@@ -2,13 +2,15 @@
 
     python -m tests.benchmarks.ab --against 938ba34 [--connections 1 16] [--rounds 5]
     python -m tests.benchmarks.ab --isolated [--workers 2]   # in-worker vs isolated runner
+    python -m tests.benchmarks.ab --against HEAD~2 --model mlp [--payload binary]
 
 Checks the commit out into a temporary git worktree, serves the same small ONNX
 runner from both (each ``plugserve serve`` runs its own code), and drives them
 with wrk in alternation, so both see the same moments of a noisy machine.
 Prints, per concurrency, the median req/s, p50 and server CPU time per request
 (from /proc, the server's whole process tree: steadier than throughput on a
-shared machine) of each, and the req/s ratio. With ``--isolated`` both servers
+shared machine) of each, and the req/s ratio. ``--model mlp`` serves the serving
+benchmark's MLP and request (tests/benchmarks/serving.py, JSON or binary) instead. With ``--isolated`` both servers
 run this checkout, the runner in the worker and in a process of its own
 (``isolation = "process"``).
 Not run by CI.
@@ -25,7 +27,16 @@ import tempfile
 from pathlib import Path
 
 from tests.benchmarks.canary import lua
-from tests.benchmarks.serving import Result, cpu_tree, wrk
+from tests.benchmarks.serving import (
+    RUNNER_OPTIONS,
+    Result,
+    binary_body,
+    cpu_tree,
+    json_body,
+    lua_script,
+    write_mlp_runner,
+    wrk,
+)
 from tests.helpers import ROOT, free_port, wait_until_ok, write_add_runner
 
 ISOLATED = 'isolation = "process"'
@@ -50,6 +61,18 @@ def serve(
     return proc, url
 
 
+def mlp_script(folder: Path, payload: str) -> Path:
+    """wrk's script for the serving benchmark's request (one row), JSON or binary."""
+    if payload == "json":
+        return lua_script(folder, json_body(), {"Content-Type": "application/json"})
+    body, header_length = binary_body()
+    headers = {
+        "Content-Type": "application/octet-stream",
+        "Inference-Header-Content-Length": str(header_length),
+    }
+    return lua_script(folder, body, headers)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process's tree (workers, runner processes), from /proc."""
     return sum(cpu for _, cpu in cpu_tree(pid).values())
@@ -68,6 +91,8 @@ def main() -> None:
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", type=int, default=4)
+    parser.add_argument("--model", choices=["add", "mlp"], default="add")
+    parser.add_argument("--payload", choices=["json", "binary"], default="json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -80,9 +105,15 @@ def main() -> None:
             )
         procs = []
         try:
-            write_add_runner(root / "plugins", "add", "1.0.0")
-            write_add_runner(root / "iso" / "plugins", "add", "1.0.0", runner=ISOLATED)
-            (root / "models").mkdir()
+            if args.model == "add":
+                write_add_runner(root / "plugins", "add", "1.0.0")
+                write_add_runner(root / "iso" / "plugins", "add", "1.0.0", runner=ISOLATED)
+                (root / "models").mkdir()
+                script, path = lua(root, "add"), ""
+            else:
+                write_mlp_runner(root, RUNNER_OPTIONS)
+                write_mlp_runner(root / "iso", f"{RUNNER_OPTIONS}\n{ISOLATED}")
+                script, path = mlp_script(root, args.payload), "/v2/models/mlp/infer"
             servers: dict[str, str] = {}
             pids: dict[str, int] = {}
             cpu_per_request: dict[tuple[str, int], list[float]] = {}
@@ -100,9 +131,8 @@ def main() -> None:
                 log = root / f"{name}.log"
                 proc, url = serve(source, plugins, root / "models", log, args.workers)
                 procs.append(proc)
-                servers[name] = url
+                servers[name] = url + path
                 pids[name] = proc.pid
-            script = lua(root, "add")
             results: dict[tuple[str, int], list[Result]] = {}
             for c in args.connections:
                 for url in servers.values():
