@@ -30,6 +30,7 @@ The clock and the timer are injectable, so the policy is tested with a fake cloc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -129,6 +130,10 @@ class Scheduler:
         busy: Callable[[], int] = lambda: 0,
     ) -> None:
         self.execute = execute
+        self.inline: Callable[[Arrays], Arrays] | None = None
+        """A sync twin of ``execute`` that never leaves the caller's thread (a runner
+        process's runner): a batch then runs in the step of the loop that cut it, with
+        no task of its own, and :meth:`pump` returns with its requests answered."""
         self.busy = busy
         """Executions still running on a thread after their request was cancelled."""
         self.on_execution = on_execution
@@ -345,54 +350,102 @@ class Scheduler:
                 t: f for t, f in self._tenant_finish.items() if f > self._vtime and t in queued
             }
         self._running += 1
-        task = asyncio.create_task(self._run(batch))
+        if self.inline is not None:
+            self._run_inline(batch)
+            return
+        self._spawn(self._run(batch))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, batch: list[Pending]) -> None:
-        rows = sum(r.rows for r in batch)
         try:
-            if len(batch) == 1:
-                merged = batch[0].inputs
-            else:
-                merged = {
-                    name: np.concatenate([r.inputs[name] for r in batch], axis=0)
-                    for name in batch[0].inputs
-                }
-            self.executions += 1
-            self.rows += rows
+            merged, rows = self._merge(batch)
             started = self.clock()
-            if tracing.TRACER is None:
+            with self._span(batch, rows):
                 outputs = await self.execute(merged)
-            else:
-                links = [
-                    tracing.link(r.span.get_span_context()) for r in batch if r.span is not None
-                ]
-                with tracing.TRACER.start_as_current_span(
-                    "batch",
-                    context=tracing.ROOT,
-                    links=links,
-                    attributes={"plugserve.rows": rows, "plugserve.requests": len(batch)},
-                ):
-                    outputs = await self.execute(merged)
-            if self.on_execution is not None:
-                self.on_execution(rows, self.clock() - started)
-            self._split(batch, rows, outputs)
+            self._executed(batch, rows, started, outputs)
         except InvalidInput as exc:
             if len(batch) > 1:
                 await self._one_by_one(batch)
             elif not batch[0].future.done():
                 batch[0].future.set_exception(exc)
         except Exception as exc:
-            for request in batch:
-                if not request.future.done():
-                    request.future.set_exception(_fresh(exc))
+            self._failed(batch, exc)
         finally:
-            for request in batch:  # cancelled mid-execution (shutdown): nobody may hang
-                if not request.future.done():
-                    request.future.cancel()
-            self._running -= 1
+            self._end(batch)
             self.pump()
+
+    def _run_inline(self, batch: list[Pending]) -> None:
+        """:meth:`_run` through :attr:`inline`, in the caller's step; :meth:`pump`'s loop
+        goes on with the next batch. A refused batch is retried one by one in a task."""
+        assert self.inline is not None
+        try:
+            merged, rows = self._merge(batch)
+            started = self.clock()
+            with self._span(batch, rows):
+                outputs = self.inline(merged)
+            self._executed(batch, rows, started, outputs)
+        except InvalidInput as exc:
+            if len(batch) > 1:
+                self._spawn(self._alone(batch))
+                return  # still running: the task ends it
+            if not batch[0].future.done():
+                batch[0].future.set_exception(exc)
+        except Exception as exc:
+            self._failed(batch, exc)
+        self._end(batch)
+
+    async def _alone(self, batch: list[Pending]) -> None:
+        try:
+            await self._one_by_one(batch)
+        finally:
+            self._end(batch)
+            self.pump()
+
+    def _merge(self, batch: list[Pending]) -> tuple[Arrays, int]:
+        """The batch's inputs as one (rows concatenated), counted as an execution."""
+        rows = sum(r.rows for r in batch)
+        if len(batch) == 1:
+            merged = batch[0].inputs
+        else:
+            merged = {
+                name: np.concatenate([r.inputs[name] for r in batch], axis=0)
+                for name in batch[0].inputs
+            }
+        self.executions += 1
+        self.rows += rows
+        return merged, rows
+
+    def _span(self, batch: list[Pending], rows: int) -> Any:
+        """The "batch" span, linked to its requests' queue spans, while tracing."""
+        if tracing.TRACER is None:
+            return contextlib.nullcontext()
+        links = [tracing.link(r.span.get_span_context()) for r in batch if r.span is not None]
+        return tracing.TRACER.start_as_current_span(
+            "batch",
+            context=tracing.ROOT,
+            links=links,
+            attributes={"plugserve.rows": rows, "plugserve.requests": len(batch)},
+        )
+
+    def _executed(self, batch: list[Pending], rows: int, started: float, outputs: Arrays) -> None:
+        if self.on_execution is not None:
+            self.on_execution(rows, self.clock() - started)
+        self._split(batch, rows, outputs)
+
+    def _failed(self, batch: list[Pending], exc: Exception) -> None:
+        for request in batch:
+            if not request.future.done():
+                request.future.set_exception(_fresh(exc))
+
+    def _end(self, batch: list[Pending]) -> None:
+        for request in batch:  # cancelled mid-execution (shutdown): nobody may hang
+            if not request.future.done():
+                request.future.cancel()
+        self._running -= 1
 
     async def _one_by_one(self, batch: list[Pending]) -> None:
         """Run each request of a refused batch alone: only the bad ones fail."""

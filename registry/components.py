@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -357,15 +357,37 @@ class LoadedPlugin:
                 result = self._timed(inputs)
             else:
                 result = await self._on_thread(inputs)
-        except InvalidInput as exc:  # the request's fault, not the runner's: not counted
-            raise self._refused(exc) from None
-        except PlugserveError as exc:
-            if exc.status == 500:  # its own 503 or 504 is not a failure of the runner
-                self._failed()
-            raise
         except Exception as exc:
+            self._raise_fault(exc)
+        return self._result(result)
+
+    def execute_inline(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """:meth:`_execute` on the caller's thread, for a sync runner that always runs
+        inline (in a runner process): a batch then runs in the loop step that cut it."""
+        self.inline_executions += 1
+        try:
+            result = self._timed(inputs)
+        except Exception as exc:
+            self._raise_fault(exc)
+        return self._result(result)
+
+    @property
+    def runs_inline_sync(self) -> bool:
+        """Whether :meth:`execute_inline` may replace :meth:`_execute` (a sync ``infer``
+        that always runs inline)."""
+        return self.always_inline and not self._is_async
+
+    def _raise_fault(self, exc: Exception) -> NoReturn:
+        """Raise what an execution's exception becomes (:meth:`_fault`), counted against
+        the runner unless it is the request's own mistake or the runner's own 503 or 504."""
+        fault = self._fault(exc)
+        if fault.status == 500:
             self._failed()
-            raise PluginError(self.label, exc) from exc
+        if fault is exc:
+            raise exc
+        raise fault from (None if isinstance(exc, InvalidInput) else exc)
+
+    def _result(self, result: Any) -> Mapping[str, np.ndarray]:
         if not isinstance(result, Mapping):
             self._failed()
             problem = TypeError(f"infer() returned {type(result).__name__}, not a dict of arrays")

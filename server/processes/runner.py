@@ -47,6 +47,9 @@ from server import heap
 
 log = structlog.get_logger("plugserve.runner")
 
+Answer = asyncio.Future[Mapping[str, np.ndarray]]
+"""A request's outputs, once its batch ran."""
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -68,6 +71,8 @@ class RunnerProcess:
         self.stop = asyncio.Event()
         self.loaded: LoadedPlugin | None = None
         self.connections: set[Serving] = set()
+        self.pumping = False
+        """In :meth:`_pump`: answers wait for their connection's settle, not a step."""
         self.shm_bytes = int(spec["shm_bytes"])
         self.accepting: set[asyncio.Task[None]] = set()
         self._pump_at: asyncio.Handle | None = None
@@ -92,6 +97,8 @@ class RunnerProcess:
         try:
             self.loaded = loaded = await loader.load(Path(spec["folder"]), in_process=True)
             loaded.always_inline = True  # one thread hop fewer on every batch
+            if loaded.scheduler is not None and loaded.runs_inline_sync:
+                loaded.scheduler.inline = loaded.execute_inline  # nor a task a batch
             if loaded.streams is not None:
                 await loader.release(loaded)
                 raise PluginLoadError(
@@ -138,8 +145,14 @@ class RunnerProcess:
 
     def _pump(self) -> None:
         self._pump_at = None
-        if self.loaded is not None and self.loaded.scheduler is not None:
-            self.loaded.scheduler.pump()
+        self.pumping = True
+        try:
+            if self.loaded is not None and self.loaded.scheduler is not None:
+                self.loaded.scheduler.pump()
+            for connection in self.connections:
+                connection.settle()
+        finally:
+            self.pumping = False
 
     async def _drain(self, within: float) -> None:
         """Answer the requests held (a stop after the server drained finds none)."""
@@ -194,6 +207,8 @@ class Serving(asyncio.Protocol):
         self._reader = FrameReader()
         self._queued: list[bytes] = []
         self._flush_at: asyncio.Handle | None = None
+        self._fresh: list[tuple[int, Answer, dict[str, float], float]] = []
+        """Requests read in this step, answered or watched by :meth:`settle`."""
         self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -265,8 +280,20 @@ class Serving(asyncio.Protocol):
             if token is not None:
                 tracing.detach(token)
         self.requests[request_id] = future
-        started = time.perf_counter()
-        future.add_done_callback(functools.partial(self._answer, request_id, timings, started))
+        self._fresh.append((request_id, future, timings, time.perf_counter()))
+
+    def settle(self) -> None:
+        """After the pump that followed this step's reads: answer the requests its batches
+        resolved (they ran inline), watch the others, and write this step's answers."""
+        fresh, self._fresh = self._fresh, []
+        for request_id, future, timings, started in fresh:
+            answer = functools.partial(self._answer, request_id, timings, started)
+            if future.done():
+                answer(future)
+            else:
+                future.add_done_callback(answer)
+        if self._queued:
+            self._flush()
 
     def _answer(
         self,
@@ -318,11 +345,13 @@ class Serving(asyncio.Protocol):
 
     def _send(self, data: bytes) -> None:
         self._queued.append(data)
-        if self._flush_at is None:
+        if self._flush_at is None and not self.owner.pumping:  # the pump's settle writes
             self._flush_at = self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        self._flush_at = None
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
         queued, self._queued = self._queued, []
         if self.transport is not None and queued:
             self.transport.write(b"".join(queued))

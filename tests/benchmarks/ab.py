@@ -2,6 +2,7 @@
 
     python -m tests.benchmarks.ab --against 938ba34 [--connections 1 16] [--rounds 5]
     python -m tests.benchmarks.ab --isolated [--workers 2]   # in-worker vs isolated runner
+    python -m tests.benchmarks.ab --against HEAD~1 --isolated  # isolated runners, two commits
     python -m tests.benchmarks.ab --against HEAD~2 --model mlp [--payload binary]
 
 Checks the commit out into a temporary git worktree, serves the same small ONNX
@@ -82,10 +83,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--against", help="the earlier commit (any git revision)")
-    which.add_argument(
-        "--isolated", action="store_true", help="in-worker runner against an isolated one"
+    parser.add_argument("--against", help="the earlier commit (any git revision)")
+    parser.add_argument(
+        "--isolated",
+        action="store_true",
+        help="in-worker runner against an isolated one; with --against, isolated on both sides",
     )
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 16])
@@ -94,6 +96,8 @@ def main() -> None:
     parser.add_argument("--model", choices=["add", "mlp"], default="add")
     parser.add_argument("--payload", choices=["json", "binary"], default="json")
     args = parser.parse_args()
+    if not (args.against or args.isolated):
+        parser.error("say --against, --isolated or both")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         earlier = root / "earlier"
@@ -117,15 +121,13 @@ def main() -> None:
             servers: dict[str, str] = {}
             pids: dict[str, int] = {}
             cpu_per_request: dict[tuple[str, int], list[float]] = {}
-            if args.isolated:
+            if args.against:
+                plugins = root / "iso" / "plugins" if args.isolated else root / "plugins"
+                sides = [("this", ROOT, plugins), (args.against, earlier, plugins)]
+            else:
                 sides = [
                     ("in-worker", ROOT, root / "plugins"),
                     ("isolated", ROOT, root / "iso" / "plugins"),
-                ]
-            else:
-                sides = [
-                    ("this", ROOT, root / "plugins"),
-                    (args.against, earlier, root / "plugins"),
                 ]
             for name, source, plugins in sides:
                 log = root / f"{name}.log"
@@ -161,7 +163,7 @@ def main() -> None:
                 )
                 first, second = list(servers)
                 extra = ""
-                if args.isolated:
+                if not args.against:
                     extra = f" | CPU isolated - in-worker {cpu[second] - cpu[first]:+.0f} µs"
                 print(f"c={c}: {shown} | {first}/{second} {rps[first] / rps[second]:.3f}{extra}")
         finally:

@@ -12,7 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from registry.batching import BatchPolicy, Scheduler
-from registry.errors import DeadlineExceeded, PluginError, TooManyRequests, Unavailable
+from registry.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    PluginError,
+    TooManyRequests,
+    Unavailable,
+)
 
 
 class FakeTime:
@@ -467,3 +473,73 @@ async def test_a_request_cancelled_mid_batch_leaves_the_others_their_answers() -
     assert (await members[1])["y"][0, 0] == 6
     assert (await first)["y"][0, 0] == 2
     assert members[0].cancelled()
+
+
+# -- inline batches (a runner process's sync runner) ------------------------------------
+
+
+class InlineRunner:
+    """A sync runner: records each batch and answers x * 2; a row of -1 is refused."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+        self.fail: Exception | None = None
+
+    def execute(self, inputs: Any) -> dict[str, np.ndarray]:
+        self.batches.append(inputs["x"].shape[0])
+        if self.fail is not None:
+            raise self.fail
+        if (inputs["x"] == -1).any():
+            raise InvalidInput("a row of -1")
+        return {"y": inputs["x"] * 2}
+
+    async def execute_async(self, inputs: Any) -> dict[str, np.ndarray]:
+        return self.execute(inputs)
+
+
+def make_inline(policy: BatchPolicy) -> tuple[Scheduler, InlineRunner, FakeTime]:
+    runner, fake = InlineRunner(), FakeTime()
+    scheduler = Scheduler(
+        runner.execute_async, policy, "runner/t@1.0.0", fake.clock, fake.call_later
+    )
+    scheduler.inline = runner.execute
+    return scheduler, runner, fake
+
+
+async def test_an_inline_batch_is_answered_before_pump_returns() -> None:
+    """No task and no turn of the loop: what pump cut is answered when it returns."""
+    scheduler, runner, _fake = make_inline(BatchPolicy(max_batch_size=4, max_queue_delay_s=1.0))
+    futures = [scheduler.enqueue(rows(1, float(i)), pump=False) for i in range(6)]
+    assert runner.batches == []
+    scheduler.pump()
+    assert runner.batches == [4, 2]  # the first batch ran, then the pump cut the next
+    assert all(f.done() for f in futures)
+    assert [f.result()["y"][0, 0] for f in futures] == [0, 2, 4, 6, 8, 10]
+    assert scheduler.executions == 2 and scheduler.rows == 6 and scheduler._running == 0
+
+
+async def test_an_inline_batch_that_fails_fails_each_request_and_frees_the_runner() -> None:
+    scheduler, runner, _fake = make_inline(BatchPolicy(max_batch_size=4, max_queue_delay_s=1.0))
+    runner.fail = PluginError("runner/t@1.0.0", RuntimeError("boom"))
+    futures = [scheduler.enqueue(rows(1), pump=False) for _ in range(3)]
+    scheduler.pump()
+    errors = [f.exception() for f in futures]
+    assert all(isinstance(e, PluginError) for e in errors)
+    assert len({id(e) for e in errors}) == 3  # each its own
+    runner.fail = None
+    assert scheduler.enqueue(rows(1)).result()["y"].shape == (1, 3)  # the runner is free
+
+
+async def test_a_refused_inline_batch_is_retried_one_by_one() -> None:
+    """Only the bad request fails; the others are answered, in a task of their own."""
+    scheduler, runner, _fake = make_inline(BatchPolicy(max_batch_size=4, max_queue_delay_s=1.0))
+    good, bad, other = (scheduler.enqueue(rows(1, v), pump=False) for v in (1.0, -1.0, 3.0))
+    scheduler.pump()
+    assert runner.batches == [3]
+    assert not good.done()  # retried alone, after this step
+    assert (await good)["y"][0, 0] == 2 and (await other)["y"][0, 0] == 6
+    with pytest.raises(InvalidInput):
+        await bad
+    assert runner.batches == [3, 1, 1, 1]
+    await settle()
+    assert scheduler._running == 0
