@@ -382,6 +382,7 @@ class Scheduler:
         """:meth:`_run` through :attr:`inline`, in the caller's step; :meth:`pump`'s loop
         goes on with the next batch. A refused batch is retried one by one in a task."""
         assert self.inline is not None
+        handed_off = False
         try:
             merged, rows = self._merge(batch)
             started = self.clock()
@@ -391,12 +392,14 @@ class Scheduler:
         except InvalidInput as exc:
             if len(batch) > 1:
                 self._spawn(self._alone(batch))
-                return  # still running: the task ends it
-            if not batch[0].future.done():
+                handed_off = True  # still running: the task ends it
+            elif not batch[0].future.done():
                 batch[0].future.set_exception(exc)
         except Exception as exc:
             self._failed(batch, exc)
-        self._end(batch)
+        finally:
+            if not handed_off:
+                self._end(batch)
 
     async def _alone(self, batch: list[Pending]) -> None:
         try:

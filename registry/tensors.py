@@ -66,13 +66,15 @@ def from_json(values: Any, dtype: np.dtype[Any], may_hold_bool: MayHoldBool = Tr
 
 
 _FLOAT = {float}
+_FLOAT_TYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+"""Native floating-point types (a ``>f8`` or a ``longdouble`` takes the general path)."""
 
 
 def _float_list(values: Any, dtype: np.dtype[Any]) -> np.ndarray | None:
     """The common case in one C pass each: a flat list of floats (JSON numbers with a point
     or an exponent) for a floating-point type. ``None``: take the general path, which also
     names the value when one overflows the type."""
-    if dtype.kind != "f" or type(values) is not list or not values:
+    if dtype not in _FLOAT_TYPES or type(values) is not list or not values:
         return None
     if set(map(type, values)) != _FLOAT:  # no bool, int, string or list among them
         return None

@@ -149,10 +149,12 @@ class RunnerProcess:
         try:
             if self.loaded is not None and self.loaded.scheduler is not None:
                 self.loaded.scheduler.pump()
-            for connection in self.connections:
-                connection.settle()
         finally:
-            self.pumping = False
+            try:
+                for connection in list(self.connections):
+                    connection.settle()
+            finally:
+                self.pumping = False
 
     async def _drain(self, within: float) -> None:
         """Answer the requests held (a stop after the server drained finds none)."""
@@ -220,6 +222,7 @@ class Serving(asyncio.Protocol):
         for future in self.requests.values():  # its worker is gone: nobody waits for these
             future.cancel()
         self.transport = None
+        self.settle()  # what this step read is answered (to nobody): each frees its place
 
     def close(self) -> None:
         if self.transport is not None:
@@ -244,7 +247,8 @@ class Serving(asyncio.Protocol):
             log.warning("runner_connection_broken", error=str(exc))
             if self.transport is not None:
                 self.transport.abort()
-        self.owner.pump_soon()
+        finally:
+            self.owner.pump_soon()
 
     def _enqueue(self, message: dict[str, Any], raw: memoryview) -> None:
         """Queue a request in the scheduler, undispatched: what arrived together in this
@@ -276,6 +280,9 @@ class Serving(asyncio.Protocol):
             breaker.release()
             self._send(frame(error_message(request_id, exc)))
             return
+        except BaseException:  # a malformed field ("p", "t"): the connection breaks
+            breaker.release()
+            raise
         finally:
             if token is not None:
                 tracing.detach(token)
@@ -286,14 +293,19 @@ class Serving(asyncio.Protocol):
         """After the pump that followed this step's reads: answer the requests its batches
         resolved (they ran inline), watch the others, and write this step's answers."""
         fresh, self._fresh = self._fresh, []
-        for request_id, future, timings, started in fresh:
-            answer = functools.partial(self._answer, request_id, timings, started)
-            if future.done():
-                answer(future)
-            else:
-                future.add_done_callback(answer)
-        if self._queued:
-            self._flush()
+        try:
+            for request_id, future, timings, started in fresh:
+                answer = functools.partial(self._answer, request_id, timings, started)
+                if not future.done():
+                    future.add_done_callback(answer)
+                    continue
+                try:
+                    answer(future)
+                except Exception:  # one answer's fault must not strand the others
+                    log.exception("runner_answer_failed", request=request_id)
+        finally:
+            if self._queued:
+                self._flush()
 
     def _answer(
         self,

@@ -483,7 +483,7 @@ class InlineRunner:
 
     def __init__(self) -> None:
         self.batches: list[int] = []
-        self.fail: Exception | None = None
+        self.fail: BaseException | None = None
 
     def execute(self, inputs: Any) -> dict[str, np.ndarray]:
         self.batches.append(inputs["x"].shape[0])
@@ -543,3 +543,16 @@ async def test_a_refused_inline_batch_is_retried_one_by_one() -> None:
     assert runner.batches == [3, 1, 1, 1]
     await settle()
     assert scheduler._running == 0
+
+
+async def test_an_inline_batch_cancelled_inside_the_runner_frees_it() -> None:
+    """Not an Exception (a plugin's own CancelledError): the batch's requests are cancelled,
+    and the runner takes the next batch."""
+    scheduler, runner, _fake = make_inline(BatchPolicy(max_batch_size=4, max_queue_delay_s=1.0))
+    runner.fail = asyncio.CancelledError()
+    future = scheduler.enqueue(rows(1), pump=False)
+    with pytest.raises(asyncio.CancelledError):
+        scheduler.pump()
+    assert future.cancelled()
+    runner.fail = None
+    assert scheduler.enqueue(rows(1)).result()["y"].shape == (1, 3)

@@ -139,3 +139,9 @@ def test_a_list_of_floats_takes_the_fast_path_to_the_same_answer(
     got = from_json(values, dtype, may_hold_bool=False)
     assert got.dtype == dtype
     np.testing.assert_array_equal(got, expected)  # inf and nan from a Python caller included
+
+
+def test_a_non_native_float_type_takes_the_general_path() -> None:
+    big_endian = np.dtype(">f8")
+    array = from_json([1.5, -2.0], big_endian)
+    assert array.dtype == big_endian and array.tolist() == [1.5, -2.0]

@@ -1,0 +1,118 @@
+"""A runner process's side of one worker's connection (server/processes/runner.py), driven
+frame by frame in this process: a real scheduler, breaker, shared memory and wire format;
+the loaded plugin is a stand-in with the attributes ``Serving`` reads (no ONNX model)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from registry.batching import BatchPolicy, Scheduler
+from registry.breaker import CircuitBreaker
+from registry.isolation.shm import Region
+from registry.isolation.wire import FrameReader, frame, put_tensors
+from server.processes.runner import RunnerProcess, Serving
+
+LABEL = "runner/double@1.0.0"
+
+
+@dataclass
+class Loaded:
+    """What ``Serving`` uses of a ``LoadedPlugin``: a sync runner that doubles ``x``."""
+
+    scheduler: Scheduler
+    breaker: CircuitBreaker
+    label: str = LABEL
+    stats: Any = None
+    batches: list[int] = field(default_factory=list)
+
+    def validate_request(self, inputs: Any) -> None:
+        return None
+
+    def run(self, inputs: Any) -> dict[str, np.ndarray]:
+        self.batches.append(int(inputs["x"].shape[0]))
+        return {"y": inputs["x"] * 2}
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def close(self) -> None:
+        pass
+
+
+def serving() -> tuple[RunnerProcess, Serving, Loaded, Transport]:
+    breaker = CircuitBreaker(LABEL, failures=1)
+    loaded = Loaded(Scheduler(_never, BatchPolicy(max_batch_size=8), LABEL), breaker)
+    loaded.scheduler.inline = loaded.run
+    owner = RunnerProcess({"shm_bytes": 1 << 16}, -1)
+    owner.loaded = loaded  # type: ignore[assignment]
+    connection = Serving(owner, loaded, Region(1 << 16), Region(1 << 16))  # type: ignore[arg-type]
+    transport = Transport()
+    connection.connection_made(transport)  # type: ignore[arg-type]
+    return owner, connection, loaded, transport
+
+
+async def _never(inputs: Any) -> Any:
+    raise AssertionError("a sync runner's batches run inline")
+
+
+def infer(request_id: int, value: float) -> bytes:
+    descriptors, chunks, _ = put_tensors({"x": np.full((1, 2), value, np.float32)}, None, None)
+    return frame({"k": "infer", "i": request_id, "x": descriptors}, chunks)
+
+
+def answers(transport: Transport) -> list[dict[str, Any]]:
+    reader = FrameReader()
+    return [message for data in transport.writes for message, _ in reader.feed(data)]
+
+
+async def test_what_one_step_read_is_run_answered_and_written_in_one_pump() -> None:
+    owner, connection, loaded, transport = serving()
+    connection.data_received(infer(1, 1.0) + infer(2, 2.0) + infer(3, 3.0))
+    assert transport.writes == []  # nothing runs before the pump: other connections may add
+    owner._pump()
+    assert loaded.batches == [3]
+    assert len(transport.writes) == 1  # the three answers in one write
+    assert [(a["k"], a["i"]) for a in answers(transport)] == [("ok", 1), ("ok", 2), ("ok", 3)]
+    assert connection.requests == {}
+    await asyncio.sleep(0)
+    assert len(transport.writes) == 1  # no flush left scheduled to write again
+
+
+async def test_a_request_read_in_the_step_its_connection_is_lost_frees_the_breaker() -> None:
+    """The worker is gone before the pump: the request is answered to nobody, and the
+    half-open circuit's probe it held is given back (else: 503 for every later request)."""
+    owner, connection, _loaded, transport = serving()
+    breaker = connection.loaded.breaker
+    assert breaker is not None
+    breaker.state, breaker.opened_at = "open", float("-inf")  # due for a probe
+    connection.data_received(infer(1, 1.0))
+    assert breaker.rejecting  # the request holds the probe
+    connection.connection_lost(None)
+    assert not breaker.rejecting
+    owner._pump()
+    assert transport.writes == []
+
+
+async def test_a_malformed_field_breaks_the_connection_without_holding_the_breaker() -> None:
+    _owner, connection, _loaded, transport = serving()
+    breaker = connection.loaded.breaker
+    assert breaker is not None
+    breaker.state, breaker.opened_at = "open", float("-inf")
+    descriptors, chunks, _ = put_tensors({"x": np.ones((1, 2), np.float32)}, None, None)
+    bad = frame({"k": "infer", "i": 1, "x": descriptors, "t": ["not", "a", "name"]}, chunks)
+    connection.data_received(bad)
+    assert transport.aborted
+    assert not breaker.rejecting
