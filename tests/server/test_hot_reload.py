@@ -166,7 +166,7 @@ def test_broken_new_version_keeps_the_old_serving_and_is_reported(
     # The next change is tried again.
     (plugins_dir / "runner/tagger/2.0.0/plugin.py").write_text(TAGGER_SOURCE())
     until(lambda: tag(srv) == (200, "bad"))
-    assert plugins(srv)["runner/tagger@2.0.0"]["last_error"] is None
+    until(lambda: plugins(srv)["runner/tagger@2.0.0"]["last_error"] is None)  # every worker
     assert "plugin_load_failed" in srv.log()
 
 
@@ -188,7 +188,9 @@ def test_broken_in_place_edit_keeps_the_serving_instance(
     assert tag(srv) == (200, "stable")
     (folder / "suffix.py").write_text("SUFFIX = '!'\n")
     until(lambda: tag(srv) == (200, "stable!"))
-    assert plugins(srv)["runner/tagger@1.0.0"]["last_error"] is None
+    # Each worker reloads on its own: the first answer may come from the first to switch,
+    # and the error clears once the last one has (the final CI of session 8 caught it).
+    until(lambda: plugins(srv)["runner/tagger@1.0.0"]["last_error"] is None)
 
 
 def test_deleting_a_version_unloads_it_and_floating_routes_fall_back(
