@@ -66,27 +66,17 @@ def from_json(values: Any, dtype: np.dtype[Any], may_hold_bool: MayHoldBool = Tr
 
 
 _FLOAT = {float}
-_FLOAT_TYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-"""Native floating-point types (a ``>f8`` or a ``longdouble`` takes the general path)."""
 
 
 def _float_list(values: Any, dtype: np.dtype[Any]) -> np.ndarray | None:
-    """The common case in one C pass each: a flat list of floats (JSON numbers with a point
-    or an exponent) for a floating-point type. ``None``: take the general path, which also
-    names the value when one overflows the type."""
-    if dtype not in _FLOAT_TYPES or type(values) is not list or not values:
+    """The common case, without the general path's search for booleans: a flat list of
+    floats (JSON numbers with a point or an exponent) for a floating-point type.
+    ``None``: anything else, for the general path."""
+    if dtype.kind != "f" or type(values) is not list or not values:
         return None
     if set(map(type, values)) != _FLOAT:  # no bool, int, string or list among them
         return None
-    array = np.array(values, dtype=np.float64)
-    if dtype.itemsize == 8:
-        return array
-    if not np.abs(array).max() <= _FLOAT_MAX[dtype.itemsize]:  # NaN says no
-        return None  # a value past the type's range, or inf/nan given by a Python caller
-    return array.astype(dtype)
-
-
-_FLOAT_MAX = {size: float(np.finfo(f"f{size}").max) for size in (2, 4)}
+    return cast_exact(np.array(values, dtype=np.float64), dtype)
 
 
 def _holds_bool(values: Any) -> bool:
