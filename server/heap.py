@@ -1,6 +1,7 @@
 """The garbage collector's settings for a serving process, once it has started.
 
-Two measured costs on the request path (docs/performance.md, "Garbage collection"):
+Two measured costs on the request path (docs/performance.md, "Re-measured in session 8",
+"The collector"):
 
 - full collections over the start-up heap (modules, plugins, models): frozen away;
 - young collections: Python collects its youngest generation after 700 more
