@@ -14,7 +14,6 @@ data itself is read and written by ``server/triton/shared_memory.py``.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import struct
@@ -132,8 +131,9 @@ def decode_request(
     if not isinstance(doc, dict):
         raise InvalidInput("the request must be a JSON object")
     # No "true" or "false" anywhere in the text: no tensor holds a JSON boolean. Asked only
-    # for data that is not a plain list of floats (registry/tensors.py).
-    may_hold_bool = functools.cache(lambda: b"true" in header or b"false" in header)
+    # for data that is not a plain list of floats (registry/tensors.py); a plain lambda,
+    # as functools.cache would build a cache per request that costs more than the search.
+    may_hold_bool = lambda: b"true" in header or b"false" in header  # noqa: E731
     return _request(doc, binary, limits, may_hold_bool)
 
 
