@@ -379,7 +379,6 @@ class Starting(asyncio.Protocol):
             self.timer.cancel()
 
 
-@web.middleware
 def begin_request(request: web.BaseRequest) -> Connection | None:
     """Tell the request's connection that a request is being handled (its headers are
     complete); the caller calls :meth:`Connection.end` when it is answered. ``None`` for

@@ -1,0 +1,112 @@
+"""The request path's floor: what an answer costs before plugserve's own work, and after.
+
+    python -m tests.benchmarks.floor [--rounds 5] [--duration 4] [--connections 64]
+
+One plugserve (``--workers 1``, the serving benchmark's MLP, tests/benchmarks/serving.py)
+and one bare aiohttp server on uvloop, both up for the whole run, take turns under
+``wrk`` round after round:
+
+- bare GET: aiohttp answers a fixed body, the floor of any aiohttp server here;
+- bare POST: the same, reading the binary request's body first;
+- plugserve GET ``/v2/health/live``: plugserve's middleware, request ids and
+  connection bookkeeping around a handler that does nothing;
+- plugserve infer, binary and JSON: the whole route (body, decode, chain,
+  batching, the model on its thread, encode, metrics).
+
+Prints the medians of req/s and the server's CPU per request (its process tree,
+from /proc), and the steps between them: what the server adds to aiohttp, and
+what the infer route adds to the server. Not run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.benchmarks.serving import (
+    BARE,
+    Server,
+    binary_body,
+    cpu_tree,
+    json_body,
+    lua_script,
+    write_mlp_runner,
+    wrk,
+)
+from tests.helpers import free_port
+
+BARE_UVLOOP = "import uvloop\nuvloop.install()\n" + BARE
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--duration", type=int, default=4, help="seconds per measurement")
+    parser.add_argument("--connections", type=int, default=64)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="plugserve-floor-"))
+    plugins = write_mlp_runner(work)
+    empty = work / "empty.lua"
+    empty.write_text("")
+    body, length = binary_body()
+    binary = lua_script(work, body, {"Content-Type": "application/octet-stream",
+                                     "Inference-Header-Content-Length": str(length)})  # fmt: skip
+    as_json = lua_script(work, json_body(), {"Content-Type": "application/json"})
+
+    port, bare_port = free_port(), free_port()
+    command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(plugins),
+               "--models-dir", str(work / "models"), "--port", str(port),
+               "--grpc-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
+    servers = [
+        Server([sys.executable, "-c", BARE_UVLOOP, str(bare_port)], bare_port, work / "bare.log"),
+        Server(command, port, work / "plugserve.log"),
+    ]
+    bare, plugserve = servers
+    base, infer = f"http://127.0.0.1:{bare_port}", f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+    cases = [
+        ("bare GET", bare, f"{base}/health", empty),
+        ("bare POST", bare, f"{base}/infer", binary),
+        ("plugserve GET live", plugserve, f"http://127.0.0.1:{port}/v2/health/live", empty),
+        ("plugserve infer binary", plugserve, infer, binary),
+        ("plugserve infer JSON", plugserve, infer, as_json),
+    ]
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in cases}
+    try:
+        bare.wait("/health", 30)
+        plugserve.wait("/v2/health/ready", 120)
+        for _, _, url, script in cases:
+            wrk(url, script, args.connections, 1)  # warm up
+        for round_no in range(1, args.rounds + 1):
+            for name, server, url, script in cases:
+                before = sum(c for _, c in cpu_tree(server.proc.pid).values())
+                result = wrk(url, script, args.connections, args.duration)
+                used = sum(c for _, c in cpu_tree(server.proc.pid).values()) - before
+                cpu_us = used / max(1, result.requests) * 1e6
+                samples[name].append((result.rps, cpu_us))
+                print(f"  round {round_no} {name:24} {result.rps:8.0f} req/s  CPU {cpu_us:6.1f} "
+                      f"us/req  errors {result.errors}", flush=True)  # fmt: skip
+    finally:
+        for server in servers:
+            server.stop()
+
+    cpu = {name: statistics.median(c for _, c in runs) for name, runs in samples.items()}
+    print(f"\nMedians over {args.rounds} rounds, c={args.connections}:\n")
+    print("| case | req/s | CPU us/req |\n| --- | --- | --- |")
+    for name, runs in samples.items():
+        print(f"| {name} | {statistics.median(r for r, _ in runs):.0f} | {cpu[name]:.1f} |")
+    print("\nSteps (medians of CPU per request):")
+    steps = [
+        ("a body read by aiohttp", "bare POST", "bare GET"),
+        ("plugserve's server around a handler", "plugserve GET live", "bare GET"),
+        ("the infer route, binary", "plugserve infer binary", "plugserve GET live"),
+        ("JSON over binary", "plugserve infer JSON", "plugserve infer binary"),
+    ]
+    for label, top, bottom in steps:
+        print(f"  {label}: {cpu[top] - cpu[bottom]:+.1f} us ({top} - {bottom})")
+
+
+if __name__ == "__main__":
+    main()
