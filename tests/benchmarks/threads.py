@@ -1,6 +1,7 @@
 """Where the CPU goes under load: per process and thread of the server, and the load generator.
 
     python -m tests.benchmarks.threads [--workers 1 2] [--payload binary] [--duration 10]
+                                       [--isolated]
 
 Serves the serving benchmark's MLP (tests/benchmarks/serving.py) with
 ``--workers N``, drives it with ``wrk -c 64`` and reads, from /proc, the CPU
@@ -8,7 +9,8 @@ each thread of the server's process tree used during the run (grouped by
 thread name: the event loop is the process's main thread, ONNX Runtime runs
 on the runner's thread pool), and wrk's own. Prints CPU microseconds per
 request by group and the cores busy: what a 2-core machine has left for a
-second worker. Not run by CI.
+second worker. ``--isolated`` runs the model in a runner process of its own
+(``isolation = "process"``), counted as its own group. Not run by CI.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from registry.isolation.host import RUNNER_MODULE
 from tests.benchmarks.serving import (
+    RUNNER_OPTIONS,
     Server,
     binary_body,
     json_body,
@@ -35,17 +39,24 @@ from tests.helpers import free_port
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def threads_of(root: int) -> dict[tuple[int, int], tuple[str, float]]:
-    """(pid, tid) -> (group name, CPU seconds) for every thread of ``root``'s process tree."""
+def threads_of(root: int, single: bool = False) -> dict[tuple[int, int], tuple[str, float]]:
+    """(pid, tid) -> (group name, CPU seconds) for every thread of ``root``'s process tree;
+    ``single``: the root serves HTTP itself (``--workers 1``)."""
     out: dict[tuple[int, int], tuple[str, float]] = {}
     pending = [root]
     while pending:
         pid = pending.pop()
         try:
             tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except FileNotFoundError:
             continue
-        role = "supervisor" if pid == root else "worker"
+        if RUNNER_MODULE.encode() in command:
+            role = "runner process"
+        elif pid == root:
+            role = "server" if single else "supervisor"
+        else:
+            role = "worker"
         for task in tasks:
             try:
                 stat = (task / "stat").read_text()
@@ -65,9 +76,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--payload", choices=["json", "binary"], default="binary")
     parser.add_argument("--duration", type=int, default=10)
+    parser.add_argument("--isolated", action="store_true", help="the runner in a process")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-threads-"))
-    write_mlp_runner(work)
+    options = RUNNER_OPTIONS + ('\nisolation = "process"' if args.isolated else "")
+    write_mlp_runner(work, options)
     if args.payload == "json":
         script = lua_script(work, json_body(), {"Content-Type": "application/json"})
     else:
@@ -89,14 +102,14 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
             subprocess.run(["wrk", "-t1", "-c64", "-d2s", "-s", str(script), url],
                            capture_output=True, check=True)  # fmt: skip
-            before = threads_of(server.proc.pid)
+            before = threads_of(server.proc.pid, workers == 1)
             wrk = subprocess.Popen(["wrk", "-t1", "-c64", f"-d{args.duration}s", "-s", str(script), url],
                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
             started = time.monotonic()
             wrk_before = _cpu(wrk.pid)
             time.sleep(args.duration - 0.5)
             wrk_cpu = _cpu(wrk.pid) - wrk_before
-            after = threads_of(server.proc.pid)
+            after = threads_of(server.proc.pid, workers == 1)
             output, _ = wrk.communicate()
             elapsed = time.monotonic() - started
             requests = int(next(line.split()[0] for line in output.splitlines()
@@ -106,7 +119,7 @@ def main() -> None:
                 by_group[group] += seconds - before.get(key, (group, 0.0))[1]
             rate = requests / elapsed
             total = sum(by_group.values())
-            print(f"workers {workers}, {args.payload}, c=64: {rate:.0f} req/s, server "
+            print(f"workers {workers}{', isolated' if args.isolated else ''}, {args.payload}, c=64: {rate:.0f} req/s, server "
                   f"{total / requests * 1e6:.0f} us/req ({total / elapsed:.2f} cores), wrk "
                   f"{wrk_cpu / (requests * (args.duration - 0.5) / elapsed) * 1e6:.0f} us/req "
                   f"({wrk_cpu / (args.duration - 0.5):.2f} cores)")  # fmt: skip
