@@ -81,6 +81,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="plugserve-threads-"))
     options = RUNNER_OPTIONS + ('\nisolation = "process"' if args.isolated else "")
     write_mlp_runner(work, options)
+    kind = ", isolated" if args.isolated else ""
     if args.payload == "json":
         script = lua_script(work, json_body(), {"Content-Type": "application/json"})
     else:
@@ -119,7 +120,7 @@ def main() -> None:
                 by_group[group] += seconds - before.get(key, (group, 0.0))[1]
             rate = requests / elapsed
             total = sum(by_group.values())
-            print(f"workers {workers}{', isolated' if args.isolated else ''}, {args.payload}, c=64: {rate:.0f} req/s, server "
+            print(f"workers {workers}{kind}, {args.payload}, c=64: {rate:.0f} req/s, server "
                   f"{total / requests * 1e6:.0f} us/req ({total / elapsed:.2f} cores), wrk "
                   f"{wrk_cpu / (requests * (args.duration - 0.5) / elapsed) * 1e6:.0f} us/req "
                   f"({wrk_cpu / (args.duration - 0.5):.2f} cores)")  # fmt: skip
