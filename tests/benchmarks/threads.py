@@ -8,7 +8,8 @@ Serves the serving benchmark's MLP (tests/benchmarks/serving.py) with
 each thread of the server's process tree used during the run (grouped by
 thread name: the event loop is the process's main thread, ONNX Runtime runs
 on the runner's thread pool), and wrk's own. Prints CPU microseconds per
-request by group and the cores busy: what a 2-core machine has left for a
+request by group and the cores busy, and the machine's idle, stolen and softirq
+time over the run (/proc/stat): what a 2-core machine has left for a
 second worker. ``--isolated`` runs the model in a runner process of its own
 (``isolation = "process"``), counted as its own group. Not run by CI.
 """
@@ -107,9 +108,10 @@ def main() -> None:
             wrk = subprocess.Popen(["wrk", "-t1", "-c64", f"-d{args.duration}s", "-s", str(script), url],
                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
             started = time.monotonic()
-            wrk_before = _cpu(wrk.pid)
+            wrk_before, machine_before = _cpu(wrk.pid), _machine()
             time.sleep(args.duration - 0.5)
             wrk_cpu = _cpu(wrk.pid) - wrk_before
+            machine = {k: v - machine_before[k] for k, v in _machine().items()}
             after = threads_of(server.proc.pid, workers == 1)
             output, _ = wrk.communicate()
             elapsed = time.monotonic() - started
@@ -128,8 +130,19 @@ def main() -> None:
                 if seconds > 0.005 * total:
                     print(f"  {group:40} {seconds / requests * 1e6:7.1f} us/req  "
                           f"{seconds / elapsed:5.2f} cores")  # fmt: skip
+            window = args.duration - 0.5
+            print(f"  machine, all cores: idle {machine['idle'] / window:.2f} cores, stolen by the "
+                  f"hypervisor {machine['steal'] / window:.2f}, softirq {machine['softirq'] / window:.2f}")  # fmt: skip
         finally:
             server.stop()
+
+
+def _machine() -> dict[str, float]:
+    """The machine's CPU seconds since boot, all cores: idle (with iowait), stolen by the
+    hypervisor (a VM's neighbours), and in softirq (the loopback's packets)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return {"idle": (fields[3] + fields[4]) / TICK, "steal": fields[7] / TICK,
+            "softirq": fields[6] / TICK}  # fmt: skip
 
 
 def _cpu(pid: int) -> float:
