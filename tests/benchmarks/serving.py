@@ -24,7 +24,9 @@ from /proc before and after the wrk run, over the requests wrk completed).
 After each measurement of a plugserve with more than one worker, the spread of
 the load over its workers: per-worker request counts when ``/admin/status``
 lists ``workers`` with ``requests``, otherwise each worker's share of the CPU
-its workers used (the supervisor's share shown beside). Then the ratios the
+its workers used (the supervisor's share shown beside). A round's line also shows
+the cores the hypervisor stole from this VM during it, when it stole any (/proc/stat):
+a sign of the neighbours' load. Then the ratios the
 targets are stated in, each with PASS or MISS: a ratio is taken within each round
 (the two servers measured minutes apart at most, on a machine whose speed drifts
 more than that between rounds) and the verdict goes by the median of those
@@ -280,6 +282,14 @@ PROC_CHILDREN = Path(f"/proc/self/task/{os.getpid()}/children").exists()
 Tree = dict[int, tuple[int, float]]  # pid -> (parent pid, CPU seconds)
 
 
+def machine_cpu() -> dict[str, float]:
+    """The machine's CPU seconds since boot, all cores together: idle (iowait included),
+    stolen by the hypervisor (a VM's neighbours) and in softirq (loopback packets)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return {"idle": (fields[3] + fields[4]) / TICK, "steal": fields[7] / TICK,
+            "softirq": fields[6] / TICK}  # fmt: skip
+
+
 def _stat(pid: int) -> tuple[int, float] | None:
     """(parent pid, CPU seconds): user + system time, its own and its reaped children's."""
     try:
@@ -402,6 +412,7 @@ class Sample:
     batch: float | None
     cpu_us: float | None  # server CPU per completed request, whole process tree
     spread: Spread | None
+    stolen: float = 0.0  # cores the hypervisor gave to other VMs during the run
 
 
 def measure_once(case: Case, connections: int, duration: int) -> Sample:
@@ -409,9 +420,10 @@ def measure_once(case: Case, connections: int, duration: int) -> Sample:
     root = case.server.proc.pid
     stats = plugserve_stats(case.stats_port) if case.stats_port else None
     listed = admin_workers(case.stats_port) if case.stats_port and case.workers > 1 else None
-    cpu_before = cpu_tree(root)
+    cpu_before, machine_before = cpu_tree(root), machine_cpu()
     result = wrk(case.url, case.script, connections, duration)
-    cpu_after = cpu_tree(root)
+    cpu_after, machine_after = cpu_tree(root), machine_cpu()
+    stolen = (machine_after["steal"] - machine_before["steal"]) / duration
     cpu_s = sum(c for _, c in cpu_after.values()) - sum(c for _, c in cpu_before.values())
     cpu_us = cpu_s / result.requests * 1e6 if result.requests else None
     batch, where = None, None
@@ -421,7 +433,7 @@ def measure_once(case: Case, connections: int, duration: int) -> Sample:
     if case.workers > 1:
         listed_after = admin_workers(case.stats_port) if case.stats_port else None
         where = spread(root, (cpu_before, cpu_after), (listed, listed_after))
-    return Sample(result, batch, cpu_us, where)
+    return Sample(result, batch, cpu_us, where, stolen)
 
 
 def wait_workers(server: Server, count: int, timeout: float = 60) -> None:
@@ -552,7 +564,8 @@ def measure(cases: list[Case], concurrency: list[int], rounds: int, duration: in
                 print(f"  round {round_no} {case.name:12} {case.payload:6} c={c:<3} {r.rps:9.0f} req/s"
                       f"  p50 {r.p50_ms:7.2f} ms  p99 {r.p99_ms:7.2f} ms  errors {r.errors}"
                       + (f"  CPU {s.cpu_us:6.0f} us/req" if s.cpu_us is not None else "")
-                      + (f"  mean batch {s.batch:.1f}" if s.batch else ""), flush=True)  # fmt: skip
+                      + (f"  mean batch {s.batch:.1f}" if s.batch else "")
+                      + (f"  stolen {s.stolen:.2f} cores" if s.stolen >= 0.01 else ""), flush=True)  # fmt: skip
                 if s.spread:
                     print(f"      {s.spread.describe()}", flush=True)
     rows: list[Row] = []

@@ -32,6 +32,7 @@ from tests.benchmarks.serving import (
     binary_body,
     json_body,
     lua_script,
+    machine_cpu,
     wait_workers,
     write_mlp_runner,
 )
@@ -108,10 +109,10 @@ def main() -> None:
             wrk = subprocess.Popen(["wrk", "-t1", "-c64", f"-d{args.duration}s", "-s", str(script), url],
                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
             started = time.monotonic()
-            wrk_before, machine_before = _cpu(wrk.pid), _machine()
+            wrk_before, machine_before = _cpu(wrk.pid), machine_cpu()
             time.sleep(args.duration - 0.5)
             wrk_cpu = _cpu(wrk.pid) - wrk_before
-            machine = {k: v - machine_before[k] for k, v in _machine().items()}
+            machine = {k: v - machine_before[k] for k, v in machine_cpu().items()}
             after = threads_of(server.proc.pid, workers == 1)
             output, _ = wrk.communicate()
             elapsed = time.monotonic() - started
@@ -135,14 +136,6 @@ def main() -> None:
                   f"hypervisor {machine['steal'] / window:.2f}, softirq {machine['softirq'] / window:.2f}")  # fmt: skip
         finally:
             server.stop()
-
-
-def _machine() -> dict[str, float]:
-    """The machine's CPU seconds since boot, all cores: idle (with iowait), stolen by the
-    hypervisor (a VM's neighbours), and in softirq (the loopback's packets)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return {"idle": (fields[3] + fields[4]) / TICK, "steal": fields[7] / TICK,
-            "softirq": fields[6] / TICK}  # fmt: skip
 
 
 def _cpu(pid: int) -> float:
