@@ -415,13 +415,13 @@ class Sample:
     stolen: float = 0.0  # cores the hypervisor gave to other VMs during the run
 
 
-def measure_once(case: Case, connections: int, duration: int) -> Sample:
+def measure_once(case: Case, connections: int, duration: int, threads: int = 1) -> Sample:
     """One wrk run, with the server's CPU (and stats) read around it, not inside it."""
     root = case.server.proc.pid
     stats = plugserve_stats(case.stats_port) if case.stats_port else None
     listed = admin_workers(case.stats_port) if case.stats_port and case.workers > 1 else None
     cpu_before, machine_before = cpu_tree(root), machine_cpu()
-    result = wrk(case.url, case.script, connections, duration)
+    result = wrk(case.url, case.script, connections, duration, threads)
     cpu_after, machine_after = cpu_tree(root), machine_cpu()
     stolen = (machine_after["steal"] - machine_before["steal"]) / duration
     cpu_s = sum(c for _, c in cpu_after.values()) - sum(c for _, c in cpu_before.values())
@@ -457,6 +457,9 @@ def main() -> None:
         "--workers", type=int, nargs="+", default=[1, 2], help="one plugserve per count"
     )
     parser.add_argument("--no-mlserver", action="store_true")
+    parser.add_argument(
+        "--wrk-threads", type=int, default=1, help="wrk's threads (1 here; more on many cores)"
+    )
     parser.add_argument("--instances", type=int, default=1)
     parser.add_argument(
         "--runner", default=RUNNER_OPTIONS, help="extra [runner] TOML for plugserve"
@@ -526,7 +529,7 @@ def main() -> None:
             server.wait("/v2/health/ready", 600)
             url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
             cases.append(Case("mlserver", "json", url, json_script, server))
-        rows = measure(cases, args.concurrency, args.rounds, args.duration)
+        rows = measure(cases, args.concurrency, args.rounds, args.duration, args.wrk_threads)
     finally:
         for server in servers:
             server.stop()
@@ -552,13 +555,15 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def measure(cases: list[Case], concurrency: list[int], rounds: int, duration: int) -> list[Row]:
+def measure(
+    cases: list[Case], concurrency: list[int], rounds: int, duration: int, threads: int = 1
+) -> list[Row]:
     samples: dict[tuple[str, str, int], list[Sample]] = {}
     for round_no in range(1, rounds + 1):
         for case in cases:
             for c in concurrency:
-                wrk(case.url, case.script, c, 1)  # warm up
-                s = measure_once(case, c, duration)
+                wrk(case.url, case.script, c, 1, threads)  # warm up
+                s = measure_once(case, c, duration, threads)
                 samples.setdefault((case.name, case.payload, c), []).append(s)
                 r = s.result
                 print(f"  round {round_no} {case.name:12} {case.payload:6} c={c:<3} {r.rps:9.0f} req/s"
@@ -679,13 +684,13 @@ def print_summary(rows: list[Row], base: dict[str, float], workers: list[int]) -
             if d is not None:
                 _verdict(f"  {payload}: server CPU per request, workers 2 / workers 1 {d - 1:+.1%}, "
                          f"per round: {each} (target <= +10%)", d <= 1.10)  # fmt: skip
-    for payload in ("json", "binary"):
-        series = [(n, rps(f"plugserve-w{n}", payload)) for n in workers]
+    for c, payload in itertools.product(sorted({r.c for r in rows}), ("json", "binary")):
+        series = [(n, rps(f"plugserve-w{n}", payload, c)) for n in workers]
         first = series[0][1]
         if len(series) > 1 and first:
             scaled = ", ".join(f"w{n} {v:.0f}" + (f" ({v / first:.2f}x)" if n != workers[0] else "")
                                for n, v in series if v)  # fmt: skip
-            print(f"  c=64 {payload} req/s by workers (medians): {scaled}")
+            print(f"  c={c} {payload} req/s by workers (medians): {scaled}")
 
     if any(r.name.endswith("-iso") for r in rows):
         print("\nIssue 14 (isolated runner beside the in-worker one):")

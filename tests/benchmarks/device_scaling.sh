@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 13's scaling series on a lent many-core machine (the GPU machine: 16 cores, no
+# network, Python 3.12 with aiohttp, uvloop, numpy, onnx and onnxruntime but not
+# plugserve's other packages, and no wrk): plugserve --workers 1 2 4 8 beside the bare
+# aiohttp handler, c=256, the serving benchmark's MLP on ONNX Runtime's CPU provider.
+#
+#   here:   bash tests/benchmarks/device_scaling.sh prepare
+#           (wheels of the missing packages and wrk's .deb files into .device/, which
+#           .git/info/exclude keeps out of git)
+#   there:  the device tool's run, in one call:
+#           command: bash tests/benchmarks/device_scaling.sh run
+#           carry: [".device"], timeout_s: 560
+#
+# `run` takes more of the serving benchmark's options after it (a later one wins), and
+# prints the serving benchmark's table and the req/s by worker count, and writes
+# them to $OUT/scaling.txt. MLServer is not run (it needs a network to install).
+# Not run by CI.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+dev=$root/.device
+python=${PYTHON:-python3}
+
+case "${1:-}" in
+prepare)
+    grep -qxF '/.device/' "$root/.git/info/exclude" 2>/dev/null \
+        || echo '/.device/' >>"$root/.git/info/exclude"
+    rm -rf "$dev" && mkdir -p "$dev/whl" "$dev/deb"
+    # The packages plugserve needs that the machine's image lacks (KINDS.md's list).
+    "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$dev/whl" orjson structlog watchfiles pyinstrument
+    (cd "$dev/deb" && apt-get download -q wrk libluajit-5.1-2 libluajit-5.1-common)
+    du -sh "$dev"
+    ;;
+run)
+    out=${OUT:-/tmp}
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site "$dev"/whl/*.whl
+    for deb in "$dev"/deb/*.deb; do dpkg -x "$deb" /tmp/wrk-root; done
+    export PYTHONPATH=/tmp/site:$root PYTHONUNBUFFERED=1
+    export PATH=/tmp/wrk-root/usr/bin:$PATH
+    export LD_LIBRARY_PATH=/tmp/wrk-root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    nproc
+    wrk --version | head -1 || true
+    cd "$root"
+    "$python" -m tests.benchmarks.serving --workers 1 2 4 8 --concurrency 256 \
+        --rounds 3 --duration 6 --wrk-threads 4 --only bare plugserve "${@:2}" 2>&1 \
+        | tee "$out/scaling.txt"
+    ;;
+*)
+    echo "usage: $0 prepare|run" >&2
+    exit 2
+    ;;
+esac
