@@ -43,10 +43,8 @@ def from_json(values: Any, dtype: np.dtype[Any], may_hold_bool: MayHoldBool = Tr
         return np.empty(raw.shape, dtype=dtype)
     want = "booleans" if dtype.kind == "b" else "numbers"
     got = _JSON_KINDS.get(raw.dtype.kind, "strings or mixed values")
-    # [true, 2] is inferred as integers
-    if callable(may_hold_bool):
-        may_hold_bool = may_hold_bool()
-    if got == "numbers" and may_hold_bool and _holds_bool(values):
+    # [true, 2] is inferred as integers; the text is searched only when that could be so.
+    if got == "numbers" and _may_hold(may_hold_bool) and _holds_bool(values):
         got = "booleans among numbers"
     if got != want:
         raise ValueError(f"{v2_datatype(dtype)} takes JSON {want}; the data holds {got}")
@@ -77,6 +75,10 @@ def _float_list(values: Any, dtype: np.dtype[Any]) -> np.ndarray | None:
     if set(map(type, values)) != _FLOAT:  # no bool, int, string or list among them
         return None
     return cast_exact(np.array(values, dtype=np.float64), dtype)
+
+
+def _may_hold(may_hold_bool: MayHoldBool) -> bool:
+    return may_hold_bool() if callable(may_hold_bool) else may_hold_bool
 
 
 def _holds_bool(values: Any) -> bool:

@@ -130,11 +130,26 @@ def decode_request(
         raise InvalidInput(f"the request is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidInput("the request must be a JSON object")
-    # No "true" or "false" anywhere in the text: no tensor holds a JSON boolean. Asked only
-    # for data that is not a plain list of floats (registry/tensors.py); a plain lambda,
-    # as functools.cache would build a cache per request that costs more than the search.
-    may_hold_bool = lambda: b"true" in header or b"false" in header  # noqa: E731
-    return _request(doc, binary, limits, may_hold_bool)
+    return _request(doc, binary, limits, _BoolSearch(header))
+
+
+class _BoolSearch:
+    """Whether the JSON text holds ``true`` or ``false``; if not, no tensor holds a JSON
+    boolean. Searched only when a tensor's data needs it (not a plain list of floats,
+    registry/tensors.py), and at most once a request, however many tensors ask: a large
+    body with many tensors is never scanned once per tensor. A slotted class, as
+    ``functools.cache`` would build a cache per request that costs more than the search."""
+
+    __slots__ = ("_answer", "_text")
+
+    def __init__(self, text: bytes) -> None:
+        self._text = text
+        self._answer: bool | None = None
+
+    def __call__(self) -> bool:
+        if self._answer is None:
+            self._answer = b"true" in self._text or b"false" in self._text
+        return self._answer
 
 
 def _request(

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Issue 13's scaling series on a lent many-core machine (the GPU machine: 16 cores, no
-# network, Python 3.12 with aiohttp, uvloop, numpy, onnx and onnxruntime but not
-# plugserve's other packages, and no wrk): plugserve --workers 1 2 4 8 beside the bare
-# aiohttp handler, c=256, the serving benchmark's MLP on ONNX Runtime's CPU provider.
+# Issue 13's scaling series on a lent many-core machine: plugserve --workers 1 2 4 8
+# beside the bare aiohttp handler, c=256, the serving benchmark's MLP on ONNX Runtime's
+# CPU provider. The GPU machine has 16 cores and no network. Its image has Python 3.12
+# with most of plugserve's packages (/work/.library/device/KINDS.md) but lacks orjson,
+# structlog, watchfiles and pyinstrument, and wrk.
 #
 #   here:   bash tests/benchmarks/device_scaling.sh prepare
 #           (wheels of the missing packages and wrk's .deb files into .device/, which
 #           .git/info/exclude keeps out of git)
 #   there:  the device tool's run, in one call:
 #           command: bash tests/benchmarks/device_scaling.sh run
-#           carry: [".device"], timeout_s: 560
+#           carry: [".device"], timeout_s: 480 (about 5 minutes on 16 cores, which
+#           leaves a rerun within a session's 15 minutes of device time)
 #
 # `run` takes more of the serving benchmark's options after it (a later one wins), and
 # prints the serving benchmark's table and the req/s by worker count, and writes
@@ -25,11 +27,14 @@ prepare)
     grep -qxF '/.device/' "$root/.git/info/exclude" 2>/dev/null \
         || echo '/.device/' >>"$root/.git/info/exclude"
     rm -rf "$dev" && mkdir -p "$dev/whl" "$dev/deb"
-    # The packages plugserve needs that the machine's image lacks (KINDS.md's list).
+    # The packages plugserve needs that the machine's image lacks (KINDS.md's list), and
+    # grpcio and protobuf at the versions its generated gRPC code is tested with, in case
+    # the image's are older: /tmp/site comes first on the path there.
     "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d "$dev/whl" orjson structlog watchfiles pyinstrument
+        -d "$dev/whl" orjson structlog watchfiles pyinstrument \
+        'grpcio>=1.81' 'protobuf>=6.33.5,<7'
     (cd "$dev/deb" && apt-get download -q wrk libluajit-5.1-2 libluajit-5.1-common)
     du -sh "$dev"
     ;;
@@ -41,8 +46,12 @@ run)
     export PYTHONPATH=/tmp/site:$root PYTHONUNBUFFERED=1
     export PATH=/tmp/wrk-root/usr/bin:$PATH
     export LD_LIBRARY_PATH=/tmp/wrk-root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    if ldd "$(command -v wrk)" | grep 'not found'; then
+        echo "wrk cannot load a library (above): carry its .deb too" >&2
+        exit 1
+    fi
     nproc
-    wrk --version | head -1 || true
+    "$python" -m pip list 2>/dev/null | grep -iE '^(aiohttp|grpcio|protobuf|onnxruntime|numpy|uvloop) '
     cd "$root"
     "$python" -m tests.benchmarks.serving --workers 1 2 4 8 --concurrency 256 \
         --rounds 3 --duration 6 --wrk-threads 4 --only bare plugserve "${@:2}" 2>&1 \

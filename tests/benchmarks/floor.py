@@ -15,7 +15,9 @@ and one bare aiohttp server on uvloop, both up for the whole run, take turns und
 
 Prints the medians of req/s and the server's CPU per request (its process tree,
 from /proc), and the steps between them: what the server adds to aiohttp, and
-what the infer route adds to the server. Not run by CI.
+what the infer route adds to the server, each the median of the differences
+within a round (the machine drifts between rounds). A case with failed requests
+makes it exit non-zero. Not run by CI.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main() -> None:
         ("plugserve infer JSON", plugserve, infer, as_json),
     ]
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in cases}
+    errors: dict[str, int] = dict.fromkeys(samples, 0)
     try:
         bare.wait("/health", 30)
         plugserve.wait("/v2/health/ready", 120)
@@ -86,18 +89,19 @@ def main() -> None:
                 used = sum(c for _, c in cpu_tree(server.proc.pid).values()) - before
                 cpu_us = used / max(1, result.requests) * 1e6
                 samples[name].append((result.rps, cpu_us))
+                errors[name] += result.errors
                 print(f"  round {round_no} {name:24} {result.rps:8.0f} req/s  CPU {cpu_us:6.1f} "
                       f"us/req  errors {result.errors}", flush=True)  # fmt: skip
     finally:
         for server in servers:
             server.stop()
 
-    cpu = {name: statistics.median(c for _, c in runs) for name, runs in samples.items()}
     print(f"\nMedians over {args.rounds} rounds, c={args.connections}:\n")
-    print("| case | req/s | CPU us/req |\n| --- | --- | --- |")
+    print("| case | req/s | CPU us/req | errors |\n| --- | --- | --- | --- |")
     for name, runs in samples.items():
-        print(f"| {name} | {statistics.median(r for r, _ in runs):.0f} | {cpu[name]:.1f} |")
-    print("\nSteps (medians of CPU per request):")
+        rps, cpu = statistics.median(r for r, _ in runs), statistics.median(c for _, c in runs)
+        print(f"| {name} | {rps:.0f} | {cpu:.1f} | {errors[name]} |")
+    print("\nSteps, CPU per request (the median of the per-round differences; each round's):")
     steps = [
         ("a body read by aiohttp", "bare POST", "bare GET"),
         ("plugserve's server around a handler", "plugserve GET live", "bare GET"),
@@ -105,7 +109,11 @@ def main() -> None:
         ("JSON over binary", "plugserve infer JSON", "plugserve infer binary"),
     ]
     for label, top, bottom in steps:
-        print(f"  {label}: {cpu[top] - cpu[bottom]:+.1f} us ({top} - {bottom})")
+        each = [a[1] - b[1] for a, b in zip(samples[top], samples[bottom], strict=True)]
+        shown = ", ".join(f"{d:+.0f}" for d in each)
+        print(f"  {label}: {statistics.median(each):+.1f} us ({top} - {bottom}; {shown})")
+    if any(errors.values()):
+        raise SystemExit(f"errors: {errors}: a case that failed requests has no figure")
 
 
 if __name__ == "__main__":

@@ -105,33 +105,35 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
             subprocess.run(["wrk", "-t1", "-c64", "-d2s", "-s", str(script), url],
                            capture_output=True, check=True)  # fmt: skip
-            before = threads_of(server.proc.pid, workers == 1)
             wrk = subprocess.Popen(["wrk", "-t1", "-c64", f"-d{args.duration}s", "-s", str(script), url],
                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
             started = time.monotonic()
-            wrk_before, machine_before = _cpu(wrk.pid), machine_cpu()
-            time.sleep(args.duration - 0.5)
-            wrk_cpu = _cpu(wrk.pid) - wrk_before
+            time.sleep(0.25)  # its connections open
+            # Every figure below is read over the same window, inside wrk's run.
+            opened = time.monotonic()
+            before, wrk_before = threads_of(server.proc.pid, workers == 1), _cpu(wrk.pid)
+            machine_before = machine_cpu()
+            time.sleep(args.duration - 0.75)
+            after, wrk_cpu = threads_of(server.proc.pid, workers == 1), _cpu(wrk.pid) - wrk_before
             machine = {k: v - machine_before[k] for k, v in machine_cpu().items()}
-            after = threads_of(server.proc.pid, workers == 1)
+            window = time.monotonic() - opened
             output, _ = wrk.communicate()
             elapsed = time.monotonic() - started
             requests = int(next(line.split()[0] for line in output.splitlines()
                                 if "requests in" in line))  # fmt: skip
+            rate = requests / elapsed
+            served = rate * window  # the requests of the window, at the run's mean rate
             by_group: dict[str, float] = defaultdict(float)
             for key, (group, seconds) in after.items():
                 by_group[group] += seconds - before.get(key, (group, 0.0))[1]
-            rate = requests / elapsed
             total = sum(by_group.values())
             print(f"workers {workers}{kind}, {args.payload}, c=64: {rate:.0f} req/s, server "
-                  f"{total / requests * 1e6:.0f} us/req ({total / elapsed:.2f} cores), wrk "
-                  f"{wrk_cpu / (requests * (args.duration - 0.5) / elapsed) * 1e6:.0f} us/req "
-                  f"({wrk_cpu / (args.duration - 0.5):.2f} cores)")  # fmt: skip
+                  f"{total / served * 1e6:.0f} us/req ({total / window:.2f} cores), wrk "
+                  f"{wrk_cpu / served * 1e6:.0f} us/req ({wrk_cpu / window:.2f} cores)")  # fmt: skip
             for group, seconds in sorted(by_group.items(), key=lambda kv: -kv[1]):
                 if seconds > 0.005 * total:
-                    print(f"  {group:40} {seconds / requests * 1e6:7.1f} us/req  "
-                          f"{seconds / elapsed:5.2f} cores")  # fmt: skip
-            window = args.duration - 0.5
+                    print(f"  {group:40} {seconds / served * 1e6:7.1f} us/req  "
+                          f"{seconds / window:5.2f} cores")  # fmt: skip
             print(f"  machine, all cores: idle {machine['idle'] / window:.2f} cores, stolen by the "
                   f"hypervisor {machine['steal'] / window:.2f}, softirq {machine['softirq'] / window:.2f}")  # fmt: skip
         finally:

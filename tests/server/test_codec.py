@@ -11,6 +11,7 @@ from hypothesis.extra import numpy as hnp
 
 from registry.datatypes import V2_TO_NUMPY
 from registry.errors import InvalidInput, PayloadTooLarge
+from server import codec
 from server.codec import (
     HEADER_LENGTH,
     InferRequest,
@@ -363,3 +364,29 @@ def test_shared_memory_parameters_are_checked(parameters: dict[str, Any], messag
         header = None
     with pytest.raises(InvalidInput, match=message):
         decode_request(body, header)
+
+
+def test_the_boolean_search_runs_at_most_once_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Integer tensors take the general path, which asks whether the text holds a JSON
+    boolean: fifty of them search the request's text once, not fifty times."""
+    searched: list[bytes] = []
+
+    class CountingText(bytes):
+        def __contains__(self, part: object) -> bool:
+            assert isinstance(part, bytes)
+            searched.append(part)
+            return bytes.__contains__(self, part)
+
+    class Counting(codec._BoolSearch):
+        __slots__ = ()
+
+        def __init__(self, text: bytes) -> None:
+            super().__init__(CountingText(text))
+
+    monkeypatch.setattr(codec, "_BoolSearch", Counting)
+    inputs = [
+        {"name": f"x{i}", "shape": [2], "datatype": "INT32", "data": [i, 2]} for i in range(50)
+    ]
+    decoded = decode_request(json.dumps({"inputs": inputs}).encode(), None)
+    assert len(decoded.inputs) == 50
+    assert searched == [b"true", b"false"]  # one search: neither word is in the text
