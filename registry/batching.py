@@ -84,7 +84,7 @@ def priority_level(priority: int | None, policy: BatchPolicy, label: str) -> int
     return level
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Pending:
     """One queued request."""
 
@@ -107,6 +107,12 @@ class Pending:
 
 def signature(inputs: Arrays) -> tuple[int, tuple[Any, ...] | None]:
     """Rows and batching signature of ``inputs``; ``None``: it cannot join a batch."""
+    if len(inputs) == 1:  # the usual request: no sort, no generator
+        for name, array in inputs.items():
+            shape = array.shape
+            if not shape:
+                return 1, None
+            return shape[0], ((name, array.dtype.str, shape[1:]),)
     arrays = list(inputs.values())
     if not arrays or any(a.ndim == 0 for a in arrays):
         return 1, None

@@ -68,7 +68,11 @@ class Chain:
         ok = cancelled = False
         call = _call if tracing.TRACER is None else _traced
         try:
-            data = await self._preprocess(data, ctx, call, started)
+            if self.preprocess:
+                data = await self._preprocess(data, ctx, call, started)
+            else:  # the runner first: its check alone, without a coroutine of its own
+                data = self._checked(data)
+                ctx.timings["compute_input"] = time.perf_counter() - started
             data = await call(self.runner, data, ctx)
             mark = time.perf_counter()
             for stage in self.postprocess:
@@ -85,12 +89,15 @@ class Chain:
 
     async def _preprocess(self, data: Any, ctx: RequestContext, call: Any, started: float) -> Any:
         """The request checked against the first stage's inputs, through the preprocessors."""
-        if _tensors(data):
-            data = self.stages[0].check_request(data, self.route)
+        data = self._checked(data)
         for stage in self.preprocess:
             data = await call(stage, data, ctx)
         ctx.timings["compute_input"] = time.perf_counter() - started
         return data
+
+    def _checked(self, data: Any) -> Any:
+        """Named tensors checked against the first stage's declared inputs; other data as is."""
+        return self.stages[0].check_request(data, self.route) if _tensors(data) else data
 
     def _record(self, ok: bool, started: float, ctx: RequestContext) -> None:
         """The request in the runner version's statistics."""
@@ -161,11 +168,9 @@ class Chain:
 
 def _tensors(data: Any) -> bool:
     """Whether ``data`` is named tensors (a v2 request), not a ``/predict`` body."""
-    return (
-        isinstance(data, Mapping)
-        and bool(data)
-        and all(isinstance(v, np.ndarray) for v in data.values())
-    )
+    if not isinstance(data, dict) and not isinstance(data, Mapping):  # a dict: no ABC check
+        return False
+    return bool(data) and all(isinstance(value, np.ndarray) for value in data.values())
 
 
 def _call(stage: LoadedPlugin, data: Any, ctx: RequestContext) -> Awaitable[Any]:

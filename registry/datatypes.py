@@ -33,6 +33,9 @@ def v2_datatype(dtype: np.dtype[np.generic]) -> str:
 
     Raises ``KeyError`` for dtypes v2 cannot carry (complex, datetime, ...).
     """
+    name = _NUMPY_TO_V2.get(dtype)  # a native dtype: one lookup
+    if name is not None:
+        return name
     if dtype.kind in "OSU":
         return "BYTES"
     return _NUMPY_TO_V2[dtype.newbyteorder("=")]

@@ -53,8 +53,8 @@ def conform(
     """
     if not specs:  # nothing declared: nothing to check against
         return inputs
-    names = [s.name for s in specs]
-    if len(inputs) != len(specs) or any(n not in inputs for n in names):
+    if len(inputs) != len(specs) or not all(s.name in inputs for s in specs):
+        names = [s.name for s in specs]
         unknown = sorted(set(inputs) - set(names))
         if unknown:
             raise InvalidInput(f"unknown input(s) {unknown}; {who} takes {sorted(names)}")
@@ -83,10 +83,15 @@ def _check_shape(spec: InputSpec, array: np.ndarray, who: str) -> None:
     if want is None:
         return
     got = array.shape
-    if len(got) != len(want) or any(w not in (-1, g) for w, g in zip(want, got, strict=True)):
-        raise InvalidInput(
-            f"input {spec.name!r} has shape {list(got)}, {who} takes {list(want)} (-1: any)"
-        )
+    if len(got) == len(want):
+        for w, g in zip(want, got, strict=True):  # no generator: a few dimensions
+            if w != -1 and w != g:
+                break
+        else:
+            return
+    raise InvalidInput(
+        f"input {spec.name!r} has shape {list(got)}, {who} takes {list(want)} (-1: any)"
+    )
 
 
 def _datatype(array: np.ndarray) -> str:

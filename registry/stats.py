@@ -97,10 +97,16 @@ class RunnerStats:
         (self.success if ok else self.fail).add(seconds)
         if ok:
             self.inference_count += rows
-            for stage in STAGES:
-                if stage in timings:
-                    self.stages[stage].add(timings[stage])
-                    self.latency[stage].observe(timings[stage])
+            stages, latency = self.stages, self.latency
+            for stage, took in timings.items():  # once a request: no method call a stage
+                kept = stages.get(stage)
+                if kept is None:
+                    continue
+                kept.count += 1
+                kept.ns += int(took * 1e9)
+                histogram = latency[stage]
+                histogram.total += took
+                histogram.counts[bisect.bisect_left(histogram.bounds, took)] += 1
         self.last_inference_ms = int(time.time() * 1000)
 
     def record_cache_hit(self, seconds: float, lookup: float, rows: int) -> None:

@@ -82,36 +82,34 @@ class Bodies:
         Read chunk by chunk (``request.read()`` would raise aiohttp's buffer to
         the whole limit, which inflates a compressed body in one step).
         """
+        limit = self.max_body_bytes
         try:
-            return await self._read(request)
-        except BaseException:
-            release_slot(request)
-            raise
-
-    async def _read(self, request: web.BaseRequest) -> bytes:
-        try:
-            return await self._read_body(request)
+            length = request.content_length
+            if length is not None and length > limit:
+                raise too_large(limit)
+            if (length is not None and length > LARGE_BODY_BYTES) or _compressed(request):
+                self.take(request)
+            content = request.content
+            first = await content.readany()
+            if not content.at_eof():
+                return await self._read_rest(request, bytearray(first))
+            if len(first) > limit:  # the usual case: the whole body came with the headers
+                raise too_large(limit)
+            return first
         except RequestPayloadError as exc:
+            release_slot(request)
             # Nothing more is read from this body: aiohttp would otherwise read on after
             # the answer, meet the error again and log it with a traceback.
             request.content.feed_eof()
             request.protocol.close()  # after the answer: the rest of the body is unread
             raise UnreadableBody(f"the request body cannot be read: {_reason(exc)}") from None
+        except BaseException:
+            release_slot(request)
+            raise
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        limit = self.max_body_bytes
-        length = request.content_length
-        if length is not None and length > limit:
-            raise too_large(limit)
-        if (length is not None and length > LARGE_BODY_BYTES) or _compressed(request):
-            self.take(request)
-        content = request.content
-        first = await content.readany()
-        if content.at_eof():  # the usual case: the whole body came with the headers
-            if len(first) > limit:
-                raise too_large(limit)
-            return first
-        body = bytearray(first)
+    async def _read_rest(self, request: web.BaseRequest, body: bytearray) -> bytes:
+        """The rest of a body that did not come whole with its headers."""
+        limit, content = self.max_body_bytes, request.content
         while True:
             # readany() returns buffered data without yielding, and taking it lets aiohttp
             # inflate the next piece at once: yield, or a compressed body is inflated whole

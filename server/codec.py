@@ -31,6 +31,8 @@ from server.triton.classification import class_count
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _U32 = struct.Struct("<I")
+_LITTLE_ENDIAN = {name: dtype.newbyteorder("<") for name, dtype in V2_TO_NUMPY.items()}
+"""Each datatype's dtype as the binary extension lays it out, made once."""
 
 
 @dataclass(frozen=True)
@@ -344,7 +346,7 @@ def from_binary(
 ) -> np.ndarray:
     if datatype == "BYTES":
         return _bytes_elements(name, chunk, count).reshape(shape)
-    dtype = V2_TO_NUMPY[datatype].newbyteorder("<")
+    dtype = _LITTLE_ENDIAN[datatype]
     if len(chunk) != count * dtype.itemsize:
         raise InvalidInput(
             f"input {name!r}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
@@ -491,5 +493,5 @@ def _to_json(name: str, array: np.ndarray, datatype: str) -> list[Any]:
 
 def to_binary(array: np.ndarray, datatype: str) -> bytes:
     if datatype != "BYTES":
-        return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+        return np.ascontiguousarray(array, dtype=_LITTLE_ENDIAN[datatype]).tobytes()
     return bytes_elements(array)

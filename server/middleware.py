@@ -80,58 +80,66 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     wraps each middleware anew on every request.
     """
     connection = begin_request(request)
-    try:
-        return await _answer(request, handler)
-    finally:
-        if connection is not None:
-            connection.end()
-        if request.app[BODIES].large:
-            release_slot(request)
-
-
-async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
+    app = request.app
     request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or new_request_id()
     REQUEST_ID.set(request_id)
     REQUEST_CHAIN.set(None)
     started = time.perf_counter()
     try:
-        response = await handler(request)
-    except PlugserveError as exc:
-        if isinstance(exc, PluginError):
-            log.error("plugin_raised", error=exc.message, exc_info=exc.exc)
-        elif exc.status == 500:
-            log.error("request_failed", error=exc.message, status=exc.status)
-        else:  # refused or timed out (503, 504, 429) or the client's mistake: expected
-            log.debug("request_failed", error=exc.message, status=exc.status)
-        response = error_response(exc, request.path)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        reason = exc.reason
-        if isinstance(exc, web.HTTPRequestEntityTooLarge):  # aiohttp's own body limit
-            reason = too_large(request.app[SETTINGS].max_body_bytes).message
-        response = _plain_error(request.path, exc.status, reason)
-        if "Allow" in exc.headers:
-            response.headers["Allow"] = exc.headers["Allow"]
-    except Exception:
-        log.exception("internal_error", path=request.path)
-        response = _plain_error(request.path, 500, "internal server error")
-    if response.status >= 400 and _large_body_left(request):
-        # Refused before its body was read (404, 401, 429, 413 ...): aiohttp would read,
-        # and inflate, the rest for up to 10 s after the answer. Close the connection instead.
-        request.content.feed_eof()
-        response.force_close()
-    if not response.prepared:  # a stream (server/events.py) set its headers as it began
-        identify(response, request_id)
-    if request.app[SETTINGS].access_log:
-        log.info(
-            "request",
-            method=request.method,
-            path=request.path,
-            status=response.status,
-            ms=round((time.perf_counter() - started) * 1000, 3),
-            remote=request.remote,
-        )
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            response = _refusal(request, exc)
+        except Exception as exc:
+            response = _failure(request, exc)
+        if response.status >= 400 and _large_body_left(request):
+            # Refused before its body was read (404, 401, 429, 413 ...): aiohttp would read,
+            # and inflate, the rest for up to 10 s after the answer. Close the connection.
+            request.content.feed_eof()
+            response.force_close()
+        if not response.prepared:  # a stream (server/events.py) set its headers as it began
+            identify(response, request_id)
+        if app[SETTINGS].access_log:
+            log.info(
+                "request",
+                method=request.method,
+                path=request.path,
+                status=response.status,
+                ms=round((time.perf_counter() - started) * 1000, 3),
+                remote=request.remote,
+            )
+        return response
+    finally:
+        if connection is not None:
+            connection.end()
+        if app[BODIES].large:
+            release_slot(request)
+
+
+def _failure(request: web.Request, exc: Exception) -> web.Response:
+    """The answer to an exception raised by a handler, logged by its kind."""
+    if not isinstance(exc, PlugserveError):
+        log.exception("internal_error", path=request.path, exc_info=exc)
+        return _plain_error(request.path, 500, "internal server error")
+    if isinstance(exc, PluginError):
+        log.error("plugin_raised", error=exc.message, exc_info=exc.exc)
+    elif exc.status == 500:
+        log.error("request_failed", error=exc.message, status=exc.status)
+    else:  # refused or timed out (503, 504, 429) or the client's mistake: expected
+        log.debug("request_failed", error=exc.message, status=exc.status)
+    return error_response(exc, request.path)
+
+
+def _refusal(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own HTTP errors (unknown path, wrong method, body too large) as JSON."""
+    reason = exc.reason
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):  # aiohttp's own body limit
+        reason = too_large(request.app[SETTINGS].max_body_bytes).message
+    response = _plain_error(request.path, exc.status, reason)
+    if "Allow" in exc.headers:
+        response.headers["Allow"] = exc.headers["Allow"]
     return response
 
 

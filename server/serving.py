@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from aiohttp import web
 
@@ -118,16 +118,20 @@ async def measured(
     """
     started = time.perf_counter()
     status = 200
-    if isinstance(request, web.BaseRequest):  # a gRPC call is cancelled by grpc itself
-        cancel_on_hangup(request)
-    if request.app[DRAIN].draining:
+    app = request.app
+    # One isinstance (an ABC's, not free): a gRPC call is cancelled by grpc itself.
+    http = isinstance(request, web.BaseRequest)
+    if http:
+        cancel_on_hangup(cast(web.BaseRequest, request))
+    if app[DRAIN].draining:
         work.close()  # never awaited: close it
-        request.app[METRICS].observe(UNKNOWN_ROUTE, protocol, 503, 0.0)
+        app[METRICS].observe(UNKNOWN_ROUTE, protocol, 503, 0.0)
         raise Unavailable("the server is shutting down")
     try:
         answer = await work
-        if isinstance(request, web.BaseRequest):  # a stream that failed after it began
-            status = request.get(STREAM_STATUS, status)
+        # A stream that failed after it began (server/events.py); a plain answer cannot.
+        if http and type(answer) is not web.Response:
+            status = cast(web.BaseRequest, request).get(STREAM_STATUS, status)
         return answer
     except PlugserveError as exc:
         status = exc.status
@@ -144,9 +148,9 @@ async def measured(
     finally:
         if not isinstance(route, str):
             route = route()
-        known = route in request.app[REGISTRY].routes.entries
+        known = route in app[REGISTRY].routes.entries
         chain = REQUEST_CHAIN.get()
-        request.app[METRICS].observe(
+        app[METRICS].observe(
             route if known else UNKNOWN_ROUTE,
             protocol,
             status,
@@ -195,10 +199,11 @@ async def serve(
     A request still running at its deadline answers 504 (a runner call already
     on a thread finishes there, unobserved; a queued one never starts).
     """
-    chain = request.app[REGISTRY].routes.resolve(route, version, request.headers)
+    app = request.app
+    chain = app[REGISTRY].routes.resolve(route, version, request.headers)
     # Counted in for the shutdown drain only now that its body is in: a client still
     # uploading never holds a shutdown up (503 if the drain began meanwhile).
-    drain = request.app[DRAIN]
+    drain = app[DRAIN]
     drain.enter()
     chain.enter()
     REQUEST_CHAIN.set(chain)
