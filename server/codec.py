@@ -98,7 +98,9 @@ class InferRequest:
 
     @property
     def uses_shared_memory(self) -> bool:
-        return bool(self.shared_inputs) or any(o.shared is not None for o in self.outputs or ())
+        if self.shared_inputs:
+            return True
+        return self.outputs is not None and any(o.shared is not None for o in self.outputs)
 
     @property
     def binary_output(self) -> bool:

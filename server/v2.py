@@ -252,8 +252,8 @@ async def statistics_of(
 
 def named_outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:
     """The chain's result as named tensors; anything else is the last stage's fault."""
-    last = chain.stages[-1]
-    if not isinstance(result, Mapping):
+    if type(result) is not dict and not isinstance(result, Mapping):  # a dict: no ABC check
+        last = chain.stages[-1]
         raise PluginError(
             last.label,
             TypeError(f"returned {type(result).__name__}; v2 needs a dict of named tensors"),
@@ -261,7 +261,7 @@ def named_outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:
     try:
         return {str(name): as_tensor(str(name), value) for name, value in result.items()}
     except (TypeError, ValueError) as exc:
-        raise PluginError(last.label, exc) from None
+        raise PluginError(chain.stages[-1].label, exc) from None
 
 
 STATS_PATHS = (
