@@ -7,7 +7,10 @@ Requests queue per runner instance and leave it in batches:
   ``max_queue_delay`` since its arrival, or at once when the runner is idle (no
   execution in flight): a lone request never waits for company. So with one
   instance batches form while the runner is busy, and the delay only matters
-  when spare instances could start a small batch early.
+  when spare instances could start a small batch early. A ``gather``-ing
+  scheduler cuts an idle runner's batch at the end of the event loop's turn
+  instead: the requests decoded in that turn join it (a worker whose runner runs
+  on its loop, where no batch forms while the runner is busy).
 - Requests join a batch only when their inputs agree on names, dtypes and
   every dimension after the first; a request larger than ``max_batch_size``
   runs alone. Each response is exactly its own slice of the batch's outputs.
@@ -158,6 +161,15 @@ class Scheduler:
         self._tasks: set[asyncio.Task[None]] = set()
         self.executions = 0
         self.rows = 0
+        self.gather = False
+        """Cut an idle runner's batch at the end of the loop's turn rather than at once, so
+        that the requests decoded in the turn join it, while requests come in company: set
+        where the runner runs on the event loop (``LoadedPlugin.loop_budget``), where no
+        batch can form while one runs. Company is two requests in one turn; it ends at a
+        cut that gathered one request, and a lone request then runs at once again."""
+        self._gathering = False
+        self._company = False
+        self._this_turn = False  # a request ran at once in this turn of the loop
 
     @property
     def queued(self) -> int:
@@ -179,10 +191,17 @@ class Scheduler:
 
         Fast path: a request that finds the runner idle and nothing queued runs
         at once in the caller's own task, with no queue entry, future or task
-        of its own; requests arriving meanwhile queue and batch as usual.
+        of its own; requests arriving meanwhile queue and batch as usual. Not
+        taken by a :attr:`gather`-ing scheduler while requests come in company.
         """
-        level = self._level(priority)
-        if not self._queue and self._running == 0 and not self._closed and not self.busy():
+        if (
+            not self._queue
+            and self._running == 0
+            and not self._closed
+            and not self.busy()
+            and not (self.gather and (self._company or self._this_turn))
+        ):
+            self._level(priority)  # a bad priority is refused here as in the queue
             if deadline is not None and self.clock() >= deadline:
                 raise DeadlineExceeded(f"the request's deadline passed before {self.label} ran it")
             self._running += 1
@@ -201,7 +220,12 @@ class Scheduler:
                 self._running -= 1
                 if self._queue:
                     self.pump()
-        future = self.enqueue(inputs, deadline, level, tenant, timings)
+                if self.gather and not self._this_turn:
+                    self._this_turn = True  # a second request in this turn is company
+                    asyncio.get_running_loop().call_soon(self._turn_over)
+        if self.gather and self._this_turn and not self._queue:
+            self._company = True
+        future = self.enqueue(inputs, deadline, priority, tenant, timings)
         try:
             return await future
         except asyncio.CancelledError:
@@ -244,9 +268,23 @@ class Scheduler:
         if tracing.TRACER is not None:
             request.span = tracing.TRACER.start_span("queue", attributes={"plugserve.rows": rows})
         self._queue.append(request)
-        if pump:
-            self.pump()
+        if pump and not self._gathering:  # gathering: cut with the rest of this turn
+            if self.gather and self._company and self._running == 0:
+                self._gathering = True
+                asyncio.get_running_loop().call_soon(self._gathered)
+            else:
+                self.pump()
         return future
+
+    def _gathered(self) -> None:
+        self._gathering = False
+        if len(self._queue) <= 1:
+            self._company = False  # alone: the next lone request runs at once
+        if not self._closed:
+            self.pump()
+
+    def _turn_over(self) -> None:
+        self._this_turn = False
 
     def _abandon(self, future: asyncio.Future[Arrays]) -> None:
         """A queued request's caller gave up (its client hung up): it leaves the queue now,

@@ -33,6 +33,9 @@ INLINE_MAX_ROWS = 4
 INLINE_MAX_BYTES = 64 * 1024
 """A batch larger than this never runs inline, whatever its rows: its cost is not measured."""
 SMALL_COSTS_KEPT = 8
+LOOP_BUDGET_S = 0.005
+"""In a worker whose runners run on its event loop (``LoadedPlugin.loop_budget``): the
+longest a batch may be predicted to take there; a longer one goes to a thread."""
 _LOADS = itertools.count(1)
 
 
@@ -90,6 +93,13 @@ class LoadedPlugin:
         init=False, default_factory=lambda: deque(maxlen=8), repr=False
     )
     _inline_budget: float = field(init=False, default=0.0, repr=False)
+    loop_budget: float = field(init=False, default=0.0, repr=False)
+    """Seconds: where a worker has a core of its own (``inline_runners``), a batch of any size
+    runs on its event loop when the runner's cheapest recent byte times its bytes fits this:
+    no thread hop, and requests that arrive meanwhile form the next batch. 0: off."""
+    _byte_costs: deque[float] = field(
+        init=False, default_factory=lambda: deque(maxlen=SMALL_COSTS_KEPT), repr=False
+    )
     _metadata: dict[str, Any] | None = field(init=False, default=None, repr=False)
     _inputs: tuple[InputSpec, ...] = field(init=False, default=(), repr=False)
     _input_dtypes: dict[str, np.dtype[Any] | None] = field(
@@ -371,6 +381,13 @@ class LoadedPlugin:
             self._raise_fault(exc)
         return self._result(result)
 
+    def run_on_loop(self, budget: float) -> None:
+        """Let a batched sync runner's batches run on the event loop within ``budget``
+        seconds each (:attr:`loop_budget`), its scheduler gathering each loop turn's requests."""
+        if self.scheduler is not None and not self._is_async and self.remote is None:
+            self.loop_budget = budget
+            self.scheduler.gather = True
+
     @property
     def runs_inline_sync(self) -> bool:
         """Whether :meth:`execute_inline` may replace :meth:`_execute` (a sync ``infer``
@@ -430,7 +447,15 @@ class LoadedPlugin:
         most ``INLINE_MAX_ROWS`` rows and ``INLINE_MAX_BYTES`` run inline once
         the fastest of the last eight such batches took less than the runner's
         ``inline_budget_us``; anything larger or slower stays off the loop.
+        With a :attr:`loop_budget`, any batch of numbers runs inline whose bytes, at the
+        cheapest cost per byte of the last eight executions, fit it (by bytes, not rows:
+        one huge row must not pass for a cheap one; BYTES tensors are not predicted).
         """
+        known = self._byte_costs
+        if self.loop_budget and len(known) == SMALL_COSTS_KEPT:
+            size = _numeric_bytes(inputs)
+            if size and min(known) * size <= self.loop_budget:
+                return True
         costs = self._small_costs
         if len(costs) < SMALL_COSTS_KEPT or min(costs) > self._inline_budget:
             return False
@@ -439,6 +464,8 @@ class LoadedPlugin:
     def _timed(self, inputs: Mapping[str, np.ndarray]) -> Any:
         started = time.perf_counter()
         result = self._method(inputs)
+        if self.loop_budget and (size := _numeric_bytes(inputs)):
+            self._byte_costs.append((time.perf_counter() - started) / size)
         if _small(inputs):
             # The least of the last few: a run on a worker thread also counts
             # its wait for the GIL, which says nothing about the work itself.
@@ -507,6 +534,16 @@ def batch_policy(runner: RunnerSection) -> BatchPolicy:
         default_priority=runner.default_priority_level,
         tenant_weights=runner.tenant_weights,
     )
+
+
+def _numeric_bytes(inputs: Mapping[str, np.ndarray]) -> int:
+    """The bytes of a batch's tensors; 0 where one holds BYTES (its size is not its cost)."""
+    total = 0
+    for array in inputs.values():
+        if array.dtype.kind == "O":
+            return 0
+        total += array.nbytes
+    return total
 
 
 def _small(inputs: Mapping[str, np.ndarray]) -> bool:

@@ -70,6 +70,9 @@ class Loader:
         self.runners: Runners | None = None
         """Where ``isolation = "process"`` runners run: a worker's supervisor, or a
         :class:`RunnerHost` of this process made at the first such load."""
+        self.loop_budget = 0.0
+        """Seconds: the :attr:`LoadedPlugin.loop_budget` of the in-worker runners this loads
+        (a worker with a core of its own, ``inline_runners``); their schedulers ``gather``."""
         self._loads = itertools.count(1)
 
     def roots(self, folder: Path) -> Roots:
@@ -124,6 +127,8 @@ class Loader:
             abandoned.set()
             self._forget(package)
             raise
+        if self.loop_budget and not in_process:
+            loaded.run_on_loop(self.loop_budget)
         try:
             await loaded.warmup(deadline - time.monotonic())
         except Exception as exc:

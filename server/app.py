@@ -12,6 +12,7 @@ from aiohttp import web
 
 from registry import tracing
 from registry.cache import ResponseCache
+from registry.components import LOOP_BUDGET_S
 from registry.fleet import EtcdLocation, EtcdRouteStore
 from registry.isolation.host import ProcessSettings, RunnerHost
 from registry.registry import Registry
@@ -184,6 +185,8 @@ def create_app(
         through = worker.forward
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
     _isolated_runners(app[REGISTRY], settings, worker)
+    if settings.runners_on_loop:
+        app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S
     repository = LocalRepository(app[REGISTRY])
     app[REPOSITORY] = repository if worker is None else SupervisedRepository(worker.supervisor)
     v2.add_routes(app, through)

@@ -72,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
         "--workers",
         help="HTTP worker processes sharing the port: a number, or auto (one per core); default 1",
     )
+    serve.add_argument(
+        "--inline-runners",
+        choices=["auto", "on", "off"],
+        help="run runners' batches on each worker's event loop: auto (default) does where "
+        "every core has a worker",
+    )
     serve.add_argument("--log-format", choices=["console", "json"])
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
@@ -147,6 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
         "replica_id": args.replica_id,
         "runtime_routes_file": args.runtime_routes_file,
         "workers": args.workers,
+        "inline_runners": args.inline_runners,
     }
     settings = load_settings(args.config, flags)
     protect_std_streams()

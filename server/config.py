@@ -54,6 +54,13 @@ _ABOVE_LOW = {"load_timeout_s", "close_timeout_s", "header_timeout_s", "body_tim
 """Settings that must be more than their low bound (a zero timeout means nothing)."""
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as a container's cpuset sets it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def bundled_dir(name: str) -> Path:
     """The bundled ``plugins/`` or ``models/`` of a source checkout, else ``./<name>``."""
     bundled = _PROJECT_ROOT / name
@@ -131,16 +138,25 @@ class Settings:
     """HTTP worker processes sharing the port: a number, or ``auto`` (one per usable core).
     With more than one, a supervisor process runs them (docs/operations.md)."""
 
+    inline_runners: str = "auto"
+    """Where a worker runs its in-worker runners' batches: ``on`` its event loop (within a
+    few ms a batch, ``registry/components.py``), ``off`` on a thread each, or ``auto``: on the
+    loop when every usable core has a worker of its own (``workers`` > 1 and at least one
+    per core), where a thread only adds hand-offs."""
+
     @property
     def worker_count(self) -> int:
         if self.workers == "auto":
-            return max(
-                1,
-                len(os.sched_getaffinity(0))
-                if hasattr(os, "sched_getaffinity")
-                else os.cpu_count() or 1,
-            )
+            return max(1, usable_cores())
         return int(self.workers)
+
+    @property
+    def runners_on_loop(self) -> bool:
+        """Whether each worker runs its runners' batches on its event loop (``inline_runners``)."""
+        if self.inline_runners == "auto":
+            count = self.worker_count
+            return count > 1 and count >= usable_cores()
+        return self.inline_runners == "on"
 
     @functools.cached_property
     def limits(self) -> Limits:
@@ -174,6 +190,10 @@ class Settings:
             raise ConfigError(
                 f"grpc_port {self.grpc_port} is also {which}: give gRPC a port of its own "
                 "(or grpc_port = 0 to turn it off)"
+            )
+        if self.inline_runners not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"inline_runners must be auto, on or off, not {self.inline_runners!r}"
             )
         if self.shared_memory not in ("loopback", "any", "off"):
             raise ConfigError(

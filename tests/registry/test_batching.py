@@ -556,3 +556,65 @@ async def test_an_inline_batch_cancelled_inside_the_runner_frees_it() -> None:
     assert future.cancelled()
     runner.fail = None
     assert scheduler.enqueue(rows(1)).result()["y"].shape == (1, 3)
+
+
+def make_gathering(policy: BatchPolicy) -> tuple[Scheduler, InlineRunner]:
+    """A scheduler whose runner answers in the step that called it (a runner run on the
+    event loop, ``inline_runners``): no batch forms while it runs."""
+    runner = InlineRunner()
+    scheduler = Scheduler(runner.execute_async, policy, "runner/t@1.0.0")
+    scheduler.gather = True
+    return scheduler, runner
+
+
+async def test_a_gathering_scheduler_batches_the_requests_of_one_turn_once_they_come_together() -> (
+    None
+):
+    """A worker whose runner runs on its loop: the first request of a turn runs at once;
+    a second in the same turn is company, and from then on the requests of a turn go as one
+    batch cut at its end, until a cut gathers a single request."""
+    scheduler, runner = make_gathering(BatchPolicy(max_batch_size=8))
+
+    async def turn(count: int, value: float = 1.0) -> list[Any]:
+        calls = [asyncio.ensure_future(scheduler.submit(rows(1, value))) for _ in range(count)]
+        return [(await c)["y"][0, 0] for c in calls]
+
+    assert await turn(1) == [2.0]
+    await settle()
+    assert await turn(1) == [2.0]
+    await settle()
+    assert runner.batches == [1, 1]  # alone, turn after turn: at once, no turn waited
+    assert await turn(4, 3.0) == [6.0] * 4
+    assert runner.batches == [1, 1, 1, 3]  # the first at once, then company: the rest as one
+    await settle()
+    assert await turn(5, 2.0) == [4.0] * 5
+    assert runner.batches[4:] == [5]  # in company: all of the turn's requests together
+    await settle()
+    assert await turn(1) == [2.0]
+    assert runner.batches[5:] == [1]  # a cut of one: company ends
+    await settle()
+    assert await turn(1) == [2.0]
+    assert scheduler.queued == 0
+    assert (scheduler.executions, scheduler.rows) == (7, 13)
+
+
+async def test_a_lone_request_on_a_gathering_scheduler_waits_for_no_turn() -> None:
+    scheduler, runner = make_gathering(BatchPolicy(max_batch_size=8))
+    call = asyncio.ensure_future(scheduler.submit(rows(1, 1.0)))
+    await asyncio.sleep(0)
+    assert call.done() and runner.batches == [1]  # answered in its own first step
+    assert (await call)["y"][0, 0] == 2.0
+
+
+async def test_a_gathering_scheduler_closed_in_the_turn_runs_nothing_more() -> None:
+    scheduler, runner = make_gathering(BatchPolicy(max_batch_size=8))
+    calls = [asyncio.ensure_future(scheduler.submit(rows(1))) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert runner.batches == [1]  # the first ran; the others wait for the end of the turn
+    scheduler.close()
+    assert (await calls[0])["y"].shape == (1, 3)
+    for call in calls[1:]:
+        with pytest.raises(Unavailable):
+            await call
+    await settle()
+    assert runner.batches == [1]

@@ -98,3 +98,43 @@ async def test_a_runner_first_in_its_chain_checks_a_request_once(
         assert checks == ["route 'last'", f"runner {chain.runner.label}"]
     finally:
         await registry.close()
+
+
+async def test_a_worker_with_a_core_of_its_own_runs_cheap_batches_on_its_loop_but_no_huge_one(
+    plugins_dir: Path, client: Callable[..., Any]
+) -> None:
+    """``inline_runners = "on"``: once the runner's cost per byte is known, batches of any
+    rows run on the event loop when they fit the loop's budget (5 ms); a request of one row
+    but 4 MB (the attack above, by bytes) still goes to a thread."""
+    write_plugin(plugins_dir, "runner", "last", "1.0.0", "[runner]\nmax_batch_size = 8\n",
+                 {"plugin.py": LAST_COLUMN})  # fmt: skip
+    cli = await client(inline_runners="on")
+
+    async def infer(rows: int, columns: int) -> None:
+        raw = np.ones((rows, columns), np.float32).tobytes()
+        x = {"name": "x", "datatype": "FP32", "shape": [rows, columns],
+             "parameters": {"binary_data_size": len(raw)}}  # fmt: skip
+        header = json.dumps({"inputs": [x]}).encode()
+        resp = await cli.post("/v2/models/last/infer", data=header + raw,
+                              headers={"Inference-Header-Content-Length": str(len(header))})  # fmt: skip
+        assert resp.status == 200, await resp.text()
+
+    for _ in range(10):
+        await infer(8, 16)
+    before = await _inline_executions(cli)
+    await infer(8, 16)  # 8 rows: more than a small batch's 4, inside the budget
+    assert await _inline_executions(cli) == before + 1
+    await infer(1, 1_000_000)
+    assert await _inline_executions(cli) == before + 1
+
+
+async def test_runners_stay_on_their_threads_unless_asked_or_every_core_has_a_worker() -> None:
+    from server.config import Settings, usable_cores
+
+    assert not Settings().runners_on_loop  # one worker: as before
+    assert Settings(inline_runners="on").runners_on_loop
+    assert not Settings(workers=2, inline_runners="off").runners_on_loop
+    cores = usable_cores()
+    assert Settings(workers=max(2, cores)).runners_on_loop
+    if cores > 2:
+        assert not Settings(workers=2).runners_on_loop

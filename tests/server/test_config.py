@@ -121,3 +121,8 @@ def test_response_cache_bytes_bounds(value: int, ok: bool) -> None:
         with pytest.raises(ConfigError, match="response_cache_bytes"):
             Settings(response_cache_bytes=value)
     assert Settings().response_cache_bytes == 64 * 1024 * 1024
+
+
+def test_inline_runners_is_auto_on_or_off() -> None:
+    with pytest.raises(ConfigError, match="inline_runners must be auto, on or off"):
+        Settings(inline_runners="sometimes")
