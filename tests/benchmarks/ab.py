@@ -4,6 +4,7 @@
     python -m tests.benchmarks.ab --isolated [--workers 2]   # in-worker vs isolated runner
     python -m tests.benchmarks.ab --against HEAD~1 --isolated  # isolated runners, two commits
     python -m tests.benchmarks.ab --against HEAD~2 --model mlp [--payload binary]
+    python -m tests.benchmarks.ab --inline-runners --workers 2 --model mlp --connections 64
 
 Checks the commit out into a temporary git worktree, serves the same small ONNX
 runner from both (each ``plugserve serve`` runs its own code), and drives them
@@ -13,7 +14,8 @@ Prints, per concurrency, the median req/s, p50 and server CPU time per request
 shared machine) of each, and the req/s ratio. ``--model mlp`` serves the serving
 benchmark's MLP and request (tests/benchmarks/serving.py, JSON or binary) instead. With ``--isolated`` both servers
 run this checkout, the runner in the worker and in a process of its own
-(``isolation = "process"``).
+(``isolation = "process"``); with ``--inline-runners``, the in-worker runner's
+batches on a thread (``--inline-runners off``) and on the worker's event loop (``on``).
 Not run by CI.
 """
 
@@ -25,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.benchmarks.canary import lua
@@ -44,7 +47,12 @@ ISOLATED = 'isolation = "process"'
 
 
 def serve(
-    source: Path, plugins: Path, models: Path, log: Path, workers: int = 1
+    source: Path,
+    plugins: Path,
+    models: Path,
+    log: Path,
+    workers: int = 1,
+    extra: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [
@@ -53,6 +61,7 @@ def serve(
         "--plugins-dir", str(plugins), "--models-dir", str(models), "--log-level", "warning",
     ]  # fmt: skip
     command += ["--workers", str(workers)] if workers > 1 else []
+    command += extra
     out = log.open("wb")
     proc = subprocess.Popen(
         command, cwd=source, env={**os.environ, "PYTHONPATH": str(source)}, stdout=out, stderr=out
@@ -89,6 +98,12 @@ def main() -> None:
         action="store_true",
         help="in-worker runner against an isolated one; with --against, isolated on both sides",
     )
+    parser.add_argument(
+        "--inline-runners",
+        action="store_true",
+        help="this checkout's in-worker runners on a thread (--inline-runners off) against "
+        "on each worker's event loop (on)",
+    )
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=5)
@@ -96,8 +111,10 @@ def main() -> None:
     parser.add_argument("--model", choices=["add", "mlp"], default="add")
     parser.add_argument("--payload", choices=["json", "binary"], default="json")
     args = parser.parse_args()
-    if not (args.against or args.isolated):
-        parser.error("say --against, --isolated or both")
+    if args.inline_runners and (args.against or args.isolated):
+        parser.error("--inline-runners compares this checkout with itself: not with --against")
+    if not (args.against or args.isolated or args.inline_runners):
+        parser.error("say --against, --isolated (or both), or --inline-runners")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         earlier = root / "earlier"
@@ -121,17 +138,23 @@ def main() -> None:
             servers: dict[str, str] = {}
             pids: dict[str, int] = {}
             cpu_per_request: dict[tuple[str, int], list[float]] = {}
+            sides: list[tuple[str, Path, Path, list[str]]]
             if args.against:
                 plugins = root / "iso" / "plugins" if args.isolated else root / "plugins"
-                sides = [("this", ROOT, plugins), (args.against, earlier, plugins)]
+                sides = [("this", ROOT, plugins, []), (args.against, earlier, plugins, [])]
+            elif args.inline_runners:
+                sides = [
+                    ("loop", ROOT, root / "plugins", ["--inline-runners", "on"]),
+                    ("thread", ROOT, root / "plugins", ["--inline-runners", "off"]),
+                ]
             else:
                 sides = [
-                    ("in-worker", ROOT, root / "plugins"),
-                    ("isolated", ROOT, root / "iso" / "plugins"),
+                    ("in-worker", ROOT, root / "plugins", []),
+                    ("isolated", ROOT, root / "iso" / "plugins", []),
                 ]
-            for name, source, plugins in sides:
+            for name, source, plugins, flags in sides:
                 log = root / f"{name}.log"
-                proc, url = serve(source, plugins, root / "models", log, args.workers)
+                proc, url = serve(source, plugins, root / "models", log, args.workers, flags)
                 procs.append(proc)
                 servers[name] = url + path
                 pids[name] = proc.pid
@@ -163,7 +186,9 @@ def main() -> None:
                 )
                 first, second = list(servers)
                 extra = ""
-                if not args.against:
+                if args.inline_runners:
+                    extra = f" | CPU loop - thread {cpu[first] - cpu[second]:+.0f} µs"
+                elif not args.against:
                     extra = f" | CPU isolated - in-worker {cpu[second] - cpu[first]:+.0f} µs"
                 print(f"c={c}: {shown} | {first}/{second} {rps[first] / rps[second]:.3f}{extra}")
         finally:
