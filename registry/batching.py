@@ -8,9 +8,10 @@ Requests queue per runner instance and leave it in batches:
   execution in flight): a lone request never waits for company. So with one
   instance batches form while the runner is busy, and the delay only matters
   when spare instances could start a small batch early. A ``gather``-ing
-  scheduler cuts an idle runner's batch at the end of the event loop's turn
-  instead: the requests decoded in that turn join it (a worker whose runner runs
-  on its loop, where no batch forms while the runner is busy).
+  scheduler (a worker whose runner runs on its loop, where no batch forms while
+  the runner is busy) cuts an idle runner's batch at the end of the event loop's
+  turn instead, once two requests came in one turn: the rest of that turn's
+  requests join it. A request alone still runs at once.
 - Requests join a batch only when their inputs agree on names, dtypes and
   every dimension after the first; a request larger than ``max_batch_size``
   runs alone. Each response is exactly its own slice of the batch's outputs.
@@ -194,6 +195,7 @@ class Scheduler:
         of its own; requests arriving meanwhile queue and batch as usual. Not
         taken by a :attr:`gather`-ing scheduler while requests come in company.
         """
+        level = self._level(priority)  # a bad priority: 400 before anything else
         if (
             not self._queue
             and self._running == 0
@@ -201,7 +203,6 @@ class Scheduler:
             and not self.busy()
             and not (self.gather and (self._company or self._this_turn))
         ):
-            self._level(priority)  # a bad priority is refused here as in the queue
             if deadline is not None and self.clock() >= deadline:
                 raise DeadlineExceeded(f"the request's deadline passed before {self.label} ran it")
             self._running += 1
@@ -225,7 +226,7 @@ class Scheduler:
                     asyncio.get_running_loop().call_soon(self._turn_over)
         if self.gather and self._this_turn and not self._queue:
             self._company = True
-        future = self.enqueue(inputs, deadline, priority, tenant, timings)
+        future = self.enqueue(inputs, deadline, level, tenant, timings)
         try:
             return await future
         except asyncio.CancelledError:

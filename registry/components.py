@@ -33,9 +33,12 @@ INLINE_MAX_ROWS = 4
 INLINE_MAX_BYTES = 64 * 1024
 """A batch larger than this never runs inline, whatever its rows: its cost is not measured."""
 SMALL_COSTS_KEPT = 8
-LOOP_BUDGET_S = 0.005
+LOOP_BUDGET_S = 0.01
 """In a worker whose runners run on its event loop (``LoadedPlugin.loop_budget``): the
-longest a batch may be predicted to take there; a longer one goes to a thread."""
+longest a batch should hold the loop. A batch runs there when each of the runner's recent
+executions took at most a quarter of it and the batch is at most twice the largest of
+them, so that a cost growing even with the square of the data stays within it."""
+LOOP_COSTS_KEPT = 8
 _LOADS = itertools.count(1)
 
 
@@ -94,12 +97,14 @@ class LoadedPlugin:
     )
     _inline_budget: float = field(init=False, default=0.0, repr=False)
     loop_budget: float = field(init=False, default=0.0, repr=False)
-    """Seconds: where a worker has a core of its own (``inline_runners``), a batch of any size
-    runs on its event loop when the runner's cheapest recent byte times its bytes fits this:
-    no thread hop, and requests that arrive meanwhile form the next batch. 0: off."""
-    _byte_costs: deque[float] = field(
-        init=False, default_factory=lambda: deque(maxlen=SMALL_COSTS_KEPT), repr=False
+    """Seconds: where a worker has a core of its own (``inline_runners``), batches that its
+    runner's last executions say will take at most this long run on its event loop (see
+    ``LOOP_BUDGET_S``): no thread hop, and the requests that arrive meanwhile form the
+    next batch. 0: off."""
+    _loop_costs: deque[tuple[int, float]] = field(
+        init=False, default_factory=lambda: deque(maxlen=LOOP_COSTS_KEPT), repr=False
     )
+    """(bytes, seconds) of the last executions, while :attr:`loop_budget` is set."""
     _metadata: dict[str, Any] | None = field(init=False, default=None, repr=False)
     _inputs: tuple[InputSpec, ...] = field(init=False, default=(), repr=False)
     _input_dtypes: dict[str, np.dtype[Any] | None] = field(
@@ -383,10 +388,20 @@ class LoadedPlugin:
 
     def run_on_loop(self, budget: float) -> None:
         """Let a batched sync runner's batches run on the event loop within ``budget``
-        seconds each (:attr:`loop_budget`), its scheduler gathering each loop turn's requests."""
-        if self.scheduler is not None and not self._is_async and self.remote is None:
-            self.loop_budget = budget
-            self.scheduler.gather = True
+        seconds each (:attr:`loop_budget`), its scheduler gathering each loop turn's requests.
+        A runner with several instances, or with ``inline_budget_us = 0``, keeps its threads."""
+        runner = self.manifest.runner
+        if (
+            self.scheduler is None
+            or self._is_async
+            or self.remote is not None
+            or runner is None
+            or runner.instances > 1  # executions side by side: they need threads
+            or runner.inline_budget_us == 0  # the runner's own "never on the loop"
+        ):
+            return
+        self.loop_budget = budget
+        self.scheduler.gather = True
 
     @property
     def runs_inline_sync(self) -> bool:
@@ -447,14 +462,18 @@ class LoadedPlugin:
         most ``INLINE_MAX_ROWS`` rows and ``INLINE_MAX_BYTES`` run inline once
         the fastest of the last eight such batches took less than the runner's
         ``inline_budget_us``; anything larger or slower stays off the loop.
-        With a :attr:`loop_budget`, any batch of numbers runs inline whose bytes, at the
-        cheapest cost per byte of the last eight executions, fit it (by bytes, not rows:
-        one huge row must not pass for a cheap one; BYTES tensors are not predicted).
+        With a :attr:`loop_budget`, a batch of numbers also runs inline when each of the
+        last eight executions took at most a quarter of it and the batch is at most twice
+        as large (in bytes) as the largest of them: a fixed cost, or one growing with the
+        square of the data, stays within the budget; one slow execution sends the next
+        eight to the thread; a batch of strings is never predicted.
         """
-        known = self._byte_costs
-        if self.loop_budget and len(known) == SMALL_COSTS_KEPT:
+        known = self._loop_costs
+        if self.loop_budget and len(known) == LOOP_COSTS_KEPT:
             size = _numeric_bytes(inputs)
-            if size and min(known) * size <= self.loop_budget:
+            largest = max(seen for seen, _ in known)
+            quarter = self.loop_budget / 4
+            if 0 < size <= 2 * largest and all(took <= quarter for _, took in known):
                 return True
         costs = self._small_costs
         if len(costs) < SMALL_COSTS_KEPT or min(costs) > self._inline_budget:
@@ -464,12 +483,13 @@ class LoadedPlugin:
     def _timed(self, inputs: Mapping[str, np.ndarray]) -> Any:
         started = time.perf_counter()
         result = self._method(inputs)
-        if self.loop_budget and (size := _numeric_bytes(inputs)):
-            self._byte_costs.append((time.perf_counter() - started) / size)
+        took = time.perf_counter() - started
+        if self.loop_budget:
+            self._loop_costs.append((_numeric_bytes(inputs), took))
         if _small(inputs):
             # The least of the last few: a run on a worker thread also counts
             # its wait for the GIL, which says nothing about the work itself.
-            self._small_costs.append(time.perf_counter() - started)
+            self._small_costs.append(took)
             if len(self._small_costs) > SMALL_COSTS_KEPT:
                 self._small_costs.popleft()
         return result
@@ -537,10 +557,11 @@ def batch_policy(runner: RunnerSection) -> BatchPolicy:
 
 
 def _numeric_bytes(inputs: Mapping[str, np.ndarray]) -> int:
-    """The bytes of a batch's tensors; 0 where one holds BYTES (its size is not its cost)."""
+    """The bytes of a batch's tensors; 0 where one holds text or objects (BYTES, numpy
+    strings): their size does not say their cost."""
     total = 0
     for array in inputs.values():
-        if array.dtype.kind == "O":
+        if array.dtype.kind not in "biufc":
             return 0
         total += array.nbytes
     return total

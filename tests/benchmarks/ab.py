@@ -112,7 +112,9 @@ def main() -> None:
     parser.add_argument("--payload", choices=["json", "binary"], default="json")
     args = parser.parse_args()
     if args.inline_runners and (args.against or args.isolated):
-        parser.error("--inline-runners compares this checkout with itself: not with --against")
+        parser.error(
+            "--inline-runners compares this checkout with itself: not with --against or --isolated"
+        )
     if not (args.against or args.isolated or args.inline_runners):
         parser.error("say --against, --isolated (or both), or --inline-runners")
     with tempfile.TemporaryDirectory() as tmp:

@@ -100,41 +100,89 @@ async def test_a_runner_first_in_its_chain_checks_a_request_once(
         await registry.close()
 
 
+SLEEPY = """
+    import time
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Sleepy:
+        def metadata(self):
+            return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, -1]}]}
+
+        def infer(self, inputs):
+            time.sleep(float(inputs["x"].max()) / 1000)  # the largest value: milliseconds
+            return {"y": np.ascontiguousarray(inputs["x"][:, -1:])}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Sleepy()
+"""
+
+
+async def _post(cli: Any, route: str, array: np.ndarray) -> None:
+    raw = array.tobytes()
+    x = {"name": "x", "datatype": "FP32", "shape": list(array.shape),
+         "parameters": {"binary_data_size": len(raw)}}  # fmt: skip
+    header = json.dumps({"inputs": [x]}).encode()
+    resp = await cli.post(f"/v2/models/{route}/infer", data=header + raw,
+                          headers={"Inference-Header-Content-Length": str(len(header))})  # fmt: skip
+    assert resp.status == 200, await resp.text()
+
+
 async def test_a_worker_with_a_core_of_its_own_runs_cheap_batches_on_its_loop_but_no_huge_one(
     plugins_dir: Path, client: Callable[..., Any]
 ) -> None:
-    """``inline_runners = "on"``: once the runner's cost per byte is known, batches of any
-    rows run on the event loop when they fit the loop's budget (5 ms); a request of one row
-    but 4 MB (the attack above, by bytes) still goes to a thread."""
+    """``inline_runners = "on"``: once the runner's last eight executions were cheap, a batch
+    of more rows than a small batch's 4 runs on the event loop; one more than twice the
+    bytes of the largest of them (one row of 4 MB: the attack above) still goes to a
+    thread, however cheap its rows were."""
     write_plugin(plugins_dir, "runner", "last", "1.0.0", "[runner]\nmax_batch_size = 8\n",
                  {"plugin.py": LAST_COLUMN})  # fmt: skip
     cli = await client(inline_runners="on")
-
-    async def infer(rows: int, columns: int) -> None:
-        raw = np.ones((rows, columns), np.float32).tobytes()
-        x = {"name": "x", "datatype": "FP32", "shape": [rows, columns],
-             "parameters": {"binary_data_size": len(raw)}}  # fmt: skip
-        header = json.dumps({"inputs": [x]}).encode()
-        resp = await cli.post("/v2/models/last/infer", data=header + raw,
-                              headers={"Inference-Header-Content-Length": str(len(header))})  # fmt: skip
-        assert resp.status == 200, await resp.text()
-
     for _ in range(10):
-        await infer(8, 16)
+        await _post(cli, "last", np.ones((8, 16), np.float32))
     before = await _inline_executions(cli)
-    await infer(8, 16)  # 8 rows: more than a small batch's 4, inside the budget
+    await _post(cli, "last", np.ones((8, 16), np.float32))
     assert await _inline_executions(cli) == before + 1
-    await infer(1, 1_000_000)
+    await _post(cli, "last", np.ones((1, 1_000_000), np.float32))
     assert await _inline_executions(cli) == before + 1
 
 
-async def test_runners_stay_on_their_threads_unless_asked_or_every_core_has_a_worker() -> None:
-    from server.config import Settings, usable_cores
+async def test_one_slow_execution_sends_the_next_batches_to_a_thread(
+    plugins_dir: Path, client: Callable[..., Any]
+) -> None:
+    """A cost that depends on the content: after one execution over a quarter of the loop's
+    10 ms budget, the next eight run on a thread, however small."""
+    write_plugin(plugins_dir, "runner", "sleepy", "1.0.0", "[runner]\nmax_batch_size = 8\n",
+                 {"plugin.py": SLEEPY})  # fmt: skip
+    cli = await client(inline_runners="on")
+    fast = np.zeros((8, 4), np.float32)
+    for _ in range(9):
+        await _post(cli, "sleepy", fast)
+    before = await _inline_executions(cli)
+    assert before > 0
+    await _post(cli, "sleepy", np.full((8, 4), 4.0, np.float32))  # 4 ms: on the loop, once
+    ran = await _inline_executions(cli)
+    for _ in range(7):
+        await _post(cli, "sleepy", fast)
+    assert await _inline_executions(cli) == ran  # the slow one is among the last eight
 
-    assert not Settings().runners_on_loop  # one worker: as before
-    assert Settings(inline_runners="on").runners_on_loop
-    assert not Settings(workers=2, inline_runners="off").runners_on_loop
-    cores = usable_cores()
-    assert Settings(workers=max(2, cores)).runners_on_loop
-    if cores > 2:
-        assert not Settings(workers=2).runners_on_loop
+
+async def test_a_runner_with_instances_or_a_zero_inline_budget_keeps_its_threads(
+    plugins_dir: Path, client: Callable[..., Any]
+) -> None:
+    write_plugin(plugins_dir, "runner", "last", "1.0.0",
+                 "[runner]\nmax_batch_size = 8\ninline_budget_us = 0\n",
+                 {"plugin.py": LAST_COLUMN})  # fmt: skip
+    write_plugin(plugins_dir, "runner", "pair", "1.0.0",
+                 "[runner]\nmax_batch_size = 8\ninstances = 2\n",
+                 {"plugin.py": LAST_COLUMN})  # fmt: skip
+    cli = await client(inline_runners="on")
+    for _ in range(12):
+        await _post(cli, "last", np.ones((8, 16), np.float32))
+        await _post(cli, "pair", np.ones((8, 16), np.float32))
+    plugins = (await (await cli.get("/admin/plugins")).json())["plugins"]
+    assert {p["name"]: p["inline_executions"] for p in plugins} == {"last": 0, "pair": 0}

@@ -126,3 +126,19 @@ def test_response_cache_bytes_bounds(value: int, ok: bool) -> None:
 def test_inline_runners_is_auto_on_or_off() -> None:
     with pytest.raises(ConfigError, match="inline_runners must be auto, on or off"):
         Settings(inline_runners="sometimes")
+
+
+def test_runners_run_on_the_loop_when_asked_or_when_every_core_has_a_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import server.config as config
+
+    monkeypatch.setattr(config, "usable_cores", lambda: 4)
+    assert not Settings().runners_on_loop  # one worker: as before
+    assert not Settings(workers=2).runners_on_loop  # cores to spare: threads use them
+    assert Settings(workers=4).runners_on_loop
+    assert Settings(workers="auto").runners_on_loop
+    assert not Settings(workers=4, inline_runners="off").runners_on_loop
+    assert Settings(inline_runners="on").runners_on_loop
+    monkeypatch.setattr(config, "usable_cores", lambda: 1)
+    assert not Settings(workers="auto").runners_on_loop  # one core, one worker
