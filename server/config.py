@@ -47,6 +47,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "body_threads": (1, 64),
     "max_large_bodies": (1, 10_000),
     "workers": (1, 1024),
+    "worker_stall_timeout_s": (0, 86_400),
     "response_cache_bytes": (0, 2**40),
 }
 """Each number setting's bounds; any other number is finite and at most 2**53."""
@@ -138,6 +139,9 @@ class Settings:
     """HTTP worker processes sharing the port: a number, or ``auto`` (one per usable core).
     With more than one, a supervisor process runs them (docs/operations.md)."""
 
+    worker_stall_timeout_s: float = 30.0
+    """With several workers: one whose event loop has not answered the supervisor for this
+    long is killed and replaced (plugin code stuck on its loop); 0 turns the check off."""
     inline_runners: str = "auto"
     """Where a worker runs its in-worker runners' batches: ``on`` its event loop (within a
     few ms a batch, ``registry/components.py``), ``off`` on a thread each, or ``auto``: on the
@@ -399,6 +403,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "body_threads": int,
         "max_large_bodies": int,
         "workers": (int, str),
+        "worker_stall_timeout_s": (int, float),
         "response_cache_bytes": int,
     }
     return types.get(key, str)

@@ -232,7 +232,12 @@ def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
     async def local_metrics(request: web.Request) -> web.Response:
         return web.Response(body=control[METRICS].render(), content_type="text/plain")
 
+    async def alive(request: web.Request) -> web.Response:
+        """A sign of life from this worker's event loop (the supervisor's stall check)."""
+        return web.json_response({"pid": os.getpid()})
+
     router = control.router
+    router.add_get("/_control/alive", alive)
     router.add_post("/_control/sync_version", sync_version)
     router.add_post("/_control/sync_model", sync_model)
     router.add_post("/_control/sync_routes_file", sync_routes_file)

@@ -21,6 +21,11 @@ answers on the port itself as a single process does while it loads
 listening: no client is told "starting" by one worker while another serves.
 The control plane's own port (``admin_port``) is one socket all workers share.
 
+Stalls: every few seconds the supervisor asks each worker's event loop for a sign
+of life (``/_control/alive``); a worker whose loop does not answer within
+``worker_stall_timeout_s`` (plugin code stuck on it: a synchronous processor, or a
+runner run on the loop) is killed and replaced like one that died.
+
 No orphans: each worker holds the read end of a pipe whose write end only the
 supervisor holds; when the supervisor ends, however it ends, the kernel closes
 it and every worker drains and exits (and Linux's parent-death signal backs
@@ -65,6 +70,8 @@ RESTART_MIN_S = 0.5
 RESTART_MAX_S = 30.0
 STARTING_CONNECTIONS = 256
 """Connections the supervisor answers at once while no worker serves yet."""
+STALL_CHECK_S = 2.0
+"""How often each worker's event loop is asked for a sign of life (``worker_stall_timeout_s``)."""
 STABLE_S = 60.0
 """A worker that ran this long before it ended is restarted at once (its backoff reset)."""
 
@@ -133,6 +140,29 @@ class Supervisor:
             log.error("worker_unresponsive", worker=worker.index, pid=worker.pid)
             _signal(proc, signal.SIGKILL)
 
+    async def _watch_stalls(self) -> None:
+        """Replace a worker whose event loop stopped answering: a request's plugin code
+        stuck on the loop would otherwise hold its connections, and its share of new
+        ones, for good (no deadline can fire on a loop that does not turn)."""
+        limit = self.settings.worker_stall_timeout_s
+        if not limit:
+            return
+        while not self.stopping.is_set():
+            await asyncio.sleep(min(STALL_CHECK_S, limit))
+            workers = list(self.pool.workers.values())
+            await asyncio.gather(*(self._alive(worker, limit) for worker in workers))
+
+    async def _alive(self, worker: Worker, limit: float) -> None:
+        try:
+            await worker.client.call("GET", "/_control/alive", timeout_s=limit)
+        except TimeoutError:
+            proc = self.procs.get(worker.index)
+            if proc is not None and proc.pid == worker.pid and not self.stopping.is_set():
+                log.error("worker_stalled", worker=worker.index, pid=worker.pid, seconds=limit)
+                _signal(proc, signal.SIGKILL)
+        except Exception:  # gone, or going: its keeper sees to it
+            return
+
     async def _all_loaded(self) -> None:
         """Every first worker has loaded: the supervisor stops answering, they listen.
 
@@ -192,6 +222,7 @@ class Supervisor:
             raise
         await self._answer_while_starting()
         keepers = [asyncio.create_task(self._keep(i)) for i in range(self.count)]
+        self._background(self._watch_stalls())
         watcher = Watcher(self.pool, self.settings.reload_debounce_ms / 1000)
         watching = asyncio.create_task(watcher.run()) if self.settings.watch else None
         log.info("supervising", workers=self.count, pid=os.getpid())

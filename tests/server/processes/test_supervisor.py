@@ -389,7 +389,10 @@ def test_a_worker_that_stops_answering_is_replaced_and_bounds_every_answer(
     cannot apply gets it replaced: it never goes on serving what the others no longer do."""
     write_tagger(plugins_dir, "1.0.0", "one")
     config = plugins_dir.parent / "quick.toml"
-    config.write_text("load_timeout_s = 2\ndrain_timeout_s = 1\nclose_timeout_s = 1\n")
+    # The stall check (its own test below) off: this one is about a change it cannot apply.
+    config.write_text(
+        "load_timeout_s = 2\ndrain_timeout_s = 1\nclose_timeout_s = 1\nworker_stall_timeout_s = 0\n"
+    )
     srv = two_workers(server, plugins_dir, models_dir, "--config", str(config))
     stuck = min(worker_pids(srv))
 
@@ -418,3 +421,58 @@ def test_a_worker_that_stops_answering_is_replaced_and_bounds_every_answer(
         with contextlib.suppress(ProcessLookupError):
             os.kill(stuck, signal.SIGCONT)
     assert "worker_unresponsive" in srv.log()
+
+
+STUCK = """
+    import time
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Stuck:
+        def process(self, data, ctx):
+            if "stick" in data:
+                time.sleep(600)  # synchronous: on the worker's event loop, which stops
+            return data
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Stuck()
+"""
+
+
+def test_a_worker_whose_event_loop_is_stuck_is_replaced(
+    server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
+) -> None:
+    """Plugin code stuck on a worker's loop (a synchronous processor, or a runner run on the
+    loop) stops every deadline and health check there: the supervisor's stall check kills
+    the worker after ``worker_stall_timeout_s`` and starts another; the others serve on."""
+    write_plugin(plugins_dir, "preprocessor", "stuck", "1.0.0", "", {"plugin.py": STUCK})
+    write_plugin(plugins_dir, "runner", "tagger", "1.0.0",
+                 '[config]\ntag = "one"\n[runner]\ninstances = 4\n'
+                 '[route]\npreprocess = ["stuck@1.0.0"]\n',
+                 {"plugin.py": TAGGER})  # fmt: skip
+    config = plugins_dir.parent / "stall.toml"
+    config.write_text("worker_stall_timeout_s = 2\n")
+    srv = two_workers(server, plugins_dir, models_dir, "--config", str(config))
+    before = worker_pids(srv)
+    outcome: list[object] = []
+
+    def stick() -> None:
+        started = time.monotonic()
+        try:
+            outcome.append(srv.request("POST", "/predict/tagger", {"stick": [1]})[0])
+        except OSError as exc:  # its worker was killed under it
+            outcome.append(type(exc).__name__)
+        outcome.append(time.monotonic() - started)
+
+    stuck = threading.Thread(target=stick)
+    stuck.start()
+    wait_for(lambda: "worker_stalled" in srv.log(), 20, "the stall seen")
+    stuck.join(30)
+    assert not stuck.is_alive()
+    assert outcome[0] != 200 and isinstance(outcome[1], float) and outcome[1] < 20, outcome
+    wait_for(lambda: len(worker_pids(srv)) == 2 and len(worker_pids(srv) - before) == 1,
+             30, "the stuck worker replaced")  # fmt: skip
+    assert {call(srv)[0] for _ in range(6)} == {200}
+    assert sorted(w["restarts"] for w in status_of(srv)["workers"]) == [0, 1]
