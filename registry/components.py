@@ -35,10 +35,14 @@ INLINE_MAX_BYTES = 64 * 1024
 SMALL_COSTS_KEPT = 8
 LOOP_BUDGET_S = 0.01
 """In a worker whose runners run on its event loop (``LoadedPlugin.loop_budget``): the
-longest a batch should hold the loop. A batch runs there when each of the runner's recent
-executions took at most a quarter of it and the batch is at most twice the largest of
-them, so that a cost growing even with the square of the data stays within it."""
+longest a batch should hold the loop. A batch runs there when none of the runner's last
+``LOOP_COSTS_KEPT`` executions took longer, all but ``LOOP_SPIKES_ALLOWED`` of them took at
+most a quarter of it, and the batch is at most twice the largest of those: a cost growing
+even with the square of the data stays within it."""
 LOOP_COSTS_KEPT = 8
+LOOP_SPIKES_ALLOWED = 2
+"""Executions between a quarter of the budget and all of it that do not send the next
+batches to the thread: a busy machine deschedules a thread now and then, mid-batch."""
 _LOADS = itertools.count(1)
 
 
@@ -462,18 +466,21 @@ class LoadedPlugin:
         most ``INLINE_MAX_ROWS`` rows and ``INLINE_MAX_BYTES`` run inline once
         the fastest of the last eight such batches took less than the runner's
         ``inline_budget_us``; anything larger or slower stays off the loop.
-        With a :attr:`loop_budget`, a batch of numbers also runs inline when each of the
-        last eight executions took at most a quarter of it and the batch is at most twice
-        as large (in bytes) as the largest of them: a fixed cost, or one growing with the
-        square of the data, stays within the budget; one slow execution sends the next
-        eight to the thread; a batch of strings is never predicted.
+        With a :attr:`loop_budget`, a batch of numbers also runs inline as ``LOOP_BUDGET_S``
+        says: a fixed cost, or one growing with the square of the data, stays within the
+        budget; one execution over it sends the next eight to the thread; a batch of
+        strings is never predicted.
         """
         known = self._loop_costs
         if self.loop_budget and len(known) == LOOP_COSTS_KEPT:
-            size = _numeric_bytes(inputs)
-            largest = max(seen for seen, _ in known)
             quarter = self.loop_budget / 4
-            if 0 < size <= 2 * largest and all(took <= quarter for _, took in known):
+            fast = [seen for seen, took in known if took <= quarter]
+            size = _numeric_bytes(inputs)
+            if (
+                len(fast) >= LOOP_COSTS_KEPT - LOOP_SPIKES_ALLOWED
+                and all(took <= self.loop_budget for _, took in known)
+                and 0 < size <= 2 * max(fast)
+            ):
                 return True
         costs = self._small_costs
         if len(costs) < SMALL_COSTS_KEPT or min(costs) > self._inline_budget:

@@ -154,8 +154,9 @@ async def test_a_worker_with_a_core_of_its_own_runs_cheap_batches_on_its_loop_bu
 async def test_one_slow_execution_sends_the_next_batches_to_a_thread(
     plugins_dir: Path, client: Callable[..., Any]
 ) -> None:
-    """A cost that depends on the content: after one execution over a quarter of the loop's
-    10 ms budget, the next eight run on a thread, however small."""
+    """A cost that depends on the content: after one execution over the loop's 10 ms budget,
+    the next eight run on a thread, however small; one over a quarter of it (a thread
+    descheduled mid-batch, as often) does not."""
     write_plugin(plugins_dir, "runner", "sleepy", "1.0.0", "[runner]\nmax_batch_size = 8\n",
                  {"plugin.py": SLEEPY})  # fmt: skip
     cli = await client(inline_runners="on")
@@ -164,7 +165,10 @@ async def test_one_slow_execution_sends_the_next_batches_to_a_thread(
         await _post(cli, "sleepy", fast)
     before = await _inline_executions(cli)
     assert before > 0
-    await _post(cli, "sleepy", np.full((8, 4), 4.0, np.float32))  # 4 ms: on the loop, once
+    await _post(cli, "sleepy", np.full((8, 4), 4.0, np.float32))  # 4 ms: a spike, let pass
+    await _post(cli, "sleepy", fast)
+    assert await _inline_executions(cli) == before + 2
+    await _post(cli, "sleepy", np.full((8, 4), 12.0, np.float32))  # 12 ms: on the loop, once
     ran = await _inline_executions(cli)
     for _ in range(7):
         await _post(cli, "sleepy", fast)
