@@ -51,6 +51,9 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "response_cache_bytes": (0, 2**40),
 }
 """Each number setting's bounds; any other number is finite and at most 2**53."""
+MIN_STALL_TIMEOUT_S = 1.0
+"""The shortest stall check there is (0 turns it off): a loop busy with one large batch or a
+collection must not read as stuck."""
 _ABOVE_LOW = {"load_timeout_s", "close_timeout_s", "header_timeout_s", "body_timeout_s"}
 """Settings that must be more than their low bound (a zero timeout means nothing)."""
 
@@ -194,6 +197,11 @@ class Settings:
             raise ConfigError(
                 f"grpc_port {self.grpc_port} is also {which}: give gRPC a port of its own "
                 "(or grpc_port = 0 to turn it off)"
+            )
+        if 0 < self.worker_stall_timeout_s < MIN_STALL_TIMEOUT_S:
+            raise ConfigError(
+                f"worker_stall_timeout_s must be 0 (off) or at least {MIN_STALL_TIMEOUT_S:g} s, "
+                f"not {self.worker_stall_timeout_s!r}: a shorter one would kill busy workers"
             )
         if self.inline_runners not in ("auto", "on", "off"):
             raise ConfigError(
