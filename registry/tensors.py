@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from operator import countOf
 from typing import Any
 
 import numpy as np
@@ -63,18 +64,21 @@ def from_json(values: Any, dtype: np.dtype[Any], may_hold_bool: MayHoldBool = Tr
     return cast_exact(raw, dtype)
 
 
-_FLOAT = {float}
-
-
 def _float_list(values: Any, dtype: np.dtype[Any]) -> np.ndarray | None:
     """The common case, without the general path's search for booleans: a flat list of
     floats (JSON numbers with a point or an exponent) for a floating-point type.
-    ``None``: anything else, for the general path."""
+    ``None``: anything else, for the general path.
+
+    Each float is converted straight to ``dtype`` (one rounding, as through float64);
+    one beyond its range becomes ``inf``, and the general path then names it (as it
+    does any ``inf`` or ``nan`` a lenient parser let in)."""
     if dtype.kind != "f" or type(values) is not list or not values:
         return None
-    if set(map(type, values)) != _FLOAT:  # no bool, int, string or list among them
+    if countOf(map(type, values), float) != len(values):  # a bool, int, string or list
         return None
-    return cast_exact(np.array(values, dtype=np.float64), dtype)
+    with np.errstate(over="ignore"):
+        array = np.array(values, dtype=dtype)
+    return array if dtype.itemsize == 8 or np.isfinite(array).all() else None
 
 
 def _may_hold(may_hold_bool: MayHoldBool) -> bool:

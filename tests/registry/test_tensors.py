@@ -27,6 +27,8 @@ NUMERIC = {name: dtype for name, dtype in V2_TO_NUMPY.items() if name != "BYTES"
         ("FP32", ["1.5"], "FP32 takes JSON numbers; the data holds strings"),
         ("FP16", [1e10], "10000000000.0 (element 0) does not fit FP16: outside its range"),
         ("FP32", [1e300], "does not fit FP32: outside its range"),
+        # floats only: the fast path converts straight to FP32, and the overflow is named
+        ("FP32", [0.5, -2.5, 1e39, 0.25], "(element 2) does not fit FP32: outside its range"),
         ("FP32", [[1, 2], [3]], "not a rectangular array"),
     ],
 )
@@ -47,6 +49,7 @@ def test_json_values_must_fit_their_datatype_exactly(
         ("INT64", [-(2**63), 2**63 - 1]),
         ("BOOL", [True, False]),
         ("FP16", [65504.0, 0.1]),  # rounding to the nearest FP16 is not a loss
+        ("FP32", [3.4028234663852886e38, -1.5, 1e-46]),  # FP32's largest; a subnormal's 0
         ("FP64", [1e300, -1e-300]),
         ("FP32", []),
     ],
