@@ -139,7 +139,12 @@ def route_store(settings: Settings, registry: RouteTarget) -> RouteStore:
 
 def process_settings(settings: Settings) -> ProcessSettings:
     """How this server starts runner processes (``isolation = "process"``)."""
-    return ProcessSettings(settings.log_format, settings.log_level, settings.event_loop)
+    return ProcessSettings(
+        settings.log_format,
+        settings.log_level,
+        settings.event_loop,
+        stall_timeout_s=settings.runner_stall_timeout_s,
+    )
 
 
 def create_app(

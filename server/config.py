@@ -48,6 +48,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "max_large_bodies": (1, 10_000),
     "workers": (1, 1024),
     "worker_stall_timeout_s": (0, 86_400),
+    "runner_stall_timeout_s": (0, 86_400),
     "response_cache_bytes": (0, 2**40),
 }
 """Each number setting's bounds; any other number is finite and at most 2**53."""
@@ -145,6 +146,10 @@ class Settings:
     worker_stall_timeout_s: float = 30.0
     """With several workers: one whose event loop has not answered the supervisor for this
     long is killed and replaced (plugin code stuck on its loop); 0 turns the check off."""
+    runner_stall_timeout_s: float = 60.0
+    """An isolated runner's process whose event loop has not answered for this long (a
+    batch stuck in the plugin's code: its sync runner runs on that loop) is killed: its
+    requests are answered 500 saying so, and it is started again. 0 turns the check off."""
     inline_runners: str = "auto"
     """Where a worker runs its in-worker runners' batches: ``on`` its event loop (within a
     few ms a batch, ``registry/components.py``), ``off`` on a thread each, or ``auto``: on the
@@ -198,11 +203,14 @@ class Settings:
                 f"grpc_port {self.grpc_port} is also {which}: give gRPC a port of its own "
                 "(or grpc_port = 0 to turn it off)"
             )
-        if 0 < self.worker_stall_timeout_s < MIN_STALL_TIMEOUT_S:
-            raise ConfigError(
-                f"worker_stall_timeout_s must be 0 (off) or at least {MIN_STALL_TIMEOUT_S:g} s, "
-                f"not {self.worker_stall_timeout_s!r}: a shorter one would kill busy workers"
-            )
+        for key, whose in (("worker", "workers"), ("runner", "runner processes")):
+            value = getattr(self, f"{key}_stall_timeout_s")
+            if 0 < value < MIN_STALL_TIMEOUT_S:
+                raise ConfigError(
+                    f"{key}_stall_timeout_s must be 0 (off) or at least "
+                    f"{MIN_STALL_TIMEOUT_S:g} s, not {value!r}: a shorter one would kill busy "
+                    f"{whose}"
+                )
         if self.inline_runners not in ("auto", "on", "off"):
             raise ConfigError(
                 f"inline_runners must be auto, on or off, not {self.inline_runners!r}"
@@ -412,6 +420,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "max_large_bodies": int,
         "workers": (int, str),
         "worker_stall_timeout_s": (int, float),
+        "runner_stall_timeout_s": (int, float),
         "response_cache_bytes": int,
     }
     return types.get(key, str)

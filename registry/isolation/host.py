@@ -47,6 +47,9 @@ RESTART_WAIT_S = 5.0
 """How long a request waits for its runner process to be back (after a crash) before 503."""
 MONITOR_BYTES = 4096
 """The shared memory of a connection that only reads figures."""
+STALL_CHECK_S = 2.0
+"""How often each runner process's event loop is asked for a sign of life
+(``ProcessSettings.stall_timeout_s``)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class ProcessSettings:
     event_loop: str = "auto"
     shm_bytes: int = 64 * 1024 * 1024
     """Each connection's shared memory, each way; a tensor that does not fit goes inline."""
+    stall_timeout_s: float = 60.0
+    """A process whose event loop has not answered for this long is killed (0: never)."""
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -126,6 +131,7 @@ class RunnerProcess:
     up: asyncio.Event = field(default_factory=asyncio.Event)
     proc: asyncio.subprocess.Process | None = None
     watch: asyncio.Task[None] | None = None
+    stall_watch: asyncio.Task[None] | None = None
 
 
 @dataclass(eq=False)
@@ -292,6 +298,8 @@ class RunnerHost:
         self.groups[group.key] = group
         for process in processes:
             process.watch = asyncio.create_task(self._watch(group, process))
+            if self.settings.stall_timeout_s > 0:
+                process.stall_watch = asyncio.create_task(self._watch_stalls(group, process))
         return group
 
     async def _spawn(self, group: RunnerGroup, process: RunnerProcess) -> None:
@@ -375,9 +383,12 @@ class RunnerHost:
             returncode = await proc.wait()
             if group.stopping:
                 return
-            how = describe_exit(returncode)
-            process.ended[process.pid] = how
+            # A stall check that killed it has said why already.
+            how = process.ended.setdefault(process.pid, describe_exit(returncode))
             process.up.clear()
+            monitor = self._monitors.pop(process.pid, None)
+            if monitor is not None:
+                monitor.close()
             process.restarts += 1
             up_for = time.time() - (process.started_at or time.time())
             if up_for > STABLE_AFTER_S:
@@ -416,6 +427,50 @@ class RunnerHost:
                         process.pid = process.proc = None
                         process.up.set()  # wake the waiters: they read ``failed``
                         return
+
+    async def _watch_stalls(self, group: RunnerGroup, process: RunnerProcess) -> None:
+        """Kill the instance's process when its event loop leaves a sign-of-life request
+        (its figures) unanswered for ``stall_timeout_s``: a batch stuck in the plugin's
+        code (a sync runner runs on that loop) would otherwise hold its requests forever.
+        :meth:`_watch` then answers them with the reason and starts it again."""
+        limit = self.settings.stall_timeout_s
+        while not group.stopping:
+            await asyncio.sleep(min(STALL_CHECK_S, limit))
+            pid, proc = process.pid, process.proc
+            if pid is None or proc is None or not process.up.is_set():
+                continue  # starting, or failed: nothing to ask
+            try:
+                await asyncio.wait_for(self._ask(process, pid), limit)
+            except TimeoutError:
+                if group.stopping or process.pid != pid or proc.returncode is not None:
+                    continue
+                process.ended[pid] = (
+                    f"killed by SIGKILL: stalled, its event loop did not answer for {limit:g} s"
+                )
+                log.error(
+                    "runner_process_stalled",
+                    plugin=group.spec.label,
+                    pid=pid,
+                    instance=process.index,
+                    seconds=limit,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            except (PlugserveError, ConnectionLost, OSError):
+                continue  # it ended or is ending: _watch's business
+
+    async def _monitor(self, process: RunnerProcess, pid: int, within: float) -> Connection:
+        """The connection that reads the figures of ``pid`` (the process serving now)."""
+        monitor = self._monitors.get(pid)
+        if monitor is None or not monitor.alive:
+            monitor = await asyncio.wait_for(
+                Connection.connect(process.socket, pid, MONITOR_BYTES), within
+            )
+            self._monitors[pid] = monitor
+        return monitor
+
+    async def _ask(self, process: RunnerProcess, pid: int) -> dict[str, Any]:
+        return await (await self._monitor(process, pid, self.settings.stall_timeout_s)).figures()
 
     async def ready(self, key: str, index: int, within: float | None = None) -> RunnerProcess:
         """Instance ``index`` of ``key`` once it serves (after a restart, when it is back);
@@ -466,8 +521,9 @@ class RunnerHost:
         log.info("runner_processes_stopped", plugin=group.spec.label, key=key)
 
     async def _stop(self, process: RunnerProcess, within: float) -> None:
-        if process.watch is not None:
-            process.watch.cancel()
+        for task in (process.watch, process.stall_watch):
+            if task is not None:
+                task.cancel()
         monitor = self._monitors.pop(process.pid, None) if process.pid is not None else None
         if monitor is not None:
             monitor.close()
@@ -508,12 +564,7 @@ class RunnerHost:
             if pid is None or not process.up.is_set():
                 continue
             try:
-                monitor = self._monitors.get(pid)
-                if monitor is None or not monitor.alive:
-                    monitor = await asyncio.wait_for(
-                        Connection.connect(process.socket, pid, MONITOR_BYTES), within
-                    )
-                    self._monitors[pid] = monitor
+                monitor = await self._monitor(process, pid, within)
                 figures = await asyncio.wait_for(monitor.figures(), within)
             except (PlugserveError, ConnectionLost, TimeoutError, OSError):
                 continue

@@ -144,9 +144,10 @@ def test_runners_run_on_the_loop_when_asked_or_when_every_core_has_a_worker(
     assert not Settings(workers="auto").runners_on_loop  # one core, one worker
 
 
+@pytest.mark.parametrize("key", ["worker_stall_timeout_s", "runner_stall_timeout_s"])
 @pytest.mark.parametrize("value", [0.001, 0.5, -1, float("nan"), float("inf"), 1e999, 10**6])
-def test_a_stall_timeout_is_off_or_a_second_at_least(value: float) -> None:
-    with pytest.raises(ConfigError, match="worker_stall_timeout_s"):
-        Settings(worker_stall_timeout_s=value)
-    assert Settings(worker_stall_timeout_s=0).worker_stall_timeout_s == 0
-    assert Settings(worker_stall_timeout_s=1).worker_stall_timeout_s == 1
+def test_a_stall_timeout_is_off_or_a_second_at_least(key: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=key):
+        Settings(**{key: value})
+    assert getattr(Settings(**{key: 0}), key) == 0
+    assert getattr(Settings(**{key: 1}), key) == 1

@@ -418,8 +418,11 @@ STUCK = """
 
     class Stuck:
         def infer(self, inputs):
-            if float(inputs["x"].reshape(-1)[0]) == 7:
+            first = float(inputs["x"].reshape(-1)[0])
+            if first == 7:
                 time.sleep(10**6)  # blocked in the plugin's code, as a hung C call is
+            if first == 5:
+                time.sleep(0.4)  # slow, not stuck
             return {"y": inputs["x"]}
 
     @hookimpl
@@ -453,6 +456,46 @@ def test_a_runner_blocked_in_its_code_ends_with_the_server(
     srv.proc.send_signal(how)
     srv.proc.wait(timeout=30)
     wait_for(lambda: not any(alive(pid) for pid in started), 10, "every runner process ended")
+
+
+@pytest.mark.workers(1, 2)
+def test_a_runner_process_stuck_in_its_code_is_killed_and_started_again(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """A batch stuck in the plugin's code held its requests, and every later one, for as
+    long as the process lived: the stall check kills a runner process whose event loop
+    leaves ``runner_stall_timeout_s`` without an answer; the request is answered 500 with
+    the reason, and the process is started again. A slow batch is not a stuck one."""
+    config = tmp_path / "plugserve.toml"
+    config.write_text("runner_stall_timeout_s = 1\n")
+    plugins = tmp_path / "plugins"
+    write_plugin(plugins, "runner", "stuck", "1.0.0", ISOLATED, {"plugin.py": STUCK})
+    write_add_runner(plugins, "plain", "1.0.0", amount=1.0)
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"),
+                 "--config", str(config))  # fmt: skip
+    for _ in range(3):
+        assert infer(srv, "stuck", [5.0])[0] == 200  # 0.4 s on its loop: no stall
+    first = plugin_row(srv, "stuck")["pids"][0]
+    assert plugin_row(srv, "stuck")["restarts"] == 0
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        stuck = pool.submit(infer, srv, "stuck", [7.0])
+        others = [pool.submit(infer, srv, "plain", [float(i)] * 4) for i in range(20)]
+        assert [f.result()[0] for f in others] == [200] * 20  # other routes never noticed
+        code, answer = stuck.result(timeout=30)
+    assert code == 500, answer
+    assert time.monotonic() - started < 15
+    assert "runner/stuck@1.0.0" in answer["error"]
+    assert answer["exit"] == "killed by SIGKILL: stalled, its event loop did not answer for 1 s"
+    assert "runner_process_stalled" in srv.log()
+
+    wait_for(lambda: infer(srv, "stuck", [1.0])[0] == 200, 20, "started again")
+    row = plugin_row(srv, "stuck")
+    assert row["state"] == "ready"
+    assert row["restarts"] == 1
+    assert first not in row["pids"]
+    assert not alive(first)
 
 
 RECORDER = """
