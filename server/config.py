@@ -14,6 +14,7 @@ from typing import Any
 from registry import validation
 from registry.errors import ConfigError
 from server.codec import Limits
+from server.cores import usable_cores
 
 ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
 ADMIN_TOKEN_FILE_ENV = "PLUGSERVE_ADMIN_TOKEN_FILE"
@@ -57,13 +58,6 @@ MIN_STALL_TIMEOUT_S = 1.0
 collection must not read as stuck."""
 _ABOVE_LOW = {"load_timeout_s", "close_timeout_s", "header_timeout_s", "body_timeout_s"}
 """Settings that must be more than their low bound (a zero timeout means nothing)."""
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity, as a container's cpuset sets it)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)) or 1
-    return os.cpu_count() or 1
 
 
 def bundled_dir(name: str) -> Path:

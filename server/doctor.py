@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import importlib.metadata
 import json
+import os
 import platform
 import site
 import socket
@@ -28,6 +29,7 @@ from registry.errors import PlugserveError
 from registry.fleet import EtcdLocation
 from server import __version__
 from server.config import Settings, load_settings
+from server.cores import cpu_quota, usable_cores
 
 ETCD_TIMEOUT_S = 2.0
 SYSTEM_LIBRARIES = (
@@ -93,7 +95,7 @@ def render(checks: list[Check]) -> str:
 
 def diagnose(config: Path | None) -> list[Check]:
     """Every check, in the order a reader needs them."""
-    checks = [_python(), Check("plugserve", "ok", __version__)]
+    checks = [_python(), Check("plugserve", "ok", __version__), _cores()]
     checks += _onnxruntime()
     settings_check, settings = _settings(config)
     checks.append(settings_check)
@@ -107,6 +109,16 @@ def diagnose(config: Path | None) -> list[Check]:
 
 def _python() -> Check:
     return Check("python", "ok", f"{platform.python_version()} ({sys.executable})")
+
+
+def _cores() -> Check:
+    """The cores ``workers = "auto"`` counts, and where the count comes from."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    quota = cpu_quota()
+    usable = usable_cores()
+    shown = "none" if quota is None else f"{quota:g} cores"
+    detail = f"{usable} usable (affinity {affinity}, cgroup CPU quota {shown})"
+    return Check("cpu", "ok", detail, data={"usable": usable, "affinity": affinity, "quota": quota})
 
 
 def _onnxruntime() -> list[Check]:

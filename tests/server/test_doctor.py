@@ -3,6 +3,7 @@ settings, and a fleet's etcd; exit 0 when serving would work."""
 
 import importlib.metadata
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ def test_doctor_reports_the_runtime_and_the_gpu_libraries(tmp_path: Path) -> Non
     assert checks["python"]["status"] == "ok"
     assert "CPUExecutionProvider" in checks["providers"]["data"]["available"]
     assert checks["settings"]["data"]["port"] == 8000
+    cpu = checks["cpu"]["data"]  # what workers = "auto" counts, and from what
+    assert 1 <= cpu["usable"] <= cpu["affinity"] == len(os.sched_getaffinity(0))
+    assert checks["settings"]["data"]["workers"] == 1
     if checks["onnxruntime"]["data"]["cuda_version"] is None:  # a CPU-only onnxruntime
         assert checks["gpu"]["status"] == "warning"
         assert checks["gpu"]["fix"].startswith("pip uninstall -y onnxruntime && pip install")
