@@ -57,6 +57,11 @@ Execute = Callable[[Arrays], Awaitable[Arrays]]
 Timer = Callable[[float, Callable[[], None]], Any]
 RETRY_AFTER_S = 1
 MAX_TENANTS_KEPT = 1024
+INLINE_HOLD_S = 0.05
+"""How long :meth:`Scheduler.pump` runs :attr:`Scheduler.inline` batches back to back
+before it lets the event loop turn, and goes on in a later step: a backlog of slow
+batches must not hold the loop for all of them (answers unsent, cancellations and
+deadlines unseen, a stall check unanswered)."""
 """Past this many tenants' finish tags, only those of tenants still queued are kept."""
 
 
@@ -143,7 +148,9 @@ class Scheduler:
         self.inline: Callable[[Arrays], Arrays] | None = None
         """A sync twin of ``execute`` that never leaves the caller's thread (a runner
         process's runner): a batch then runs in the step of the loop that cut it, with
-        no task of its own, and :meth:`pump` returns with its requests answered."""
+        no task of its own, and :meth:`pump` returns with its requests answered (those
+        of :data:`INLINE_HOLD_S` of batches; the rest in later steps)."""
+        self._resume_at: asyncio.Handle | None = None
         self.busy = busy
         """Executions still running on a thread after their request was cancelled."""
         self.on_execution = on_execution
@@ -304,13 +311,27 @@ class Scheduler:
 
     def pump(self) -> None:
         """Dispatch every batch that is due; otherwise arm a timer for the next one."""
+        held_since = None
         while self._running < self.policy.instances:
             batch, wake_at = self.next_batch(self.clock())
             if batch is None:
                 if wake_at is not None:
                     self._arm(wake_at)
                 return
+            if self.inline is not None:  # batches run here, in this step of the loop
+                now = time.perf_counter()
+                if held_since is None:
+                    held_since = now
+                elif now - held_since >= INLINE_HOLD_S:
+                    if self._resume_at is None:
+                        self._resume_at = asyncio.get_running_loop().call_soon(self._resume)
+                    return
             self._dispatch(batch)
+
+    def _resume(self) -> None:
+        self._resume_at = None
+        if not self._closed:
+            self.pump()
 
     def next_batch(self, now: float) -> tuple[list[Pending] | None, float | None]:
         """The batch to send now, or ``(None, when to look again)``."""
@@ -540,6 +561,8 @@ class Scheduler:
         self._closed = True
         if self._armed is not None:
             self._armed.cancel()
+        if self._resume_at is not None:
+            self._resume_at.cancel()
         for request in self._queue:
             if not request.future.done():
                 request.future.set_exception(Unavailable(f"runner {self.label} was unloaded"))

@@ -230,6 +230,7 @@ class RunnerHost:
         self._loads = 0
         self._monitors: dict[int, Connection] = {}
         """A connection to each process, by pid, to read its figures."""
+        self._connecting: dict[int, asyncio.Future[Connection]] = {}
         self._spare: asyncio.Task[asyncio.subprocess.Process] | None = None
         self._closing = False
         self._started: set[asyncio.subprocess.Process] = set()
@@ -353,6 +354,7 @@ class RunnerHost:
                 f"{spec.label}: its runner process ended while loading ({how})", exit=how
             )
         process.proc, process.pid, process.started_at = proc, proc.pid, time.time()
+        process.ended.pop(proc.pid, None)  # a pid number used again: not how this one ends
         group.metadata = answer.get("metadata")
         process.up.set()
         log.info("runner_process_started", plugin=spec.label, pid=proc.pid, instance=process.index)
@@ -429,44 +431,74 @@ class RunnerHost:
                         return
 
     async def _watch_stalls(self, group: RunnerGroup, process: RunnerProcess) -> None:
-        """Kill the instance's process when its event loop leaves a sign-of-life request
+        """Kill the instance's process once its event loop has left sign-of-life requests
         (its figures) unanswered for ``stall_timeout_s``: a batch stuck in the plugin's
         code (a sync runner runs on that loop) would otherwise hold its requests forever.
-        :meth:`_watch` then answers them with the reason and starts it again."""
+        :meth:`_watch` then answers them with the reason and starts it again.
+
+        Silence is counted from the last answer (or from when the process was first seen
+        up), whatever the failed asks met: a timeout, or a monitor connection that could
+        not even be opened (its handshake is answered by the same stuck loop)."""
         limit = self.settings.stall_timeout_s
+        pid, answered = None, 0.0
         while not group.stopping:
             await asyncio.sleep(min(STALL_CHECK_S, limit))
-            pid, proc = process.pid, process.proc
-            if pid is None or proc is None or not process.up.is_set():
+            proc = process.proc
+            if process.pid is None or proc is None or not process.up.is_set():
                 continue  # starting, or failed: nothing to ask
+            if process.pid != pid:  # up since the last look: its silence counts from now
+                pid, answered = process.pid, time.monotonic()
             try:
                 await asyncio.wait_for(self._ask(process, pid), limit)
-            except TimeoutError:
-                if group.stopping or process.pid != pid or proc.returncode is not None:
-                    continue
-                process.ended[pid] = (
-                    f"killed by SIGKILL: stalled, its event loop did not answer for {limit:g} s"
-                )
-                log.error(
-                    "runner_process_stalled",
-                    plugin=group.spec.label,
-                    pid=pid,
-                    instance=process.index,
-                    seconds=limit,
-                )
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-            except (PlugserveError, ConnectionLost, OSError):
-                continue  # it ended or is ending: _watch's business
+            except ConnectionLost:
+                continue  # it ended: _watch's business
+            except (TimeoutError, PlugserveError, OSError):
+                pass  # no answer
+            else:
+                answered = time.monotonic()
+                continue
+            if group.stopping or process.pid != pid or proc.returncode is not None:
+                continue
+            if time.monotonic() - answered < limit:
+                continue
+            process.ended[pid] = (
+                f"killed by SIGKILL: stalled, its event loop did not answer for {limit:g} s"
+            )
+            log.error(
+                "runner_process_stalled",
+                plugin=group.spec.label,
+                pid=pid,
+                instance=process.index,
+                seconds=limit,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
 
     async def _monitor(self, process: RunnerProcess, pid: int, within: float) -> Connection:
-        """The connection that reads the figures of ``pid`` (the process serving now)."""
+        """The connection that reads the figures of ``pid`` (the process serving now); one
+        connection a process, however many callers ask at once."""
         monitor = self._monitors.get(pid)
-        if monitor is None or not monitor.alive:
-            monitor = await asyncio.wait_for(
-                Connection.connect(process.socket, pid, MONITOR_BYTES), within
-            )
-            self._monitors[pid] = monitor
+        if monitor is not None and monitor.alive:
+            return monitor
+        connecting = self._connecting.get(pid)
+        if connecting is None:
+            connecting = asyncio.ensure_future(self._connect_monitor(process, pid))
+            self._connecting[pid] = connecting
+
+            def done(task: asyncio.Future[Connection]) -> None:
+                self._connecting.pop(pid, None)
+                if not task.cancelled():
+                    task.exception()  # retrieved: the callers that waited saw it
+
+            connecting.add_done_callback(done)
+        return await asyncio.wait_for(asyncio.shield(connecting), within)
+
+    async def _connect_monitor(self, process: RunnerProcess, pid: int) -> Connection:
+        monitor = await Connection.connect(process.socket, pid, MONITOR_BYTES)
+        if process.pid != pid or not process.up.is_set():  # it ended or was stopped meanwhile
+            monitor.close()
+            raise ConnectionLost(pid)
+        self._monitors[pid] = monitor
         return monitor
 
     async def _ask(self, process: RunnerProcess, pid: int) -> dict[str, Any]:

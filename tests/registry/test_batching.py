@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from registry import batching
 from registry.batching import BatchPolicy, Scheduler
 from registry.errors import (
     DeadlineExceeded,
@@ -516,6 +518,30 @@ async def test_an_inline_batch_is_answered_before_pump_returns() -> None:
     assert all(f.done() for f in futures)
     assert [f.result()["y"][0, 0] for f in futures] == [0, 2, 4, 6, 8, 10]
     assert scheduler.executions == 2 and scheduler.rows == 6 and scheduler._running == 0
+
+
+async def test_a_backlog_of_slow_inline_batches_lets_the_loop_turn_between_them() -> None:
+    """Review of the runner processes' stall check: pump ran a whole backlog in one step,
+    so 2,000 queued requests of 1 s batches held the loop for a minute (no answer sent,
+    no deadline seen) and read as a stall. Past INLINE_HOLD_S it goes on in a later step."""
+    scheduler, runner, _fake = make_inline(BatchPolicy(max_batch_size=1, max_queue_delay_s=1.0))
+    slow = runner.execute
+
+    def execute(inputs: Any) -> dict[str, np.ndarray]:
+        time.sleep(batching.INLINE_HOLD_S * 0.6)
+        return slow(inputs)
+
+    scheduler.inline = execute
+    futures = [scheduler.enqueue(rows(1, float(i)), pump=False) for i in range(6)]
+    turns: list[int] = []
+    asyncio.get_running_loop().call_soon(lambda: turns.append(len(runner.batches)))
+    scheduler.pump()
+    assert 1 <= len(runner.batches) <= 2  # held the loop about INLINE_HOLD_S, no longer
+    assert [f.done() for f in futures[: len(runner.batches)]] == [True] * len(runner.batches)
+    await asyncio.wait_for(asyncio.gather(*futures), 5)
+    assert turns and turns[0] < 6  # the loop turned before the backlog was through
+    assert runner.batches == [1] * 6
+    assert [f.result()["y"][0, 0] for f in futures] == [0, 2, 4, 6, 8, 10]
 
 
 async def test_an_inline_batch_that_fails_fails_each_request_and_frees_the_runner() -> None:

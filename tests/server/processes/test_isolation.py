@@ -465,9 +465,10 @@ def test_a_runner_process_stuck_in_its_code_is_killed_and_started_again(
     """A batch stuck in the plugin's code held its requests, and every later one, for as
     long as the process lived: the stall check kills a runner process whose event loop
     leaves ``runner_stall_timeout_s`` without an answer; the request is answered 500 with
-    the reason, and the process is started again. A slow batch is not a stuck one."""
+    the reason, and the process is started again. A slow batch is not a stuck one, and a
+    process stuck on its very first batch after a restart is killed too."""
     config = tmp_path / "plugserve.toml"
-    config.write_text("runner_stall_timeout_s = 1\n")
+    config.write_text("runner_stall_timeout_s = 2\n")
     plugins = tmp_path / "plugins"
     write_plugin(plugins, "runner", "stuck", "1.0.0", ISOLATED, {"plugin.py": STUCK})
     write_add_runner(plugins, "plain", "1.0.0", amount=1.0)
@@ -477,6 +478,7 @@ def test_a_runner_process_stuck_in_its_code_is_killed_and_started_again(
         assert infer(srv, "stuck", [5.0])[0] == 200  # 0.4 s on its loop: no stall
     first = plugin_row(srv, "stuck")["pids"][0]
     assert plugin_row(srv, "stuck")["restarts"] == 0
+    stalled = "killed by SIGKILL: stalled, its event loop did not answer for 2 s"
 
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -487,15 +489,20 @@ def test_a_runner_process_stuck_in_its_code_is_killed_and_started_again(
     assert code == 500, answer
     assert time.monotonic() - started < 15
     assert "runner/stuck@1.0.0" in answer["error"]
-    assert answer["exit"] == "killed by SIGKILL: stalled, its event loop did not answer for 1 s"
+    assert answer["exit"] == stalled
     assert "runner_process_stalled" in srv.log()
+    assert not alive(first)
 
-    wait_for(lambda: infer(srv, "stuck", [1.0])[0] == 200, 20, "started again")
+    # Stuck again at once, on the new process's first batch: killed again.
+    code, answer = infer(srv, "stuck", [7.0])
+    assert code == 500, answer
+    assert answer["exit"] == stalled
+
+    wait_for(lambda: infer(srv, "stuck", [1.0])[0] == 200, 30, "started again")
     row = plugin_row(srv, "stuck")
     assert row["state"] == "ready"
-    assert row["restarts"] == 1
+    assert row["restarts"] == 2
     assert first not in row["pids"]
-    assert not alive(first)
 
 
 RECORDER = """
