@@ -587,6 +587,36 @@ def test_deadlines_and_priorities_reach_the_runner_process(
     assert srv.request("POST", "/v2/models/rec/infer", body)[0] == 200
 
 
+def test_tenants_share_the_runner_process_queue_fairly(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """``X-Tenant-ID`` reaches the runner process's scheduler: one tenant's burst queued
+    there does not keep another tenant's request waiting behind all of it."""
+    log = tmp_path / "ran.log"
+    plugins = tmp_path / "plugins"
+    manifest = f'[config]\nlog = "{log}"\n' + ISOLATED + "max_batch_size = 1\n"
+    write_plugin(plugins, "runner", "rec", "1.0.0", manifest, {"plugin.py": RECORDER})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+
+    def send(value: float, tenant: str) -> int:
+        body = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [value]}]}
+        code, _, _ = srv.request("POST", "/v2/models/rec/infer", body,
+                                 headers={"X-Tenant-ID": tenant})  # fmt: skip
+        return code
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        calls = [pool.submit(send, 1.0, "bulk")]  # runs for 0.5 s; the rest queue meanwhile
+        time.sleep(0.2)
+        for value in (2.0, 3.0, 4.0, 5.0):
+            calls.append(pool.submit(send, value, "bulk"))
+            time.sleep(0.03)
+        calls.append(pool.submit(send, 9.0, "other"))  # last in
+        assert [c.result(timeout=30) for c in calls] == [200] * 6
+    ran = log.read_text().split()
+    assert sorted(ran) == ["1", "2", "3", "4", "5", "9"]
+    assert ran.index("9") <= 2, ran  # first in first out would have run it last
+
+
 def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
     server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
