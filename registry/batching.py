@@ -57,12 +57,12 @@ Execute = Callable[[Arrays], Awaitable[Arrays]]
 Timer = Callable[[float, Callable[[], None]], Any]
 RETRY_AFTER_S = 1
 MAX_TENANTS_KEPT = 1024
+"""Past this many tenants' finish tags, only those of tenants still queued are kept."""
 INLINE_HOLD_S = 0.05
 """How long :meth:`Scheduler.pump` runs :attr:`Scheduler.inline` batches back to back
 before it lets the event loop turn, and goes on in a later step: a backlog of slow
 batches must not hold the loop for all of them (answers unsent, cancellations and
 deadlines unseen, a stall check unanswered)."""
-"""Past this many tenants' finish tags, only those of tenants still queued are kept."""
 
 
 @dataclass(frozen=True)
@@ -319,7 +319,7 @@ class Scheduler:
                     self._arm(wake_at)
                 return
             if self.inline is not None:  # batches run here, in this step of the loop
-                now = time.perf_counter()
+                now = self.clock()
                 if held_since is None:
                     held_since = now
                 elif now - held_since >= INLINE_HOLD_S:

@@ -48,6 +48,8 @@ RESTART_WAIT_S = 5.0
 MONITOR_BYTES = 4096
 """The shared memory of a connection that only reads figures."""
 STALL_CHECK_S = 2.0
+MONITOR_OPEN_S = 10.0
+"""How long a new process's monitor connection may take to open (it is idle then)."""
 """How often each runner process's event loop is asked for a sign of life
 (``ProcessSettings.stall_timeout_s``)."""
 
@@ -355,6 +357,8 @@ class RunnerHost:
             )
         process.proc, process.pid, process.started_at = proc, proc.pid, time.time()
         process.ended.pop(proc.pid, None)  # a pid number used again: not how this one ends
+        if settings.stall_timeout_s > 0:
+            await self._open_monitor(group, process, proc.pid)
         group.metadata = answer.get("metadata")
         process.up.set()
         log.info("runner_process_started", plugin=spec.label, pid=proc.pid, instance=process.index)
@@ -437,8 +441,11 @@ class RunnerHost:
         :meth:`_watch` then answers them with the reason and starts it again.
 
         Silence is counted from the last answer (or from when the process was first seen
-        up), whatever the failed asks met: a timeout, or a monitor connection that could
-        not even be opened (its handshake is answered by the same stuck loop)."""
+        up) by asks that timed out. The monitor connection is opened as the process
+        starts, before any request reaches it (:meth:`_spawn`): opening one later takes a
+        handshake that the same stuck loop would have to answer. An ask that fails
+        otherwise (the connection cannot be opened, this process is out of files) says
+        nothing of the process's loop and is not counted."""
         limit = self.settings.stall_timeout_s
         pid, answered = None, 0.0
         while not group.stopping:
@@ -450,10 +457,11 @@ class RunnerHost:
                 pid, answered = process.pid, time.monotonic()
             try:
                 await asyncio.wait_for(self._ask(process, pid), limit)
-            except ConnectionLost:
-                continue  # it ended: _watch's business
-            except (TimeoutError, PlugserveError, OSError):
+            except TimeoutError:
                 pass  # no answer
+            except Exception as exc:  # it ended (_watch's business), or cannot be asked
+                log.debug("runner_process_not_asked", pid=pid, error=repr(exc))
+                continue
             else:
                 answered = time.monotonic()
                 continue
@@ -495,11 +503,23 @@ class RunnerHost:
 
     async def _connect_monitor(self, process: RunnerProcess, pid: int) -> Connection:
         monitor = await Connection.connect(process.socket, pid, MONITOR_BYTES)
-        if process.pid != pid or not process.up.is_set():  # it ended or was stopped meanwhile
+        proc = process.proc
+        ended = pid in process.ended or proc is None or proc.returncode is not None
+        if process.pid != pid or ended:  # it ended, or was stopped, meanwhile
             monitor.close()
             raise ConnectionLost(pid)
         self._monitors[pid] = monitor
         return monitor
+
+    async def _open_monitor(self, group: RunnerGroup, process: RunnerProcess, pid: int) -> None:
+        """The stall check's connection, opened while the new process is idle: once
+        requests reach it, a stuck batch would keep the handshake from being answered."""
+        try:
+            await self._monitor(process, pid, MONITOR_OPEN_S)
+        except (PlugserveError, ConnectionLost, TimeoutError, OSError) as exc:
+            log.warning(
+                "runner_monitor_unopened", plugin=group.spec.label, pid=pid, error=repr(exc)
+            )
 
     async def _ask(self, process: RunnerProcess, pid: int) -> dict[str, Any]:
         return await (await self._monitor(process, pid, self.settings.stall_timeout_s)).figures()
@@ -575,6 +595,9 @@ class RunnerHost:
                 raise
         if proc is not None and proc.stdin is not None:
             proc.stdin.close()
+        late = self._monitors.pop(process.pid, None) if process.pid is not None else None
+        if late is not None:  # opened (by a figures call) while it was stopping
+            late.close()
         with contextlib.suppress(FileNotFoundError):
             process.socket.unlink()
 

@@ -169,6 +169,7 @@ class RunnerProcess:
             sock, _ = listener.accept()
         except (BlockingIOError, InterruptedError):
             return
+        theirs = ours = None
         try:
             sock.settimeout(5.0)
             data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
@@ -180,7 +181,12 @@ class RunnerProcess:
             ours.close_fd()
             sock.setblocking(False)
         except (OSError, ValueError, KeyError, IndexError, orjson.JSONDecodeError) as exc:
+            # A caller that gave up (its handshake timed out) leaves nothing behind here.
             log.warning("runner_connection_refused", error=str(exc))
+            for region in (theirs, ours):
+                if region is not None:
+                    region.close_fd()
+                    region.map.close()
             sock.close()
             return
         loop = asyncio.get_running_loop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -523,25 +522,46 @@ async def test_an_inline_batch_is_answered_before_pump_returns() -> None:
 async def test_a_backlog_of_slow_inline_batches_lets_the_loop_turn_between_them() -> None:
     """Review of the runner processes' stall check: pump ran a whole backlog in one step,
     so 2,000 queued requests of 1 s batches held the loop for a minute (no answer sent,
-    no deadline seen) and read as a stall. Past INLINE_HOLD_S it goes on in a later step."""
-    scheduler, runner, _fake = make_inline(BatchPolicy(max_batch_size=1, max_queue_delay_s=1.0))
+    no deadline seen) and read as a stall. Past INLINE_HOLD_S it goes on in a later step,
+    and each later step is bounded the same way."""
+    scheduler, runner, fake = make_inline(BatchPolicy(max_batch_size=1, max_queue_delay_s=1.0))
     slow = runner.execute
 
     def execute(inputs: Any) -> dict[str, np.ndarray]:
-        time.sleep(batching.INLINE_HOLD_S * 0.6)
+        fake.advance(batching.INLINE_HOLD_S * 0.6)  # each batch takes 60 % of the hold
         return slow(inputs)
 
     scheduler.inline = execute
-    futures = [scheduler.enqueue(rows(1, float(i)), pump=False) for i in range(6)]
-    turns: list[int] = []
-    asyncio.get_running_loop().call_soon(lambda: turns.append(len(runner.batches)))
+    futures = [scheduler.enqueue(rows(1, float(i)), pump=False) for i in range(7)]
+    steps: list[int] = []
+    resume = scheduler._resume
+
+    def counted() -> None:
+        before = len(runner.batches)
+        resume()
+        steps.append(len(runner.batches) - before)
+
+    scheduler._resume = counted  # type: ignore[method-assign]
     scheduler.pump()
-    assert 1 <= len(runner.batches) <= 2  # held the loop about INLINE_HOLD_S, no longer
-    assert [f.done() for f in futures[: len(runner.batches)]] == [True] * len(runner.batches)
+    assert len(runner.batches) == 2  # the second batch passed the hold: the loop turns
+    assert [f.done() for f in futures] == [True] * 2 + [False] * 5
     await asyncio.wait_for(asyncio.gather(*futures), 5)
-    assert turns and turns[0] < 6  # the loop turned before the backlog was through
-    assert runner.batches == [1] * 6
-    assert [f.result()["y"][0, 0] for f in futures] == [0, 2, 4, 6, 8, 10]
+    assert steps == [2, 2, 1]  # each later step ran two batches at most
+    assert runner.batches == [1] * 7
+    assert [f.result()["y"][0, 0] for f in futures] == [0, 2, 4, 6, 8, 10, 12]
+
+
+async def test_a_closed_scheduler_does_not_resume_its_backlog() -> None:
+    scheduler, runner, fake = make_inline(BatchPolicy(max_batch_size=1, max_queue_delay_s=1.0))
+    slow = runner.execute
+    scheduler.inline = lambda inputs: (fake.advance(batching.INLINE_HOLD_S), slow(inputs))[1]
+    futures = [scheduler.enqueue(rows(1, float(i)), pump=False) for i in range(4)]
+    scheduler.pump()
+    scheduler.close()
+    await asyncio.sleep(0.01)
+    assert len(runner.batches) == 1  # one batch took the whole hold; nothing ran after
+    assert all(f.done() for f in futures)  # the rest were refused (503), none left waiting
+    assert [f.exception() is None for f in futures] == [True, False, False, False]
 
 
 async def test_an_inline_batch_that_fails_fails_each_request_and_frees_the_runner() -> None:

@@ -493,8 +493,10 @@ def test_a_runner_process_stuck_in_its_code_is_killed_and_started_again(
     assert "runner_process_stalled" in srv.log()
     assert not alive(first)
 
-    # Stuck again at once, on the new process's first batch: killed again.
-    code, answer = infer(srv, "stuck", [7.0])
+    wait_for(lambda: infer(srv, "stuck", [1.0])[0] == 200, 30, "started again")
+    second = plugin_row(srv, "stuck")["pids"][0]
+    assert second != first
+    code, answer = infer(srv, "stuck", [7.0])  # the new process is watched as well
     assert code == 500, answer
     assert answer["exit"] == stalled
 
@@ -502,7 +504,28 @@ def test_a_runner_process_stuck_in_its_code_is_killed_and_started_again(
     row = plugin_row(srv, "stuck")
     assert row["state"] == "ready"
     assert row["restarts"] == 2
-    assert first not in row["pids"]
+    assert not {first, second} & set(row["pids"])
+
+
+def test_a_runner_process_stuck_on_its_first_batch_is_killed(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """Second review of the stall check: a process stuck before the check had a connection
+    to it could not be asked at all (the handshake is answered by the stuck loop, and it
+    gives up after 5 s): with a timeout above that, it was never killed. The connection is
+    now opened as the process starts, before any request reaches it."""
+    config = tmp_path / "plugserve.toml"
+    config.write_text("runner_stall_timeout_s = 6\n")  # above the 5 s handshake
+    plugins = tmp_path / "plugins"
+    write_plugin(plugins, "runner", "stuck", "1.0.0", ISOLATED, {"plugin.py": STUCK})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"),
+                 "--config", str(config))  # fmt: skip
+    started = time.monotonic()
+    code, answer = infer(srv, "stuck", [7.0])  # its very first batch
+    assert code == 500, answer
+    assert answer["exit"] == "killed by SIGKILL: stalled, its event loop did not answer for 6 s"
+    assert time.monotonic() - started < 20
+    wait_for(lambda: infer(srv, "stuck", [1.0])[0] == 200, 30, "started again")
 
 
 RECORDER = """
