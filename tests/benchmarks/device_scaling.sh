@@ -13,6 +13,13 @@
 #           carry: [".device"], timeout_s: 480 (about 5 minutes on 16 cores, which
 #           leaves a rerun within a session's 15 minutes of device time)
 #
+# Issue 14 on the same machine's GPU (isolated runners against in-worker ones, the model
+# on CUDA: one copy of it and full batches for every worker, where in-worker runners hold
+# one copy each; whether the image's ONNX Runtime has the CUDA provider, its `pip list`
+# line above the table says):
+#           command: bash tests/benchmarks/device_scaling.sh run --isolated --workers 1 2 4
+#                    --runner 'providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]'
+#
 # `run` takes more of the serving benchmark's options after it (a later one wins), and
 # prints the serving benchmark's table and the req/s by worker count, and writes
 # them to $OUT/scaling.txt. MLServer is not run (it needs a network to install).
