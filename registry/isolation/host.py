@@ -48,10 +48,10 @@ RESTART_WAIT_S = 5.0
 MONITOR_BYTES = 4096
 """The shared memory of a connection that only reads figures."""
 STALL_CHECK_S = 2.0
-MONITOR_OPEN_S = 10.0
-"""How long a new process's monitor connection may take to open (it is idle then)."""
 """How often each runner process's event loop is asked for a sign of life
 (``ProcessSettings.stall_timeout_s``)."""
+MONITOR_OPEN_S = 10.0
+"""How long a new process's monitor connection may take to open (it is idle then)."""
 
 
 @dataclass(frozen=True)
