@@ -323,10 +323,19 @@ class Scheduler:
                 if held_since is None:
                     held_since = now
                 elif now - held_since >= INLINE_HOLD_S:
-                    if self._resume_at is None:
-                        self._resume_at = asyncio.get_running_loop().call_soon(self._resume)
+                    self._resume_soon()
                     return
+                try:
+                    self._dispatch(batch)
+                except BaseException:  # a plugin's own CancelledError, out of its batch
+                    self._resume_soon()  # the rest of the queue still runs
+                    raise
+                continue
             self._dispatch(batch)
+
+    def _resume_soon(self) -> None:
+        if self._resume_at is None:
+            self._resume_at = asyncio.get_running_loop().call_soon(self._resume)
 
     def _resume(self) -> None:
         self._resume_at = None

@@ -603,6 +603,16 @@ async def test_an_inline_batch_cancelled_inside_the_runner_frees_it() -> None:
     runner.fail = None
     assert scheduler.enqueue(rows(1)).result()["y"].shape == (1, 3)
 
+    # What was queued behind the cancelled batch runs in a later step, unasked.
+    runner.fail = asyncio.CancelledError()
+    first = scheduler.enqueue(rows(4), pump=False)
+    behind = scheduler.enqueue(rows(2, 5.0), pump=False)
+    with pytest.raises(asyncio.CancelledError):
+        scheduler.pump()
+    runner.fail = None
+    assert first.cancelled()
+    assert (await asyncio.wait_for(behind, 1))["y"][0, 0] == 10.0
+
 
 def make_gathering(policy: BatchPolicy) -> tuple[Scheduler, InlineRunner]:
     """A scheduler whose runner answers in the step that called it (a runner run on the
