@@ -313,25 +313,24 @@ class Scheduler:
         """Dispatch every batch that is due; otherwise arm a timer for the next one."""
         held_since = None
         while self._running < self.policy.instances:
-            batch, wake_at = self.next_batch(self.clock())
+            now = self.clock()
+            batch, wake_at = self.next_batch(now)
             if batch is None:
                 if wake_at is not None:
                     self._arm(wake_at)
                 return
             if self.inline is not None:  # batches run here, in this step of the loop
-                now = self.clock()
                 if held_since is None:
                     held_since = now
                 elif now - held_since >= INLINE_HOLD_S:
                     self._resume_soon()
                     return
-                try:
-                    self._dispatch(batch)
-                except BaseException:  # a plugin's own CancelledError, out of its batch
+            try:
+                self._dispatch(batch)
+            except BaseException:  # a plugin's own CancelledError, out of an inline batch
+                if self.inline is not None:
                     self._resume_soon()  # the rest of the queue still runs
-                    raise
-                continue
-            self._dispatch(batch)
+                raise
 
     def _resume_soon(self) -> None:
         if self._resume_at is None:
