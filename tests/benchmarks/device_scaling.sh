@@ -12,6 +12,9 @@
 #           command: bash tests/benchmarks/device_scaling.sh run
 #           carry: [".device"], timeout_s: 480 (about 5 minutes on 16 cores, which
 #           leaves a rerun within a session's 15 minutes of device time)
+#   or, for issues 13 and 14 and the GPU test in one call (session 13 ran this):
+#           command: bash tests/benchmarks/device_scaling.sh all
+#           carry: [".device"], timeout_s: 595
 #
 # Issue 14 on the same machine's GPU (isolated runners against in-worker ones, the model
 # on CUDA: one copy of it and full batches for every worker, where in-worker runners hold
@@ -28,6 +31,31 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 dev=$root/.device
 python=${PYTHON:-python3}
+
+out=${OUT:-/tmp}
+
+# Installs the carried wheels and wrk (once a machine) and sets the environment.
+setup() {
+    if [ ! -d /tmp/site ]; then
+        "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target /tmp/site "$dev"/whl/*.whl
+        for deb in "$dev"/deb/*.deb; do dpkg -x "$deb" /tmp/wrk-root; done
+    fi
+    export PYTHONPATH=/tmp/site:$root PYTHONUNBUFFERED=1
+    export PATH=/tmp/wrk-root/usr/bin:$PATH
+    export LD_LIBRARY_PATH=/tmp/wrk-root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    if ldd "$(command -v wrk)" | grep 'not found'; then
+        echo "wrk cannot load a library (above): carry its .deb too" >&2
+        exit 1
+    fi
+    if [ -z "${SETUP_SHOWN:-}" ]; then
+        export SETUP_SHOWN=1
+        echo "cores: $(nproc)"
+        "$python" -m pip list 2>/dev/null \
+            | grep -iE '^(aiohttp|grpcio|protobuf|onnxruntime|numpy|uvloop|torch) '
+    fi
+    cd "$root"
+}
 
 case "${1:-}" in
 prepare)
@@ -46,26 +74,37 @@ prepare)
     du -sh "$dev"
     ;;
 run)
-    out=${OUT:-/tmp}
-    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target /tmp/site "$dev"/whl/*.whl
-    for deb in "$dev"/deb/*.deb; do dpkg -x "$deb" /tmp/wrk-root; done
-    export PYTHONPATH=/tmp/site:$root PYTHONUNBUFFERED=1
-    export PATH=/tmp/wrk-root/usr/bin:$PATH
-    export LD_LIBRARY_PATH=/tmp/wrk-root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    if ldd "$(command -v wrk)" | grep 'not found'; then
-        echo "wrk cannot load a library (above): carry its .deb too" >&2
-        exit 1
-    fi
-    nproc
-    "$python" -m pip list 2>/dev/null | grep -iE '^(aiohttp|grpcio|protobuf|onnxruntime|numpy|uvloop) '
-    cd "$root"
-    "$python" -m tests.benchmarks.serving --workers 1 2 4 8 --concurrency 256 \
-        --rounds 3 --duration 6 --wrk-threads 4 --only bare plugserve "${@:2}" 2>&1 \
-        | tee "$out/scaling.txt"
+    setup
+    bash "$0" serving scaling --workers 1 2 4 8 --concurrency 256 --rounds 3 --duration 6 "${@:2}"
+    ;;
+all)
+    # Both issues in one call (timeout_s 595; about 9 minutes): the machine, the scaling
+    # series, the isolation series (both shortened to fit), then the GPU test of isolated
+    # runners. Each stage has a limit of its own, so one that hangs leaves the next its
+    # time, and writes a file of its own under $OUT. A dry run here: all --rounds 1 --duration 1
+    setup
+    {
+        nvidia-smi -L || true
+        "$python" -c 'import onnxruntime as o; print("ONNX Runtime providers:", o.get_available_providers())'
+    } 2>&1 | tee "$out/machine.txt"
+    timeout -s INT -k 10 215 bash "$0" serving scaling --workers 1 2 4 8 --concurrency 256 \
+        --rounds 3 --duration 4 "${@:2}" || true
+    pkill -f 'server serve' || true
+    timeout -s INT -k 10 245 bash "$0" serving isolation --isolated --workers 1 2 \
+        --concurrency 1 64 --rounds 3 --duration 3 --only plugserve "${@:2}" || true
+    pkill -f 'server serve' || true
+    timeout -s INT -k 10 110 "$python" -m pytest -q -p no:cacheprovider -o addopts= \
+        tests/server/processes/test_isolation.py -k gpu 2>&1 | tee "$out/gpu.txt" || true
+    ;;
+serving)
+    # One series of the serving benchmark into $OUT/<name>.txt (for `run` and `all`).
+    setup
+    name=$2
+    "$python" -m tests.benchmarks.serving --wrk-threads 4 --only bare plugserve "${@:3}" 2>&1 \
+        | tee "$out/$name.txt"
     ;;
 *)
-    echo "usage: $0 prepare|run" >&2
+    echo "usage: $0 prepare|run|all [serving benchmark options]" >&2
     exit 2
     ;;
 esac

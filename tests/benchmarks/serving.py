@@ -189,6 +189,7 @@ def _ms(text: str) -> float:
 
 
 def wrk(url: str, script: Path, connections: int, duration: int, threads: int = 1) -> Result:
+    threads = min(threads, connections)  # wrk refuses more threads than connections
     out = subprocess.run(
         ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url],
         capture_output=True, text=True, check=True,

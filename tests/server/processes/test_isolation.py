@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import textwrap
 import threading
 import time
@@ -94,6 +97,39 @@ DIES_AT_START = """
 """
 
 ISOLATED = '[runner]\nisolation = "process"\n'
+
+# A runner on a real GPU. ONNX Runtime's GPU build cannot be installed on the GPU machine
+# lent to this project (its image has CUDA 13 and no network; the wheel is 250 MB), so the
+# plugin uses PyTorch, which that image has. Skipped wherever either is missing, as in CI.
+GPU_LEAKY = """
+    import os
+    import numpy as np
+    import pluggy
+    import torch  # CUDA starts in this process, after CUDA_VISIBLE_DEVICES is set
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+    GIB = 1024**3
+    KEPT = []  # never released: GPU memory a backend holds on to after its model goes
+
+    class GpuLeaky:
+        def __init__(self):
+            KEPT.append(torch.ones(GIB // 4, dtype=torch.float32, device="cuda"))
+            self.visible = int(os.environ["CUDA_VISIBLE_DEVICES"])
+
+        def infer(self, inputs):
+            y = (torch.as_tensor(inputs["x"], device="cuda") * 2).cpu().numpy()
+            rows = inputs["x"].shape[0]
+            return {
+                "y": y,
+                "gpus": np.full((rows, 1), torch.cuda.device_count(), np.int64),
+                "visible": np.full((rows, 1), self.visible, np.int64),
+            }
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return GpuLeaky()
+"""
+
 
 DEVICE = """
     import os
@@ -318,6 +354,41 @@ def test_each_instance_sees_the_gpu_its_device_names(
     row = plugin_row(srv, "device")
     assert row["devices"] == ["cuda:0", "cuda:3"]
     assert len(row["pids"]) == 2
+
+
+def _gpu_memory_used_mib() -> int:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return int(out.split()[0])
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None or shutil.which("nvidia-smi") is None,
+    reason="needs a GPU and PyTorch (the GPU machine, not CI)",
+)
+def test_a_runner_on_a_real_gpu_sees_its_device_and_gives_gpu_memory_back_at_each_reload(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """Triton #4528: a GB of GPU memory lost every ~50 loads. Here each load keeps 1 GiB."""
+    plugins = tmp_path / "plugins"
+    manifest = ISOLATED + 'device = "cuda:0"\n'
+    write_plugin(plugins, "runner", "gpu", "1.0.0", manifest, {"plugin.py": GPU_LEAKY})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    code, answer = infer(srv, "gpu", [1.5, 2.0])
+    assert code == 200, answer
+    assert outputs(answer) == {"y": [3.0, 4.0], "gpus": [1], "visible": [0]}
+    assert plugin_row(srv, "gpu")["devices"] == ["cuda:0"]
+    first = _gpu_memory_used_mib()
+    assert first >= 1024  # the GiB the first load holds, at least
+    for _ in range(5):
+        code, _, body = srv.request("POST", "/admin/plugins/runner/gpu/1.0.0/reload")
+        assert code == 200, body
+        assert infer(srv, "gpu", [1.0])[0] == 200
+    after = _gpu_memory_used_mib()
+    # In one process, five more loads would hold five more GiB.
+    assert after - first < 512, f"{first} MiB on the GPU after the first load, {after} after 5"
 
 
 def test_a_runner_that_cannot_start_again_after_a_crash_ends_failed_with_the_reason(
