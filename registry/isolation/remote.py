@@ -267,6 +267,10 @@ class Connection(asyncio.Protocol):
         future, taken, ctx = entry
         for offset in taken:
             self.allocator.free(offset)
+        if future is not None and future.done():
+            # Cancelled, and its task not yet resumed to say so (:meth:`request`): the
+            # task's cancel() cancels the future at once, its except clause runs later.
+            future = None
         kind = message["k"]
         if kind == "ok":
             if future is None:  # cancelled meanwhile: give its output blocks back now
