@@ -218,6 +218,7 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.listener.open.discard(self)
         self.listener.idle.discard(self)
+        self.transport = None  # gone: the end of a request it was serving keeps it out of idle
         request, task = self.request, self.task
         if request is not None and task is not None and request.get(CANCEL_ON_HANGUP):
             task.cancel()

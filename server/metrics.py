@@ -396,6 +396,11 @@ class _ConnectionCollector(Collector):
         opened = GaugeMetricFamily(
             "plugserve_connections_open", "Client connections open now.", labels=["listener"]
         )
+        idle = GaugeMetricFamily(
+            "plugserve_connections_idle",
+            "Open keep-alive connections between requests: those the cap may close.",
+            labels=["listener"],
+        )
         refused = CounterMetricFamily(
             "plugserve_connections_refused",
             "Connections answered 503 and closed because max_connections were open.",
@@ -414,8 +419,9 @@ class _ConnectionCollector(Collector):
         )
         for listener in self._listeners:
             opened.add_metric([listener.name], len(listener.open))
+            idle.add_metric([listener.name], len(listener.idle))
             refused.add_metric([listener.name], listener.refused)
             evicted.add_metric([listener.name], listener.evicted)
             for phase, count in listener.timed_out.items():
                 timed_out.add_metric([listener.name, phase], count)
-        yield from (opened, refused, evicted, timed_out)
+        yield from (opened, idle, refused, evicted, timed_out)

@@ -57,7 +57,9 @@ def read_all(sock: socket.socket) -> bytes:
 
 
 def metric(srv: ServerProcess, name: str) -> float:
-    text = srv.request("GET", "/metrics")[2].decode()
+    status, _, body = srv.request("GET", "/metrics")
+    assert status == 200, body  # not a 503 at the cap, read as zeros
+    text = body.decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
@@ -445,6 +447,54 @@ def test_clients_that_hang_up_leave_the_queue_and_never_run(
     assert calls.read_text().split() == ["1.0", "5.0"]  # the abandoned three never ran
     # Counted as 499 (client closed request), as nginx does.
     assert metric(srv, 'plugserve_requests_total{protocol="v2",route="counting",status="499"') == 3
+
+
+def test_clients_that_hang_up_mid_request_leave_no_connection_behind(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """A connection whose client hung up while its request ran went back among the idle
+    ones when the cancelled request ended, and stayed there for good: the worker's memory
+    grew with every hang-up (40 MB for 15k), and once more of them piled up than the cap
+    looks through for an idle one to close (32), new clients got 503 though live idle
+    connections were there to make room (found by an attack on session 13's server)."""
+    write_plugin(
+        plugins_dir, "runner", "counting", "1.0.0",
+        f'[config]\ncalls = "{tmp_path / "calls.txt"}"\ndelay = 0.4\n',
+        {"plugin.py": COUNTING},
+    )  # fmt: skip
+    srv = start(server, tmp_path, plugins_dir, max_connections=12)
+    path = "/v2/models/counting/infer"
+    body = infer_body(1)
+    request = (
+        b"POST %s HTTP/1.1\r\nHost: plugserve\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+    )
+    for _ in range(5):  # 40 hang-ups, 8 at a time: under the cap
+        leaving = [connect(srv) for _ in range(8)]
+        for sock in leaving:
+            sock.sendall(request)
+        time.sleep(0.15)  # their requests run
+        for sock in leaving:
+            sock.close()
+    time.sleep(0.8)  # the cancelled requests end
+    assert metric(srv, 'plugserve_connections_idle{listener="data"}') == 0
+    assert metric(srv, 'plugserve_requests_total{protocol="v2",route="counting",status="499"') == 40
+
+    # The cap still makes room: 11 idle keep-alive clients, then newcomers that need
+    # two of their places.
+    health = b"GET /v2/health/live HTTP/1.1\r\nHost: plugserve\r\n\r\n"
+    idle = [connect(srv) for _ in range(11)]
+    for sock in idle:
+        sock.sendall(health)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
+    assert metric(srv, 'plugserve_connections_idle{listener="data"}') == 11
+    time.sleep(1.5)
+    newcomers = [connect(srv) for _ in range(3)]
+    for sock in newcomers:
+        sock.sendall(health)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
+    for sock in idle + newcomers:
+        sock.close()
 
 
 SLOW_WARMUP = """
