@@ -27,6 +27,7 @@ from google.protobuf import json_format
 from registry.cache import run_chain
 from registry.chain import Chain
 from registry.errors import (
+    DeadlineExceeded,
     InvalidInput,
     NotFound,
     PluginError,
@@ -52,6 +53,9 @@ from server.triton.shm_http import REGIONS, cuda_unsupported
 
 T = TypeVar("T")
 log = structlog.get_logger("plugserve.grpc")
+
+DEADLINE_SLACK_S = 0.002
+"""How near its gRPC deadline a call counts as ended by it (:func:`_expired`)."""
 
 STREAM_IN_FLIGHT = 64
 """Requests of one ``ModelStreamInfer`` stream running at once; the stream's next request is
@@ -95,6 +99,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             return await work()
         except PlugserveError as exc:
             _log_refusal(exc, method)
+            if isinstance(exc, DeadlineExceeded) and _expired(context):
+                # The call's own gRPC deadline: gRPC ends it with DEADLINE_EXCEEDED itself,
+                # and an abort that races that end fails in gRPC's core, which logs the
+                # failure with a traceback. Ended quietly instead (gRPC logs at debug).
+                raise asyncio.CancelledError from None
             for key, value in exc.headers().items():
                 if key.lower() == "retry-after":
                     context.set_trailing_metadata((("retry-after", value),))
@@ -506,6 +515,13 @@ def _failed(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferR
     )
     response.parameters[FINAL].bool_param = True
     return pb.ModelStreamInferResponse(error_message=message, infer_response=response)
+
+
+def _expired(context: Any) -> bool:
+    """Whether the call's gRPC deadline has passed, or is about to: timers may fire up to a
+    millisecond early (uvloop's resolution), and gRPC ends the call within that anyway."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining < DEADLINE_SLACK_S
 
 
 def _log_refusal(exc: PlugserveError, method: str) -> None:

@@ -21,6 +21,8 @@ from onnx import TensorProto
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from registry.errors import DeadlineExceeded
+from server.grpc_api.service import InferenceService
 from tests.helpers import ServerProcess, identity_model, write_add_runner, write_plugin
 
 pytestmark = pytest.mark.slow
@@ -322,6 +324,46 @@ def test_deadline_from_the_client_timeout_and_the_parameter(
     assert "deadline of 0.2 s" in info.value.message()
     fine = triton.infer("sleeper", [_input("seconds", np.array([0.01], np.float32), "FP32")])
     np.testing.assert_array_equal(fine.as_numpy("slept"), np.array([0.01], np.float32))
+
+
+class EndingContext:
+    """The parts of ``grpc.aio.ServicerContext`` that ``InferenceService._answer`` uses. A
+    stand-in: the race it stands for (gRPC's core ending a call at its deadline just as the
+    server's own timer for that deadline fires) happened 10 times in 15,000 expiries of an
+    attack, and cannot be brought about on purpose through a real call."""
+
+    def __init__(self, remaining: float | None) -> None:
+        self.remaining = remaining
+        self.aborted: list[grpc.StatusCode] = []
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        pass
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted.append(code)
+        raise grpc.aio.AbortError()
+
+
+async def test_a_call_its_grpc_deadline_ended_is_not_aborted_again() -> None:
+    """An abort racing gRPC's own end of the call failed in gRPC's core, which logged an
+    ``ExecuteBatchError`` traceback for each (the client saw DEADLINE_EXCEEDED either way)."""
+    service = InferenceService.__new__(InferenceService)  # _answer uses none of its state
+
+    async def late() -> None:
+        raise DeadlineExceeded("the request's deadline of 0.01 s passed")
+
+    ended = EndingContext(remaining=-0.0005)
+    with pytest.raises(asyncio.CancelledError):
+        await service._answer(ended, "ModelInfer", late)
+    assert ended.aborted == []
+    for remaining in (5.0, None):  # a deadline of its own (``timeout``), or no gRPC deadline
+        live = EndingContext(remaining)
+        with pytest.raises(grpc.aio.AbortError):
+            await service._answer(live, "ModelInfer", late)
+        assert live.aborted == [grpc.StatusCode.DEADLINE_EXCEEDED]
 
 
 def test_streaming_answers_each_request_and_an_error_does_not_end_the_stream(
