@@ -283,6 +283,14 @@ class Connection(asyncio.Protocol):
             future.set_result(outputs)
         elif kind == "error" and future is not None:
             future.set_exception(error_from(message))
+        elif kind == "cancelled" and future is not None:  # its batch was cancelled there
+            future.set_exception(
+                Unavailable(
+                    f"runner process {self.pid} cancelled the request: it was stopping, or "
+                    "its plugin cancelled the batch",
+                    retry_after_s=1,
+                )
+            )
         elif kind == "stats" and future is not None:
             future.set_result(message)
 

@@ -85,7 +85,7 @@ all)
     setup
     {
         nvidia-smi -L || true
-        "$python" -c 'import onnxruntime as o; print("ONNX Runtime providers:", o.get_available_providers())'
+        "$python" -c 'import onnxruntime as o; print("ONNX Runtime providers:", o.get_available_providers())' || true
     } 2>&1 | tee "$out/machine.txt"
     timeout -s INT -k 10 215 bash "$0" serving scaling --workers 1 2 4 8 --concurrency 256 \
         --rounds 3 --duration 4 "${@:2}" || true

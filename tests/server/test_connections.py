@@ -395,6 +395,13 @@ def infer_body(value: float) -> bytes:
     return json.dumps(doc).encode()
 
 
+def wait_until(check: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"not within {within} s: {what}"
+        time.sleep(0.02)
+
+
 def queued(srv: ServerProcess) -> int:
     plugins = json.loads(srv.request("GET", "/admin/plugins")[2])["plugins"]
     return int(next(p["queued"] for p in plugins if p["name"] == "counting"))
@@ -469,16 +476,16 @@ def test_clients_that_hang_up_mid_request_leave_no_connection_behind(
         b"POST %s HTTP/1.1\r\nHost: plugserve\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
     )
-    for _ in range(5):  # 40 hang-ups, 8 at a time: under the cap
+    gone = 'plugserve_requests_total{protocol="v2",route="counting",status="499"'
+    for round_ in range(1, 6):  # 40 hang-ups, 8 at a time: under the cap
         leaving = [connect(srv) for _ in range(8)]
         for sock in leaving:
             sock.sendall(request)
-        time.sleep(0.15)  # their requests run
+        wait_until(lambda: queued(srv) == 7, "one request running, seven queued")
         for sock in leaving:
             sock.close()
-    time.sleep(0.8)  # the cancelled requests end
+        wait_until(lambda n=round_: metric(srv, gone) == 8 * n, "the eight requests cancelled")
     assert metric(srv, 'plugserve_connections_idle{listener="data"}') == 0
-    assert metric(srv, 'plugserve_requests_total{protocol="v2",route="counting",status="499"') == 40
 
     # The cap still makes room: 11 idle keep-alive clients, then newcomers that need
     # two of their places.

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from registry.errors import Unavailable
 from registry.isolation.remote import Connection
 from registry.isolation.shm import Allocator, Region
 from registry.isolation.wire import SMALL_BYTES, FrameReader, frame, put_tensors
@@ -77,4 +78,20 @@ async def test_an_answer_to_a_request_cancelled_a_moment_before_is_dropped() -> 
     messages = transport.messages()
     assert {"k": "free", "o": [0]} in messages  # the dropped answer's block went back
     assert not any(m["k"] == "cancel" for m in messages)  # it was answered: nothing to cancel
+    assert connection.outstanding == 0
+
+
+async def test_a_request_its_runner_process_cancelled_fails_instead_of_waiting_for_ever() -> None:
+    """The process answers ``cancelled`` when its scheduler cancels a batch it did not
+    finish (its plugin raised CancelledError, or it was stopping). That answer took the
+    request out of the pending ones and settled nothing: the request waited for ever, and
+    not even a lost connection could fail it any more."""
+    connection = Connection(7, Region(1 << 16), Region(1 << 16))
+    connection.connection_made(Transport())  # type: ignore[arg-type]
+    request = asyncio.create_task(connection.request({"x": np.ones((1, 4), np.float32)}, context()))
+    await asyncio.sleep(0)
+    connection.data_received(frame({"k": "cancelled", "i": 0}))
+    with pytest.raises(Unavailable, match="runner process 7 cancelled the request") as caught:
+        await asyncio.wait_for(request, 1.0)
+    assert caught.value.status == 503
     assert connection.outstanding == 0
