@@ -12,6 +12,7 @@ import numpy as np
 
 from registry import tracing
 from registry.components import LoadedPlugin
+from registry.errors import Unavailable
 from registry.types import RequestContext
 
 StageCall = Callable[[LoadedPlugin, Any, RequestContext], Awaitable[Any]]
@@ -80,8 +81,18 @@ class Chain:
             ctx.timings["compute_output"] = time.perf_counter() - mark
             ok = True
             return data
-        except asyncio.CancelledError:  # the client hung up: neither a success nor a failure
-            cancelled = True
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and not task.cancelling():
+                # Not this request's cancellation (its client hanging up, a deadline, a
+                # shutdown): a plugin raised CancelledError, or its runner cancelled the
+                # batch. Left as it was, the request would end with no answer at all.
+                raise Unavailable(
+                    f"{self.label}: the request was cancelled inside the server (a plugin "
+                    "raised CancelledError, or its runner was stopping)",
+                    retry_after_s=1,
+                ) from None
+            cancelled = True  # the client hung up: neither a success nor a failure
             raise
         finally:
             if not cancelled:

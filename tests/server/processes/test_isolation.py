@@ -98,6 +98,23 @@ DIES_AT_START = """
 
 ISOLATED = '[runner]\nisolation = "process"\n'
 
+CANCELLING = """
+    import asyncio
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Cancelling:
+        def infer(self, inputs):
+            if float(inputs["x"].reshape(-1)[0]) == 13:
+                raise asyncio.CancelledError()  # a plugin's own timeout handling, say
+            return {"y": inputs["x"] * 2}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Cancelling()
+"""
+
 # A runner on a real GPU. ONNX Runtime's GPU build cannot be installed on the GPU machine
 # lent to this project (its image has CUDA 13 and no network; the wheel is 250 MB), so the
 # plugin uses PyTorch, which that image has. Skipped wherever either is missing, as in CI.
@@ -389,6 +406,26 @@ def test_a_runner_on_a_real_gpu_sees_its_device_and_gives_gpu_memory_back_at_eac
     after = _gpu_memory_used_mib()
     # In one process, five more loads would hold five more GiB.
     assert after - first < 512, f"{first} MiB on the GPU after the first load, {after} after 5"
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_a_batch_its_plugin_cancels_is_answered_503_and_the_runner_goes_on(
+    server: Callable[..., ServerProcess], tmp_path: Path, isolation: str
+) -> None:
+    """A plugin that raises CancelledError. In the worker, the request's task ended as if
+    its client had hung up: the connection closed with no answer. Isolated, the runner
+    process answered ``cancelled`` and the worker settled nothing: the request waited for
+    ever (both found in session 13's review)."""
+    plugins = tmp_path / "plugins"
+    manifest = f'[runner]\nisolation = "{isolation}"\nmax_batch_size = 8\n'
+    write_plugin(plugins, "runner", "cancelling", "1.0.0", manifest, {"plugin.py": CANCELLING})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    code, answer = infer(srv, "cancelling", [13.0])
+    assert code == 503, answer
+    assert "cancelled" in answer["error"]
+    code, answer = infer(srv, "cancelling", [1.0])
+    assert code == 200, answer
+    assert outputs(answer)["y"] == [2.0]
 
 
 def test_a_runner_that_cannot_start_again_after_a_crash_ends_failed_with_the_reason(
