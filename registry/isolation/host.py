@@ -435,39 +435,36 @@ class RunnerHost:
                         return
 
     async def _watch_stalls(self, group: RunnerGroup, process: RunnerProcess) -> None:
-        """Kill the instance's process once its event loop has left sign-of-life requests
+        """Kill the instance's process once its event loop has left a sign-of-life request
         (its figures) unanswered for ``stall_timeout_s``: a batch stuck in the plugin's
         code (a sync runner runs on that loop) would otherwise hold its requests forever.
         :meth:`_watch` then answers them with the reason and starts it again.
 
-        Silence is counted from the last answer (or from when the process was first seen
-        up) by asks that timed out. The monitor connection is opened as the process
-        starts, before any request reaches it (:meth:`_spawn`): opening one later takes a
-        handshake that the same stuck loop would have to answer. An ask that fails
-        otherwise (the connection cannot be opened, this process is out of files) says
-        nothing of the process's loop and is not counted."""
+        Each ask waits ``stall_timeout_s`` for its answer, so one ask that times out is a
+        whole timeout of silence. (Counting silence from the last answer instead, with the
+        first look as the start, missed a process stopped just before that look: its first
+        timed-out ask came out a hair under the timeout, and it answered again before the
+        next one.) The monitor connection is opened as the process starts, before any
+        request reaches it (:meth:`_spawn`): opening one later takes a handshake that the
+        same stuck loop would have to answer. An ask that fails otherwise (the connection
+        cannot be opened, this process is out of files) says nothing of the process's loop
+        and is not counted."""
         limit = self.settings.stall_timeout_s
-        pid, answered = None, 0.0
         while not group.stopping:
             await asyncio.sleep(min(STALL_CHECK_S, limit))
-            proc = process.proc
-            if process.pid is None or proc is None or not process.up.is_set():
+            proc, pid = process.proc, process.pid
+            if pid is None or proc is None or not process.up.is_set():
                 continue  # starting, or failed: nothing to ask
-            if process.pid != pid:  # up since the last look: its silence counts from now
-                pid, answered = process.pid, time.monotonic()
             try:
                 await asyncio.wait_for(self._ask(process, pid), limit)
             except TimeoutError:
-                pass  # no answer
+                pass  # a whole timeout without an answer
             except Exception as exc:  # it ended (_watch's business), or cannot be asked
                 log.debug("runner_process_not_asked", pid=pid, error=repr(exc))
                 continue
             else:
-                answered = time.monotonic()
                 continue
             if group.stopping or process.pid != pid or proc.returncode is not None:
-                continue
-            if time.monotonic() - answered < limit:
                 continue
             process.ended[pid] = (
                 f"killed by SIGKILL: stalled, its event loop did not answer for {limit:g} s"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -613,6 +614,52 @@ def test_a_runner_process_stuck_in_its_code_is_killed_and_started_again(
     assert row["state"] == "ready"
     assert row["restarts"] == 2
     assert not {first, second} & set(row["pids"])
+
+
+def test_a_runner_process_stopped_before_the_first_stall_check_is_killed(
+    server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """A process stopped (SIGSTOP: a debugger, a frozen cgroup) as soon as it is up. The
+    check counted silence from its first look at a new process, taken after the stop: the
+    first ask that timed out came out a hair under the timeout, so the kill came a whole
+    round later, and a process resumed meanwhile was never killed (found by an attack in
+    session 13, SIGSTOP for 5 s)."""
+    config = tmp_path / "plugserve.toml"
+    config.write_text("runner_stall_timeout_s = 2\n")
+    plugins = tmp_path / "plugins"
+    write_add_runner(plugins, "plain", "1.0.0", runner='isolation = "process"')
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"),
+                 "--config", str(config))  # fmt: skip
+    seen = {plugin_row(srv, "plain")["pids"][0]}
+    os.kill(next(iter(seen)), signal.SIGKILL)  # started again: a new process to look at
+
+    def dead(pid: int) -> bool:
+        return not alive(pid)
+
+    def new_pid() -> int | None:
+        fresh = set(plugin_row(srv, "plain")["pids"]) - seen
+        return fresh.pop() if fresh else None
+
+    # Whether the check's first look at a new process came before or after the stop
+    # depended on its phase (every 2 s), and whether that look's ask then counted on the
+    # timer's last millisecond: two new processes, each stopped once it is up.
+    for _ in range(2):
+        wait_for(lambda: new_pid() is not None, 30, "started again")
+        pid = new_pid()
+        assert pid is not None
+        seen.add(pid)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            # A first look within 2 s, its ask unanswered for 2 s: about 4 s (6 to 8 before).
+            wait_for(functools.partial(dead, pid), 5.5, "killed by the stall check")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        print(f"killed {time.monotonic() - stopped:.2f} s after the stop")
+    assert srv.log().count("runner_process_stalled") == 2
+    wait_for(lambda: infer(srv, "plain", [1.0] * 4)[0] == 200, 30, "started again")
+    assert plugin_row(srv, "plain")["restarts"] == 3
 
 
 def test_a_runner_process_stuck_on_its_first_batch_is_killed(
