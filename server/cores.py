@@ -26,14 +26,19 @@ ROOT = Path("/")
 def usable_cores(root: Path = ROOT) -> int:
     """The cores this process may run on (its affinity, as a container's cpuset sets it),
     at most its cgroup's CPU quota rounded up; at least 1."""
+    return bounded(affinity_cores(), cpu_quota(root))
+
+
+def affinity_cores() -> int:
+    """The cores this process's CPU affinity allows (all of them where it has none)."""
     if hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0)) or 1
-    else:
-        cores = os.cpu_count() or 1
-    quota = cpu_quota(root)
-    if quota is not None:
-        cores = min(cores, max(1, math.ceil(quota)))
-    return cores
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def bounded(cores: int, quota: float | None) -> int:
+    """``cores``, at most ``quota`` (in cores) rounded up; at least 1."""
+    return cores if quota is None else min(cores, max(1, math.ceil(quota)))
 
 
 def cpu_quota(root: Path = ROOT) -> float | None:

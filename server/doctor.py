@@ -12,7 +12,6 @@ import ctypes
 import dataclasses
 import importlib.metadata
 import json
-import os
 import platform
 import site
 import socket
@@ -29,7 +28,7 @@ from registry.errors import PlugserveError
 from registry.fleet import EtcdLocation
 from server import __version__
 from server.config import Settings, load_settings
-from server.cores import cpu_quota, usable_cores
+from server.cores import affinity_cores, bounded, cpu_quota
 
 ETCD_TIMEOUT_S = 2.0
 SYSTEM_LIBRARIES = (
@@ -113,9 +112,8 @@ def _python() -> Check:
 
 def _cores() -> Check:
     """The cores ``workers = "auto"`` counts, and where the count comes from."""
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    quota = cpu_quota()
-    usable = usable_cores()
+    affinity, quota = affinity_cores(), cpu_quota()
+    usable = bounded(affinity, quota)
     shown = "none" if quota is None else f"{quota:g} cores"
     detail = f"{usable} usable (affinity {affinity}, cgroup CPU quota {shown})"
     return Check("cpu", "ok", detail, data={"usable": usable, "affinity": affinity, "quota": quota})
