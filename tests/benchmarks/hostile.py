@@ -5,7 +5,10 @@ stops when the soak's stop event is set. What each attempt got is counted by
 kind and outcome (a status, ``timeout``, ``reset``, how long the server held a
 connection before closing it, ...). :func:`start` needs the soak's routes:
 ``add`` (FP32 ``x`` ``[N, 4]``), ``strings`` (an ONNX STRING input ``in_s``
-``[N, 1]``) and ``slow`` (a runner that takes its time, with a bounded queue).
+``[N, 1]``), ``slow`` (a runner that takes its time, with a bounded queue), the bundled
+``chat`` and ``embed`` routes (OpenAI's and Triton's generate) and ``matmul`` (inputs ``a``
+``[N, k]`` and ``b`` ``[N, j]`` whose ``k`` and ``j`` the model requires equal: ONNX Runtime
+refuses other shapes at run time).
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class Mix:
     huge_json_every_s: float = 10.0
     bad_bytes_every_s: float = 0.5
     bad_header_every_s: float = 0.3
+    big_prompt_every_s: float = 2.0
+    big_prompt_mib: int = 24  # one message, prompt or text of this size
+    bad_tensor_every_s: float = 0.2
     max_attempts: int = 100_000  # per kind, whatever the duration
 
 
@@ -73,6 +79,8 @@ def start(port: int, stop: threading.Event, outcomes: Outcomes, mix: Mix) -> lis
         bad_bytes,
         bad_binary_headers,
         huge_json,
+        big_prompts,
+        bad_tensors,
     ]
     threads = [
         threading.Thread(target=kind, args=(port, stop, outcomes, mix), name=kind.__name__,
@@ -329,3 +337,51 @@ def abandon_queue(port: int, stop: threading.Event, outcomes: Outcomes, mix: Mix
             outcome = _answered(sock)
             outcomes.add("hung up mid-queue", "hung up" if outcome is None else outcome)
             sock.close()
+
+
+# -- requests that cost the server, then a 4xx ------------------------------------------
+
+
+def big_prompt_bodies(mib: int) -> list[tuple[str, str, bytes]]:
+    """(kind, path, body): one text of ``mib`` MiB to each text front end of the bundled
+    routes, under the body limit: the preprocessors must refuse it without stalling."""
+    text = ("lorem ipsum dolor sit amet " * (mib * 1024 * 1024 // 27 + 1))[: mib * 1024 * 1024]
+    message = {"model": "chat", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    return [
+        ("/v1/chat/completions", "/v1/chat/completions", json.dumps(message).encode()),
+        ("/v1/completions", "/v1/completions",
+         json.dumps({"model": "chat", "prompt": text, "max_tokens": 4}).encode()),
+        ("generate", "/v2/models/chat/generate",
+         json.dumps({"text_input": text, "max_tokens": 4}).encode()),
+        ("/v1/embeddings", "/v1/embeddings", json.dumps({"model": "embed", "input": text}).encode()),
+    ]  # fmt: skip
+
+
+def big_prompts(port: int, stop: threading.Event, outcomes: Outcomes, mix: Mix) -> None:
+    """A prompt of ``mix.big_prompt_mib`` MiB to chat, completions, generate and embeddings,
+    in turn: a 400 for the prompt limit (embeddings: truncated, 200), never a stall."""
+    cases = big_prompt_bodies(mix.big_prompt_mib)
+    for attempt in paced(stop, mix.big_prompt_every_s, mix):
+        kind, path, body = cases[attempt % len(cases)]
+        outcome = post(port, path, body, {"Content-Type": "application/json"}, timeout=60)
+        outcomes.add(f"big prompt ({mix.big_prompt_mib} MiB) to {kind}", outcome)
+
+
+def matmul_request(k: int, j: int, values: list[float]) -> bytes:
+    """A v2 JSON request to ``matmul``: ``a`` ``[1, k]``, ``b`` ``[1, j]``."""
+    inputs = [
+        {"name": "a", "datatype": "FP32", "shape": [1, k], "data": values[:k]},
+        {"name": "b", "datatype": "FP32", "shape": [1, j], "data": values[:j]},
+    ]
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def bad_tensors(port: int, stop: threading.Event, outcomes: Outcomes, mix: Mix) -> None:
+    """Shapes the declared inputs admit but ONNX Runtime refuses (``k`` != ``j``): a 400 for
+    the sender alone, never a circuit opened for the good ``matmul`` clients."""
+    for attempt in paced(stop, mix.bad_tensor_every_s, mix):
+        k, j = (4, 3) if attempt % 2 else (2, 5)
+        body = matmul_request(k, j, [1.0] * 5)
+        outcome = post(port, "/v2/models/matmul/infer", body,
+                       {"Content-Type": "application/json"}, timeout=30)  # fmt: skip
+        outcomes.add("bad tensors (k != j) to matmul", outcome)

@@ -17,6 +17,15 @@ all 200), good-request p50/p99 by kind, the expected-failure bucket, hostile
 attempts by outcome, and the server's RSS, open file descriptors and threads
 sampled over the run (target: flat). Exits 1 if a good request failed or a
 faulty one got an answer other than its expected one. Not run by CI.
+
+The hostile mix also sends what each client of a shared server must survive: prompts of
+many MiB to the bundled chat and embeddings routes over OpenAI's API and Triton's generate,
+tensors that ONNX Runtime refuses (shapes its declared inputs admit), silent gRPC
+``ModelStreamInfer`` calls above the call limit, and gRPC streams that never read their
+answers (``tests/benchmarks/hostile_grpc.py``). Good traffic goes over HTTP and gRPC, and a
+prober asks ``/v2/health/live``, gRPC ``ServerLive`` and ``grpc.health.v1`` every 0.25 s
+(target: never refused, never over 2 s). ``--workers N`` runs the supervisor with N workers;
+``--isolated`` puts the ONNX runners in runner processes (``isolation = "process"``).
 """
 
 from __future__ import annotations
@@ -35,13 +44,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
-from onnx import TensorProto
+import onnx
+from onnx import TensorProto, helper
 
-from tests.benchmarks import hostile
+from tests.benchmarks import hostile, hostile_grpc
 from tests.helpers import (
+    ROOT,
     ServerProcess,
     add_model,
+    descendants,
     identity_model,
     rss_mib,
     write_plugin,
@@ -114,11 +127,24 @@ def requests_for(rng: random.Random) -> tuple[str, Request]:
                    "parameters": {"binary_data_size": len(blob)}}]  # fmt: skip
         body, headers = hostile.binary_request(inputs, blob)
         return "v2 BYTES", ("POST", "/v2/models/strings/infer", body, headers, {200})
+    if roll < 0.90:
+        body = hostile.matmul_request(4, 4, x)
+        return "v2 matmul", ("POST", "/v2/models/matmul/infer", body, {}, {200})
     body = json.dumps({"x": [x]}).encode()
     return "predict echo", ("POST", "/predict/echo", body, {}, {200})
 
 
 SLOW_KIND = "predict slow"
+CHAT_KIND = "chat completion"
+"""Kinds whose latency is their runner's own (0.2 s a request; generation), left out of
+the overall good-request percentiles."""
+
+
+def chat_request(rng: random.Random) -> tuple[str, Request]:
+    """A good, short chat completion from the bundled chat route."""
+    messages = [{"role": "user", "content": f"hello {rng.randint(0, 999)}"}]
+    body = json.dumps({"model": "chat", "messages": messages, "max_tokens": 8}).encode()
+    return CHAT_KIND, ("POST", "/v1/chat/completions", body, {}, {200})
 
 
 def slow_request(rng: random.Random) -> tuple[str, Request]:
@@ -140,6 +166,10 @@ class Answers:
             self.counts[(kind, status, status in expected)] += 1
             if expected == {200}:
                 self.latencies[kind].append(seconds)
+
+    def add_good(self, kind: str, status: int, seconds: float) -> None:
+        """A good request's answer: 200 expected."""
+        self.add(kind, status, {200}, seconds)
 
     def good(self) -> Counter[int]:
         statuses: Counter[int] = Counter()
@@ -200,7 +230,8 @@ def churn(plugins: Path, stop: threading.Event, every: float, log: list[str]) ->
 
 @dataclass(frozen=True)
 class Sample:
-    """The server process at one moment: seconds since the soak began, RSS, fds, threads."""
+    """The server's processes (the supervisor, workers, runner processes) at one moment:
+    seconds since the soak began, their RSS, open fds and threads, summed."""
 
     at_s: float
     rss_mib: float
@@ -209,29 +240,109 @@ class Sample:
 
     @classmethod
     def take(cls, pid: int, began: float) -> Sample:
-        status = Path(f"/proc/{pid}/status").read_text()
-        threads = next(int(line.split()[1]) for line in status.splitlines()
-                       if line.startswith("Threads:"))  # fmt: skip
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-        return cls(time.monotonic() - began, rss_mib(pid), fds, threads)
+        rss, fds, threads = 0.0, 0, 0
+        for each in {pid, *descendants(pid)}:
+            try:
+                status = Path(f"/proc/{each}/status").read_text()
+                threads += next(int(line.split()[1]) for line in status.splitlines()
+                                if line.startswith("Threads:"))  # fmt: skip
+                fds += len(os.listdir(f"/proc/{each}/fd"))
+                rss += rss_mib(each)
+            except (OSError, RuntimeError, StopIteration):
+                continue  # ended meanwhile
+        return cls(time.monotonic() - began, rss, fds, threads)
 
 
-def write_plugins(plugins: Path) -> None:
-    """The soak's plugins: add (behind scale), echo, strings and slow."""
+def matmul_model(path: Path) -> None:
+    """``y = a @ b``, row by row: ``a`` ``[N, k]`` and ``b`` ``[N, j]`` with ``k`` and ``j``
+    named apart, so only ONNX Runtime, at run time, finds that they must be equal."""
+    a = helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, ["N", "k"])
+    b = helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, ["N", "j"])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1, 1])
+    rows = helper.make_tensor("rows", onnx.TensorProto.INT64, [1], [1])
+    columns = helper.make_tensor("columns", onnx.TensorProto.INT64, [1], [2])
+    nodes = [
+        helper.make_node("Unsqueeze", ["a", "rows"], ["a3"]),
+        helper.make_node("Unsqueeze", ["b", "columns"], ["b3"]),
+        helper.make_node("MatMul", ["a3", "b3"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "matmul", [a, b], [y], initializer=[rows, columns])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+BUNDLED = ["preprocessor/chat_template", "runner/chat", "postprocessor/detokenize",
+           "preprocessor/tokenize", "runner/embed", "postprocessor/pool"]  # fmt: skip
+"""The bundled plugins the soak serves beside its own: OpenAI's and Triton's text routes."""
+
+
+def write_plugins(plugins: Path, models: Path, isolated: bool = False) -> None:
+    """The soak's plugins: add (behind scale), echo, strings, slow, matmul, and the bundled
+    chat and embed routes with their models; ``isolated``: the ONNX runners in processes."""
+    isolation = 'isolation = "process"\n' if isolated else ""
     write_processor(plugins, "preprocessor", "scale", "1.0.0", 0)
     folder = write_plugin(plugins, "runner", "add", "1.0.0",
                           '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\nmax_batch_size = 16\n'
-                          'intra_op_threads = 1\n[route]\npreprocess = ["scale"]\n', module=None)  # fmt: skip
+                          f'intra_op_threads = 1\n{isolation}[route]\npreprocess = ["scale"]\n', module=None)  # fmt: skip
     add_model(folder / "model.onnx")
     write_plugin(plugins, "runner", "echo", "1.0.0", '[config]\ntag = "v1"\n[runner]\nmax_batch_size = 8\n',
                  {"plugin.py": ECHO})  # fmt: skip
     folder = write_plugin(plugins, "runner", "strings", "1.0.0",
                           '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\nmax_batch_size = 8\n'
-                          'intra_op_threads = 1\n', module=None)  # fmt: skip
+                          f'intra_op_threads = 1\n{isolation}', module=None)  # fmt: skip
     identity_model(folder / "model.onnx", {"s": TensorProto.STRING}, ["N", 1])
     write_plugin(plugins, "runner", "slow", "1.0.0",
                  "[runner]\nmax_batch_size = 0\ninstances = 1\nmax_queue_size = 32\n",
                  {"plugin.py": SLOW})  # fmt: skip
+    folder = write_plugin(plugins, "runner", "matmul", "1.0.0",
+                          '[runner]\nbackend = "onnxruntime"\nmodel = "model.onnx"\nmax_batch_size = 16\n'
+                          f'intra_op_threads = 1\n{isolation}', module=None)  # fmt: skip
+    matmul_model(folder / "model.onnx")
+    for bundled in BUNDLED:
+        shutil.copytree(ROOT / "plugins" / bundled, plugins / bundled)
+    for model in ("chat", "embed"):
+        shutil.copytree(ROOT / "models" / model, models / model)
+
+
+@dataclass
+class Health:
+    """The prober's answers: by probe and outcome, and the time each took."""
+
+    counts: Counter[tuple[str, str]] = field(default_factory=Counter)
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, probe: str, outcome: str, seconds: float) -> None:
+        self.counts[(probe, outcome)] += 1
+        self.latencies[probe].append(seconds)
+
+    def refused(self) -> int:
+        return sum(n for (_, outcome), n in self.counts.items() if outcome != "ok")
+
+
+HEALTH_EVERY_S = 0.25
+HEALTH_TIMEOUT_S = 2.0
+
+
+def prober(server: ServerProcess, stop: threading.Event, health: Health) -> None:
+    """``/v2/health/live`` on a new connection each time, gRPC ``ServerLive`` and
+    ``grpc.health.v1`` ``Check``, every ``HEALTH_EVERY_S``: a probe refused, failed or over
+    ``HEALTH_TIMEOUT_S`` is what an orchestrator would count against the server."""
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        while not stop.wait(HEALTH_EVERY_S):
+            started = time.perf_counter()
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=HEALTH_TIMEOUT_S)
+            try:
+                conn.request("GET", "/v2/health/live")
+                status = conn.getresponse().status
+                outcome = "ok" if status == 200 else str(status)
+            except (OSError, http.client.HTTPException) as exc:
+                outcome = type(exc).__name__
+            finally:
+                conn.close()
+            health.add("HTTP /v2/health/live", outcome, time.perf_counter() - started)
+            for probe, (outcome, seconds) in hostile_grpc.probe(channel).items():
+                health.add(probe, outcome, seconds)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -239,36 +350,51 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+SOAK_CONFIG = "max_connections = 512\n"
+"""Below the idle gRPC streams the hostile mix holds (600), so that they reach the call
+limit, and above what the HTTP hostile kinds hold (about 230 connections)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--grpc-clients", type=int, default=2)
     parser.add_argument("--reload-every", type=float, default=3.0)
     parser.add_argument("--hostile", action="store_true", help="add the hostile mix")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--isolated", action="store_true",
+                        help='the ONNX runners with isolation = "process"')  # fmt: skip
     parser.add_argument("--half-open", type=int, default=hostile.Mix.half_open,
                         help="hostile connections held with unfinished headers")  # fmt: skip
+    parser.add_argument("--idle-streams", type=int, default=hostile_grpc.GrpcMix.idle_streams,
+                        help="silent gRPC streams held at any time")  # fmt: skip
     args = parser.parse_args()
-    answers, outcomes = Answers(), hostile.Outcomes()
+    answers, outcomes, health = Answers(), hostile.Outcomes(), Health()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         plugins, models = root / "plugins", root / "models"
         models.mkdir()
-        write_plugins(plugins)
+        write_plugins(plugins, models, args.isolated)
+        config = root / "plugserve.toml"
+        config.write_text(SOAK_CONFIG)
         server = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models),
+                               "--config", str(config), "--workers", str(args.workers),
                                "--log-level", "warning", log=root / "server.log")  # fmt: skip
         try:
-            server.wait_ready()
-            samples, churn_log = soak(server, plugins, args, answers, outcomes)
+            server.wait_ready(60)
+            samples, churn_log = soak(server, plugins, args, answers, outcomes, health)
         finally:
             code = server.stop()
         log_lines = server.log().splitlines()
-    report(args, answers, outcomes, samples, churn_log, code, log_lines)
-    raise SystemExit(1 if answers.failed() else 0)
+    report(args, answers, outcomes, health, samples, churn_log, code, log_lines)
+    raise SystemExit(1 if answers.failed() or health.refused() else 0)
 
 
 def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers: Answers,
-         outcomes: hostile.Outcomes) -> tuple[list[tuple[str, Sample]], list[str]]:  # fmt: skip
-    """Run the load, the churn and (with ``--hostile``) the hostile mix; sample the server."""
+         outcomes: hostile.Outcomes, health: Health) -> tuple[list[tuple[str, Sample]], list[str]]:  # fmt: skip
+    """Run the load, the churn, the prober and (with ``--hostile``) the hostile mix;
+    sample the server's processes."""
     pid, began = server.proc.pid, time.monotonic()
     stop, hostile_stop = threading.Event(), threading.Event()
     threads = [threading.Thread(target=client, args=(server.port, stop, i, answers), daemon=True)
@@ -276,6 +402,12 @@ def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers
     # One client of the slow route, on its own: its queue is what the hang-ups target.
     threads.append(threading.Thread(target=client, daemon=True,
                                     args=(server.port, stop, -1, answers, slow_request, 0.5)))  # fmt: skip
+    threads.append(threading.Thread(target=client, daemon=True,
+                                    args=(server.port, stop, -2, answers, chat_request, 0.5)))  # fmt: skip
+    threads += [threading.Thread(target=hostile_grpc.good_client, daemon=True,
+                                 args=(server.grpc_port, stop, 100 + i, answers.add_good))
+                for i in range(args.grpc_clients)]  # fmt: skip
+    threads.append(threading.Thread(target=prober, args=(server, stop, health), daemon=True))
     for t in threads:
         t.start()
     time.sleep(10)  # warm up before the first reading
@@ -287,6 +419,8 @@ def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers
     if args.hostile:
         mix = hostile.Mix(half_open=args.half_open)
         threads += hostile.start(server.port, hostile_stop, outcomes, mix)
+        grpc_mix = hostile_grpc.GrpcMix(idle_streams=args.idle_streams)
+        threads += hostile_grpc.start_hostile(server.grpc_port, hostile_stop, outcomes, grpc_mix)
     deadline = time.monotonic() + args.minutes * 60
     every = max(5.0, args.minutes * 60 / 8)
     while time.monotonic() < deadline:
@@ -309,24 +443,37 @@ def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers
 
 
 def report(args: argparse.Namespace, answers: Answers, outcomes: hostile.Outcomes,
-           samples: list[tuple[str, Sample]], churn_log: list[str], code: int,
+           health: Health, samples: list[tuple[str, Sample]], churn_log: list[str], code: int,
            log_lines: list[str]) -> None:  # fmt: skip
     good = answers.good()
     served = sum(answers.counts.values())
     mode = "WITH the hostile mix" if args.hostile else "good traffic only (no --hostile)"
-    print(f"soak: {args.minutes:g} min, {args.clients} clients, {mode}, a reload every "
-          f"{args.reload_every:g} s ({len(churn_log)} rounds: a version added, one edited, one deleted)")  # fmt: skip
+    where = f"--workers {args.workers}" + (", isolated runners" if args.isolated else "")
+    print(f"soak: {args.minutes:g} min, {where}, {args.clients} HTTP and {args.grpc_clients} gRPC "
+          f"clients, {mode}, a reload every {args.reload_every:g} s ({len(churn_log)} rounds: "
+          "a version added, one edited, one deleted)")  # fmt: skip
     print(f"requests answered: {served} ({served / (args.minutes * 60 + 10):.0f}/s)")
     bad = sum(n for status, n in good.items() if status != 200)
     verdict = "all 200" if not bad else f"{bad} NOT 200"
     print(f"good requests: {sum(good.values())}, by status {dict(sorted(good.items()))}: {verdict}")
-    every = [s for kind, values in answers.latencies.items() if kind != SLOW_KIND for s in values]
-    print(f"good-request latency (all but {SLOW_KIND}): p50 {percentile(every, 0.5) * 1000:.2f} ms, "
-          f"p99 {percentile(every, 0.99) * 1000:.2f} ms, max {max(every, default=0) * 1000:.0f} ms")  # fmt: skip
+    own = (SLOW_KIND, CHAT_KIND)
+    every = [s for kind, values in answers.latencies.items() if kind not in own for s in values]
+    print(f"good-request latency (all but {' and '.join(own)}): p50 "
+          f"{percentile(every, 0.5) * 1000:.2f} ms, p99 {percentile(every, 0.99) * 1000:.2f} ms, "
+          f"max {max(every, default=0) * 1000:.0f} ms")  # fmt: skip
     for kind, values in sorted(answers.latencies.items()):
         statuses = {s: n for (k, s, _), n in answers.counts.items() if k == kind}
-        print(f"  {kind:<14} n={len(values):<7} p50 {percentile(values, 0.5) * 1000:8.2f} ms  "
+        print(f"  {kind:<16} n={len(values):<7} p50 {percentile(values, 0.5) * 1000:8.2f} ms  "
               f"p99 {percentile(values, 0.99) * 1000:8.2f} ms  statuses {dict(sorted(statuses.items()))}")  # fmt: skip
+    print("  (gRPC statuses: 200 is OK, 1000 + n is gRPC status code n)")
+    print(
+        f"health probes (every {HEALTH_EVERY_S:g} s, {HEALTH_TIMEOUT_S:g} s timeout): "
+        f"{'never refused' if not health.refused() else f'{health.refused()} REFUSED'}"
+    )
+    for probe, values in sorted(health.latencies.items()):
+        table = {o: n for (p, o), n in health.counts.items() if p == probe}
+        print(f"  {probe:<22} {table}  p99 {percentile(values, 0.99) * 1000:.1f} ms, "
+              f"max {max(values, default=0) * 1000:.0f} ms")  # fmt: skip
     print("expected-failure bucket (deliberately faulty requests):")
     for kind, answered in answers.faulty().items():
         print(f"  {kind:<14} {answered}")
@@ -342,7 +489,7 @@ def report(args: argparse.Namespace, answers: Answers, outcomes: hostile.Outcome
                     suspect[outcome.split(" ")[0]] += n
         print(f"hostile attempts a hardened server should not give (5xx, timeout, reset, "
               f"held to the end): {dict(suspect) or 'none'}")  # fmt: skip
-    print("server process (RSS MiB / open fds / threads):")
+    print("server processes (RSS MiB / open fds / threads, summed):")
     for label, sample in samples:
         print(f"  {sample.at_s:7.1f} s  {label:<14} {sample.rss_mib:8.1f}  {sample.fds:6d}  "
               f"{sample.threads:4d}")  # fmt: skip
@@ -350,7 +497,7 @@ def report(args: argparse.Namespace, answers: Answers, outcomes: hostile.Outcome
                      if word in line)  # fmt: skip
     print(f"server exit code {code}; log: {len(log_lines)} lines, {dict(levels) or 'no errors'}")
     print(f"good requests failed: {bad}; faulty requests answered unexpectedly: "
-          f"{answers.failed() - bad}")  # fmt: skip
+          f"{answers.failed() - bad}; health probes refused: {health.refused()}")  # fmt: skip
 
 
 if __name__ == "__main__":
