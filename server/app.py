@@ -173,9 +173,11 @@ def create_app(
     app[DRAIN].at_timeout = lambda: app[REGISTRY].end_streams("the server is shutting down")
     app[BODIES] = Bodies(settings.max_body_bytes, settings.body_threads, settings.max_large_bodies)
     app.on_cleanup.append(_close_bodies)
-    # Workers share one table of shared memory regions (server/triton/shm_table.py).
+    # Workers share one table of shared memory regions (server/triton/shm_table.py), which
+    # their supervisor keeps: it holds every region's object (server/triton/shared_memory.py).
     table = LocalTable() if worker is None else SharedTable(worker.spec.control_dir)
-    app[shm_http.REGIONS] = Regions(table, settings.shared_memory, settings.max_body_bytes)
+    forward = None if worker is None else worker.shared_memory
+    app[shm_http.REGIONS] = Regions(table, settings.shared_memory, settings.max_body_bytes, forward)
     app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
     app[ROUTE_STORE] = route_store(settings, app[REGISTRY])
     app[METRICS].collect_from(app[REGISTRY], app[ROUTE_STORE])

@@ -161,6 +161,26 @@ STREAMING_RUNNERS = """
 """
 
 
+PID_RUNNER = """
+    import os
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class AddPid:
+        def infer(self, inputs):
+            x = np.asarray(inputs["x"])
+            return {"y": x + 1, "pid": np.full((x.shape[0], 1), os.getpid(), dtype=np.int64)}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return AddPid()
+"""
+"""``y = x + 1`` and the pid of the process that ran it (a worker: the runner is in it)."""
+
+
 def write_streaming_runner(
     plugins_dir: Path, name: str, kind: str = "steps", runner: str = "", config: str = ""
 ) -> Path:

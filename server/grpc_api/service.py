@@ -390,7 +390,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         async def work() -> Any:
             regions = self._regions(self._call(context))
             key = check_key(request.key)
-            regions.register(request.name, key, request.offset, request.byte_size)
+            await regions.register_call(request.name, key, request.offset, request.byte_size)
             return pb.SystemSharedMemoryRegisterResponse()
 
         return await self._answer(context, "SystemSharedMemoryRegister", work)
@@ -409,7 +409,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
         async def work() -> Any:
-            self._regions(self._call(context)).unregister(request.name or None)
+            await self._regions(self._call(context)).unregister_call(request.name or None)
             return pb.SystemSharedMemoryUnregisterResponse()
 
         return await self._answer(context, "SystemSharedMemoryUnregister", work)

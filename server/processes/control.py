@@ -31,6 +31,7 @@ from server.processes.pool import Worker, WorkerPool
 from server.processes.runners import RUNNERS
 from server.processes.runners import metrics_text as runner_metrics
 from server.processes.unix import Reply, UnixClient
+from server.triton.shared_memory import Regions
 
 POOL = web.AppKey("pool", WorkerPool)
 STORE = web.AppKey("store", RouteStore)
@@ -40,6 +41,8 @@ ON_REGISTER: web.AppKey[Callable[[int, int], bool | None]] = web.AppKey("on_regi
 """The supervisor's answer to a worker that registers: ``None`` when it is not one it
 started, else whether it may listen at once (``False`` until every first worker loaded)."""
 ON_DRAINED: web.AppKey[Callable[[int], Awaitable[None]]] = web.AppKey("on_drained")
+SHM_REGIONS = web.AppKey("shm_regions", Regions)
+"""Every worker's shared memory regions: registered, and their objects held, here."""
 
 
 class SupervisorMetrics:
@@ -124,6 +127,21 @@ async def drained(request: web.Request) -> web.Response:
     """A worker has drained: it waits here until every worker has (they stop together)."""
     await request.app[ON_DRAINED](int((await request.json())["index"]))
     return web.json_response({"stop": True})
+
+
+async def shm_register(request: web.Request) -> web.Response:
+    """A region a worker's client registers: opened here, held until unregistered, and in
+    the table every worker reads (each opens this process's descriptor of it)."""
+    body = await request.json()
+    request.app[SHM_REGIONS].register(
+        body.get("name"), body.get("key"), body.get("offset"), body.get("byte_size")
+    )
+    return web.json_response({})
+
+
+async def shm_unregister(request: web.Request) -> web.Response:
+    request.app[SHM_REGIONS].unregister((await request.json()).get("name"))
+    return web.json_response({})
 
 
 async def fleet_health(request: web.Request) -> web.Response:
@@ -319,6 +337,7 @@ def control_app(
     watching: bool,
     on_register: Callable[[int, int], bool | None],
     on_drained: Callable[[int], Awaitable[None]],
+    regions: Regions,
 ) -> web.Application:
     """The supervisor's app; its socket is reachable by this server's processes only."""
     app = web.Application(middlewares=[errors], client_max_size=64 * 1024 * 1024)
@@ -329,10 +348,13 @@ def control_app(
     app[STARTED] = time.monotonic()
     app[ON_REGISTER] = on_register
     app[ON_DRAINED] = on_drained
+    app[SHM_REGIONS] = regions
     r = app.router
     r.add_post("/_supervisor/register", register)
     r.add_get("/_supervisor/fleet", fleet_health)
     r.add_post("/_supervisor/drained", drained)
+    r.add_post("/_supervisor/shm/register", shm_register)
+    r.add_post("/_supervisor/shm/unregister", shm_unregister)
     r.add_get("/admin/plugins", list_plugins)
     r.add_get("/admin/routes", list_routes)
     r.add_put("/admin/routes/{route}", put_route)

@@ -31,7 +31,7 @@ from server.middleware import request_middleware
 from server.processes.pool import routes_from_json
 from server.processes.unix import READ_TIMEOUT_S, UnixClient
 from server.state import BODIES, DRAIN, METRICS, REGISTRY, REPOSITORY, ROUTE_STORE, SETTINGS
-from server.triton.repository import LocalRepository
+from server.triton.repository import LocalRepository, relayed
 
 log = structlog.get_logger("plugserve.worker")
 
@@ -178,6 +178,19 @@ class WorkerLink:
         return bool(state["ready"]), state["health"]
 
     # -- forwarding --------------------------------------------------------------------
+
+    async def shared_memory(self, call: str, body: dict[str, Any]) -> None:
+        """A shared memory register or unregister, made by the supervisor, which holds every
+        region's object for all workers (server/triton/shared_memory.py); its error as ours."""
+        try:
+            reply = await self.supervisor.call(
+                "POST", f"/_supervisor/shm/{call}", json_body=body, timeout_s=READ_TIMEOUT_S
+            )
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise Unavailable(f"the supervisor is not answering: {exc!r}") from None
+        if reply.status != 200:
+            answer = reply.json()
+            raise relayed(reply.status, answer.get("error", "") if isinstance(answer, dict) else "")
 
     async def forward(self, request: web.Request) -> web.Response:
         """Answer a whole-server call (admin, metrics, statistics) through the supervisor."""

@@ -63,6 +63,8 @@ from server.processes.control import SUPERVISOR_METRICS, control_app
 from server.processes.link import WorkerSpec
 from server.processes.pool import Worker, WorkerPool
 from server.shutdown import SHUTDOWN_MARGIN_S
+from server.triton.shared_memory import Regions
+from server.triton.shm_table import SharedTable
 
 log = structlog.get_logger("plugserve.supervisor")
 
@@ -105,8 +107,11 @@ class Supervisor:
         self.worker_settings = dataclasses.replace(
             settings, watch=False, registry="local", runtime_routes_file=None
         )
+        self.regions = Regions(SharedTable(self.dir), access="any")
+        """Every worker's shared memory regions, their objects held here: a worker opens
+        this process's descriptor, whenever it starts (server/triton/shared_memory.py)."""
         self.app = control_app(
-            self.pool, self.store, settings.watch, self._registered, self._drained
+            self.pool, self.store, settings.watch, self._registered, self._drained, self.regions
         )
         self.runners = RunnerHost(process_settings(settings))
         """Isolated runners' processes, shared by every worker (server/processes/runners.py)."""

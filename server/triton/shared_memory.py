@@ -8,6 +8,17 @@ mapping: a client that shrinks its object afterwards gets a 400, never a
 ``SIGBUS`` in the server. A region in use by a request (its :class:`Region` held)
 stays open until the request is done, unregistered or not.
 
+A region is the object opened at registration, whatever bears its key later (as
+in Triton, which maps it then): the process that registers it, the *holder*,
+keeps that descriptor open until it is unregistered. With workers the holder is
+the supervisor (a worker forwards the register and unregister calls to it), and a
+worker opens the holder's descriptor itself through ``/proc/<holder>/fd/<fd>``,
+on first use, so a region registered before the worker started (a replacement)
+is the same object too. What it opens must be the object registered (its device
+and inode); where ``/proc`` cannot be used it opens the key and checks the same,
+and a region whose object was unlinked or replaced is then a 400, never another
+object's memory.
+
 Protocol-neutral: HTTP (``server/triton/shm_http.py``) and gRPC call
 :class:`Regions` and :class:`Attachment` with the :class:`~server.codec.InferRequest`
 they decoded.
@@ -22,7 +33,7 @@ import threading
 import urllib.parse
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +56,15 @@ log = structlog.get_logger("plugserve.shared_memory")
 
 SHM_DIR = "/dev/shm"
 MAX_REGIONS = 1024
-"""Regions registered at once (each holds a descriptor in every worker)."""
+"""Regions registered at once (each holds a descriptor in the supervisor and every worker)."""
+PROC_DIR = "/proc"
+STATUS_FIELDS = ("name", "key", "offset", "byte_size")
+"""What Triton's status call shows of a region; its table entry holds more (see
+:meth:`Regions.register`)."""
+OPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+Forward = Callable[[str, dict[str, Any]], Awaitable[None]]
+"""``forward(call, body)``: a worker's register (``call`` ``"register"``, ``body`` the
+region) or unregister (``"unregister"``, ``{"name": ...}``), made by the holder."""
 KEY_PATTERN = re.compile(r"/[A-Za-z0-9_.:@+=,-]{1,255}")
 """A POSIX shared memory name: one slash, then a file name of /dev/shm (no path, no ``..``)."""
 NAME_PATTERN = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
@@ -73,6 +92,59 @@ def check_size(value: object, what: str) -> int:
     return value
 
 
+def _open_key(key: str) -> int:
+    """A descriptor of the object ``/dev/shm<key>`` (a symlink is not followed); else 400."""
+    try:
+        folder = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return os.open(key[1:], OPEN_FLAGS | os.O_NOFOLLOW, dir_fd=folder)
+        finally:
+            os.close(folder)
+    except OSError as exc:
+        raise InvalidInput(
+            f"Unable to open shared memory region: '{key}' ({exc.strerror})"
+        ) from None
+
+
+def _check_object(fd: int, what: str, key: str, offset: int, byte_size: int) -> None:
+    """400 (``what`` first) unless ``fd`` is a regular file holding ``offset + byte_size``
+    bytes."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise InvalidInput(f"'{key}' is not a shared memory object")
+    if offset + byte_size > info.st_size:
+        raise InvalidInput(
+            f"{what}: offset {offset} + byte_size {byte_size} runs past the end of '{key}' "
+            f"({info.st_size} bytes)"
+        )
+
+
+def _open_registered(entry: Mapping[str, Any]) -> int:
+    """A descriptor of the object a table entry names: the holder's own descriptor, opened
+    through ``/proc``; where that cannot be, the key's object, if it is the one registered."""
+    name, key = entry["name"], entry["key"]
+    try:
+        fd = os.open(f"{PROC_DIR}/{int(entry['holder'])}/fd/{int(entry['fd'])}", OPEN_FLAGS)
+    except OSError as exc:
+        log.debug("shm_holder_unreachable", region=name, holder=entry["holder"], error=exc.strerror)
+        try:
+            fd = _open_key(key)
+        except InvalidInput:
+            raise _replaced(name, key) from None
+    info = os.fstat(fd)
+    if [info.st_dev, info.st_ino] != list(entry["identity"]):
+        os.close(fd)
+        raise _replaced(name, key)
+    return fd
+
+
+def _replaced(name: str, key: str) -> InvalidInput:
+    return InvalidInput(
+        f"shared memory region '{name}': the object registered as '{key}' has been unlinked "
+        "or replaced since, and this worker cannot reach it; register the region again"
+    )
+
+
 class Region:
     """An open shared memory object: ``byte_size`` bytes from ``offset`` are the region."""
 
@@ -86,35 +158,50 @@ class Region:
         self.fd = fd
         self.registration = registration
         """New at each register: a region registered again under its name is another one."""
+        info = os.fstat(fd)
+        self.identity = (info.st_dev, info.st_ino)
+        """The object itself: the same in every process that opened it, whatever its name."""
         weakref.finalize(self, os.close, fd)  # once no request holds it either
 
     @classmethod
     def open(cls, name: str, key: str, offset: int, byte_size: int, registration: str) -> Region:
         """Open ``key`` (no symlink followed, regular files only) and check the region fits."""
+        fd = _open_key(key)
         try:
-            folder = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
-                fd = os.open(key[1:], flags, dir_fd=folder)
-            finally:
-                os.close(folder)
-        except OSError as exc:
-            raise InvalidInput(
-                f"Unable to open shared memory region: '{key}' ({exc.strerror})"
-            ) from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise InvalidInput(f"'{key}' is not a shared memory object")
-            if offset + byte_size > info.st_size:
-                raise InvalidInput(
-                    f"failed to register shared memory region '{name}': offset {offset} + "
-                    f"byte_size {byte_size} runs past the end of '{key}' ({info.st_size} bytes)"
-                )
+            _check_object(
+                fd, f"failed to register shared memory region '{name}'", key, offset, byte_size
+            )
         except BaseException:
             os.close(fd)
             raise
         return cls(name, key, offset, byte_size, fd, registration)
+
+    @classmethod
+    def reopen(cls, entry: Mapping[str, Any]) -> Region:
+        """The object a table entry names, opened in this process: the holder's descriptor
+        (``/proc/<holder>/fd/<fd>``), else its key; 400 unless it is the object registered."""
+        name, key = entry["name"], entry["key"]
+        fd = _open_registered(entry)
+        try:
+            _check_object(
+                fd, f"shared memory region '{name}'", key, entry["offset"], entry["byte_size"]
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, key, entry["offset"], entry["byte_size"], fd, entry["registration"])
+
+    def entry(self) -> dict[str, Any]:
+        """The region as the table holds it: its status, registration, and how another
+        process of this server opens the same object (the holder's pid, descriptor, and
+        the object's identity)."""
+        return {
+            **self.status(),
+            "registration": self.registration,
+            "holder": os.getpid(),
+            "fd": self.fd,
+            "identity": list(self.identity),
+        }
 
     def status(self) -> dict[str, Any]:
         return {
@@ -188,6 +275,7 @@ class Regions:
         table: LocalTable | None = None,
         access: str = "loopback",
         max_bytes: int = 64 * 1024 * 1024,
+        forward: Forward | None = None,
     ) -> None:
         self.table = table if table is not None else LocalTable()
         self.access = access
@@ -195,6 +283,9 @@ class Regions:
         host), ``any`` (every caller the data plane admits) or ``off``."""
         self.max_bytes = max_bytes
         """The most a BYTES input may take (its data has no other bound): ``max_body_bytes``."""
+        self.forward = forward
+        """A worker's way to its supervisor, which registers and holds every region; ``None``
+        where this process holds them (one process, or the supervisor itself)."""
         self._seen = -1
         self._entries: Entries = {}
         self._open: dict[str, Region] = {}
@@ -212,15 +303,40 @@ class Regions:
 
     # -- the extension's calls ----------------------------------------------------------
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    async def register_call(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Triton's register call: :meth:`register` here, or by the holder (a worker's
+        supervisor), which answers once the region is in the table every worker reads."""
+        if self.forward is None:
+            self.register(name, key, offset, byte_size)
+            return
+        self._check_new(name, key, offset, byte_size)
+        body = {"name": name, "key": key, "offset": offset, "byte_size": byte_size}
+        await self.forward("register", body)
+
+    async def unregister_call(self, name: str | None = None) -> None:
+        """Triton's unregister call: :meth:`unregister` here, or by the holder."""
+        if self.forward is None:
+            self.unregister(name)
+            return
+        await self.forward("unregister", {"name": name})
         with self._lock:
-            check_name(name)
-            check_key(key)
-            check_size(offset, "offset")
-            check_size(byte_size, "byte_size")
+            self._sync()
+
+    def _check_new(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """400 unless the arguments are valid and no region has the name."""
+        check_name(name)
+        check_key(key)
+        check_size(offset, "offset")
+        check_size(byte_size, "byte_size")
+        with self._lock:
             self._sync()
             if name in self._entries:
                 raise InvalidInput(f"shared memory region '{name}' already in manager")
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Open the object ``key`` names and hold it as region ``name`` until unregistered."""
+        with self._lock:
+            self._check_new(name, key, offset, byte_size)
             region = Region.open(name, key, offset, byte_size, uuid.uuid4().hex)
 
             def add(entries: Entries) -> None:
@@ -230,7 +346,7 @@ class Regions:
                     raise InvalidInput(
                         f"{MAX_REGIONS} shared memory regions are registered already"
                     )
-                entries[name] = {**region.status(), "registration": region.registration}
+                entries[name] = region.entry()
 
             self.table.change(add)
             self._open[name] = region
@@ -246,9 +362,7 @@ class Regions:
                 names = [name]
             else:
                 raise NotFound(f"Unable to find system shared memory region: '{name}'")
-            return [
-                {k: v for k, v in self._entries[n].items() if k != "registration"} for n in names
-            ]
+            return [{k: self._entries[n][k] for k in STATUS_FIELDS} for n in names]
 
     def unregister(self, name: str | None = None) -> None:
         """Forget one region, or all; an unknown name is no error (as in Triton).
@@ -275,12 +389,10 @@ class Regions:
             if entry is None:
                 raise NotFound(f"Unable to find system shared memory region: '{name}'")
             region = self._open.get(name)
-            if region is None:  # registered through another worker: open it here too
-                region = Region.open(
-                    name, entry["key"], entry["offset"], entry["byte_size"], entry["registration"]
-                )
+            if region is None:  # held by another process (the supervisor): open it here too
+                region = Region.reopen(entry)
                 self._open[name] = region
-                log.info("shm_opened", region=name, key=region.key)
+                log.info("shm_opened", region=name, key=region.key, holder=entry["holder"])
             return region
 
     def read(self, name: str, offset: int, byte_size: int) -> np.ndarray:

@@ -36,7 +36,7 @@ async def register(request: web.Request) -> web.Response:
         raise InvalidInput('the register request is {"key", "offset", "byte_size"}')
     key = check_key(body.get("key"))
     offset = check_size(body.get("offset", 0), "offset")
-    regions.register(
+    await regions.register_call(
         request.match_info["name"], key, offset, check_size(body.get("byte_size"), "byte_size")
     )
     return web.Response()
@@ -47,7 +47,7 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def unregister(request: web.Request) -> web.Response:
-    _regions(request).unregister(request.match_info.get("name"))
+    await _regions(request).unregister_call(request.match_info.get("name"))
     return web.Response()
 
 

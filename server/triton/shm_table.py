@@ -4,9 +4,10 @@ One process keeps its table in memory (:class:`LocalTable`). Workers share a
 file in the supervisor's control folder (mode 0700, :class:`SharedTable`): a
 JSON document of the regions, rewritten whole (written aside, then renamed) under
 an ``flock``, and an 8-byte generation counter that each worker maps and reads
-before every shared memory call, so a region registered on one worker is seen by
-the next request on any other (which opens it then), and one unregistered is
-gone everywhere.
+before every shared memory call. The supervisor writes it (it registers every
+region, server/triton/shared_memory.py); a region registered through one worker
+is seen by the next request on any other (which opens it then), and one
+unregistered is gone everywhere.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from registry.shared_files import locked, release
 
 T = TypeVar("T")
 Entries = dict[str, dict[str, Any]]
-"""Region name -> ``{"name", "key", "offset", "byte_size", "registration"}``."""
+"""Region name -> ``{"name", "key", "offset", "byte_size", "registration", "holder", "fd",
+"identity"}`` (:meth:`server.triton.shared_memory.Region.entry`)."""
 
 _GENERATION = struct.Struct("<Q")
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,7 +21,13 @@ from onnx import TensorProto
 from tritonclient import utils
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import ServerProcess, identity_model, write_add_runner, write_plugin
+from tests.helpers import (
+    PID_RUNNER,
+    ServerProcess,
+    identity_model,
+    write_add_runner,
+    write_plugin,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -94,9 +104,12 @@ def _add_request(
     return [inp], [out]
 
 
-def _serving_workers(srv: ServerProcess) -> int:
-    """How many processes have used a region: registered it, or opened it on first use."""
-    events = re.compile(r"shm_(?:registered|opened)\b.*?(?:worker=(\d+))?$")
+def _serving_workers(srv: ServerProcess, workers: int) -> int:
+    """How many processes have used the regions: one process opened them at registration;
+    with workers the supervisor did, and each worker opens them on first use."""
+    if workers == 1:
+        return int("shm_registered" in srv.log())
+    events = re.compile(r"shm_opened\b.*\bworker=(\d+)")
     return len({m[1] for line in srv.log().splitlines() if (m := events.search(line))})
 
 
@@ -125,9 +138,9 @@ def test_input_and_output_in_shared_memory_on_every_worker(
         np.testing.assert_array_equal(got, X + 1 + round)
         shm.set_shared_memory_region(ins, [X + 1 + round])
         client.close()
-        if round >= 3 and _serving_workers(srv) == workers:
+        if round >= 3 and _serving_workers(srv, workers) == workers:
             break
-    assert _serving_workers(srv) == workers
+    assert _serving_workers(srv, workers) == workers
     assert control.get_server_metadata()["extensions"].count("system_shared_memory") == 1
     status = control.get_system_shared_memory_status()
     assert sorted(status, key=lambda r: r["name"]) == sorted(
@@ -373,3 +386,136 @@ def test_unregister_while_a_request_uses_the_regions(
     np.testing.assert_array_equal(shm.get_contents_as_numpy(outs, np.float32, [2, 4]), X * 2)
     with pytest.raises(InferenceServerException, match="Unable to find system shared memory"):
         client.infer("slow", inputs, outputs=outputs)
+
+
+@pytest.fixture
+def owner() -> Iterator[Callable[[str, bytes], int]]:
+    """``owner(key, data)``: a new object ``/dev/shm<key>`` holding ``data``, as a client
+    creates it (``shm_open``, ``ftruncate``); its descriptor, kept open by the test (the
+    object's memory, unlinked or not). Every object left under those keys is unlinked after."""
+    keys: list[str] = []
+    fds: list[int] = []
+
+    def create(key: str, data: bytes) -> int:
+        fd = os.open("/dev/shm" + key, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.pwrite(fd, data, 0)
+        keys.append(key)
+        fds.append(fd)
+        return fd
+
+    yield create
+    for fd in fds:
+        os.close(fd)
+    for key in keys:
+        Path("/dev/shm" + key).unlink(missing_ok=True)
+
+
+def _fresh_keys() -> tuple[str, str]:
+    tag = uuid.uuid4().hex[:12]
+    return f"/plugserve-test-in-{tag}", f"/plugserve-test-out-{tag}"
+
+
+SENTINEL = np.full(8, -7.0, dtype=np.float32).tobytes()
+
+
+def _replace_objects(
+    owner: Callable[[str, bytes], int], key_in: str, key_out: str
+) -> tuple[int, int]:
+    """The owner unlinks both objects (keeping its descriptors, as Triton allows), and
+    someone creates new objects under the same keys: their descriptors."""
+    for key in (key_in, key_out):
+        os.unlink("/dev/shm" + key)
+    return owner(key_in, (X + 100).tobytes()), owner(key_out, SENTINEL)
+
+
+def _pid_request() -> Request:
+    inputs, outputs = _add_request("in", "out")
+    return inputs, [*outputs, httpclient.InferRequestedOutput("pid", binary_data=True)]
+
+
+def _worker_pids(srv: ServerProcess) -> set[int]:
+    code, _, body = srv.request("GET", "/admin/status")
+    return {w["pid"] for w in json.loads(body)["workers"]} if code == 200 else set()
+
+
+@pytest.mark.workers(2)
+def test_a_region_is_the_object_registered_on_every_worker(
+    server: Callable[..., ServerProcess],
+    plugins_dir: Path,
+    models_dir: Path,
+    owner: Callable[[str, bytes], int],
+) -> None:
+    """Issue 29 finding 4: the owner registers its objects, unlinks them, and someone
+    creates new objects under the same keys: every worker reads the inputs from the object
+    registered and writes the outputs into the one registered, never the newcomer's."""
+    write_plugin(plugins_dir, "runner", "addpid", "1.0.0", "", {"plugin.py": PID_RUNNER})
+    srv = _start(server, plugins_dir, models_dir)
+    key_in, key_out = _fresh_keys()
+    fd_in, fd_out = owner(key_in, X.tobytes()), owner(key_out, bytes(X.nbytes))
+    control = _client(srv)
+    control.register_system_shared_memory("in", key_in, X.nbytes)
+    control.register_system_shared_memory("out", key_out, X.nbytes)
+    _, new_out = _replace_objects(owner, key_in, key_out)
+    served: set[int] = set()
+    for round in range(80):  # new connections, until both workers have served 5 at least
+        os.pwrite(fd_in, (X + round).tobytes(), 0)
+        client = _client(srv)
+        inputs, outputs = _pid_request()
+        result = client.infer("addpid", inputs, outputs=outputs)
+        client.close()
+        served.add(int(result.as_numpy("pid")[0, 0]))
+        got = np.frombuffer(os.pread(fd_out, X.nbytes, 0), dtype=np.float32)
+        np.testing.assert_array_equal(got, (X + round + 1).reshape(-1))
+        if round >= 10 and len(served) == 2:
+            break
+    assert served == _worker_pids(srv)
+    assert os.pread(new_out, X.nbytes, 0) == SENTINEL  # nothing written into the newcomer
+    assert sorted(r["name"] for r in control.get_system_shared_memory_status()) == ["in", "out"]
+
+
+def _wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):  # a connection a killed worker reset
+            if check():
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+@pytest.mark.workers(2)
+def test_workers_started_after_the_owner_unlinked_use_the_object_registered(
+    server: Callable[..., ServerProcess],
+    plugins_dir: Path,
+    models_dir: Path,
+    owner: Callable[[str, bytes], int],
+) -> None:
+    """Issue 29 finding 4, variant: both workers are killed (SIGKILL) after the owner
+    unlinked its objects and others took their keys; the workers started in their place
+    (which never saw the objects registered) read and write the objects registered."""
+    write_plugin(plugins_dir, "runner", "addpid", "1.0.0", "", {"plugin.py": PID_RUNNER})
+    srv = _start(server, plugins_dir, models_dir)
+    _wait_for(lambda: len(_worker_pids(srv)) == 2, 30, "both workers registered")
+    key_in, key_out = _fresh_keys()
+    fd_in, fd_out = owner(key_in, X.tobytes()), owner(key_out, bytes(X.nbytes))
+    control = _client(srv)
+    control.register_system_shared_memory("in", key_in, X.nbytes)
+    control.register_system_shared_memory("out", key_out, X.nbytes)
+    control.close()
+    _, new_out = _replace_objects(owner, key_in, key_out)
+    killed = _worker_pids(srv)
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    _wait_for(lambda: len(_worker_pids(srv) - killed) == 2, 60, "two new workers serving")
+    served: set[int] = set()
+    for round in range(6):  # every worker now is one started after the kill
+        os.pwrite(fd_in, (X + round).tobytes(), 0)
+        client = _client(srv)
+        inputs, outputs = _pid_request()
+        result = client.infer("addpid", inputs, outputs=outputs)
+        client.close()
+        served.add(int(result.as_numpy("pid")[0, 0]))
+        got = np.frombuffer(os.pread(fd_out, X.nbytes, 0), dtype=np.float32)
+        np.testing.assert_array_equal(got, (X + round + 1).reshape(-1))
+    assert served and not served & killed
+    assert os.pread(new_out, X.nbytes, 0) == SENTINEL

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,11 +14,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import ServerProcess, write_add_runner
+from tests.helpers import PID_RUNNER, ServerProcess, write_add_runner, write_plugin
 
 pytestmark = pytest.mark.slow
 
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+"""A channel with a connection of its own (gRPC shares one between a process's channels
+to the same address): a new one may reach another worker."""
 
 
 @pytest.fixture
@@ -57,7 +61,7 @@ def test_inputs_and_outputs_in_shared_memory_over_grpc(
     }
     for k in range(6):  # new channels: with 2 workers, connections reach both
         shm.set_shared_memory_region(ins, [X + k])
-        client = grpcclient.InferenceServerClient(srv.grpc_url)
+        client = grpcclient.InferenceServerClient(srv.grpc_url, channel_args=OWN_CONNECTION)
         inp = grpcclient.InferInput("x", [2, 4], "FP32")
         inp.set_shared_memory(ins._triton_shm_name, X.nbytes)
         out = grpcclient.InferRequestedOutput("y")
@@ -106,7 +110,7 @@ def test_a_shared_memory_input_beside_a_raw_one(
     """raw_input_contents holds the inputs not in shared memory only, in order."""
     from onnx import TensorProto
 
-    from tests.helpers import identity_model, write_plugin
+    from tests.helpers import identity_model
 
     folder = write_plugin(
         plugins_dir, "runner", "pair", "1.0.0",
@@ -127,3 +131,50 @@ def test_a_shared_memory_input_beside_a_raw_one(
     result = client.infer("pair", [in_a, in_b])
     np.testing.assert_array_equal(result.as_numpy("out_a"), a)
     np.testing.assert_array_equal(result.as_numpy("out_b"), b)
+
+
+@pytest.mark.workers(2)
+def test_a_region_registered_over_grpc_is_the_object_registered_on_every_worker(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """Issue 29 finding 4, over gRPC: regions registered through gRPC, their objects then
+    unlinked by the owner and new ones created under their keys; on new channels, whichever
+    worker serves reads and writes the objects registered, never the newcomers."""
+    write_plugin(plugins_dir, "runner", "addpid", "1.0.0", "", {"plugin.py": PID_RUNNER})
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    tag = uuid.uuid4().hex[:12]
+    paths = [Path(f"/dev/shm/plugserve-grpc-{part}-{tag}") for part in ("in", "out")]
+    fds = [os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600) for p in paths]
+    try:
+        os.pwrite(fds[0], X.tobytes(), 0)
+        os.pwrite(fds[1], bytes(X.nbytes), 0)
+        control = grpcclient.InferenceServerClient(srv.grpc_url)
+        for name, path in zip(("in", "out"), paths, strict=True):
+            control.register_system_shared_memory(name, "/" + path.name, X.nbytes)
+        for path in paths:  # the owner unlinks; someone else takes the keys
+            path.unlink()
+            path.write_bytes(b"\x7f" * X.nbytes)
+        served: set[int] = set()
+        for k in range(80):  # new channels, until both workers have served 5 at least
+            os.pwrite(fds[0], (X + k).tobytes(), 0)
+            client = grpcclient.InferenceServerClient(srv.grpc_url, channel_args=OWN_CONNECTION)
+            inp = grpcclient.InferInput("x", [2, 4], "FP32")
+            inp.set_shared_memory("in", X.nbytes)
+            out = grpcclient.InferRequestedOutput("y")
+            out.set_shared_memory("out", X.nbytes)
+            result = client.infer(
+                "addpid", [inp], outputs=[out, grpcclient.InferRequestedOutput("pid")]
+            )
+            client.close()
+            served.add(int(result.as_numpy("pid")[0, 0]))
+            got = np.frombuffer(os.pread(fds[1], X.nbytes, 0), dtype=np.float32)
+            np.testing.assert_array_equal(got, (X + k + 1).reshape(-1))
+            if k >= 10 and len(served) == 2:
+                break
+        assert len(served) == 2
+        assert [p.read_bytes() for p in paths] == [b"\x7f" * X.nbytes] * 2
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for path in paths:
+            path.unlink(missing_ok=True)

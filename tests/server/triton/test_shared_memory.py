@@ -182,3 +182,49 @@ def test_workers_share_the_table(tmp_path: Path, objects: Callable[[bytes], str]
     np.testing.assert_array_equal(two.read("in", 0, 32).view(np.float32), X.reshape(-1) + 1)
     two.unregister()
     assert one.status() == []
+
+
+def _replace(key: str, data: bytes) -> None:
+    """The owner unlinks the object; someone creates another under its key."""
+    os.unlink("/dev/shm" + key)
+    Path("/dev/shm" + key).write_bytes(data)
+
+
+def test_another_process_opens_the_object_registered_not_the_key(
+    tmp_path: Path, objects: Callable[[bytes], str]
+) -> None:
+    """Issue 29 finding 4, in one process: a worker that opens a region after its object
+    was unlinked and another created under its key opens the object registered (the
+    holder's descriptor), and reads and writes it, never the newcomer."""
+    holder, worker = Regions(SharedTable(tmp_path)), Regions(SharedTable(tmp_path))
+    key = objects(X.tobytes() + bytes(32))
+    holder.register("r", key, 0, 64)
+    _replace(key, b"\x7f" * 64)
+    np.testing.assert_array_equal(worker.read("r", 0, 32).view(np.float32), X.reshape(-1))
+    worker.write("r", 32, (X * 2).tobytes())
+    np.testing.assert_array_equal(holder.read("r", 32, 32).view(np.float32), (X * 2).reshape(-1))
+    assert Path("/dev/shm" + key).read_bytes() == b"\x7f" * 64
+
+
+def test_without_proc_a_replaced_object_is_a_400(
+    tmp_path: Path, objects: Callable[[bytes], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the holder's descriptor cannot be opened (no /proc), a worker opens the key:
+    the object registered is used; a newcomer under its key, or none, is a 400."""
+    monkeypatch.setattr(shared_memory, "PROC_DIR", str(tmp_path / "no-proc"))
+    holder = Regions(SharedTable(tmp_path))
+    key, other = objects(X.tobytes()), objects(X.tobytes())
+    holder.register("kept", key, 0, 32)
+    holder.register("replaced", other, 0, 32)
+    _replace(other, b"\x7f" * 32)
+    worker = Regions(SharedTable(tmp_path))
+    np.testing.assert_array_equal(worker.read("kept", 0, 32).view(np.float32), X.reshape(-1))
+    replaced = f"the object registered as '{other}' has been unlinked or replaced since"
+    with pytest.raises(InvalidInput, match=replaced):
+        worker.write("replaced", 0, b"\0" * 4)
+    assert Path("/dev/shm" + other).read_bytes() == b"\x7f" * 32
+    os.unlink("/dev/shm" + other)
+    with pytest.raises(InvalidInput, match=replaced):
+        worker.read("replaced", 0, 32)
+    with pytest.raises(InvalidInput, match="register the region again"):  # nor on a retry
+        Regions(SharedTable(tmp_path)).read("replaced", 0, 32)
