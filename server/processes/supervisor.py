@@ -57,7 +57,7 @@ from registry.isolation.host import RunnerHost
 from registry.watcher import Watcher
 from server.app import process_settings, route_store
 from server.config import Settings
-from server.connections import ConnectionLimits, Starting, bind
+from server.connections import ConnectionLimits, Starting, bind, raise_open_files_limit
 from server.processes import runners
 from server.processes.control import SUPERVISOR_METRICS, control_app
 from server.processes.link import WorkerSpec
@@ -376,7 +376,12 @@ def bind_workers(settings: Settings) -> tuple[socket.socket, socket.socket | Non
 
 
 def supervise(settings: Settings, workers: int, loop: asyncio.AbstractEventLoop) -> int:
-    """Serve with ``workers`` worker processes until a signal; the exit code."""
+    """Serve with ``workers`` worker processes until a signal; the exit code.
+
+    The supervisor's open-files limit is raised as a worker's is: it holds a descriptor
+    per shared memory region besides its sockets.
+    """
+    raise_open_files_limit()
     port, admin = bind_workers(settings)
     try:
         grpc_port = hold_grpc_port(settings)

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
 import time
 import uuid
@@ -519,3 +520,35 @@ def test_workers_started_after_the_owner_unlinked_use_the_object_registered(
         np.testing.assert_array_equal(got, (X + round + 1).reshape(-1))
     assert served and not served & killed
     assert os.pread(new_out, X.nbytes, 0) == SENTINEL
+
+
+@pytest.mark.workers(2)
+def test_the_supervisor_holds_as_many_regions_as_one_process(
+    server: Callable[..., ServerProcess],
+    plugins: Path,
+    models_dir: Path,
+    owner: Callable[[str, bytes], int],
+) -> None:
+    """Issue 29 finding 4, the holder's side: the supervisor keeps a descriptor per region,
+    so it raises its open-files limit as a worker does; started under a soft limit of 256,
+    it holds 300 regions, and a worker serves the last one."""
+    key, _ = _fresh_keys()
+    fd = owner(key, X.tobytes())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"the hard open-files limit here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # what the server inherits
+    try:
+        srv = _start(server, plugins, models_dir)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    body = {"key": key, "offset": 0, "byte_size": X.nbytes}
+    for n in range(300):
+        status, _, text = srv.request("POST", f"/v2/systemsharedmemory/region/r{n}/register", body)
+        assert status == 200, (n, text)
+    os.pwrite(fd, (X * 3).tobytes(), 0)
+    client = _client(srv)
+    assert len(client.get_system_shared_memory_status()) == 300
+    inp = httpclient.InferInput("x", [2, 4], "FP32")
+    inp.set_shared_memory("r299", X.nbytes)
+    np.testing.assert_array_equal(client.infer("add", [inp]).as_numpy("y"), X * 3 + 1)
