@@ -472,6 +472,19 @@ def test_a_region_is_the_object_registered_on_every_worker(
     assert served == _worker_pids(srv)
     assert os.pread(new_out, X.nbytes, 0) == SENTINEL  # nothing written into the newcomer
     assert sorted(r["name"] for r in control.get_system_shared_memory_status()) == ["in", "out"]
+    supervisor = Path(f"/proc/{srv.proc.pid}/fd")
+    assert _holds(supervisor, key_in) and _holds(supervisor, key_out)
+    control.unregister_system_shared_memory()
+    assert not _holds(supervisor, key_in) and not _holds(supervisor, key_out)
+
+
+def _holds(fds: Path, key: str) -> bool:
+    """Whether a process (its /proc/<pid>/fd) has the unlinked object once under ``key``."""
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):  # one closed meanwhile
+            if os.readlink(fd) == f"/dev/shm{key} (deleted)":
+                return True
+    return False
 
 
 def _wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
