@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import itertools
 import time
@@ -43,6 +44,13 @@ LOOP_COSTS_KEPT = 8
 LOOP_SPIKES_ALLOWED = 2
 """Executions between a quarter of the budget and all of it that do not send the next
 batches to the thread: a busy machine deschedules a thread now and then, mid-batch."""
+PROCESS_BUDGET_S = 0.002
+"""The longest a synchronous processor call (``process``, ``format``) should hold the event
+loop. A call runs there when none of the processor's last ``LOOP_COSTS_KEPT`` calls took
+longer, all but ``LOOP_SPIKES_ALLOWED`` of them took at most a quarter of it, no call of it
+is running on its thread, and the request (:attr:`RequestContext.body_bytes`) is at most
+twice the largest one among those quick calls that succeeded; any other call runs on the
+processor's own thread."""
 _LOADS = itertools.count(1)
 
 
@@ -69,9 +77,11 @@ class LoadedPlugin:
     """One load (generation) of one plugin version, ready or about to be.
 
     Sync runner ``infer`` calls run on the instance's own thread pool (ONNX
-    Runtime releases the GIL); sync processor calls run inline on the event
-    loop, since a cheap stage is slower behind a thread hop. A processor with
-    heavy work should be an ``async def`` that offloads it.
+    Runtime releases the GIL), small batches proven cheap on the event loop. Sync
+    processor calls run on the processor's own thread, one call at a time (as on
+    the loop: a processor is never called concurrently with itself), except calls
+    proven cheap for requests of their size (``PROCESS_BUDGET_S``), which run inline:
+    a cheap stage is slower behind a thread hop.
     """
 
     manifest: Manifest
@@ -86,7 +96,8 @@ class LoadedPlugin:
     in_flight: int = 0
     executing: int = 0
     """Runner calls still on a worker thread; one whose request was cancelled (its client
-    hung up, its deadline passed) keeps the instance busy until the thread returns."""
+    hung up, its deadline passed) keeps the instance busy until the thread returns; the
+    same for a synchronous processor's calls on its thread."""
     _method: Callable[..., Any] = field(init=False, repr=False)
     _is_async: bool = field(init=False, repr=False)
     _executor: ThreadPoolExecutor | None = field(init=False, default=None, repr=False)
@@ -108,7 +119,8 @@ class LoadedPlugin:
     _loop_costs: deque[tuple[int, float]] = field(
         init=False, default_factory=lambda: deque(maxlen=LOOP_COSTS_KEPT), repr=False
     )
-    """(bytes, seconds) of the last executions, while :attr:`loop_budget` is set."""
+    """(bytes, seconds) of the last executions, while :attr:`loop_budget` is set; of a
+    synchronous processor, its last calls (request bytes, 0 for a call that failed)."""
     _metadata: dict[str, Any] | None = field(init=False, default=None, repr=False)
     _inputs: tuple[InputSpec, ...] = field(init=False, default=(), repr=False)
     _input_dtypes: dict[str, np.dtype[Any] | None] = field(
@@ -157,7 +169,10 @@ class LoadedPlugin:
                 self._fault,
                 on_execution=self.stats.record_execution,
             )
-        elif runner is not None:
+        elif runner is None:
+            if not self._is_async:  # one thread: calls in order, never two at once
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix=self.label)
+        else:
             validate = getattr(self.component, "validate", None)
             self._validate = validate if callable(validate) else None
             if not self._is_async:
@@ -321,8 +336,14 @@ class LoadedPlugin:
                     time.perf_counter() - started - ctx.timings.get("queue", 0.0)
                 )
         try:
-            result = self._method(data, ctx)
-            return (await result) if self._is_async else result
+            if self._is_async:
+                return await self._method(data, ctx)
+            size = ctx.body_bytes
+            if self._processes_inline(size):
+                self.inline_executions += 1
+                return self._timed_process(data, ctx, size)
+            return await self._on_thread(contextvars.copy_context().run, self._timed_process,
+                                         data, ctx, size)  # fmt: skip
         except InvalidInput as exc:
             raise self._refused(exc) from None
         except PlugserveError:
@@ -375,7 +396,7 @@ class LoadedPlugin:
                 self.inline_executions += 1
                 result = self._timed(inputs)
             else:
-                result = await self._on_thread(inputs)
+                result = await self._on_thread(self._timed, inputs)
         except Exception as exc:
             self._raise_fault(exc)
         return self._result(result)
@@ -408,6 +429,11 @@ class LoadedPlugin:
         self.scheduler.gather = True
 
     @property
+    def runs_on_thread(self) -> bool:
+        """Whether this instance has a thread pool for its synchronous calls."""
+        return self._executor is not None
+
+    @property
     def runs_inline_sync(self) -> bool:
         """Whether :meth:`execute_inline` may replace :meth:`_execute` (a sync ``infer``
         that always runs inline)."""
@@ -432,21 +458,22 @@ class LoadedPlugin:
             self.breaker.success()
         return result
 
-    async def _on_thread(self, inputs: Mapping[str, np.ndarray]) -> Any:
-        """Run ``infer`` on a worker thread, counted in :attr:`executing` until it returns.
+    async def _on_thread(self, work: Callable[..., Any], *args: Any) -> Any:
+        """Run ``work(*args)`` (``infer``, a processor's call) on a worker thread, counted in
+        :attr:`executing` until it returns.
 
         A request cancelled meanwhile (deadline, hang-up) stops waiting, but the
         thread cannot be stopped: it stays counted until it returns, so no unload
         closes the instance under it.
         """
         assert self._executor is not None
-        work = self._executor.submit(self._timed, inputs)
+        future = self._executor.submit(work, *args)
         self.executing += 1
         try:
-            result = await asyncio.wrap_future(work)
+            result = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             self._loop = asyncio.get_running_loop()
-            work.add_done_callback(self._executed)  # still running: counted until it returns
+            future.add_done_callback(self._executed)  # still running: counted until it returns
             raise
         except BaseException:
             self._thread_returned()
@@ -486,6 +513,36 @@ class LoadedPlugin:
         if len(costs) < SMALL_COSTS_KEPT or min(costs) > self._inline_budget:
             return False
         return _small(inputs)
+
+    def _processes_inline(self, size: int | None) -> bool:
+        """Whether a synchronous processor's call runs on the event loop (``PROCESS_BUDGET_S``):
+        never while a call of it runs on its thread, nor for a request of unknown size."""
+        known = self._loop_costs
+        if self.executing or size is None or len(known) < LOOP_COSTS_KEPT:
+            return False
+        quarter = PROCESS_BUDGET_S / 4
+        fast = 0
+        largest = -1
+        for seen, took in known:
+            if took > PROCESS_BUDGET_S:
+                return False
+            if took <= quarter:
+                fast += 1
+                largest = max(largest, seen)
+        return fast >= LOOP_COSTS_KEPT - LOOP_SPIKES_ALLOWED and size <= 2 * largest
+
+    def _timed_process(self, data: Any, ctx: RequestContext, size: int | None) -> Any:
+        """A synchronous processor's call, its cost recorded with the request's size (none
+        for a call that raised: a quick refusal says nothing of what a request that size
+        costs when it is processed)."""
+        started = time.perf_counter()
+        seen = 0
+        try:
+            result = self._method(data, ctx)
+            seen = size or 0
+            return result
+        finally:
+            self._loop_costs.append((seen, time.perf_counter() - started))
 
     def _timed(self, inputs: Mapping[str, np.ndarray]) -> Any:
         started = time.perf_counter()

@@ -82,7 +82,7 @@ def _scheduler_stats(current: LoadedPlugin | None) -> dict[str, Any]:
         return current.remote.describe()
     scheduler = current.scheduler if current else None
     if scheduler is None:
-        return {}
+        return _processor_stats(current)
     return {
         "queued": scheduler.queued,
         "executions": scheduler.executions,
@@ -90,6 +90,13 @@ def _scheduler_stats(current: LoadedPlugin | None) -> dict[str, Any]:
         "inline_executions": current.inline_executions if current else 0,
         **_breaker(current),
     }
+
+
+def _processor_stats(current: LoadedPlugin | None) -> dict[str, Any]:
+    """A synchronous processor's calls that ran on the event loop, not on its thread."""
+    if current is None or current.manifest.runner is not None or not current.runs_on_thread:
+        return {}
+    return {"inline_executions": current.inline_executions}
 
 
 def _breaker(current: LoadedPlugin | None) -> dict[str, Any]:

@@ -87,6 +87,10 @@ class RequestContext:
     """Tokens counted for the OpenAI routes' ``usage``: a preprocessor sets
     ``prompt_tokens`` (and ``max_tokens``, the cap it applied); the server counts a
     stream's ``completion_tokens``."""
+    body_bytes: int | None = None
+    """The request's size in bytes: its body as read (inflated), with the tensors it
+    brought in shared memory (or, over gRPC, its tensors' bytes); ``None`` where unknown.
+    A synchronous processor's cost is predicted from it (``LoadedPlugin``)."""
 
 
 BackendFactory = Callable[[PluginInfo, Mapping[str, Any], "Path | None"], Any]

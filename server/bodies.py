@@ -48,6 +48,9 @@ class Slot:
             self._bodies = None
 
 
+BODY_BYTES = web.RequestKey("body_bytes", int)
+"""The length of the request's body as read (inflated): the size ``ctx.body_bytes`` gives."""
+
 SLOT = web.RequestKey("large_body_slot", Slot)
 """The slot a request's large body holds; the request middleware frees one never handed
 to a parser (a body a plugin takes as bytes) when the request ends."""
@@ -92,10 +95,13 @@ class Bodies:
             content = request.content
             first = await content.readany()
             if not content.at_eof():
-                return await self._read_rest(request, bytearray(first))
-            if len(first) > limit:  # the usual case: the whole body came with the headers
+                body = await self._read_rest(request, bytearray(first))
+            elif len(first) > limit:  # the usual case: the whole body came with the headers
                 raise too_large(limit)
-            return first
+            else:
+                body = first
+            request[BODY_BYTES] = len(body)
+            return body
         except RequestPayloadError as exc:
             release_slot(request)
             # Nothing more is read from this body: aiohttp would otherwise read on after

@@ -22,6 +22,7 @@ from registry.errors import (
     Unavailable,
 )
 from registry.types import RequestContext
+from server.bodies import BODY_BYTES
 from server.connections import cancel_on_hangup
 from server.events import STREAM_STATUS
 from server.logs import REQUEST_CHAIN, REQUEST_ID
@@ -79,8 +80,11 @@ def request_context(
     protocol: str,
     parameters: dict[str, Any],
     deadline_s: float | None = None,
+    body_bytes: int | None = None,
 ) -> RequestContext:
-    """The ``ctx`` stages see; deadline, priority and tenant steer the runner's scheduler."""
+    """The ``ctx`` stages see; deadline, priority and tenant steer the runner's scheduler.
+    ``body_bytes``: the request's size, by default the length of an HTTP request's body as
+    :class:`server.bodies.Bodies` read it."""
     priority = parameters.get("priority")
     # A /predict query string: ASCII digits only ("²".isdigit() is true, int("²") fails).
     if isinstance(priority, str) and priority.isascii() and priority.isdecimal():
@@ -101,7 +105,15 @@ def request_context(
         deadline=None if deadline_s is None else time.monotonic() + deadline_s,
         priority=priority,
         tenant=request.headers.get(TENANT_HEADER),
+        body_bytes=_body_bytes(request) if body_bytes is None else body_bytes,
     )
+
+
+def _body_bytes(request: Incoming) -> int | None:
+    """The length of an HTTP request's body as read; ``None`` for one not read that way."""
+    if isinstance(request, web.BaseRequest):
+        return request.get(BODY_BYTES)
+    return None
 
 
 async def measured(

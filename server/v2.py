@@ -137,6 +137,8 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     cache = app[RESPONSE_CACHE]
     # The request's tensors in shared memory, if any: inputs read, output regions held.
     shared = await shm_http.attach(request, decoded) if decoded.uses_shared_memory else None
+    if shared is not None and ctx.body_bytes is not None:
+        ctx.body_bytes += shared.input_bytes
 
     classes = decoded.classifications() if decoded.outputs else None
     accept = request.headers.get(hdrs.ACCEPT_ENCODING)

@@ -194,9 +194,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         admit(call, route, version)
         decoded = tensors.decode(request, self.app[SETTINGS].limits)
         deadline = _deadline(call, decoded.parameters)
-        ctx = request_context(call, route, "grpc", decoded.parameters, deadline)
+        size = sum(map(len, request.raw_input_contents))
+        size += sum(array.nbytes for array in decoded.inputs.values())
+        ctx = request_context(call, route, "grpc", decoded.parameters, deadline, size)
         cache = self.app[RESPONSE_CACHE]
         shared = await self._attach(call, decoded) if decoded.uses_shared_memory else None
+        if shared is not None:
+            ctx.body_bytes = size + shared.input_bytes
 
         classes = decoded.classifications() if decoded.outputs else None
 

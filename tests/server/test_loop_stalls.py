@@ -1,0 +1,127 @@
+"""Issue 29 finding 1: one request never holds the event loop. A user's slow synchronous
+processor, while ``/v2/health/live`` must keep answering within a second and a half."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import ServerProcess, write_add_runner, write_plugin
+
+pytestmark = pytest.mark.slow
+
+HEALTH_S = 1.5
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, bytes]:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@contextmanager
+def _health_watched(srv: ServerProcess) -> Iterator[list[float]]:
+    """Poll ``/v2/health/live`` until the block ends; yields the answer times (a miss or a
+    non-200 is recorded as ``inf``)."""
+    times: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            started = time.monotonic()
+            try:
+                with urllib.request.urlopen(srv.url + "/v2/health/live", timeout=HEALTH_S) as r:
+                    ok = r.status == 200
+            except (urllib.error.URLError, TimeoutError, ConnectionError):
+                ok = False
+            times.append(time.monotonic() - started if ok else float("inf"))
+            done.wait(0.1)
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    watcher.start()
+    try:
+        yield times
+    finally:
+        done.set()
+        watcher.join(timeout=HEALTH_S + 5)
+
+
+ROWS = """
+    import time
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Rows:
+        def __init__(self, nap):
+            self.nap = nap
+
+        def process(self, data, ctx):
+            time.sleep(self.nap)
+            return {"x": np.asarray(data["x"], np.float32)}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Rows(float(config.get("nap", 0)))
+"""
+
+
+def _inline_calls(srv: ServerProcess, name: str) -> int:
+    plugins = json.loads(srv.request("GET", "/admin/plugins")[2])["plugins"]
+    return int(next(p["inline_executions"] for p in plugins if p["name"] == name))
+
+
+def test_a_slow_sync_preprocessor_runs_off_the_event_loop_and_a_cheap_one_inline(
+    plugins_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """Issue 29 finding 1, a user's own processor: a plain ``def process`` that sleeps 2 s
+    held the event loop for those 2 s (health unanswered). It runs on the processor's
+    thread; a cheap one's calls, once measured, still run inline (counted in /admin/plugins
+    ``inline_executions``), and a request far bigger than those measured does not."""
+    for name, nap in (("rows", 0), ("nap", 2)):
+        write_plugin(plugins_dir, "preprocessor", name, "1.0.0", f"[config]\nnap = {nap}\n",
+                     {"plugin.py": ROWS})  # fmt: skip
+        write_add_runner(plugins_dir, f"add-{name}", "1.0.0",
+                         route=f'[route]\npreprocess = ["{name}"]\n')  # fmt: skip
+    srv = server("--plugins-dir", str(plugins_dir))
+    url = srv.url + "/predict/add-rows"
+    row = {"x": [[1.0, 2.0, 3.0, 4.0]]}
+    for _ in range(12):
+        assert _post(url, row)[0] == 200
+    cheap = _inline_calls(srv, "rows")
+    assert cheap > 0  # measured cheap: inline after the first eight
+    assert _post(url, row)[0] == 200
+    assert _inline_calls(srv, "rows") == cheap + 1
+    big = {"x": [[1.0, 2.0, 3.0, 4.0]] * 20_000}  # ~500 KB: far bigger than those measured
+    assert _post(url, big)[0] == 200
+    assert _inline_calls(srv, "rows") == cheap + 1
+
+    with _health_watched(srv) as health, ThreadPoolExecutor(2) as pool:
+        time.sleep(0.3)
+        started = time.monotonic()
+        naps = list(pool.map(lambda _: _post(srv.url + "/predict/add-nap", row), range(2)))
+        took = time.monotonic() - started
+        time.sleep(0.3)
+    for got, raw in naps:
+        assert got == 200 and json.loads(raw)["y"] == [[2.0, 3.0, 4.0, 5.0]], raw
+    assert took >= 4  # one call at a time, as on the event loop
+    assert len(health) >= 10 and max(health) < HEALTH_S, f"health answer times: {health}"
+    assert _inline_calls(srv, "nap") == 0
