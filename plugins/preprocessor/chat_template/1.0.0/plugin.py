@@ -13,8 +13,14 @@ generate puts them there): ``max_tokens`` (or ``max_completion_tokens``),
 ``temperature`` (0 to 2; 0 is greedy), ``top_p`` (0 < p <= 1), ``seed`` and
 vLLM's ``ignore_eos``;
 they reach the runner as one-element tensors.
+
+A prompt longer than ``max_prompt_tokens`` is refused with a 400. One whose characters
+certainly make more tokens than that (no token of the vocabulary covers more than
+``token_chars`` of them) is refused before any of it is tokenized; the others are
+tokenized message by message, and refused as soon as they pass the limit.
 """
 
+import json
 import secrets
 
 import numpy as np
@@ -38,6 +44,8 @@ class ChatTemplate:
         self.max_tokens = max_tokens
         self.max_tokens_limit = max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
+        self.token_chars = token_chars(self.raw)
+        """The most characters one token covers; ``None``: no such bound holds."""
 
     def _special(self, token: str) -> int:
         found = self.raw.token_to_id(token)
@@ -78,26 +86,52 @@ class ChatTemplate:
         for key in ("prompt", "text_input"):
             if key in data:
                 text = _text(_value(data[key]), key, ctx)
+                self._check_length(len(text), 0, ctx)
                 return self.raw.encode(text).ids
         raise ctx.InvalidInput('expects "messages" (chat), "prompt" or "text_input"')
 
     def _chat(self, messages, ctx) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise ctx.InvalidInput("messages must be a non-empty list of {role, content}")
+        turns = [self._turn(message, i, ctx) for i, message in enumerate(messages)]
+        # Each message adds its role tag and <|end|>; the answer's tag follows the last.
+        self._check_length(sum(len(content) for _, content in turns), 2 * len(turns) + 1, ctx)
         ids: list[int] = []
         newline = self.text.encode("\n").ids
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise ctx.InvalidInput(f"messages[{i}] must be an object with role and content")
-            given = message.get("role")
-            role = ROLES.get(given) if isinstance(given, str) else None
-            if role is None:
-                raise ctx.InvalidInput(
-                    f"messages[{i}].role must be system, user or assistant; got {given!r}"
-                )
-            content = _content(message.get("content"), i, ctx)
+        for role, content in turns:
             ids += [self.tags[role], *self.text.encode("\n" + content).ids, self.eos, *newline]
+            if len(ids) > self.max_prompt_tokens:  # the rest of the messages cannot help
+                raise ctx.InvalidInput(
+                    f"the prompt is over {self.max_prompt_tokens} tokens (more than "
+                    f"{len(ids)} before the end of its messages); at most "
+                    f"{self.max_prompt_tokens} are allowed"
+                )
         return [*ids, self.tags["assistant"], *newline]
+
+    def _turn(self, message, i: int, ctx) -> tuple[str, str]:
+        """A message's role (as its tag names it) and content, checked."""
+        if not isinstance(message, dict):
+            raise ctx.InvalidInput(f"messages[{i}] must be an object with role and content")
+        given = message.get("role")
+        role = ROLES.get(given) if isinstance(given, str) else None
+        if role is None:
+            raise ctx.InvalidInput(
+                f"messages[{i}].role must be system, user or assistant; got {given!r}"
+            )
+        return role, _content(message.get("content"), i, ctx)
+
+    def _check_length(self, chars: int, tags: int, ctx) -> None:
+        """Refuse, before tokenizing, a prompt of ``chars`` characters (and ``tags`` tokens
+        besides) that certainly makes more than ``max_prompt_tokens`` tokens."""
+        per = self.token_chars
+        if per is None:
+            return
+        least = -(-chars // per) + tags
+        if least > self.max_prompt_tokens:
+            raise ctx.InvalidInput(
+                f"the prompt is at least {least} tokens ({chars} characters, and no token "
+                f"covers more than {per}); at most {self.max_prompt_tokens} are allowed"
+            )
 
     def _max_tokens(self, settings, ctx) -> int:
         key = "max_completion_tokens" if "max_completion_tokens" in settings else "max_tokens"
@@ -187,6 +221,39 @@ def _seed(settings, ctx) -> int:
     if not _is_int(value) or not -INT64_MAX - 1 <= value <= INT64_MAX:
         raise ctx.InvalidInput(f"seed must be a 64-bit integer; got {value!r}")
     return int(value)
+
+
+SAFE_NORMALIZERS = {"Lowercase", "NFD", "NFKD"}
+"""Normalizers that never make a text shorter."""
+SAFE_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Punctuation", "Digits", "UnicodeScripts"}
+"""Pre-tokenizers that keep every character: the tokens cover all of the text."""
+
+
+def token_chars(tokenizer: Tokenizer) -> int | None:
+    """The most characters of a text one token can cover: its longest string in the
+    vocabulary, added tokens included (a byte-level token covers at most as many
+    characters as it has bytes). ``None`` when no such bound holds: a model that maps a
+    run of unknown characters to one token, a normalizer or a pre-tokenizer that can
+    drop characters."""
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") and model.get("fuse_unk")):
+        return None
+    if not _all_of(spec.get("normalizer"), SAFE_NORMALIZERS, "normalizers"):
+        return None
+    if not _all_of(spec.get("pre_tokenizer"), SAFE_PRE_TOKENIZERS, "pretokenizers"):
+        return None
+    return max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1) or 1
+
+
+def _all_of(step, safe: set[str], key: str) -> bool:
+    """Whether a normalizer or pre-tokenizer (``None``, one, or a ``Sequence``) is of
+    ``safe`` kinds only."""
+    if step is None:
+        return True
+    if step.get("type") == "Sequence":
+        return all(_all_of(part, safe, key) for part in step.get(key, []))
+    return step.get("type") in safe
 
 
 @hookimpl

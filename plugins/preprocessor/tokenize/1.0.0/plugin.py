@@ -6,6 +6,11 @@ request's ``text`` tensor (BYTES, one text per element). Texts longer than
 ``max_length`` tokens are cut; the batch is padded to its longest text rounded
 up to a multiple of 16, so requests of similar length batch together. The mask
 goes to ``ctx.state["attention_mask"]`` for the pooling postprocessor.
+
+A long text is not tokenized whole to keep its first ``max_length`` tokens: a prefix of
+twice as many characters as they can cover (``max_length`` times the longest token in the
+vocabulary) is, and kept if its tokens reach past ``max_length`` and the last one kept ends
+in its first half; otherwise a prefix twice as long is tried, up to the whole text.
 """
 
 import numpy as np
@@ -32,6 +37,9 @@ class Tokenize:
         self.max_length = max_length
         self.max_inputs = max_inputs
         self.vocab = tokenizer.get_vocab_size()
+        longest = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        self.prefix_chars = 2 * max_length * max(longest, 1)
+        """A text longer than this is tokenized by prefixes (``_encode_long``)."""
         pad_id = tokenizer.token_to_id(pad_token)
         self.pad_id = 0 if pad_id is None else pad_id
         self.token_type_ids = token_type_ids
@@ -87,21 +95,43 @@ class Tokenize:
 
     def _rows(self, items: list, ctx) -> list[list[int]]:
         texts = [item for item in items if isinstance(item, str)]
+        prefix = self.prefix_chars
+        cut = [text[:prefix] for text in texts]
         # One text (the usual request) skips encode_batch's thread pool hand-off.
         batch = (
-            [self.tokenizer.encode(texts[0])]
-            if len(texts) == 1
-            else self.tokenizer.encode_batch(texts)
+            [self.tokenizer.encode(cut[0])] if len(cut) == 1 else self.tokenizer.encode_batch(cut)
         )
-        encoded = iter(batch)
+        encoded = iter(
+            done if len(text) <= prefix or _holds(done, prefix) else self._encode_long(text)
+            for text, done in zip(texts, batch, strict=True)
+        )
         cut = self.max_length
         return [
             next(encoded).ids if isinstance(item, str) else [int(v) for v in item[:cut]]
             for item in items
         ]
 
+    def _encode_long(self, text: str):
+        """The encoding of a text longer than ``prefix_chars``, from the shortest of the
+        prefixes ``prefix_chars * 2**k`` whose tokens show the cut cannot change the kept
+        ones (a normalizer that drops characters makes one hold fewer tokens)."""
+        cut = 2 * self.prefix_chars  # the first prefix did not hold them
+        while cut < len(text):
+            encoded = self.tokenizer.encode(text[:cut])
+            if _holds(encoded, cut):
+                return encoded
+            cut *= 2
+        return self.tokenizer.encode(text)
+
     def metadata(self):
         return {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}]}
+
+
+def _holds(encoded, cut: int) -> bool:
+    """Whether the encoding of a text's first ``cut`` characters is that of the whole text:
+    it was truncated (more tokens followed), and the last token kept ends in the prefix's
+    first half, far from where the text was cut."""
+    return bool(encoded.overflowing) and 2 * max(end for _, end in encoded.offsets) <= cut
 
 
 def _is_int(value) -> bool:
