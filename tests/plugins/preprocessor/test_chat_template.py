@@ -146,3 +146,50 @@ def test_refusals_name_the_field(
     with pytest.raises(InvalidInput) as caught:
         template.process(data, context(parameters=parameters))
     assert message in str(caught.value)
+
+
+def test_a_prompt_certainly_too_long_is_refused_before_it_is_tokenized(
+    template: Any, tokenizer: Tokenizer, monkeypatch: Any
+) -> None:
+    """Issue 29 finding 1: a 30 MiB message was tokenized whole (24-38 s, 5.5 GB) before
+    its 400. No token of the vocabulary covers more than 13 characters: a prompt of more
+    than 1024 * 13 is refused without a call to the tokenizer; many medium messages (the
+    variant) stop at the first that passes the limit."""
+    assert template.token_chars == max(map(len, tokenizer.get_vocab(with_added_tokens=True)))
+    calls: list[int] = []
+
+    class Counted:
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def encode(self, text: str) -> Any:
+            calls.append(len(text))
+            return self.real.encode(text)
+
+    monkeypatch.setattr(template, "text", Counted(template.text))
+    monkeypatch.setattr(template, "raw", Counted(template.raw))
+    big = "x" * (1024 * 13 + 1)
+    for data in ({"messages": [{"role": "user", "content": big}]}, {"prompt": big}):
+        with pytest.raises(InvalidInput, match="at least 102[58] tokens .* at most 1024 are"):
+            template.process(data, context())
+    assert calls == []
+    # 2 tags a message: 600 empty messages certainly make more than 1024 tokens.
+    with pytest.raises(InvalidInput, match="at least 1201 tokens"):
+        template.process({"messages": [{"role": "user", "content": ""}] * 600}, context())
+    assert calls == []
+    medium = [{"role": "user", "content": "hi " * 400}] * 5  # 6,000 characters, 3,000 tokens
+    with pytest.raises(InvalidInput, match="over 1024 tokens .* at most 1024 are allowed"):
+        template.process({"messages": medium}, context())
+    assert len(calls) <= 4  # the newline, then two messages
+
+
+def test_a_prompt_near_the_limit_is_tokenized_and_counted_exactly(
+    template: Any, tokenizer: Tokenizer
+) -> None:
+    """Not certainly over: tokenized, and the exact count decides."""
+    text = "a" * 1024  # one token a character: not merged in this vocabulary
+    assert len(tokenizer.encode(text).ids) == 1024
+    ctx = context()
+    assert template.process({"prompt": text}, ctx)["input_ids"].shape == (1, 1024)
+    with pytest.raises(InvalidInput, match="the prompt is 1025 tokens"):
+        template.process({"prompt": text + "a"}, context())

@@ -109,3 +109,36 @@ def test_token_type_ids_for_bert_style_encoders(tokenizer: Tokenizer) -> None:
     out = tokenize.process({"input": ["a b", "c"]}, context())
     assert out["token_type_ids"].shape == out["input_ids"].shape
     assert out["token_type_ids"].dtype == np.int64 and not out["token_type_ids"].any()
+
+
+def test_a_long_text_is_cut_before_it_is_tokenized_and_its_ids_are_unchanged(
+    tokenize: Any, tokenizer: Tokenizer, monkeypatch: Any
+) -> None:
+    """Issue 29 finding 1: a multi-MiB text was tokenized whole (6 s for 4 MiB) to keep its
+    first 128 tokens. The tokenizer sees a prefix of at most 2 * 128 * the longest token;
+    the ids are those of the whole text, for a normal text, a long one, and one whose
+    first characters the normalizer drops (the variant: a longer prefix is needed)."""
+    tokenizer.enable_truncation(128)
+    words = (MODELS.parent / "models" / "embed" / "corpus.txt").read_text()
+    seen: list[int] = []
+    real = tokenize.tokenizer
+
+    class Counted:
+        def encode(self, text: str) -> Any:
+            seen.append(len(text))
+            return real.encode(text)
+
+        def encode_batch(self, texts: list[str]) -> Any:
+            seen.extend(map(len, texts))
+            return real.encode_batch(texts)
+
+    monkeypatch.setattr(tokenize, "tokenizer", Counted())
+    short, long = words[:300], (words * 1000)[: 4 * 1024 * 1024]
+    controls = "\x01" * 20_000 + words * 3  # clean_text drops control characters
+    for text in (short, long, controls):
+        seen.clear()
+        out = tokenize.process({"input": [text, "x"]}, context())
+        expected = tokenizer.encode(text).ids
+        assert out["input_ids"][0, : len(expected)].tolist() == expected
+        assert max(seen) < 40_000, seen
+    assert tokenize.prefix_chars == 2 * 128 * 13
