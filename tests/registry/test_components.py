@@ -1,5 +1,6 @@
-"""A loaded runner's calls: where its executions run."""
+"""A loaded plugin's calls: where its executions run (runners) and its calls (processors)."""
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -190,3 +191,67 @@ async def test_a_runner_with_instances_or_a_zero_inline_budget_keeps_its_threads
         await _post(cli, "pair", np.ones((8, 16), np.float32))
     plugins = (await (await cli.get("/admin/plugins")).json())["plugins"]
     assert {p["name"]: p["inline_executions"] for p in plugins} == {"last": 0, "pair": 0}
+
+
+NAPPING_PROCESSOR = """
+    import threading
+    import time
+
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Nap:
+        def process(self, data, ctx):
+            ctx.state["thread"] = threading.current_thread().name
+            time.sleep(data.get("nap", 0))
+            return data
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Nap()
+"""
+
+
+async def test_a_cancelled_processor_call_on_its_thread_is_waited_for(
+    plugins_dir: Path, models_dir: Path
+) -> None:
+    """Issue 29 finding 1: a synchronous processor runs on its own thread; a request cancelled
+    meanwhile (its client hung up) stops waiting, but the call stays counted until the thread
+    returns, so an unload waits for it, as for a runner's call."""
+    import asyncio
+
+    from registry.registry import Registry
+    from registry.types import RequestContext
+    from tests.helpers import write_add_runner
+
+    write_plugin(
+        plugins_dir, "preprocessor", "nap", "1.0.0", files={"plugin.py": NAPPING_PROCESSOR}
+    )
+    write_add_runner(plugins_dir, "add", "1.0.0", route='[route]\npreprocess = ["nap"]\n')
+    registry = Registry(plugins_dir, models_dir)
+    await registry.start()
+    try:
+        chain = registry.routes.resolve("add", None)
+        nap = chain.preprocess[0]
+        ctx = RequestContext(request_id="r", route="add", parameters={}, headers={},
+                             content_type="application/json", body_bytes=20)  # fmt: skip
+        chain.enter()
+        try:
+            task = asyncio.ensure_future(chain.run({"nap": 1.0}, ctx))
+            for _ in range(200):
+                if "thread" in ctx.state:
+                    break
+                await asyncio.sleep(0.01)
+            assert ctx.state["thread"].startswith(nap.label)  # its own thread, not the loop's
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        finally:
+            chain.leave()
+        assert nap.executing == 1
+        assert not await nap.wait_idle(0.05)
+        assert await nap.wait_idle(10)
+        assert nap.executing == 0
+    finally:
+        await registry.close()
