@@ -44,6 +44,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "close_timeout_s": (0, 1e6),
     "header_timeout_s": (0, 86_400),
     "body_timeout_s": (0, 86_400),
+    "grpc_idle_timeout_s": (0, 86_400),
     "max_connections": (1, 1_000_000),
     "body_threads": (1, 64),
     "max_large_bodies": (1, 10_000),
@@ -56,7 +57,13 @@ _BOUNDS: dict[str, tuple[float, float]] = {
 MIN_STALL_TIMEOUT_S = 1.0
 """The shortest stall check there is (0 turns it off): a loop busy with one large batch or a
 collection must not read as stuck."""
-_ABOVE_LOW = {"load_timeout_s", "close_timeout_s", "header_timeout_s", "body_timeout_s"}
+_ABOVE_LOW = {
+    "load_timeout_s",
+    "close_timeout_s",
+    "header_timeout_s",
+    "body_timeout_s",
+    "grpc_idle_timeout_s",
+}
 """Settings that must be more than their low bound (a zero timeout means nothing)."""
 
 
@@ -116,7 +123,11 @@ class Settings:
     client that reads nothing of its answer for this long is dropped."""
     max_connections: int | None = None
     """Open client connections per listener; more are answered 503 and closed. Default:
-    the open-files limit less 256, at most 4096."""
+    the open-files limit less 256, at most 4096. It bounds gRPC's open calls too (health
+    and readiness apart): more are refused ``RESOURCE_EXHAUSTED``."""
+    grpc_idle_timeout_s: float = 75.0
+    """A gRPC stream (``ModelStreamInfer``) with no request in flight that sends none for
+    this long is ended, and a gRPC connection with no call open is closed."""
     body_threads: int = 2
     """Threads that parse large request bodies and encode large responses."""
     max_large_bodies: int = 8
@@ -409,6 +420,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         # connections and bodies
         "header_timeout_s": (int, float),
         "body_timeout_s": (int, float),
+        "grpc_idle_timeout_s": (int, float),
         "max_connections": int,
         "body_threads": int,
         "max_large_bodies": int,

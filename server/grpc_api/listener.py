@@ -4,6 +4,12 @@
 binds the port with ``SO_REUSEPORT`` (the supervisor holds it meanwhile, as it
 holds the HTTP port, so that no other process takes it); a single process binds
 it alone, so that a port in use is an error at start, not a shared port.
+
+Its calls are counted and swept by :class:`~server.grpc_api.admission.Admission`
+(``max_connections`` data calls, health apart; idle and unread streams ended);
+its connections by gRPC's own options: the HTTP/2 handshake within
+``header_timeout_s`` (else closed), and ``GOAWAY`` to a connection with no call
+open for ``grpc_idle_timeout_s``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import structlog
 from aiohttp import web
 
 from registry.errors import ConfigError
+from server.config import Settings
 from server.connections import DEFAULT_MAX_CONNECTIONS
+from server.grpc_api.admission import Admission, CallLimits
 from server.grpc_api.service import add_to_server
 from server.state import SETTINGS, WORKER
 
@@ -37,15 +45,8 @@ async def grpc_lifetime(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     shared = app.get(WORKER) is not None
-    server = grpc.aio.server(
-        options=[
-            ("grpc.so_reuseport", 1 if shared else 0),
-            ("grpc.max_receive_message_length", settings.max_body_bytes),
-            ("grpc.max_send_message_length", -1),
-        ],
-        # As max_connections bounds HTTP's: past it a call is RESOURCE_EXHAUSTED at once.
-        maximum_concurrent_rpcs=settings.max_connections or DEFAULT_MAX_CONNECTIONS,
-    )
+    admission = Admission(call_limits(settings))
+    server = grpc.aio.server(options=server_options(settings, shared), interceptors=[admission])
     add_to_server(server, app, settings.grpc_port)
     where = address(settings.host, settings.grpc_port)
     try:
@@ -53,8 +54,34 @@ async def grpc_lifetime(app: web.Application) -> AsyncIterator[None]:
     except RuntimeError as exc:
         raise ConfigError(f"cannot listen for gRPC on {where}: {exc}") from None
     await server.start()
-    log.info("grpc_serving", address=where)
+    admission.start()
+    log.info("grpc_serving", address=where, max_calls=admission.limits.max_calls)
     try:
         yield
     finally:
+        await admission.stop()
         await server.stop(STOP_GRACE_S)
+
+
+def call_limits(settings: Settings) -> CallLimits:
+    """As ``max_connections`` bounds HTTP's connections, it bounds gRPC's data calls."""
+    return CallLimits(
+        max_calls=settings.max_connections or DEFAULT_MAX_CONNECTIONS,
+        idle_timeout_s=settings.grpc_idle_timeout_s,
+        send_timeout_s=settings.body_timeout_s,
+    )
+
+
+def server_options(settings: Settings, shared: bool) -> list[tuple[str, int]]:
+    """gRPC core's options: the port shared or not, message sizes, and the connection bounds."""
+    return [
+        ("grpc.so_reuseport", 1 if shared else 0),
+        ("grpc.max_receive_message_length", settings.max_body_bytes),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.server_handshake_timeout_ms", _ms(settings.header_timeout_s)),
+        ("grpc.max_connection_idle_ms", _ms(settings.grpc_idle_timeout_s)),
+    ]
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))

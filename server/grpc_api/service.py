@@ -38,6 +38,7 @@ from server import __version__, auth, v2
 from server.bodies import LARGE_BODY_BYTES
 from server.codec import InferRequest
 from server.grpc_api import handlers, tensors
+from server.grpc_api.admission import CURRENT_CALL, TrackedCall
 from server.grpc_api.calls import Call, error_details, grpc_code
 from server.grpc_api.generated import grpc_service_pb2 as pb
 from server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
@@ -60,6 +61,9 @@ DEADLINE_SLACK_S = 0.002
 STREAM_IN_FLIGHT = 64
 """Requests of one ``ModelStreamInfer`` stream running at once; the stream's next request is
 not read until one finishes (backpressure to the client through gRPC's flow control)."""
+
+STOP_WAIT_S = 5.0
+"""How long a call the server ends waits for its requests to stop before its status goes."""
 
 DECOUPLED_UNARY = "ModelInfer RPC doesn't support models with decoupled transaction policy"
 """Triton's words for a unary call to a decoupled model (a streaming route here)."""
@@ -266,13 +270,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             self._call(context)
         except PlugserveError as exc:
             await context.abort(grpc_code(exc.status), error_details(exc))
+        tracked = CURRENT_CALL.get()
         slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
         writing = asyncio.Lock()
         running: set[asyncio.Task[None]] = set()
 
         async def send(answer: pb.ModelStreamInferResponse) -> None:
             async with writing:
-                await _write_whole(context, answer)
+                await _write_whole(context, answer, tracked)
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
@@ -289,15 +294,26 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     await send(_failed(request, "internal server error"))
             finally:
                 slots.release()
+                if tracked is not None:
+                    tracked.request_ended()
 
         try:
             async for request in requests:
+                if tracked is not None:
+                    tracked.request_began()
                 await slots.acquire()
                 task = asyncio.create_task(one(request))
                 running.add(task)
                 task.add_done_callback(running.discard)
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
+        except asyncio.CancelledError:
+            ended = tracked.ended if tracked is not None else None
+            if ended is None:
+                raise  # the client went away, or the server stops
+            _uncancel()
+            await _stop_all(running)
+            await context.abort(ended.code, ended.message)
         finally:
             for task in running:  # the client went away: its streams close
                 task.cancel()
@@ -486,18 +502,49 @@ def _deadline(call: Call, parameters: dict[str, Any]) -> float | None:
     return budget
 
 
-async def _write_whole(context: Any, answer: pb.ModelStreamInferResponse) -> None:
+async def _write_whole(
+    context: Any, answer: pb.ModelStreamInferResponse, tracked: TrackedCall | None = None
+) -> None:
     """``context.write(answer)``, finished even when its request stops meanwhile (its
     deadline passed while a slow client held the write): a write cut short leaves gRPC's
-    send in flight, and the stream's next write fails (``TOO_MANY_OPERATIONS``)."""
+    send in flight, and the stream's next write fails (``TOO_MANY_OPERATIONS``). When the
+    server has ended the whole call (``tracked.ended``) the write is left to gRPC: nothing
+    follows it, and its client may never read it."""
     write = asyncio.ensure_future(context.write(answer))
+    write.add_done_callback(_retrieved)
+    if tracked is not None:
+        tracked.write_began()
     try:
         await asyncio.shield(write)
     except asyncio.CancelledError:
-        await asyncio.wait([write])
-        if not write.cancelled():
-            write.exception()  # retrieved: the request is over either way
+        if tracked is None or tracked.ended is None:
+            await asyncio.wait([write])
         raise
+    finally:
+        if tracked is not None:
+            tracked.write_ended()
+
+
+def _retrieved(write: asyncio.Future[None]) -> None:
+    """A write's failure read, so that asyncio does not log it: the request is over."""
+    if not write.cancelled():
+        write.exception()
+
+
+def _uncancel() -> None:
+    """Take back the cancellation that ended the call, so the handler can send its status."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
+async def _stop_all(running: set[asyncio.Task[None]]) -> None:
+    """Cancel the call's requests (their streams close, their runners' slots free) and wait
+    for them, at most ``STOP_WAIT_S``."""
+    for task in running:
+        task.cancel()
+    if running:
+        await asyncio.wait(running, timeout=STOP_WAIT_S)
 
 
 EMPTY_FINAL = "triton_enable_empty_final_response"

@@ -1,0 +1,258 @@
+"""gRPC calls counted, capped and swept, with room kept for health checks.
+
+Every call passes :class:`Admission` (a server interceptor) as it starts, before
+its request message is read. A data call is admitted while fewer than
+``max_calls`` are open; past it, an open stream idle for a second or more (no
+request in flight, no write waiting) is ended to make room, as HTTP closes an
+idle keep-alive connection, and with none the call is refused
+``RESOURCE_EXHAUSTED`` at once. Health and readiness (``ServerLive``,
+``ServerReady``, ``ModelReady``, ``grpc.health.v1.Health``) are counted apart,
+up to ``HEALTH_CALLS`` at once, so that data calls never crowd them out.
+
+A sweep once a second ends, with ``DEADLINE_EXCEEDED``, a stream that has sent
+no request for ``idle_timeout_s`` with none in flight, and one whose client has
+read none of an answer for ``send_timeout_s`` (HTTP's ``body_timeout_s``): its
+requests are cancelled, which closes their streams and frees their runners'
+slots. Its status waits behind the answer the client has not read (grpcio cannot reset
+one stream), so the call stays counted until its client reads or disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+
+log = structlog.get_logger("plugserve.grpc")
+
+SWEEP_INTERVAL_S = 1.0
+IDLE_EVICTABLE_S = 1.0
+"""At ``max_calls``, a stream idle this long may be ended for a new call."""
+HEALTH_CALLS = 64
+"""Health and readiness calls open at once, apart from ``max_calls``; more are refused."""
+EXEMPT = frozenset(
+    {
+        "/inference.GRPCInferenceService/ServerLive",
+        "/inference.GRPCInferenceService/ServerReady",
+        "/inference.GRPCInferenceService/ModelReady",
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+    }
+)
+"""The health and readiness methods: counted against ``HEALTH_CALLS``, not ``max_calls``."""
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """The settings a gRPC listener's calls live by."""
+
+    max_calls: int
+    """Data calls open at once (``max_connections``)."""
+    idle_timeout_s: float
+    """A stream with nothing in flight that sends no request for this long is ended."""
+    send_timeout_s: float
+    """A stream whose client reads none of an answer for this long is ended."""
+
+
+class Ended(Exception):
+    """Why the server ended a call: the status its client is sent."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class TrackedCall:
+    """One admitted call: what the sweep reads of it, and how it is ended."""
+
+    __slots__ = (
+        "counted",
+        "ended",
+        "in_flight",
+        "pool",
+        "since",
+        "streaming",
+        "task",
+        "writing_since",
+    )
+
+    def __init__(self, pool: set[TrackedCall], task: asyncio.Task[Any], streaming: bool) -> None:
+        self.pool = pool
+        self.task = task
+        self.streaming = streaming
+        """Whether the client sends a stream of requests (``ModelStreamInfer``)."""
+        self.since = time.monotonic()
+        """When the call last received a request or finished one."""
+        self.in_flight = 0
+        self.writing_since: float | None = None
+        """Since when an answer waits for the client to read it (``None``: none waits)."""
+        self.ended: Ended | None = None
+        self.counted = True
+
+    def request_began(self) -> None:
+        self.in_flight += 1
+        self.since = time.monotonic()
+
+    def request_ended(self) -> None:
+        self.in_flight -= 1
+        self.since = time.monotonic()
+
+    def write_began(self) -> None:
+        self.writing_since = time.monotonic()
+
+    def write_ended(self) -> None:
+        self.writing_since = None
+
+    def idle_for(self, now: float) -> float:
+        """How long the stream has had nothing to do (0 while it has)."""
+        if not self.streaming or self.in_flight or self.writing_since is not None:
+            return 0.0
+        return now - self.since
+
+    def end(self, code: grpc.StatusCode, message: str) -> None:
+        """Stop the call's handler, which then sends ``code`` and ``message``. The call counts
+        against its limit until its handler has ended: a status that waits for its client
+        to read keeps it counted."""
+        if self.ended is None:
+            self.ended = Ended(code, message)
+            self.task.cancel()
+
+    def release(self) -> None:
+        """Stop counting the call against its limit (once)."""
+        if self.counted:
+            self.counted = False
+            self.pool.discard(self)
+
+
+CURRENT_CALL: contextvars.ContextVar[TrackedCall | None] = contextvars.ContextVar(
+    "plugserve_grpc_call", default=None
+)
+"""The call the running handler serves (set by :class:`Admission`, in the call's task)."""
+
+
+class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Counts the calls of one gRPC server, refuses those over its limits, sweeps them."""
+
+    def __init__(self, limits: CallLimits) -> None:
+        self.limits = limits
+        self.calls: set[TrackedCall] = set()
+        self.health: set[TrackedCall] = set()
+        self.refused = 0
+        self.evicted = 0
+        self.timed_out = {"idle": 0, "send": 0}
+        self._reported = (0, 0, 0, 0)
+        self._task: asyncio.Task[None] | None = None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        details: Any,
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        task = asyncio.current_task()
+        assert task is not None  # grpc.aio runs each call in a task of its own
+        exempt = details.method in EXEMPT
+        pool, limit = (self.health, HEALTH_CALLS) if exempt else (self.calls, self.limits.max_calls)
+        if len(pool) >= limit and (exempt or not self._evict_idle()):
+            self.refused += 1
+            return _refusal(handler, _refusal_message(exempt, limit))
+        call = TrackedCall(pool, task, bool(handler.request_streaming))
+        pool.add(call)
+        task.add_done_callback(lambda _: call.release())
+        CURRENT_CALL.set(call)
+        return handler
+
+    def _evict_idle(self) -> bool:
+        """End a stream idle for a second or more to make room; ``False`` if there is none."""
+        now = time.monotonic()
+        for call in self.calls:
+            if call.idle_for(now) >= IDLE_EVICTABLE_S:
+                call.end(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the stream was idle and the server is at its call limit "
+                    "(max_connections): closed to make room; open it again when needed",
+                )
+                call.release()  # it ends at once: nothing of it waits on the client
+                self.evicted += 1
+                return True
+        return False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._sweep_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.sweep(time.monotonic())
+
+    def sweep(self, now: float) -> None:
+        """End the streams past their idle or send timeout."""
+        limits = self.limits
+        for call in list(self.calls):
+            writing = call.writing_since
+            if writing is not None and now - writing > limits.send_timeout_s:
+                self.timed_out["send"] += 1
+                call.end(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "the client read none of the call's answers for body_timeout_s = "
+                    f"{limits.send_timeout_s:g} s",
+                )
+            elif call.idle_for(now) > limits.idle_timeout_s:
+                self.timed_out["idle"] += 1
+                call.end(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "the stream sent no request for grpc_idle_timeout_s = "
+                    f"{limits.idle_timeout_s:g} s",
+                )
+        self._report()
+
+    def _report(self) -> None:
+        """One log line per sweep that saw refusals or timeouts, never one per call."""
+        current = (self.refused, self.evicted, self.timed_out["idle"], self.timed_out["send"])
+        refused, evicted, idle, send = (c - r for c, r in zip(current, self._reported, strict=True))
+        self._reported = current
+        if refused or evicted:
+            log.warning(
+                "grpc_calls_refused",
+                refused=refused,
+                evicted=evicted,
+                open=len(self.calls),
+                max_calls=self.limits.max_calls,
+            )
+        if idle or send:
+            log.info("grpc_calls_timed_out", idle=idle, send=send)
+
+
+def _refusal_message(exempt: bool, limit: int) -> str:
+    if exempt:
+        return f"the server has {limit} health calls open, its limit; try again shortly"
+    return f"the server has {limit} calls open, its limit (max_connections); try again shortly"
+
+
+def _refusal(handler: Any, message: str) -> Any:
+    """A handler that refuses the call ``RESOURCE_EXHAUSTED`` at once. It takes the request
+    as a stream, so it answers before the request's message has arrived."""
+
+    async def refuse(requests: Any, context: Any) -> None:
+        context.set_trailing_metadata((("retry-after", "1"),))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+    return grpc.stream_unary_rpc_method_handler(
+        refuse, handler.request_deserializer, handler.response_serializer
+    )

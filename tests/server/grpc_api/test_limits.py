@@ -1,0 +1,285 @@
+"""gRPC's bounds in count and time: the call limit with room kept for health, idle streams
+ended (or closed to make room), and a client that reads nothing dropped from its routes."""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from server.grpc_api.generated import health_pb2, health_pb2_grpc
+from tests.helpers import ServerProcess, write_add_runner, write_plugin, write_streaming_runner
+
+pytestmark = pytest.mark.slow
+
+Server = Callable[..., ServerProcess]
+
+
+def start(server: Server, tmp_path: Path, plugins_dir: Path, **settings: object) -> ServerProcess:
+    path = tmp_path / "plugserve.toml"
+    path.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items()))
+    (tmp_path / "models").mkdir(exist_ok=True)
+    return server(
+        "--plugins-dir",
+        str(plugins_dir),
+        "--models-dir",
+        str(tmp_path / "models"),
+        "--config",
+        str(path),
+    )
+
+
+def add_request(request_id: str = "") -> service_pb2.ModelInferRequest:
+    message = service_pb2.ModelInferRequest(model_name="add", id=request_id)
+    message.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    message.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+    return message
+
+
+def count_request(route: str, n: int, request_id: str = "") -> service_pb2.ModelInferRequest:
+    message = service_pb2.ModelInferRequest(model_name=route, id=request_id)
+    message.inputs.add(name="n", datatype="INT64", shape=[1])
+    message.raw_input_contents.append(np.array([n], np.int64).tobytes())
+    return message
+
+
+def healthy(url: str) -> tuple[bool, str, bool]:
+    """ServerLive, grpc.health.v1 Check and ServerReady on a channel of their own."""
+    with grpc.insecure_channel(url) as channel:
+        inference = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        live = inference.ServerLive(service_pb2.ServerLiveRequest(), timeout=10).live
+        check = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
+        ready = inference.ServerReady(service_pb2.ServerReadyRequest(), timeout=10).ready
+    return live, health_pb2.HealthCheckResponse.ServingStatus.Name(check.status), ready
+
+
+class IdleStream:
+    """A ModelStreamInfer call that sends ``first`` (if any), then nothing until closed; its
+    answers and its end are queued as they come."""
+
+    def __init__(self, channel: grpc.Channel, first: list[Any]) -> None:
+        self.stop = threading.Event()
+        self.answers: queue.Queue[Any] = queue.Queue()
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        self.call = stub.ModelStreamInfer(self._requests(first), timeout=60)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _requests(self, first: list[Any]) -> Iterator[Any]:
+        yield from first
+        self.stop.wait()
+
+    def _read(self) -> None:
+        try:
+            for answer in self.call:
+                self.answers.put(answer)
+            self.answers.put(None)
+        except grpc.RpcError as exc:
+            self.answers.put(exc)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.call.cancel()
+
+    def end(self, timeout: float = 20) -> grpc.RpcError:
+        """The error that ended the call, the answers before it skipped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            item = self.answers.get(timeout=max(0.01, deadline - time.monotonic()))
+            if isinstance(item, grpc.RpcError):
+                return item
+            assert item is not None, "the call ended OK"
+
+
+def test_idle_streams_leave_room_for_health_then_end(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Issue 29 finding 2: idle ModelStreamInfer streams filling the gRPC call limit locked
+    out ServerLive and grpc.health.v1 Check (RESOURCE_EXHAUSTED) for as long as they stayed
+    open. Health is counted apart; at the limit an idle stream is closed to make room for a
+    data call; the others end after grpc_idle_timeout_s, a busy one does not."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    write_streaming_runner(plugins_dir, "generator", "generator", config="step_s = 0.4")
+    srv = start(server, tmp_path, plugins_dir, max_connections=4, grpc_idle_timeout_s=2)
+    channel = grpc.insecure_channel(srv.grpc_url)
+    busy = IdleStream(channel, [count_request("generator", 12, "busy")])  # ~5 s of answers
+    idle = [IdleStream(channel, [add_request(f"idle{i}")]) for i in range(3)]
+    try:
+        firsts = [stream.answers.get(timeout=15) for stream in [busy, *idle]]
+        assert [a.error_message for a in firsts] == [""] * 4  # each open on the server: 4 of 4
+        assert healthy(srv.grpc_url) == (True, "SERVING", True)
+        time.sleep(1.2)  # idle long enough to be closed for a new call
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        answer = stub.ModelInfer(add_request(), timeout=10)
+        assert np.frombuffer(answer.raw_output_contents[0], np.float32).tolist() == [2.0] * 4
+        ends = [stream.end() for stream in idle]
+        codes = sorted(e.code().name for e in ends)
+        assert codes == ["DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "UNAVAILABLE"]
+        messages = {e.code().name: e.details() for e in ends}
+        assert "grpc_idle_timeout_s = 2 s" in messages["DEADLINE_EXCEEDED"]
+        assert "max_connections" in messages["UNAVAILABLE"]
+        # The busy stream sent nothing more either, but its request ran to its end; then
+        # it was idle, and ended in its turn.
+        answers = [firsts[0]] + [busy.answers.get(timeout=15) for _ in range(11)]
+        counts = [
+            np.frombuffer(a.infer_response.raw_output_contents[0], np.int64)[0] for a in answers
+        ]
+        assert counts == list(range(1, 13))
+        assert busy.end().code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        for stream in [busy, *idle]:
+            stream.close()
+        channel.close()
+    assert "Traceback" not in srv.log()
+
+
+SLOW = """
+    import time
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Slow:
+        async def infer(self, inputs):
+            import asyncio
+            await asyncio.sleep(3)
+            return {"y": np.asarray(inputs["x"])}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Slow()
+"""
+
+
+def test_unary_calls_at_the_limit_leave_room_for_health(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Issue 29 finding 2, with busy unary calls: ModelInfer calls filling the call limit
+    leave health and readiness answering; one more data call is refused RESOURCE_EXHAUSTED
+    at once (a busy call is never closed for it)."""
+    write_plugin(plugins_dir, "runner", "slow", "1.0.0", "", {"plugin.py": SLOW})
+    srv = start(server, tmp_path, plugins_dir, max_connections=2)
+    message = service_pb2.ModelInferRequest(model_name="slow")
+    message.inputs.add(name="x", datatype="FP32", shape=[1])
+    message.raw_input_contents.append(np.ones(1, np.float32).tobytes())
+    with grpc.insecure_channel(srv.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        calls = [stub.ModelInfer.future(message, timeout=30) for _ in range(2)]
+        time.sleep(0.5)  # both admitted: each is answered only after 3 s
+        assert not any(call.done() for call in calls)
+        assert healthy(srv.grpc_url) == (True, "SERVING", True)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(message, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_connections" in (refused.value.details() or "")
+        assert time.monotonic() - started < 2.5
+        assert all(call.result().model_name == "slow" for call in calls)
+        stub.ModelInfer(message, timeout=30)  # room again
+
+
+@pytest.mark.workers(2)
+def test_health_answers_on_every_worker_with_its_calls_full(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Issue 29 finding 2, with the supervisor: every worker's call limit full of streams
+    (some that sent nothing at all), health answers from whichever worker takes the call."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    srv = start(server, tmp_path, plugins_dir, max_connections=2, grpc_idle_timeout_s=30)
+    channels = [grpc.insecure_channel(srv.grpc_url) for _ in range(12)]
+    streams: list[IdleStream] = []
+    try:
+        for channel in channels:  # the kernel spreads connections over both workers
+            silent = IdleStream(channel, [])
+            answered = IdleStream(channel, [add_request()])
+            streams += [silent, answered]
+        first = [stream.answers.get(timeout=15) for stream in streams[1::2]]
+        refused = [a for a in first if isinstance(a, grpc.RpcError)]
+        assert refused, "no worker's limit was reached"
+        assert {a.code() for a in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        for _ in range(12):
+            assert healthy(srv.grpc_url) == (True, "SERVING", True)
+    finally:
+        for stream in streams:
+            stream.close()
+        for channel in channels:
+            channel.close()
+
+
+@pytest.mark.parametrize("kind", ["generator", "steps"])
+def test_a_client_that_reads_nothing_frees_its_streams(
+    server: Server, tmp_path: Path, plugins_dir: Path, kind: str
+) -> None:
+    """Issue 29 finding 3: one ModelStreamInfer call asking for max_streams streams, on a
+    small flow-control window, that never reads, parked every slot of the streaming route:
+    other clients' generate calls waited until their deadline. Its answers unread for
+    body_timeout_s end the call, which closes its streams; the status waits behind them."""
+    write_streaming_runner(
+        plugins_dir, "tokens", kind, runner="max_streams = 4\n", config="step_s = 0.005"
+    )
+    srv = start(server, tmp_path, plugins_dir, body_timeout_s=2)
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
+    channel = grpc.insecure_channel(srv.grpc_url, options=options)
+    stop = threading.Event()
+
+    def requests() -> Iterator[Any]:
+        for i in range(4):
+            yield count_request("tokens", 100_000, f"unread{i}")
+        stop.wait()
+
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    unread = stub.ModelStreamInfer(requests(), timeout=60)  # never read until the end
+    try:
+        time.sleep(0.5)  # its 4 streams hold the 4 slots
+        started = time.monotonic()
+        status, _, body = srv.request(
+            "POST", "/v2/models/tokens/generate", {"n": [3]}, {"X-Request-Timeout": "20"}
+        )
+        assert status == 200, body
+        assert json.loads(body)["i"] == [1, 2, 3]
+        assert time.monotonic() - started < 15
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in unread:  # what was sent before the call ended, then its status
+                pass
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "body_timeout_s = 2 s" in (ended.value.details() or "")
+    finally:
+        stop.set()
+        unread.cancel()
+        channel.close()
+    assert "Traceback" not in srv.log()
+
+
+def test_a_grpc_connection_that_sends_nothing_is_closed(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Issue 29 finding 2, a connection with no call: one that never sends the HTTP/2
+    preface is closed after header_timeout_s (gRPC's own default waits 120 s)."""
+    srv = start(server, tmp_path, plugins_dir, header_timeout_s=1)
+    with socket.create_connection(("127.0.0.1", srv.grpc_port)) as sock:
+        sock.settimeout(0.5)
+        started = time.monotonic()
+        while time.monotonic() - started < 15:
+            try:
+                if not sock.recv(65536):  # the server's settings are read and dropped
+                    break
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                break
+        took = time.monotonic() - started
+    assert took < 8
+    assert healthy(srv.grpc_url) == (True, "SERVING", True)
