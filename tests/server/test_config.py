@@ -49,6 +49,9 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         ("grpc_port = 70000\n", "grpc_port: must be an integer >= 0 and <= 65535"),
         ("grpc_port = 8000\n", "grpc_port 8000 is also port"),
         ("admin_port = 8001\n", "grpc_port 8001 is also admin_port"),
+        ("grpc_idle_timeout_s = 0\n", "grpc_idle_timeout_s: must be a finite number > 0"),
+        ("grpc_idle_timeout_s = 1e6\n", "grpc_idle_timeout_s: must be a finite number"),
+        ("grpc_idle_timeout_s = '75'\n", "grpc_idle_timeout_s must be a number, not a string"),
     ],
 )
 def test_invalid_config_files(tmp_path: Path, text: str, message: str) -> None:
