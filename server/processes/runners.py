@@ -32,12 +32,23 @@ from registry.isolation.host import (
 )
 from registry.stats import RunnerStats
 from server.metrics import add_process_figures, execution_families
-from server.processes.unix import UnixClient
+from server.processes.unix import Reply, UnixClient
 
 log = structlog.get_logger("plugserve.worker")
 
 RUNNERS = web.AppKey("runners", RunnerHost)
 PREFIX = "/_supervisor/runners"
+SUPERVISOR_GONE = (aiohttp.ClientError, OSError, TimeoutError)
+"""What a call to a supervisor that is not there (killed, or ended) raises."""
+
+
+def supervisor_gone(exc: BaseException) -> Unavailable:
+    """The answer to a request that needed the supervisor once it is gone: the worker
+    drains and exits (docs/operations.md, Workers), so the server is shutting down."""
+    return Unavailable(
+        f"the server is shutting down: its supervisor is not answering ({type(exc).__name__})",
+        retry_after_s=1,
+    )
 
 
 class SupervisedRunners:
@@ -59,9 +70,7 @@ class SupervisedRunners:
         return group_from_json(reply.json(), spec)
 
     async def ready(self, key: str, index: int) -> RunnerProcess:
-        reply = await self.supervisor.call(
-            "POST", PREFIX + "/ready", json_body={"key": key, "index": index}
-        )
+        reply = await self._call("/ready", {"key": key, "index": index})
         doc = reply.json()
         if reply.status != 200:
             raise Unavailable(_message(doc), retry_after_s=1)
@@ -70,17 +79,24 @@ class SupervisedRunners:
         return process
 
     async def ended(self, key: str, index: int, pid: int) -> str:
-        reply = await self.supervisor.call(
-            "POST", PREFIX + "/ended", json_body={"key": key, "index": index, "pid": pid}
-        )
+        reply = await self._call("/ended", {"key": key, "index": index, "pid": pid})
         return str(reply.json().get("how", "its connection closed"))
+
+    async def _call(self, path: str, body: dict[str, Any]) -> Reply:
+        """A call about a request in flight; :class:`Unavailable` once the supervisor is gone
+        (its runner processes end with it)."""
+        try:
+            return await self.supervisor.call("POST", PREFIX + path, json_body=body)
+        except SUPERVISOR_GONE as exc:
+            log.debug("supervisor_not_answering", path=path, error=repr(exc))
+            raise supervisor_gone(exc) from None
 
     async def release(self, key: str) -> None:
         try:
             await self.supervisor.call(
                 "POST", PREFIX + "/release", json_body={"key": key, "holder": self.holder}
             )
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except SUPERVISOR_GONE as exc:
             # The supervisor is gone (the worker is draining to exit): it ended them, or
             # its runner processes end with it (parent-death signal).
             log.debug("runner_release_skipped", key=key, error=str(exc))

@@ -26,7 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from tests.helpers import (
     ServerProcess,
@@ -851,3 +854,77 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except FileNotFoundError:
         return ""
+
+
+MARKED_SLOW = """
+    import asyncio
+    from pathlib import Path
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class MarkedSlow:
+        def __init__(self, marker):
+            self.marker = Path(marker)
+
+        async def infer(self, inputs):
+            self.marker.write_text("running")  # the test acts once a batch runs
+            await asyncio.sleep(float(inputs["x"].reshape(-1)[0]))
+            return {"y": inputs["x"]}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return MarkedSlow(config["marker"])
+"""
+
+
+def ask(srv: ServerProcess, front: str, route: str, value: float) -> tuple[str, str]:
+    """One request through ``front`` ("http": v2 JSON, "grpc": tritonclient): its status
+    (the HTTP code, or gRPC's status name) and its error message ("" when it succeeded)."""
+    if front == "http":
+        code, answer = infer(srv, route, [value])
+        return str(code), str(answer.get("error", ""))
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    tensor = grpcclient.InferInput("x", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.array([[value]], np.float32))
+    try:
+        client.infer(route, [tensor], client_timeout=60)
+    except InferenceServerException as exc:
+        return str(exc.status()).removeprefix("StatusCode."), str(exc.message())
+    finally:
+        client.close()
+    return "OK", ""
+
+
+@pytest.mark.workers(2)
+@pytest.mark.parametrize("front", ["http", "grpc"])
+def test_a_killed_supervisor_answers_its_isolated_runners_requests_503(
+    server: Callable[..., ServerProcess], tmp_path: Path, front: str
+) -> None:
+    """Issue 29 finding 7: with several workers, SIGKILL to the supervisor during a request
+    on an isolated runner answered 500 "internal server error", with a ClientOSError
+    traceback in the log: the worker asked the gone supervisor how the runner process
+    ended. It answers 503 (gRPC: UNAVAILABLE), the server shutting down, and logs no
+    traceback."""
+    plugins = tmp_path / "plugins"
+    marker = tmp_path / "marker"
+    manifest = f'[config]\nmarker = "{marker}"\n' + ISOLATED
+    write_plugin(plugins, "runner", "slow", "1.0.0", manifest, {"plugin.py": MARKED_SLOW})
+    srv = server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"))
+    assert ask(srv, front, "slow", 0.0)[0] in ("200", "OK")
+    marker.unlink()
+    answers: list[tuple[str, str]] = []
+    request = threading.Thread(target=lambda: answers.append(ask(srv, front, "slow", 20.0)))
+    request.start()
+    wait_for(marker.exists, 15, "the request's batch running in the runner process")
+    workers = descendants(srv.proc.pid)
+    srv.proc.kill()
+    srv.proc.wait()
+    request.join(30)
+    assert answers, "no answer"
+    status, error = answers[0]
+    assert status == ("503" if front == "http" else "UNAVAILABLE"), error
+    assert "the server is shutting down: its supervisor is not answering" in error
+    wait_for(lambda: not any(alive(pid) for pid in workers), 15, "every worker gone")
+    assert "Traceback" not in srv.log(), srv.log()
+    assert "ClientOSError" not in srv.log()
