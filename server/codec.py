@@ -47,6 +47,18 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
+MAX_NAME_CHARS = 1024
+"""The longest tensor name a v2 request may use, for an input or an output it asks for
+(HTTP and gRPC): no model names a tensor with more, and a longer one (megabytes of
+control characters, each six bytes once escaped as JSON) is refused before anything
+else is read of it, or echoed in an error message."""
+
+
+def check_name(name: str, kind: str) -> None:
+    """:class:`InvalidInput` for an ``kind`` ("input", "output") name over the bound."""
+    if len(name) > MAX_NAME_CHARS:
+        raise InvalidInput(f"an {kind} name of {len(name)} characters; at most {MAX_NAME_CHARS}")
+
 
 SHM_REGION = "shared_memory_region"
 SHM_OFFSET = "shared_memory_offset"
@@ -234,6 +246,7 @@ def _input(
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise InvalidInput("each input must be an object with a string 'name'")
     name = raw["name"]
+    check_name(name, "input")
     datatype = raw.get("datatype")
     if not isinstance(datatype, str) or datatype not in V2_TO_NUMPY:
         known = ", ".join(V2_TO_NUMPY)
@@ -388,6 +401,7 @@ def _requested_outputs(raw: Any) -> list[RequestedOutput] | None:
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidInput("each requested output must be an object with a string 'name'")
+        check_name(item["name"], "output")
         where = f"output {item['name']!r}"
         if item["name"] in names:  # each repeat would be encoded again: a size multiplier
             raise InvalidInput(f"{where} is requested more than once")

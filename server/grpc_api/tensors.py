@@ -23,6 +23,7 @@ from server.codec import (
     Limits,
     RequestedOutput,
     SharedInput,
+    check_name,
     element_count,
     from_binary,
     select_outputs,
@@ -82,6 +83,10 @@ def decode(request: pb.ModelInferRequest, limits: Limits) -> InferRequest:
         raise InvalidInput(
             f"{len(request.inputs)} inputs; at most {limits.max_inputs} (max_inputs)"
         )
+    for tensor in request.inputs:  # before any message quotes a name
+        check_name(tensor.name, "input")
+    for output in request.outputs:
+        check_name(output.name, "output")
     raw = request.raw_input_contents
     # Inputs in shared memory have no raw entry (tritonclient sends none for them).
     shared_refs = [

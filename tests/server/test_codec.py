@@ -22,6 +22,8 @@ from server.codec import (
     decode_request,
     encode_response,
 )
+from server.grpc_api import tensors as grpc_tensors
+from server.grpc_api.generated import grpc_service_pb2 as pb
 
 NUMERIC = [d for d in V2_TO_NUMPY if d != "BYTES"]
 
@@ -390,3 +392,34 @@ def test_the_boolean_search_runs_at_most_once_a_request(monkeypatch: pytest.Monk
     decoded = decode_request(json.dumps({"inputs": inputs}).encode(), None)
     assert len(decoded.inputs) == 50
     assert searched == [b"true", b"false"]  # one search: neither word is in the text
+
+
+def decode_with_names(front: str, input_name: str, output_name: str) -> InferRequest:
+    """A one-input request asking for one output, decoded by ``front`` ("http", "grpc")."""
+    if front == "http":
+        doc = {
+            "inputs": [{"name": input_name, "shape": [1], "datatype": "FP32", "data": [1]}],
+            "outputs": [{"name": output_name}],
+        }
+        return decode_request(json.dumps(doc).encode(), None)
+    request = pb.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name=input_name, datatype="FP32", shape=[1])
+    tensor.contents.fp32_contents.append(1.0)
+    request.outputs.add(name=output_name)
+    return grpc_tensors.decode(request, Limits())
+
+
+@pytest.mark.parametrize("where", ["input", "output"])
+@pytest.mark.parametrize("front", ["http", "grpc"])
+def test_a_tensor_name_over_1024_characters_is_400_without_echoing_it(
+    where: str, front: str
+) -> None:
+    """Issue 29 finding 6: a name of megabytes is never a model's; as JSON between a worker
+    and an isolated runner it became a frame over its bound. Refused at decode, by both
+    front ends, for inputs and requested outputs alike; the message does not quote it."""
+    long, fits = "\x01" * 1025, "n" * 1024
+    names = (long, fits) if where == "input" else (fits, long)
+    with pytest.raises(InvalidInput) as caught:
+        decode_with_names(front, *names)
+    assert caught.value.message == f"an {where} name of 1025 characters; at most 1024"
+    assert list(decode_with_names(front, fits, fits).inputs) == [fits]
