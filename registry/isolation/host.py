@@ -208,7 +208,7 @@ class Runners(Protocol):
 
     async def ready(self, key: str, index: int) -> RunnerProcess: ...
 
-    async def ended(self, key: str, index: int, pid: int) -> str: ...
+    async def ended(self, key: str, index: int, pid: int) -> str | None: ...
 
     async def release(self, key: str) -> None: ...
 
@@ -540,8 +540,9 @@ class RunnerHost:
             raise Unavailable(group.failed)
         return process
 
-    async def ended(self, key: str, index: int, pid: int, within: float = 2.0) -> str:
-        """How process ``pid`` of instance ``index`` ended (waiting ``within`` s for it)."""
+    async def ended(self, key: str, index: int, pid: int, within: float = 2.0) -> str | None:
+        """How process ``pid`` of instance ``index`` ended (waiting ``within`` s for it);
+        ``None`` when it did not end meanwhile (only a connection to it closed)."""
         group = self.groups.get(key)
         if group is None:
             return "stopped"
@@ -551,7 +552,7 @@ class RunnerHost:
             if group.stopping:
                 return "stopped"
             await asyncio.sleep(0.01)
-        return process.ended.get(pid, "its connection closed")
+        return process.ended.get(pid)
 
     async def release(self, key: str, holder: str = "") -> None:
         """``holder`` is done with the group; the last one ends its processes (SIGTERM,

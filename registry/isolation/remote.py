@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import orjson
+import structlog
 
 from registry import tracing
 from registry.errors import PayloadTooLarge, PlugserveError, Unavailable
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from registry.isolation.host import RunnerGroup, Runners
     from registry.types import RequestContext
 
+log = structlog.get_logger("plugserve.registry")
+
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
@@ -52,6 +55,12 @@ class ConnectionLost(Exception):
     def __init__(self, pid: int) -> None:
         super().__init__(pid)
         self.pid = pid
+
+
+class UnreadableAnswer(PlugserveError):
+    """The runner process answered a request with a frame this worker cannot read."""
+
+    status = 500
 
 
 class RemoteRunner:
@@ -79,6 +88,14 @@ class RemoteRunner:
             return await connection.request(inputs, ctx)
         except ConnectionLost as lost:
             how = await self.host.ended(self.key, index, lost.pid)
+            if how is None:  # the process goes on: only this connection closed
+                raise Unavailable(
+                    f"{self.label}: the connection to its runner process (pid {lost.pid}) "
+                    "closed during the request; the process did not end",
+                    plugin=self.label,
+                    pid=lost.pid,
+                    retry_after_s=1,
+                ) from None
             raise RunnerCrashed(
                 f"{self.label}: its runner process (pid {lost.pid}) ended during the request: "
                 f"{how}",
@@ -163,7 +180,7 @@ class Connection(asyncio.Protocol):
         self.out = out
         self.alive = True
         self.transport: asyncio.Transport | None = None
-        self._reader = FrameReader()
+        self._reader = FrameReader(self._unreadable)
         self._ids = itertools.count()
         self._pending: dict[int, tuple[asyncio.Future[Any] | None, list[int], Any]] = {}
         self._queued: list[bytes] = []
@@ -197,12 +214,29 @@ class Connection(asyncio.Protocol):
         self.transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
-        try:
-            for message, raw in self._reader.feed(data):
-                self._answer(message, raw)
-        except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
-            if self.transport is not None:
-                self.transport.abort()
+        for message, raw in self._reader.feed(data):
+            self._answer(message, raw)
+
+    def _unreadable(self, request_id: int, problem: Exception) -> None:
+        """A frame this worker cannot read (too large, not JSON): its request alone fails
+        with the reason, if it is still pending; the connection goes on."""
+        log.warning(
+            "runner_answer_unreadable", pid=self.pid, request=request_id, error=str(problem)
+        )
+        entry = self._pending.pop(request_id, None)
+        if entry is not None:
+            future, taken, _ = entry
+            for offset in taken:
+                self.allocator.free(offset)
+            self._fail(future, problem)
+
+    def _fail(self, future: asyncio.Future[Any] | None, problem: Exception) -> None:
+        if future is not None and not future.done():
+            future.set_exception(
+                UnreadableAnswer(
+                    f"runner process {self.pid} sent an answer that cannot be read: {problem}"
+                )
+            )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.alive = False
@@ -234,7 +268,9 @@ class Connection(asyncio.Protocol):
         except FrameTooLarge as exc:
             for offset in taken:
                 self.allocator.free(offset)
-            raise PayloadTooLarge(f"the request's tensors cannot reach the runner: {exc}") from None
+            raise PayloadTooLarge(
+                f"the request's tensors cannot reach the runner process: {exc}"
+            ) from None
         future: asyncio.Future[Any] = self._loop.create_future()
         self._pending[request_id] = (future, taken, ctx)
         self._send(data)
@@ -261,7 +297,8 @@ class Connection(asyncio.Protocol):
             self._pending.pop(request_id, None)  # answered, or given up on
 
     def _answer(self, message: dict[str, Any], raw: memoryview) -> None:
-        entry = self._pending.pop(message["i"], None)
+        request_id = message.get("i")
+        entry = self._pending.pop(request_id, None) if isinstance(request_id, int) else None
         if entry is None:
             return
         future, taken, ctx = entry
@@ -271,6 +308,17 @@ class Connection(asyncio.Protocol):
             # Cancelled, and its task not yet resumed to say so (:meth:`request`): the
             # task's cancel() cancels the future at once, its except clause runs later.
             future = None
+        try:
+            self._settle(future, ctx, message, raw)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:  # a malformed field
+            log.warning(
+                "runner_answer_unreadable", pid=self.pid, request=request_id, error=str(exc)
+            )
+            self._fail(future, exc)
+
+    def _settle(
+        self, future: asyncio.Future[Any] | None, ctx: Any, message: dict[str, Any], raw: memoryview
+    ) -> None:
         kind = message["k"]
         if kind == "ok":
             if future is None:  # cancelled meanwhile: give its output blocks back now

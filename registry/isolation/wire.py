@@ -1,10 +1,18 @@
 """The messages between a worker and a runner process, over a Unix stream socket.
 
-A frame is ``<u32 JSON length><u32 raw length>`` then a JSON object (orjson) and
-raw bytes. The JSON says what the message is (``k``); tensors are described in
-it (:func:`put_tensors`) and their bytes lie in the sender's shared memory
-region, or in the frame's raw bytes when they do not fit there (or are
-``BYTES`` elements, Python objects that shared memory cannot carry).
+A frame is ``<u32 JSON length><u32 raw length><u64 request id>`` then a JSON
+object (orjson) and raw bytes. The JSON says what the message is (``k``); tensors
+are described in it (:func:`put_tensors`) and their bytes lie in the sender's
+shared memory region, or in the frame's raw bytes when they do not fit there (or
+are ``BYTES`` elements, Python objects that shared memory cannot carry, and are
+never escaped as JSON text).
+
+A frame's JSON holds at most :data:`MAX_JSON` bytes: :func:`frame` measures it
+before the frame is put together and refuses a larger one (:class:`FrameTooLarge`),
+so the sender fails that one message. The request id in the fixed header (the
+message's ``i``) lets a reader refuse one frame it cannot take, too large or
+unreadable, for that request alone, skipping its bytes (:class:`FrameReader`):
+the connection and the other requests on it go on.
 
 Kinds, worker to runner process: ``infer`` (``i`` id, ``x`` inputs, ``d``
 deadline in ``time.monotonic()`` seconds (one clock for every process of the
@@ -30,10 +38,13 @@ from registry.errors import PlugserveError
 from registry.isolation.shm import Allocator, Region
 from registry.tensors import bytes_elements
 
-HEADER = struct.Struct("<II")
+HEADER = struct.Struct("<IIQ")
 _U32 = struct.Struct("<I")
 MAX_JSON = 64 * 1024 * 1024
-"""A frame whose JSON claims more is not ours: the connection is dropped."""
+"""The most bytes of JSON a frame holds: a larger message is refused by its sender, and a
+frame claiming more is skipped by its reader."""
+NO_REQUEST = 2**64 - 1
+"""The request id in the header of a frame that belongs to no request (``free``)."""
 
 Descriptor = list[Any]
 """``[name, dtype, shape, where, offset, nbytes]``; where: ``s`` shared memory, ``r`` raw
@@ -49,42 +60,90 @@ class FrameTooLarge(ValueError):
 
 
 def frame(message: Mapping[str, Any], raw: list[bytes] | None = None) -> bytes:
+    """``message`` (its ``i``, when it has one, in the header too) and ``raw``, as one frame;
+    :class:`FrameTooLarge` when either is over what a frame holds, before anything is
+    joined (a frame is only ever sent whole or not at all)."""
     size = sum(len(r) for r in raw) if raw else 0
     if size > MAX_RAW:
         raise FrameTooLarge(
             f"{size} bytes of tensors outside the shared memory; at most {MAX_RAW} cross at once"
         )
     body = orjson.dumps(message)
+    if len(body) > MAX_JSON:  # names: a control character is 6 bytes of JSON
+        raise FrameTooLarge(
+            f"a frame of {len(body)} bytes of JSON (tensor names and descriptors); "
+            f"at most {MAX_JSON}"
+        )
     rest = b"".join(raw) if raw else b""
-    return HEADER.pack(len(body), len(rest)) + body + rest
+    return HEADER.pack(len(body), len(rest), message.get("i", NO_REQUEST)) + body + rest
+
+
+Refused = Callable[[int, ValueError], None]
+"""Told of a frame skipped: its request id (:data:`NO_REQUEST` for none) and why
+(:class:`FrameTooLarge`, or a :class:`ValueError` for JSON that cannot be read)."""
 
 
 class FrameReader:
-    """Splits a byte stream into ``(message, raw)`` frames."""
+    """Splits a byte stream into ``(message, raw)`` frames.
 
-    def __init__(self) -> None:
+    A frame claiming more than :data:`MAX_JSON` bytes of JSON, or whose JSON is not an
+    object, is skipped (its bytes are dropped as they arrive, never kept) and reported to
+    ``refused``; without one, :class:`ValueError` is raised instead.
+    """
+
+    def __init__(self, refused: Refused | None = None) -> None:
         self._buffer = bytearray()
+        self._skip = 0
+        """Bytes of a skipped frame still to come."""
+        self._refused = refused
 
     def feed(self, data: bytes) -> Iterator[tuple[dict[str, Any], memoryview]]:
         buffer = self._buffer
-        buffer += data
+        if self._skip:
+            dropped = min(self._skip, len(data))
+            self._skip -= dropped
+            buffer += memoryview(data)[dropped:]
+        else:
+            buffer += data
         start = 0
         size = len(buffer)
         try:
             while size - start >= HEADER.size:
-                json_length, raw_length = HEADER.unpack_from(buffer, start)
-                if json_length > MAX_JSON:
-                    raise ValueError(f"a frame of {json_length} bytes of JSON")
+                json_length, raw_length, request_id = HEADER.unpack_from(buffer, start)
                 end = start + HEADER.size + json_length + raw_length
+                if json_length > MAX_JSON:
+                    self._skip = max(end - size, 0)
+                    start = min(end, size)
+                    self._refuse(request_id, FrameTooLarge(
+                        f"a frame of {json_length} bytes of JSON; at most {MAX_JSON}"
+                    ))  # fmt: skip
+                    continue
                 if end > size:
                     break
                 body_end = start + HEADER.size + json_length
-                message = orjson.loads(memoryview(buffer)[start + HEADER.size : body_end])
+                try:  # the view is a temporary: gone before the buffer is resized
+                    message = orjson.loads(memoryview(buffer)[start + HEADER.size : body_end])
+                except orjson.JSONDecodeError as exc:
+                    message = ValueError(f"a frame whose JSON cannot be read: {exc}")
                 raw = memoryview(bytes(buffer[body_end:end])) if raw_length else memoryview(b"")
                 start = end
+                if type(message) is not dict:
+                    self._refuse(request_id, _not_an_object(message))
+                    continue
                 yield message, raw
         finally:
             del buffer[:start]
+
+    def _refuse(self, request_id: int, problem: ValueError) -> None:
+        if self._refused is None:
+            raise problem
+        self._refused(request_id, problem)
+
+
+def _not_an_object(message: Any) -> ValueError:
+    if isinstance(message, ValueError):
+        return message
+    return ValueError("a frame whose JSON is not an object")
 
 
 # -- tensors ---------------------------------------------------------------------------

@@ -31,11 +31,19 @@ import structlog
 
 from registry import tracing
 from registry.components import LoadedPlugin
-from registry.errors import PluginError, PluginLoadError, PlugserveError
+from registry.errors import (
+    InvalidInput,
+    PayloadTooLarge,
+    PluginError,
+    PluginLoadError,
+    PlugserveError,
+)
 from registry.isolation.shm import Allocator, Region
 from registry.isolation.wire import (
+    NO_REQUEST,
     SMALL_BYTES,
     FrameReader,
+    FrameTooLarge,
     error_message,
     frame,
     get_tensors,
@@ -212,7 +220,7 @@ class Serving(asyncio.Protocol):
         self.allocator = Allocator(ours.size)
         self.requests: dict[int, asyncio.Future[Mapping[str, np.ndarray]]] = {}
         self.transport: asyncio.Transport | None = None
-        self._reader = FrameReader()
+        self._reader = FrameReader(self._refuse)
         self._queued: list[bytes] = []
         self._flush_at: asyncio.Handle | None = None
         self._fresh: list[tuple[int, Answer, dict[str, float], float]] = []
@@ -237,24 +245,39 @@ class Serving(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             for message, raw in self._reader.feed(data):
-                kind = message["k"]
-                if kind == "infer":
-                    self._enqueue(message, raw)
-                elif kind == "cancel":
-                    queued = self.requests.get(message["i"])
-                    if queued is not None:
-                        queued.cancel()
-                elif kind == "free":
-                    for offset in message["o"]:
-                        self.allocator.free(offset)
-                elif kind == "stats":
-                    self._send(frame({"k": "stats", "i": message["i"], **self.figures()}))
-        except (ValueError, KeyError, TypeError, orjson.JSONDecodeError) as exc:
-            log.warning("runner_connection_broken", error=str(exc))
-            if self.transport is not None:
-                self.transport.abort()
+                try:
+                    self._receive(message, raw)
+                except (ValueError, KeyError, TypeError) as exc:  # a malformed field
+                    self._refuse(message.get("i", NO_REQUEST), exc)
         finally:
             self.owner.pump_soon()
+
+    def _receive(self, message: dict[str, Any], raw: memoryview) -> None:
+        kind = message["k"]
+        if kind == "infer":
+            self._enqueue(message, raw)
+        elif kind == "cancel":
+            queued = self.requests.get(message["i"])
+            if queued is not None:
+                queued.cancel()
+        elif kind == "free":
+            for offset in message["o"]:
+                self.allocator.free(offset)
+        elif kind == "stats":
+            self._send(frame({"k": "stats", "i": message["i"], **self.figures()}))
+
+    def _refuse(self, request_id: Any, problem: Exception) -> None:
+        """A frame this process cannot take (too large, unreadable, a malformed field):
+        its request, if it names one, is answered with the reason; the connection and the
+        other requests on it go on."""
+        log.warning("runner_frame_refused", request=request_id, error=str(problem))
+        if not isinstance(request_id, int) or isinstance(request_id, bool):
+            return
+        if request_id == NO_REQUEST or request_id in self.requests:
+            return  # no request, or one already queued (a malformed cancel): it answers
+        status = PayloadTooLarge if isinstance(problem, FrameTooLarge) else InvalidInput
+        refusal = status(f"runner process {os.getpid()} could not take the request: {problem}")
+        self._send(frame(error_message(request_id, refusal)))
 
     def _enqueue(self, message: dict[str, Any], raw: memoryview) -> None:
         """Queue a request in the scheduler, undispatched: what arrived together in this
@@ -286,7 +309,7 @@ class Serving(asyncio.Protocol):
             breaker.release()
             self._send(frame(error_message(request_id, exc)))
             return
-        except BaseException:  # a malformed field ("p", "t"): the connection breaks
+        except BaseException:  # a malformed field ("p", "t"): refused (data_received)
             breaker.release()
             raise
         finally:

@@ -78,9 +78,10 @@ class SupervisedRunners:
         process.up.set()
         return process
 
-    async def ended(self, key: str, index: int, pid: int) -> str:
+    async def ended(self, key: str, index: int, pid: int) -> str | None:
         reply = await self._call("/ended", {"key": key, "index": index, "pid": pid})
-        return str(reply.json().get("how", "its connection closed"))
+        how = reply.json().get("how")
+        return None if how is None else str(how)
 
     async def _call(self, path: str, body: dict[str, Any]) -> Reply:
         """A call about a request in flight; :class:`Unavailable` once the supervisor is gone

@@ -5,13 +5,17 @@ answers are fed in as its socket would deliver them."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 
 from registry.errors import Unavailable
-from registry.isolation.remote import Connection
+from registry.isolation import wire
+from registry.isolation.host import RunnerGroup, RunnerHost, RunnerProcess, RunnerSpec
+from registry.isolation.remote import Connection, RemoteRunner, RunnerCrashed, UnreadableAnswer
 from registry.isolation.shm import Allocator, Region
 from registry.isolation.wire import SMALL_BYTES, FrameReader, frame, put_tensors
 from registry.types import RequestContext
@@ -95,3 +99,63 @@ async def test_a_request_its_runner_process_cancelled_fails_instead_of_waiting_f
         await asyncio.wait_for(request, 1.0)
     assert caught.value.status == 503
     assert connection.outstanding == 0
+
+
+async def test_an_answer_this_worker_cannot_read_fails_its_request_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 29 finding 6, the worker's side: an answer over the JSON bound (an output
+    name of megabytes), or one whose descriptors are malformed, closed the connection
+    and failed every request on it. Each fails its own request; the third is answered."""
+    monkeypatch.setattr(wire, "MAX_JSON", 256)  # 64 MiB in production
+    connection = Connection(7, Region(1 << 16), Region(1 << 16))
+    connection.connection_made(Transport())  # type: ignore[arg-type]
+    requests = [
+        asyncio.create_task(connection.request({"x": np.ones((1, 4), np.float32)}, context()))
+        for _ in range(3)
+    ]
+    await asyncio.sleep(0)
+    body = orjson.dumps({"k": "ok", "i": 0, "y": [["\x01" * 60, "<f4", [1], "r", 0, 4]]})
+    large = wire.HEADER.pack(len(body), 4, 0) + body + b"\0\0\0\0"
+    malformed = frame({"k": "ok", "i": 1, "y": [["y", "<f4"]]})
+    descriptors, chunks, _ = put_tensors({"y": np.full((1, 4), 3, np.float32)}, None, None)
+    connection.data_received(
+        large + malformed + frame({"k": "ok", "i": 2, "y": descriptors}, chunks)
+    )
+    for request in requests[:2]:
+        with pytest.raises(
+            UnreadableAnswer, match="runner process 7 sent an answer that cannot be read"
+        ):
+            await asyncio.wait_for(request, 1.0)
+    assert (await requests[2])["y"].tolist() == [[3.0, 3.0, 3.0, 3.0]]
+    assert connection.alive
+    assert connection.outstanding == 0
+
+
+async def test_a_connection_lost_while_its_runner_process_goes_on_says_so(tmp_path: Path) -> None:
+    """Issue 29 finding 6: the requests on a connection the runner process dropped failed
+    500 "its runner process (pid N) ended during the request", though nothing ended. The
+    host has no end recorded for the process (it waits 2 s for one): 503, saying so."""
+    host = RunnerHost()
+    spec = RunnerSpec(tmp_path, "runner/r@1.0.0", tmp_path)
+    process = RunnerProcess(0, None, tmp_path / "r.sock", pid=7)
+    group = host.groups["r#1"] = RunnerGroup("r#1", "r@1", spec, [process])
+    runner = RemoteRunner(host, group)
+    connection = Connection(7, Region(1 << 16), Region(1 << 16))
+    connection.connection_made(Transport())  # type: ignore[arg-type]
+    runner._connections[0] = connection
+    request = asyncio.create_task(runner.infer({"x": np.ones((1, 4), np.float32)}, context()))
+    await asyncio.sleep(0)
+    connection.connection_lost(None)
+    with pytest.raises(Unavailable, match=r"the connection to its runner process \(pid 7\) "
+                       "closed during the request; the process did not end"):  # fmt: skip
+        await asyncio.wait_for(request, 10.0)
+    process.ended[7] = "killed by SIGKILL"  # and where it did end: 500, how it ended
+    connection = Connection(7, Region(1 << 16), Region(1 << 16))
+    connection.connection_made(Transport())  # type: ignore[arg-type]
+    runner._connections[0] = connection
+    request = asyncio.create_task(runner.infer({"x": np.ones((1, 4), np.float32)}, context()))
+    await asyncio.sleep(0)
+    connection.connection_lost(None)
+    with pytest.raises(RunnerCrashed, match=r"ended during the request: killed by SIGKILL"):
+        await asyncio.wait_for(request, 10.0)

@@ -41,7 +41,52 @@ def test_tensors_too_large_for_a_frame_are_refused_not_sent(
 
 def test_a_frame_claiming_more_json_than_any_message_is_refused() -> None:
     with pytest.raises(ValueError, match="a frame of"):
-        list(FrameReader().feed(b"\xff\xff\xff\xff\x00\x00\x00\x00"))
+        list(FrameReader().feed(wire.HEADER.pack(2**32 - 1, 0, 1)))
+
+
+def test_json_over_a_frames_bound_is_refused_by_its_sender_before_the_frame_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 29 finding 6: a name of 11.5 M control characters made 69 MB of JSON (each
+    escaped as \\u0001), sent as one frame that its reader dropped the connection for."""
+    monkeypatch.setattr(wire, "MAX_JSON", 64)  # 64 MiB in production
+    assert frame({"k": "infer", "i": 1, "x": [["a" * 30]]})
+    with pytest.raises(
+        FrameTooLarge,
+        match=r"a frame of 102 bytes of JSON \(tensor names and descriptors\); at most 64",
+    ):
+        frame({"k": "infer", "i": 1, "x": [["\x01" * 12]]})  # 12 characters, 72 bytes
+
+
+def test_a_frame_its_reader_cannot_take_is_skipped_alone_and_named_by_its_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Too large (its bytes dropped as they arrive, however they are split) or not JSON:
+    the reader reports the frame's request id and goes on with the next frame."""
+    monkeypatch.setattr(wire, "MAX_JSON", 64)
+    large = wire.HEADER.pack(65, 3, 7) + b"{" * 65 + b"raw"
+    garbled = wire.HEADER.pack(3, 0, 8) + b"{{{"
+    listed = wire.HEADER.pack(2, 0, 9) + b"[]"
+    data = frame({"k": "a", "i": 6}) + large + garbled + listed + frame({"k": "b", "i": 10})
+    for step in (1, 5, len(data)):
+        refused: list[tuple[int, ValueError]] = []
+        reader = FrameReader(lambda i, problem: refused.append((i, problem)))  # noqa: B023
+        got = []
+        for at in range(0, len(data), step):
+            got += [m["i"] for m, _ in reader.feed(data[at : at + step])]
+        assert got == [6, 10]
+        assert [i for i, _ in refused] == [7, 8, 9]
+        assert isinstance(refused[0][1], FrameTooLarge)
+        assert "a frame of 65 bytes of JSON; at most 64" in str(refused[0][1])
+        assert "cannot be read" in str(refused[1][1])
+        assert "not an object" in str(refused[2][1])
+        assert reader._buffer == b""
+
+
+def test_a_frame_of_no_request_carries_the_no_request_id() -> None:
+    data = frame({"k": "free", "o": [0]})
+    assert wire.HEADER.unpack_from(data)[2] == wire.NO_REQUEST
+    assert wire.HEADER.unpack_from(frame({"k": "cancel", "i": 5}))[2] == 5
 
 
 def test_tensors_cross_through_shared_memory_as_read_only_views() -> None:

@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
+import pytest
 
 from registry.batching import BatchPolicy, Scheduler
 from registry.breaker import CircuitBreaker
+from registry.isolation import wire
 from registry.isolation.shm import Region
 from registry.isolation.wire import FrameReader, frame, put_tensors
 from server.processes.runner import RunnerProcess, Serving
@@ -106,13 +109,39 @@ async def test_a_request_read_in_the_step_its_connection_is_lost_frees_the_break
     assert transport.writes == []
 
 
-async def test_a_malformed_field_breaks_the_connection_without_holding_the_breaker() -> None:
-    _owner, connection, _loaded, transport = serving()
+async def test_a_malformed_field_fails_its_request_alone_without_holding_the_breaker() -> None:
+    owner, connection, _loaded, transport = serving()
     breaker = connection.loaded.breaker
     assert breaker is not None
     breaker.state, breaker.opened_at = "open", float("-inf")
     descriptors, chunks, _ = put_tensors({"x": np.ones((1, 2), np.float32)}, None, None)
     bad = frame({"k": "infer", "i": 1, "x": descriptors, "t": ["not", "a", "name"]}, chunks)
     connection.data_received(bad)
-    assert transport.aborted
+    assert not transport.aborted
     assert not breaker.rejecting
+    connection.data_received(infer(2, 2.0))  # the connection goes on
+    owner._pump()
+    answered = answers(transport)
+    assert [(a["k"], a["i"]) for a in answered] == [("error", 1), ("ok", 2)]
+    assert answered[0]["s"] == 400
+
+
+async def test_a_frame_too_large_fails_its_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29 finding 6: a frame over the JSON bound (a name of megabytes) dropped the
+    worker's connection, and every request on it failed. Its request alone is answered
+    413; its bytes are skipped as they arrive; the requests around it are answered."""
+    owner, connection, _loaded, transport = serving()
+    monkeypatch.setattr(wire, "MAX_JSON", 256)  # 64 MiB in production
+    descriptors, chunks, _ = put_tensors({"\x01" * 60: np.ones((1, 2), np.float32)}, None, None)
+    body = orjson.dumps({"k": "infer", "i": 2, "x": descriptors})
+    raw = b"".join(chunks)
+    large = wire.HEADER.pack(len(body), len(raw), 2) + body + raw
+    data = infer(1, 1.0) + large + infer(3, 3.0)
+    for at in range(0, len(data), 100):  # as a socket may deliver it
+        connection.data_received(data[at : at + 100])
+    owner._pump()
+    answered = answers(transport)
+    assert [(a["k"], a["i"]) for a in answered] == [("error", 2), ("ok", 1), ("ok", 3)]
+    assert answered[0]["s"] == 413
+    assert f"a frame of {len(body)} bytes of JSON; at most 256" in answered[0]["m"]
+    assert not transport.aborted
