@@ -440,9 +440,9 @@ STUCK = """
     hookimpl = pluggy.HookimplMarker("plugserve")
 
     class Stuck:
-        def process(self, data, ctx):
+        async def process(self, data, ctx):
             if "stick" in data:
-                time.sleep(600)  # synchronous: on the worker's event loop, which stops
+                time.sleep(600)  # blocking in a coroutine: the worker's event loop stops
             return data
 
     @hookimpl
@@ -454,7 +454,7 @@ STUCK = """
 def test_a_worker_whose_event_loop_is_stuck_is_replaced(
     server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
 ) -> None:
-    """Plugin code stuck on a worker's loop (a synchronous processor, or a runner run on the
+    """Plugin code stuck on a worker's loop (a coroutine that blocks, or a runner run on the
     loop) stops every deadline and health check there: the supervisor's stall check kills
     the worker after ``worker_stall_timeout_s`` and starts another; the others serve on."""
     write_plugin(plugins_dir, "preprocessor", "stuck", "1.0.0", "", {"plugin.py": STUCK})
