@@ -22,6 +22,8 @@ from typing import Any
 from registry.errors import InvalidInput
 
 MAX_CHOICES = 16
+INT64_SPAN = 2**64
+"""How many seeds there are: a seed is a signed 64-bit integer, -2**63 to 2**63 - 1."""
 MAX_STOPS = 4
 MAX_STOP_CHARS = 1000
 """Longest ``stop`` sequence: the text that may begin one is held back and searched on every
@@ -57,6 +59,14 @@ class Generation:
     echo: bool = False
     seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice ``index`` (``n`` > 1, or several prompts): ``seed + index``,
+        wrapped into the signed 64-bit range, so that every ``seed`` a client may send
+        gives each choice a valid seed of its own (choice 1 of ``2**63 - 1`` is ``-2**63``)."""
+        if self.seed is None:
+            return None
+        return (self.seed + index + INT64_SPAN // 2) % INT64_SPAN - INT64_SPAN // 2
 
 
 @dataclass
@@ -164,7 +174,7 @@ def _generation(
         parameters["ignore_eos"] = _boolean(body["ignore_eos"], "ignore_eos")
     seed = body.get("seed")
     if seed is not None:
-        parameters["seed"] = _integer(seed, "seed", -(2**63), 2**63 - 1)
+        parameters["seed"] = _integer(seed, "seed", -INT64_SPAN // 2, INT64_SPAN // 2 - 1)
     stop = _stops(body.get("stop"))
     if stop:
         parameters["stop"] = list(stop)

@@ -301,7 +301,7 @@ async def _generate(request: web.Request, named: _Named, kind: str) -> web.Strea
         for _ in range(asked.choices):
             parameters = dict(asked.parameters)
             if asked.seed is not None and len(choices):  # n > 1: a seed of its own each
-                parameters["seed"] = asked.seed + len(choices)
+                parameters["seed"] = asked.choice_seed(len(choices))
             ctx = request_context(request, asked.model, PROTOCOL, parameters, deadline)
             choices.append(Choice(len(choices), data, ctx, data.get("prompt", "")))
     head = {
