@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import structlog
 
+from registry.chain import Chain
 from registry.components import LoadedPlugin
 from registry.errors import NotFound, PlugserveError, RoutesFileError
 from registry.fingerprint import Fingerprinter
@@ -101,6 +102,9 @@ class Registry:
         self.drain_timeout = drain_timeout
         self.records: dict[Key, VersionRecord] = {}
         self.routes = RouteTable()
+        self.waiting: dict[tuple[str, str], tuple[str, ...]] = {}
+        """What each ready runner version not yet eligible for its route waits for, by
+        ``(route, name@version)``: the table's :meth:`RouteTable.waiting`, logged on change."""
         self.file_routes: dict[str, RouteSpec] = {}
         self.runtime_routes: Mapping[str, RouteSpec] = {}
         self.routes_file_error: str | None = None
@@ -436,6 +440,7 @@ class Registry:
         # One assignment: a request sees the old table or the new one, never a mix.
         specs = {**self.file_routes, **self.runtime_routes}
         self.routes = build_route_table(self.records.values(), specs)
+        self._note_waiting()
         buckets = {}
         for name, entry in self.routes.entries.items():
             limit = entry.rate_limit
@@ -449,6 +454,32 @@ class Registry:
                 else:
                     buckets[name] = TokenBucket(limit)
         self.buckets = buckets
+
+    def _note_waiting(self) -> None:
+        """Log each runner version that starts waiting for its chain (or waits for something
+        else), and each that stops waiting: its chain is whole and it serves its route.
+
+        A warning once the registry has started; at start, while versions load side by
+        side, a runner often waits a moment for its processors: info.
+        """
+        waiting = self.routes.waiting()
+        note = log.warning if self.started else log.info
+        for (route, runner), reasons in waiting.items():
+            if self.waiting.get((route, runner)) != reasons:
+                serving = self.routes.entries[route].default
+                note(
+                    "route_waiting",
+                    route=route,
+                    runner=runner,
+                    waiting_for=list(reasons),
+                    serving=serving.label if isinstance(serving, Chain) else None,
+                )
+        for route, runner in self.waiting.keys() - waiting.keys():
+            entry = self.routes.entries.get(route)
+            chain = entry.by_version.get(runner.rpartition("@")[2]) if entry else None
+            if isinstance(chain, Chain):
+                log.info("route_chain_whole", route=route, runner=runner, chain=chain.label)
+        self.waiting = waiting
 
     # -- views -------------------------------------------------------------------------
 

@@ -1,8 +1,13 @@
 """The route table: which chain serves each route, rebuilt whole whenever anything changes.
 
-Every runner declares a route (``[route] name`` of its highest ready version,
+Every runner declares a route (``[route] name`` of its highest eligible version,
 else its own name) whose chain is its ``preprocess`` list, the runner and its
 ``postprocess`` list. ``routes.toml`` adds routes or overrides declared ones.
+A runner version is eligible to serve a route only once its whole chain can be
+built: every stage, pinned or floating, has a ready version. A ready runner
+version whose chain is not whole waits (``RouteEntry.waiting`` says for what)
+while the route stays on the highest version whose chain is whole; every
+rebuild looks again, so the route moves as soon as the missing stage is ready.
 The table is an immutable snapshot: a request resolves its chain with dict
 lookups, and a rebuild replaces the whole snapshot in one assignment.
 """
@@ -234,6 +239,8 @@ class _Failure:
 
     kind: type[PlugserveError]
     message: str
+    waiting_for: tuple[str, ...] = ()
+    """For a ready runner version whose chain is not whole: each stage that is missing."""
 
     def error(self) -> PlugserveError:
         return self.kind(self.message)
@@ -247,6 +254,16 @@ class RouteEntry:
     known_versions: Mapping[str, VersionRecord]
     choice: WeightedChoice[Chain] | None = None
     """For a weighted route: its variants ready on this server, by weight."""
+
+    @property
+    def waiting(self) -> dict[str, tuple[str, ...]]:
+        """Ready runner versions not eligible for this route, by version: the stages of
+        their chain that are not ready (missing, failed, loading or unloaded)."""
+        return {
+            version: target.waiting_for
+            for version, target in self.by_version.items()
+            if isinstance(target, _Failure) and target.waiting_for
+        }
 
     @property
     def rate_limit(self) -> RateLimit | None:
@@ -352,6 +369,10 @@ class RouteEntry:
             "sticky": spec.sticky,
             "versions": self.versions,
             "rate_limit": None if self.rate_limit is None else vars(self.rate_limit),
+            "waiting": [
+                {"runner": f"{spec.runner.name}@{version}", "waiting_for": list(reasons)}
+                for version, reasons in self.waiting.items()
+            ],
         }
         if spec.revision is not None:
             out["revision"] = spec.revision
@@ -412,6 +433,14 @@ class RouteTable:
     def describe(self) -> list[dict[str, Any]]:
         return [self.entries[name].describe() for name in sorted(self.entries)]
 
+    def waiting(self) -> dict[tuple[str, str], tuple[str, ...]]:
+        """What each waiting runner version (``name@version``) of each route waits for."""
+        return {
+            (route, f"{entry.spec.runner.name}@{version}"): reasons
+            for route, entry in self.entries.items()
+            for version, reasons in entry.waiting.items()
+        }
+
 
 class _Index:
     """Ready instances and known records by ``(type, name)``, highest version first."""
@@ -455,7 +484,7 @@ def build_route_table(
         if kind != "runner":
             continue
         instances = index.ready.get((kind, name))
-        route = instances[0].manifest.route_name if instances else name
+        route = _declared_route(instances, index) if instances else name
         if route in specs:
             errors.append(
                 f"route {route!r} is declared by runner {name} and by runner "
@@ -476,10 +505,12 @@ def _entry(spec: RouteSpec, index: _Index) -> RouteEntry:
         for r in index.ready.get(("runner", spec.runner.name), [])
         if spec.runner.version is None or r.manifest.version == spec.runner.version
     ]
-    by_version = {r.version: _chain(spec, r, index) for r in runners}
+    by_version = {r.version: _chain(spec, r, index) for r in runners}  # highest first
     default: Chain | _Failure
     if runners:
-        default = by_version[runners[0].version]
+        # The highest eligible version; with none, the highest one's failure says what it lacks.
+        eligible = (c for c in by_version.values() if isinstance(c, Chain))
+        default = next(eligible, by_version[runners[0].version])
     else:
         picked = index.pick("runner", spec.runner)
         assert isinstance(picked, _Failure)
@@ -489,9 +520,11 @@ def _entry(spec: RouteSpec, index: _Index) -> RouteEntry:
 
 
 def _weighted_entry(spec: RouteSpec, index: _Index) -> RouteEntry:
-    """Only variants whose chain is ready here take traffic; the rest hand their share on.
+    """Only variants whose whole chain is ready here take traffic; the rest hand their share on.
 
-    Zero-weight variants take none, unless no weighted variant is ready here.
+    Zero-weight variants take none, unless no weighted variant is ready here. A
+    ready variant whose chain is not whole keeps its failure in ``by_version``
+    (what it waits for).
     """
     by_version: dict[str, Chain | _Failure] = {}
     candidates: list[Candidate[Chain]] = []
@@ -501,6 +534,8 @@ def _weighted_entry(spec: RouteSpec, index: _Index) -> RouteEntry:
         chain = picked if isinstance(picked, _Failure) else _chain(spec, picked, index)
         if isinstance(chain, _Failure):
             failures.append(chain.message)
+            if chain.waiting_for:
+                by_version[str(variant.runner.version)] = chain
             continue
         by_version[chain.runner.version] = chain
         candidates.append(Candidate(variant.label, variant.weight, chain, salt_of(variant.label)))
@@ -521,17 +556,43 @@ def _weighted_entry(spec: RouteSpec, index: _Index) -> RouteEntry:
 
 
 def _chain(spec: RouteSpec, runner: LoadedPlugin, index: _Index) -> Chain | _Failure:
+    """The runner's chain on ``spec``'s route, or, when some stage is not ready, a
+    failure naming every stage the runner version waits for."""
     declared = runner.manifest.route
     pre_refs = declared.preprocess if spec.preprocess is None else spec.preprocess
     post_refs = declared.postprocess if spec.postprocess is None else spec.postprocess
+    pre, post, missing = _stages(pre_refs, post_refs, index)
+    if missing:
+        label = f"{runner.manifest.name}@{runner.version}"
+        message = f"route {spec.name!r}: {label} waits for its chain: {'; '.join(missing)}"
+        return _Failure(Unavailable, message, tuple(missing))
+    return Chain(spec.name, pre, runner, post)
+
+
+def _stages(
+    pre_refs: Iterable[Ref], post_refs: Iterable[Ref], index: _Index
+) -> tuple[tuple[LoadedPlugin, ...], tuple[LoadedPlugin, ...], list[str]]:
+    """The ready instances for a chain's processors, and why each stage that has none lacks it."""
+    missing: list[str] = []
     stages: list[list[LoadedPlugin]] = [[], []]
     for slot, kind, refs in ((0, "preprocessor", pre_refs), (1, "postprocessor", post_refs)):
         for ref in refs:
             picked = index.pick(kind, ref)
             if isinstance(picked, _Failure):
-                return _Failure(Unavailable, f"route {spec.name!r}: {picked.message}")
-            stages[slot].append(picked)
-    return Chain(spec.name, tuple(stages[0]), runner, tuple(stages[1]))
+                missing.append(picked.message)
+            else:
+                stages[slot].append(picked)
+    return tuple(stages[0]), tuple(stages[1]), missing
+
+
+def _declared_route(instances: list[LoadedPlugin], index: _Index) -> str:
+    """The route a runner declares: that of its highest version whose own chain is whole,
+    else (none is eligible yet) that of its highest ready version."""
+    for instance in instances:
+        declared = instance.manifest.route
+        if not _stages(declared.preprocess, declared.postprocess, index)[2]:
+            return instance.manifest.route_name
+    return instances[0].manifest.route_name
 
 
 def _is_version(text: str) -> bool:

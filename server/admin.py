@@ -27,9 +27,21 @@ STARTED = web.AppKey("started", float)
 
 
 async def list_plugins(request: web.Request) -> web.Response:
+    """Every version's record; a ready runner version not yet eligible for a route (a stage
+    of its chain is not ready) has ``waiting_for``: those stages, for every such route."""
     registry: Registry = request.app[REGISTRY]
     await registry.refresh_isolated()
-    return web.json_response({"plugins": [r.as_json() for r in registry.plugins()]})
+    waiting: dict[str, list[str]] = {}
+    for (_, runner), reasons in registry.waiting.items():
+        listed = waiting.setdefault(f"runner/{runner}", [])
+        listed += [reason for reason in reasons if reason not in listed]
+    rows = []
+    for record in registry.plugins():
+        row = record.as_json()
+        if record.label in waiting:
+            row["waiting_for"] = waiting[record.label]
+        rows.append(row)
+    return web.json_response({"plugins": rows})
 
 
 async def list_routes(request: web.Request) -> web.Response:

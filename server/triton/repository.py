@@ -345,7 +345,10 @@ def _rows(name: str, entry: RouteEntry) -> list[dict[str, Any]]:
             state = "READY"
         elif record.state == "ready":  # the runner is, another stage of its chain is not
             state = "UNAVAILABLE"
-            reason = entry.default.message if not isinstance(entry.default, Chain) else reason
+            if target is not None:  # what this version waits for
+                reason = target.message
+            elif not isinstance(entry.default, Chain):
+                reason = entry.default.message
         elif record.state == "unloaded":
             reason = reason or "unloaded"
         rows.append({"name": name, "version": record.version, "state": state, "reason": reason})

@@ -410,3 +410,100 @@ async def test_a_close_that_never_returns_holds_no_reload_unload_or_close(
     await bounded(registry.close())
     assert registry.records == {}
     assert asyncio.get_running_loop().time() - started < 5
+
+
+PINS_PRE = '[route]\npreprocess = ["pre@1.0.0"]\n'
+
+
+async def test_a_version_whose_chain_is_not_whole_waits_on_every_kind_of_route(
+    plugins_dir: Path, registry: Registry
+) -> None:
+    """Issue 29 finding 9, through the routes file: a declared route, a routes.toml alias
+    floating on the runner and a weighted split all stay on 1.0.0 while 2.0.0 waits for
+    ``pre@1.0.0``; 2.0.0 asked for by version says what it waits for; once the processor
+    loads, every one of them takes 2.0.0 with no further step."""
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
+    write_add_runner(plugins_dir, "add", "2.0.0", amount=2, route=PINS_PRE)
+    (plugins_dir / "routes.toml").write_text(
+        '[routes.alias]\nrunner = "add"\n'
+        '[routes.split]\nrunner = { "add@1.0.0" = 50, "add@2.0.0" = 50 }\n'
+    )
+    await registry.start()
+    for route in ("add", "alias", "split"):
+        assert [await run(registry, route, 0) for _ in range(20)] == [1] * 20
+        with pytest.raises(Unavailable, match=r"add@2.0.0 waits for its chain: preprocessor pre@1"):
+            registry.routes.resolve(route, "2.0.0")
+        described = registry.routes.entries[route].describe()
+        assert described["ready"] is True
+        assert described["waiting"] == [
+            {"runner": "add@2.0.0", "waiting_for": ["preprocessor pre@1.0.0 is not installed"]}
+        ]
+    assert registry.waiting.keys() == {(r, "add@2.0.0") for r in ("add", "alias", "split")}
+    split = registry.routes.entries["split"].describe()["variants"]
+    assert [(v["runner"], v["ready"], v["share"]) for v in split] == [
+        ("add@2.0.0", False, 0.0),
+        ("add@1.0.0", True, 1.0),
+    ]
+
+    assert await registry.load(write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 100))
+    assert await run(registry, "add", 0) == await run(registry, "alias", 0) == 102
+    split = registry.routes.entries["split"].describe()["variants"]
+    assert [(v["runner"], v["ready"], v["share"]) for v in split] == [
+        ("add@2.0.0", True, 0.5),
+        ("add@1.0.0", True, 0.5),
+    ]
+    assert registry.waiting == {}
+    assert all(e.waiting == {} for e in registry.routes.entries.values())
+
+
+async def test_a_route_declared_by_a_waiting_version_keeps_the_eligible_version_s_name(
+    plugins_dir: Path, registry: Registry
+) -> None:
+    """Issue 29 finding 9, a variant: runner 2.0.0 renames its route (``[route] name``) and
+    pins a processor not installed; the route keeps the name 1.0.0 declares, served by
+    1.0.0, until 2.0.0's chain is whole."""
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
+    write_add_runner(
+        plugins_dir,
+        "add",
+        "2.0.0",
+        amount=2,
+        route='[route]\nname = "adder"\npreprocess = ["pre@1.0.0"]\n',
+    )
+    await registry.start()
+    assert set(registry.routes.entries) == {"add"}
+    assert await run(registry, "add", 0) == 1
+    await registry.load(write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 100))
+    assert set(registry.routes.entries) == {"adder"}
+    assert await run(registry, "adder", 0) == 102
+
+
+async def test_a_stage_unloaded_under_its_route_falls_back_to_a_whole_chain(
+    plugins_dir: Path, registry: Registry
+) -> None:
+    """A processor of the serving chain unloaded: a request already on that chain finishes
+    on it (the processor is released after it), new requests go to the highest version
+    whose chain is still whole, and the unloaded one's version waits for it again."""
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
+    write_add_runner(plugins_dir, "add", "2.0.0", amount=2, route=PINS_PRE)
+    write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 100)
+    await registry.start()
+    held = registry.routes.resolve("add")
+    assert held.variant == "add@2.0.0"
+    registry.drain_timeout = 60
+    held.enter()
+    unload = asyncio.create_task(registry.unload(("preprocessor", "pre", "1.0.0")))
+    await asyncio.sleep(0)  # the unload runs up to its wait for the held request
+    assert registry.records[("preprocessor", "pre", "1.0.0")].state == "draining"
+    assert not unload.done()
+    assert await run(registry, "add", 0) == 1
+    assert registry.routes.entries["add"].waiting == {
+        "2.0.0": ("preprocessor/pre@1.0.0 is draining",)
+    }
+    out = await held.run({"x": np.zeros((1, 4), np.float32)}, ctx("add"))
+    assert float(out["y"][0, 0]) == 102
+    held.leave()
+    assert await unload == "unloaded"
+    assert registry.routes.entries["add"].waiting == {
+        "2.0.0": ("preprocessor/pre@1.0.0 is unloaded",)
+    }
