@@ -149,6 +149,8 @@ def test_a_version_pinning_a_missing_processor_waits_and_the_route_moves_when_it
         waiting = route(srv, "ocr").get("waiting")
         row = plugin_row(srv, "runner/ocr@2.0.0")
         drop(staging, plugins_dir, write_processor(staging, "addone", "1.0.0"))
+        # Ready in every worker: each has rebuilt its table with it, in the same step.
+        until(lambda: (plugin_row(srv, "preprocessor/addone@1.0.0") or {}).get("state") == "ready")
         until(lambda: traffic.answers[-10:] == [(200, "2.0.0", 3.0)] * 10)
     finally:
         answers = traffic.stop()
