@@ -32,7 +32,9 @@ def plugins(answers: Sequence[tuple[int, list[dict[str, Any]]]]) -> list[dict[st
     """``/admin/plugins`` lists from each worker (by pid): each version once, counts summed.
 
     A version's state is the one every worker has; where they differ, the first
-    of :data:`STATE_ORDER` that any has, with ``states`` by pid.
+    of :data:`STATE_ORDER` that any has, with ``states`` by pid. ``waiting_for``
+    (a runner version not yet eligible for a route) lists what it waits for in
+    any worker.
     """
     merged: dict[tuple[str, str, str], dict[str, Any]] = {}
     states: dict[tuple[str, str, str], dict[str, str]] = {}
@@ -58,6 +60,9 @@ def plugins(answers: Sequence[tuple[int, list[dict[str, Any]]]]) -> list[dict[st
                 kept["pids"] = sorted({*kept.get("pids", []), *row.get("pids", [])})
             if kept.get("last_error") is None and row.get("last_error") is not None:
                 kept["last_error"] = row["last_error"]
+            if row.get("waiting_for"):  # what it waits for in any worker
+                waits = kept.setdefault("waiting_for", [])
+                waits += [w for w in row["waiting_for"] if w not in waits]
     out = []
     for key in order:
         row, by_pid = merged[key], states[key]

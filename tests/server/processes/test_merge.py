@@ -71,6 +71,16 @@ def test_plugins_once_each_with_counts_summed_and_disagreement_shown() -> None:
     assert partial[0]["states"] == {"11": "ready"}
 
 
+def test_what_a_runner_version_waits_for_in_any_worker_is_listed() -> None:
+    """A runner version waiting for a stage of its chain in one worker only (the other has
+    loaded the stage already) shows ``waiting_for``, whichever worker answers first."""
+    row = {"type": "runner", "name": "ocr", "version": "2.0.0", "state": "ready"}
+    waits = {**row, "waiting_for": ["preprocessor addone@1.0.0 is not installed"]}
+    for answers in ([(11, [row]), (12, [waits])], [(11, [waits]), (12, [row])]):
+        assert merge.plugins(answers)[0]["waiting_for"] == waits["waiting_for"]
+    assert "waiting_for" not in merge.plugins([(11, [row]), (12, [row])])[0]
+
+
 def test_triton_statistics_add_up_per_route_version_and_batch_size() -> None:
     def stats(count: int, ns: int, last: int, batches: dict[int, int]) -> dict:  # type: ignore[type-arg]
         return {
