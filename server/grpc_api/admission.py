@@ -9,6 +9,12 @@ idle keep-alive connection, and with none the call is refused
 ``ServerReady``, ``ModelReady``, ``grpc.health.v1.Health``) are counted apart,
 up to ``HEALTH_CALLS`` at once, so that data calls never crowd them out.
 
+A unary call's request message must arrive within ``request_timeout_s`` (HTTP's
+``body_timeout_s``; a health call's within ``health_request_timeout_s``, HTTP's
+``header_timeout_s``), else the call ends ``DEADLINE_EXCEEDED``; at a full pool, the call
+that has waited longest for its message, a second or more, is ended ``UNAVAILABLE`` to make
+room, so calls that never send their message cannot hold the pool (health's included).
+
 A sweep once a second ends, with ``DEADLINE_EXCEEDED``, a stream that has sent
 no request for ``idle_timeout_s`` with none in flight, and one whose client has
 read none of an answer for ``send_timeout_s`` (HTTP's ``body_timeout_s``): its
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -59,6 +66,10 @@ class CallLimits:
     """A stream with nothing in flight that sends no request for this long is ended."""
     send_timeout_s: float
     """A stream whose client reads none of an answer for this long is ended."""
+    request_timeout_s: float = 60.0
+    """A unary data call whose request message has not arrived this long is ended."""
+    health_request_timeout_s: float = 10.0
+    """The same for a health or readiness call."""
 
 
 class Ended(Exception):
@@ -74,6 +85,7 @@ class TrackedCall:
     """One admitted call: what the sweep reads of it, and how it is ended."""
 
     __slots__ = (
+        "awaiting_since",
         "counted",
         "ended",
         "in_flight",
@@ -96,6 +108,11 @@ class TrackedCall:
         """Since when an answer waits for the client to read it (``None``: none waits)."""
         self.ended: Ended | None = None
         self.counted = True
+        self.awaiting_since: float | None = None if streaming else self.since
+        """Since when a unary call waits for its request message (``None``: it arrived)."""
+
+    def request_arrived(self) -> None:
+        self.awaiting_since = None
 
     def request_began(self) -> None:
         self.in_flight += 1
@@ -147,8 +164,8 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self.health: set[TrackedCall] = set()
         self.refused = 0
         self.evicted = 0
-        self.timed_out = {"idle": 0, "send": 0}
-        self._reported = (0, 0, 0, 0)
+        self.timed_out = {"idle": 0, "send": 0, "request": 0}
+        self._reported = (0, 0, 0, 0, 0)
         self._task: asyncio.Task[None] | None = None
 
     async def intercept_service(
@@ -163,14 +180,36 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         assert task is not None  # grpc.aio runs each call in a task of its own
         exempt = details.method in EXEMPT
         pool, limit = (self.health, HEALTH_CALLS) if exempt else (self.calls, self.limits.max_calls)
-        if len(pool) >= limit and (exempt or not self._evict_idle()):
+        if len(pool) >= limit and not self._make_room(pool, exempt):
             self.refused += 1
             return _refusal(handler, _refusal_message(exempt, limit))
-        call = TrackedCall(pool, task, bool(handler.request_streaming))
+        streaming = bool(handler.request_streaming)
+        call = TrackedCall(pool, task, streaming)
         pool.add(call)
         task.add_done_callback(lambda _: call.release())
         CURRENT_CALL.set(call)
-        return handler
+        if streaming or handler.response_streaming:
+            return handler
+        return _arrival_bounded(handler, call)
+
+    def _make_room(self, pool: set[TrackedCall], exempt: bool) -> bool:
+        """End one call of a full ``pool`` to make room for a new one: the unary call that has
+        waited longest for its request message (a second or more), else, for data calls, a
+        stream idle for a second or more; ``False`` if there is none."""
+        now = time.monotonic()
+        waiting = [c for c in pool if c.awaiting_since is not None and c.ended is None]
+        if waiting:
+            oldest = min(waiting, key=lambda c: c.awaiting_since or now)
+            if now - (oldest.awaiting_since or now) >= IDLE_EVICTABLE_S:
+                oldest.end(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the call's request message had not arrived and the server is at its "
+                    "call limit: ended to make room",
+                )
+                oldest.release()
+                self.evicted += 1
+                return True
+        return not exempt and self._evict_idle()
 
     def _evict_idle(self) -> bool:
         """End a stream idle for a second or more to make room; ``False`` if there is none."""
@@ -202,8 +241,21 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             self.sweep(time.monotonic())
 
     def sweep(self, now: float) -> None:
-        """End the streams past their idle or send timeout."""
+        """End the unary calls whose request message is late, and the streams past their
+        idle or send timeout."""
         limits = self.limits
+        for pool, within, setting in (
+            (self.calls, limits.request_timeout_s, "body_timeout_s"),
+            (self.health, limits.health_request_timeout_s, "header_timeout_s"),
+        ):
+            for call in [c for c in pool if c.awaiting_since is not None]:
+                if now - (call.awaiting_since or now) > within:
+                    self.timed_out["request"] += 1
+                    call.end(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the call's request message did not arrive within {setting} = "
+                        f"{within:g} s",
+                    )
         for call in list(self.calls):
             writing = call.writing_since
             if writing is not None and now - writing > limits.send_timeout_s:
@@ -224,8 +276,12 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def _report(self) -> None:
         """One log line per sweep that saw refusals or timeouts, never one per call."""
-        current = (self.refused, self.evicted, self.timed_out["idle"], self.timed_out["send"])
-        refused, evicted, idle, send = (c - r for c, r in zip(current, self._reported, strict=True))
+        timed_out = self.timed_out
+        current = (self.refused, self.evicted, timed_out["idle"], timed_out["send"],
+                   timed_out["request"])  # fmt: skip
+        refused, evicted, idle, send, request = (
+            c - r for c, r in zip(current, self._reported, strict=True)
+        )
         self._reported = current
         if refused or evicted:
             log.warning(
@@ -235,8 +291,36 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 open=len(self.calls),
                 max_calls=self.limits.max_calls,
             )
-        if idle or send:
-            log.info("grpc_calls_timed_out", idle=idle, send=send)
+        if idle or send or request:
+            log.info("grpc_calls_timed_out", idle=idle, send=send, request=request)
+
+
+def _arrival_bounded(handler: Any, call: TrackedCall) -> Any:
+    """``handler``, a unary call's, taking its request as a stream so that the wait for the
+    request message can be ended (:meth:`Admission.sweep` past its timeout,
+    :meth:`Admission._make_room` at a full pool); then the handler's own behaviour."""
+    behaviour = handler.unary_unary
+
+    async def bounded(requests: Any, context: Any) -> Any:
+        try:
+            request = await anext(aiter(requests))
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+        except asyncio.CancelledError:
+            ended = call.ended
+            if ended is None:
+                raise  # the client went away, or the server stops
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            await context.abort(ended.code, ended.message)
+        call.request_arrived()
+        answer = behaviour(request, context)
+        return (await answer) if inspect.isawaitable(answer) else answer
+
+    return grpc.stream_unary_rpc_method_handler(
+        bounded, handler.request_deserializer, handler.response_serializer
+    )
 
 
 def _refusal_message(exempt: bool, limit: int) -> str:

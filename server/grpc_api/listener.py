@@ -69,6 +69,8 @@ def call_limits(settings: Settings) -> CallLimits:
         max_calls=settings.max_connections or DEFAULT_MAX_CONNECTIONS,
         idle_timeout_s=settings.grpc_idle_timeout_s,
         send_timeout_s=settings.body_timeout_s,
+        request_timeout_s=settings.body_timeout_s,
+        health_request_timeout_s=settings.header_timeout_s,
     )
 
 

@@ -283,3 +283,87 @@ def test_a_grpc_connection_that_sends_nothing_is_closed(
         took = time.monotonic() - started
     assert took < 8
     assert healthy(srv.grpc_url) == (True, "SERVING", True)
+
+
+class SilentUnary:
+    """Unary calls to ``method`` whose request message never comes: each is opened as a
+    stream-unary call over the unary method, its request iterator blocked until closed."""
+
+    def __init__(self, url: str, method: str, count: int) -> None:
+        self.gate = threading.Event()
+        # A connection of its own: a channel shared with the test's probes would carry them.
+        self.channel = grpc.insecure_channel(url, options=[("grpc.use_local_subchannel_pool", 1)])
+        call = self.channel.stream_unary(
+            method, request_serializer=lambda _: b"", response_deserializer=lambda b: b
+        )
+        self.futures = [call.future(self._never()) for _ in range(count)]
+
+    def _never(self) -> Iterator[bytes]:
+        self.gate.wait()
+        yield from ()
+
+    def ended(self) -> list[str]:
+        return [f.exception().code().name for f in self.futures if f.done() and f.exception()]
+
+    def close(self) -> None:
+        self.gate.set()
+        for future in self.futures:
+            future.cancel()
+        self.channel.close()
+
+
+LIVE = "/inference.GRPCInferenceService/ServerLive"
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def test_health_calls_whose_request_never_comes_leave_room_for_health(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Issue 29, a variant of finding 2 from the attack on its fix: 70 ServerLive calls that
+    never send their request message filled health's own 64 calls, and ServerLive and
+    Check answered RESOURCE_EXHAUSTED for as long as they stayed open (82 s seen). At the
+    limit the call that waited longest for its message is ended to make room, and such a
+    call ends once header_timeout_s has passed."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    srv = start(server, tmp_path, plugins_dir, header_timeout_s=4)
+    silent = SilentUnary(srv.grpc_url, LIVE, 70)
+    try:
+        time.sleep(1.5)  # all 70 sent; the 64 admitted wait for their messages
+        for _ in range(3):
+            assert healthy(srv.grpc_url) == (True, "SERVING", True)
+        deadline = time.monotonic() + 20
+        while len(silent.ended()) < 70 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ended = silent.ended()
+        assert len(ended) == 70, ended
+        assert set(ended) <= {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"}
+        assert "DEADLINE_EXCEEDED" in ended  # header_timeout_s ended those left waiting
+    finally:
+        silent.close()
+
+
+def test_data_calls_whose_request_never_comes_leave_room_for_good_calls(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Issue 29, a variant of findings 2 and 3 from the attack on their fix: ModelInfer calls
+    that never send their request message, never idle, never swept, filled max_connections
+    and every good ModelInfer got RESOURCE_EXHAUSTED past every timeout. Now a good call
+    makes room (the call waiting longest for its message is ended UNAVAILABLE), and those
+    left end DEADLINE_EXCEEDED after body_timeout_s."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    srv = start(server, tmp_path, plugins_dir, max_connections=8, body_timeout_s=5)
+    silent = SilentUnary(srv.grpc_url, INFER, 8)
+    try:
+        time.sleep(1.5)  # the 8 admitted, waiting for their messages, a second or more
+        with grpc.insecure_channel(srv.grpc_url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            for i in range(4):
+                answer = stub.ModelInfer(add_request(f"good{i}"), timeout=10)
+                assert answer.id == f"good{i}"
+        assert silent.ended() == ["UNAVAILABLE"]  # room for the first; the others reuse it
+        deadline = time.monotonic() + 20
+        while len(silent.ended()) < 8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sorted(silent.ended()) == ["DEADLINE_EXCEEDED"] * 7 + ["UNAVAILABLE"]
+    finally:
+        silent.close()
