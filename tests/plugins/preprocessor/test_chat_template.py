@@ -193,3 +193,18 @@ def test_a_prompt_near_the_limit_is_tokenized_and_counted_exactly(
     assert template.process({"prompt": text}, ctx)["input_ids"].shape == (1, 1024)
     with pytest.raises(InvalidInput, match="the prompt is 1025 tokens"):
         template.process({"prompt": text + "a"}, context())
+
+
+def test_too_many_messages_are_refused_before_any_is_read(template: Any, monkeypatch: Any) -> None:
+    """Issue 29, from the attack on finding 1's fix: 2 M messages were each checked and
+    measured (``_turn``) before the character bound could refuse them, a cost that grew with
+    the count alone. Each message takes two tokens at least: past the limit on the count
+    alone, none is read."""
+    read: list[int] = []
+    real = template._turn
+    monkeypatch.setattr(template, "_turn", lambda m, i, ctx: read.append(i) or real(m, i, ctx))
+    with pytest.raises(InvalidInput, match=r"at least 1025 tokens \(512 messages\)"):
+        template.process({"messages": [{"role": "user", "content": "hi"}] * 512}, context())
+    assert read == []
+    assert template.process({"messages": [{"role": "user", "content": "hi"}] * 100}, context())
+    assert len(read) == 100

@@ -93,6 +93,12 @@ class ChatTemplate:
     def _chat(self, messages, ctx) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise ctx.InvalidInput("messages must be a non-empty list of {role, content}")
+        least = 2 * len(messages) + 1  # each message's tag and <|end|>, the answer's tag
+        if least > self.max_prompt_tokens:
+            raise ctx.InvalidInput(
+                f"the prompt is at least {least} tokens ({len(messages)} messages); at most "
+                f"{self.max_prompt_tokens} are allowed"
+            )
         turns = [self._turn(message, i, ctx) for i, message in enumerate(messages)]
         # Each message adds its role tag and <|end|>; the answer's tag follows the last.
         self._check_length(sum(len(content) for _, content in turns), 2 * len(turns) + 1, ctx)
