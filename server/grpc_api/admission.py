@@ -108,8 +108,9 @@ class TrackedCall:
         """Since when an answer waits for the client to read it (``None``: none waits)."""
         self.ended: Ended | None = None
         self.counted = True
-        self.awaiting_since: float | None = None if streaming else self.since
-        """Since when a unary call waits for its request message (``None``: it arrived)."""
+        self.awaiting_since: float | None = None
+        """Since when a unary call waits for its request message (``None``: it arrived, or
+        the call is not one whose wait :func:`_arrival_bounded` bounds)."""
 
     def request_arrived(self) -> None:
         self.awaiting_since = None
@@ -190,6 +191,7 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         CURRENT_CALL.set(call)
         if streaming or handler.response_streaming:
             return handler
+        call.awaiting_since = call.since
         return _arrival_bounded(handler, call)
 
     def _make_room(self, pool: set[TrackedCall], exempt: bool) -> bool:
@@ -215,7 +217,9 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         """End a stream idle for a second or more to make room; ``False`` if there is none."""
         now = time.monotonic()
         for call in self.calls:
-            if call.idle_for(now) >= IDLE_EVICTABLE_S:
+            # An ended call stays counted until its handler ends: its status may wait for
+            # its client to read.
+            if call.ended is None and call.idle_for(now) >= IDLE_EVICTABLE_S:
                 call.end(
                     grpc.StatusCode.UNAVAILABLE,
                     "the stream was idle and the server is at its call limit "
@@ -248,7 +252,7 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             (self.calls, limits.request_timeout_s, "body_timeout_s"),
             (self.health, limits.health_request_timeout_s, "header_timeout_s"),
         ):
-            for call in [c for c in pool if c.awaiting_since is not None]:
+            for call in [c for c in pool if c.awaiting_since is not None and c.ended is None]:
                 if now - (call.awaiting_since or now) > within:
                     self.timed_out["request"] += 1
                     call.end(
@@ -257,6 +261,8 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                         f"{within:g} s",
                     )
         for call in list(self.calls):
+            if call.ended is not None:
+                continue  # ended once; counted until its handler ends
             writing = call.writing_since
             if writing is not None and now - writing > limits.send_timeout_s:
                 self.timed_out["send"] += 1
@@ -303,9 +309,7 @@ def _arrival_bounded(handler: Any, call: TrackedCall) -> Any:
 
     async def bounded(requests: Any, context: Any) -> Any:
         try:
-            request = await anext(aiter(requests))
-        except StopAsyncIteration:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+            request = await context.read()
         except asyncio.CancelledError:
             ended = call.ended
             if ended is None:
@@ -314,6 +318,8 @@ def _arrival_bounded(handler: Any, call: TrackedCall) -> Any:
             if current is not None:
                 current.uncancel()
             await context.abort(ended.code, ended.message)
+        if request is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
         call.request_arrived()
         answer = behaviour(request, context)
         return (await answer) if inspect.isawaitable(answer) else answer

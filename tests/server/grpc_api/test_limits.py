@@ -367,3 +367,44 @@ def test_data_calls_whose_request_never_comes_leave_room_for_good_calls(
         assert sorted(silent.ended()) == ["DEADLINE_EXCEEDED"] * 7 + ["UNAVAILABLE"]
     finally:
         silent.close()
+
+
+def test_a_call_ended_for_unread_answers_stays_counted_until_it_ends(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Issue 29, from the review of finding 3's fix: a stream ended for unread answers, its
+    status waiting behind them, looked idle a second later and was dropped from the count
+    to make room: each such stream let one more call past max_connections, for good. It
+    stays counted (new calls refused) and is swept once, until its client reads or goes."""
+    write_streaming_runner(
+        plugins_dir, "tokens", "steps", runner="max_streams = 4\n", config="step_s = 0.005"
+    )
+    srv = start(server, tmp_path, plugins_dir, max_connections=1, body_timeout_s=2)
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384),
+               ("grpc.use_local_subchannel_pool", 1)]  # fmt: skip
+    channel = grpc.insecure_channel(srv.grpc_url, options=options)
+    stop = threading.Event()
+
+    def requests() -> Iterator[Any]:
+        yield count_request("tokens", 100_000, "unread")
+        stop.wait()
+
+    unread = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+        requests(), timeout=60
+    )
+    try:
+        time.sleep(4.5)  # ended after body_timeout_s; its status waits behind its answers
+        with grpc.insecure_channel(srv.grpc_url) as other:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(other)
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.ModelInfer(count_request("tokens", 1), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                time.sleep(1.2)
+        assert not unread.done()
+        timed_out = [line for line in srv.log().splitlines() if "grpc_calls_timed_out" in line]
+        assert len(timed_out) == 1, timed_out  # swept once, not once a second
+    finally:
+        stop.set()
+        unread.cancel()
+        channel.close()
