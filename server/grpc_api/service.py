@@ -198,8 +198,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         admit(call, route, version)
         decoded = tensors.decode(request, self.app[SETTINGS].limits)
         deadline = _deadline(call, decoded.parameters)
-        size = sum(map(len, request.raw_input_contents))
-        size += sum(array.nbytes for array in decoded.inputs.values())
+        size = request.ByteSize()  # the message as it arrived, as HTTP counts its body
         ctx = request_context(call, route, "grpc", decoded.parameters, deadline, size)
         cache = self.app[RESPONSE_CACHE]
         shared = await self._attach(call, decoded) if decoded.uses_shared_memory else None

@@ -15,7 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from tests.helpers import ROOT, ServerProcess, write_add_runner, write_plugin
 
@@ -176,3 +178,47 @@ def test_a_slow_sync_preprocessor_runs_off_the_event_loop_and_a_cheap_one_inline
     assert took >= 4  # one call at a time, as on the event loop
     assert len(health) >= 10 and max(health) < HEALTH_S, f"health answer times: {health}"
     assert _inline_calls(srv, "nap") == 0
+
+
+TEXTS = """
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Texts:
+        def process(self, data, ctx):
+            length = sum(len(t) for t in np.asarray(data["text"], dtype=object).ravel())
+            return {"x": np.full((1, 4), float(length > 2), np.float32)}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Texts()
+"""
+
+
+def test_a_big_grpc_text_in_typed_contents_is_measured_by_its_bytes(
+    plugins_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """From the review of issue 29 finding 1's fix: over gRPC, a request's size was its raw
+    contents plus its decoded arrays' nbytes, and a BYTES tensor sent in typed contents
+    (``bytes_contents``) is an object array of 8 bytes an element, however long its texts:
+    after cheap calls, a 4 MiB text ran inline on the event loop. Its size is the message's."""
+    write_plugin(plugins_dir, "preprocessor", "texts", "1.0.0", "", {"plugin.py": TEXTS})
+    write_add_runner(plugins_dir, "add-texts", "1.0.0", route='[route]\npreprocess = ["texts"]\n')
+    srv = server("--plugins-dir", str(plugins_dir))
+
+    def infer(stub: Any, text: bytes) -> None:
+        request = service_pb2.ModelInferRequest(model_name="add-texts")
+        tensor = request.inputs.add(name="text", datatype="BYTES", shape=[1])
+        tensor.contents.bytes_contents.append(text)
+        stub.ModelInfer(request, timeout=30)
+
+    with grpc.insecure_channel(srv.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(12):
+            infer(stub, b"hi")
+        cheap = _inline_calls(srv, "texts")
+        assert cheap > 0
+        infer(stub, b"x" * (4 << 20))
+        assert _inline_calls(srv, "texts") == cheap  # on the processor's thread
