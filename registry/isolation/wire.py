@@ -166,9 +166,28 @@ def put_tensors(
     descriptors: list[Descriptor] = []
     chunks: list[bytes] = []
     taken: list[int] = []
-    raw_at = 0
     if inline_below and sum(np.asarray(a).nbytes for a in arrays.values()) < inline_below:
         region = None
+    try:
+        _put_each(arrays, region, allocator, descriptors, chunks, taken)
+    except BaseException:
+        for offset in taken:  # nobody will learn of them
+            assert allocator is not None
+            allocator.free(offset)
+        raise
+    return descriptors, chunks, taken
+
+
+def _put_each(
+    arrays: Mapping[str, np.ndarray],
+    region: Region | None,
+    allocator: Allocator | None,
+    descriptors: list[Descriptor],
+    chunks: list[bytes],
+    taken: list[int],
+) -> None:
+    """:func:`put_tensors`' work, appending to its lists (the blocks taken as they are)."""
+    raw_at = 0
     for name, value in arrays.items():
         array = np.asarray(value)
         shape = list(array.shape)
@@ -191,7 +210,6 @@ def put_tensors(
             descriptors.append([name, dtype, shape, "r", raw_at, nbytes])
             chunks.append(data)
             raw_at += nbytes
-    return descriptors, chunks, taken
 
 
 def get_tensors(

@@ -364,10 +364,15 @@ class Serving(asyncio.Protocol):
             "q": queue,
             "c": time.perf_counter() - started - queue,
         }
+        taken: list[int] = []
         try:
-            answer["y"], chunks, _ = put_tensors(outputs, self.ours, self.allocator, SMALL_BYTES)
+            answer["y"], chunks, taken = put_tensors(
+                outputs, self.ours, self.allocator, SMALL_BYTES
+            )
             data = frame(answer, chunks)
         except Exception as problem:  # too large for a frame, out of memory, not arrays ...
+            for offset in taken:  # the worker never learns of them: they are freed here
+                self.allocator.free(offset)
             self._send(frame(error_message(request_id, PluginError(loaded.label, problem))))
             return
         self._send(data)

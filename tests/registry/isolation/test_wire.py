@@ -110,6 +110,21 @@ def test_tensors_cross_through_shared_memory_as_read_only_views() -> None:
     assert np.shares_memory(out["x"], np.frombuffer(region.map, np.uint8))
 
 
+def test_blocks_taken_before_a_tensor_fails_are_given_back() -> None:
+    """From the review of issue 29 finding 6's fix: an answer that failed after some of its
+    outputs took blocks (a later output unencodable, the frame too large) left those blocks
+    taken for good, shrinking the runner process's region with each such request."""
+    region = Region(1 << 16)
+    allocator = Allocator(region.size)
+    arrays = {
+        "x": np.ones((64, 64), dtype=np.float32),  # a block of 16 KiB
+        "words": np.array(["\ud800"], dtype=object),  # not UTF-8: fails after x took its block
+    }
+    with pytest.raises(UnicodeEncodeError):
+        put_tensors(arrays, region, allocator)
+    assert allocator.alloc(region.size) == 0  # the whole region is free again
+
+
 def test_a_tensor_that_does_not_fit_goes_inline() -> None:
     region = Region(4096)
     big = np.ones((64, 64), dtype=np.float32)  # 16 KiB

@@ -145,3 +145,30 @@ async def test_a_frame_too_large_fails_its_request_alone(monkeypatch: pytest.Mon
     assert answered[0]["s"] == 413
     assert f"a frame of {len(body)} bytes of JSON; at most 256" in answered[0]["m"]
     assert not transport.aborted
+
+
+async def test_an_answer_too_large_gives_its_blocks_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the review of issue 29 finding 6's fix: an answer whose outputs took blocks of
+    the runner's region, then failed as a frame (over the JSON bound: an output named at
+    length), was answered 500 and its blocks stayed taken for good: each such request
+    shrank the region."""
+
+    class LongName(Loaded):
+        def run(self, inputs: Any) -> dict[str, np.ndarray]:
+            return {"y" * 600: inputs["x"] * 2}
+
+    breaker = CircuitBreaker(LABEL, failures=0)
+    loaded = LongName(Scheduler(_never, BatchPolicy(max_batch_size=8), LABEL), breaker)
+    loaded.scheduler.inline = loaded.run
+    owner = RunnerProcess({"shm_bytes": 1 << 20}, -1)
+    owner.loaded = loaded  # type: ignore[assignment]
+    connection = Serving(owner, loaded, Region(1 << 20), Region(1 << 20))  # type: ignore[arg-type]
+    transport = Transport()
+    connection.connection_made(transport)  # type: ignore[arg-type]
+    descriptors, chunks, _ = put_tensors({"x": np.ones((1, 40_000), np.float32)}, None, None)
+    monkeypatch.setattr(wire, "MAX_JSON", 400)  # the request's and the error's fit; not y's
+    connection.data_received(frame({"k": "infer", "i": 1, "x": descriptors}, chunks))
+    owner._pump()
+    (answered,) = answers(transport)
+    assert (answered["k"], answered["i"], answered["s"]) == ("error", 1, 500)
+    assert connection.allocator.alloc(1 << 20) == 0  # every block given back
