@@ -4,7 +4,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from registry.errors import InvalidInput
 from tests.plugins.bundled import MODELS, context
@@ -208,3 +208,15 @@ def test_too_many_messages_are_refused_before_any_is_read(template: Any, monkeyp
     assert read == []
     assert template.process({"messages": [{"role": "user", "content": "hi"}] * 100}, context())
     assert len(read) == 100
+
+
+def test_no_character_bound_where_an_added_token_strips_spaces(template: Any) -> None:
+    """From the review of issue 29 finding 1's fix: an added token with ``lstrip`` or
+    ``rstrip`` (role tags often have it) takes in any run of spaces beside it, so a long
+    text can make two tokens; the bound would have refused prompts that fit."""
+    tokenizer = Tokenizer.from_file(str(MODELS / "chat" / "1" / "tokenizer.json"))
+    token_chars = type(template).__init__.__globals__["token_chars"]
+    assert token_chars(tokenizer) == 13
+    tokenizer.add_tokens([AddedToken("<|x|>", lstrip=True, rstrip=True)])
+    assert len(tokenizer.encode("<|x|>" + " " * 10_000 + "<|x|>").ids) == 2
+    assert token_chars(tokenizer) is None

@@ -240,7 +240,7 @@ def token_chars(tokenizer: Tokenizer) -> int | None:
     vocabulary, added tokens included (a byte-level token covers at most as many
     characters as it has bytes). ``None`` when no such bound holds: a model that maps a
     run of unknown characters to one token, a normalizer or a pre-tokenizer that can
-    drop characters."""
+    drop characters, an added token that strips the spaces beside it."""
     spec = json.loads(tokenizer.to_str())
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or (model.get("unk_token") and model.get("fuse_unk")):
@@ -249,6 +249,8 @@ def token_chars(tokenizer: Tokenizer) -> int | None:
         return None
     if not _all_of(spec.get("pre_tokenizer"), SAFE_PRE_TOKENIZERS, "pretokenizers"):
         return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
+        return None  # such a token takes in the spaces beside it, however many
     return max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1) or 1
 
 
