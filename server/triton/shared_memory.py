@@ -26,6 +26,7 @@ they decoded.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -123,8 +124,12 @@ def _open_registered(entry: Mapping[str, Any]) -> int:
     """A descriptor of the object a table entry names: the holder's own descriptor, opened
     through ``/proc``; where that cannot be, the key's object, if it is the one registered."""
     name, key = entry["name"], entry["key"]
+    held = f"{PROC_DIR}/{int(entry['holder'])}/fd/{int(entry['fd'])}"
     try:
-        fd = os.open(f"{PROC_DIR}/{int(entry['holder'])}/fd/{int(entry['fd'])}", OPEN_FLAGS)
+        info = os.stat(held)  # the descriptor's object, before anything opens it
+        if [info.st_dev, info.st_ino] != list(entry["identity"]):
+            raise OSError(errno.ESTALE, "the descriptor holds another object")
+        fd = os.open(held, OPEN_FLAGS)
     except OSError as exc:
         log.debug("shm_holder_unreachable", region=name, holder=entry["holder"], error=exc.strerror)
         try:
