@@ -23,10 +23,17 @@ Requests queue per runner instance and leave it in batches:
 - The queue is bounded (``max_queue_size``: 429 when full), and a request whose
   deadline passed before it reached execution gets 504 without running. A
   request cancelled while queued (its client hung up) leaves the queue at once.
-- A batch the runner refuses with :class:`InvalidInput` is run again one request
-  at a time, so only the requests at fault get 400 and their batch-mates their
-  answers. (Runners check what they can per request before batching, through
-  their ``validate()``, so this is the exception.)
+- A batch of several requests that fails (the runner refuses it with
+  :class:`InvalidInput`, or raises anything else) is run again one request at a
+  time, so only the requests at fault fail (400 for a refusal) and their
+  batch-mates get their answers. (Runners check what they can per request before
+  batching, through their ``validate()``, so this is the exception, and its cost
+  is paid only on failure.) A request whose deadline passed meanwhile gets 504
+  without running again; once the runner's circuit opens (``stop``), the rest get
+  its 503 without running.
+- Only an execution of one request says whose fault a failure is: ``on_failure``
+  hears each such failure (and decides whether the runner's circuit breaker counts
+  it); a failed batch of several is not reported, its retries are.
 
 The clock and the timer are injectable, so the policy is tested with a fake clock.
 """
@@ -143,8 +150,15 @@ class Scheduler:
         timer: Timer | None = None,
         on_execution: Callable[[int, float], None] | None = None,
         busy: Callable[[], int] = lambda: 0,
+        on_failure: Callable[[Exception], None] | None = None,
+        stop: Callable[[], Exception | None] = lambda: None,
     ) -> None:
         self.execute = execute
+        self.on_failure = on_failure
+        """Hears every failed execution of one request (alone, or retried alone)."""
+        self.stop = stop
+        """Why the rest of a failed batch must not run again (the runner's circuit opened
+        during its retries), or ``None``."""
         self.inline: Callable[[Arrays], Arrays] | None = None
         """A sync twin of ``execute`` that never leaves the caller's thread (a runner
         process's runner): a batch then runs in the step of the loop that cut it, with
@@ -224,6 +238,9 @@ class Scheduler:
                 if self.on_execution is not None:
                     self.on_execution(rows, self.clock() - started)
                 return outputs
+            except Exception as exc:
+                self._report(exc)
+                raise
             finally:
                 self._running -= 1
                 if self._queue:
@@ -440,21 +457,20 @@ class Scheduler:
             started = self.clock()
             with self._span(batch, rows):
                 outputs = await self.execute(merged)
-            self._executed(batch, rows, started, outputs)
-        except InvalidInput as exc:
+        except Exception as exc:
             if len(batch) > 1:
                 await self._one_by_one(batch)
-            elif not batch[0].future.done():
-                batch[0].future.set_exception(exc)
-        except Exception as exc:
-            self._failed(batch, exc)
+            else:
+                self._fail(batch[0], exc)
+        else:
+            self._executed(batch, rows, started, outputs)
         finally:
             self._end(batch)
             self.pump()
 
     def _run_inline(self, batch: list[Pending]) -> None:
         """:meth:`_run` through :attr:`inline`, in the caller's step; :meth:`pump`'s loop
-        goes on with the next batch. A refused batch is retried one by one in a task."""
+        goes on with the next batch. A failed batch is retried one by one in a task."""
         assert self.inline is not None
         handed_off = False
         try:
@@ -462,15 +478,14 @@ class Scheduler:
             started = self.clock()
             with self._span(batch, rows):
                 outputs = self.inline(merged)
-            self._executed(batch, rows, started, outputs)
-        except InvalidInput as exc:
+        except Exception as exc:
             if len(batch) > 1:
                 self._spawn(self._alone(batch))
                 handed_off = True  # still running: the task ends it
-            elif not batch[0].future.done():
-                batch[0].future.set_exception(exc)
-        except Exception as exc:
-            self._failed(batch, exc)
+            else:
+                self._fail(batch[0], exc)
+        else:
+            self._executed(batch, rows, started, outputs)
         finally:
             if not handed_off:
                 self._end(batch)
@@ -509,14 +524,27 @@ class Scheduler:
         )
 
     def _executed(self, batch: list[Pending], rows: int, started: float, outputs: Arrays) -> None:
+        """A batch ran: each request gets its slice. Outputs that cannot be split (not a
+        row per input row) fail every request of the batch: the runner's answer is wrong,
+        whoever's rows it had."""
         if self.on_execution is not None:
             self.on_execution(rows, self.clock() - started)
-        self._split(batch, rows, outputs)
+        try:
+            self._split(batch, rows, outputs)
+        except PluginError as exc:
+            for request in batch:
+                if not request.future.done():
+                    request.future.set_exception(_fresh(exc))
 
-    def _failed(self, batch: list[Pending], exc: Exception) -> None:
-        for request in batch:
-            if not request.future.done():
-                request.future.set_exception(_fresh(exc))
+    def _report(self, exc: Exception) -> None:
+        if self.on_failure is not None:
+            self.on_failure(exc)
+
+    def _fail(self, request: Pending, exc: Exception) -> None:
+        """An execution of ``request`` alone failed: reported, and its answer."""
+        self._report(exc)
+        if not request.future.done():
+            request.future.set_exception(_fresh(exc))  # a runner may raise one object again
 
     def _end(self, batch: list[Pending]) -> None:
         for request in batch:  # cancelled mid-execution (shutdown): nobody may hang
@@ -525,9 +553,13 @@ class Scheduler:
         self._running -= 1
 
     async def _one_by_one(self, batch: list[Pending]) -> None:
-        """Run each request of a refused batch alone: only the bad ones fail."""
+        """Run each request of a failed batch alone: only the ones at fault fail."""
         for request in batch:
             if request.future.done():
+                continue
+            refusal = self._not_again(request)
+            if refusal is not None:
+                request.future.set_exception(refusal)
                 continue
             self.executions += 1
             self.rows += request.rows
@@ -535,13 +567,21 @@ class Scheduler:
             try:
                 outputs = await self.execute(request.inputs)
             except Exception as exc:
-                if not request.future.done():
-                    request.future.set_exception(exc)
+                self._fail(request, exc)
                 continue
             if self.on_execution is not None:
                 self.on_execution(request.rows, self.clock() - started)
             if not request.future.done():
                 request.future.set_result(outputs)
+
+    def _not_again(self, request: Pending) -> Exception | None:
+        """Why a request of a failed batch does not run again: its deadline passed, or the
+        runner's circuit opened; ``None``: it runs."""
+        if request.deadline is not None and self.clock() >= request.deadline:
+            return DeadlineExceeded(
+                f"the request's deadline passed while {self.label} retried its batch"
+            )
+        return self.stop()
 
     def _split(self, batch: list[Pending], rows: int, outputs: Arrays) -> None:
         if len(batch) == 1:

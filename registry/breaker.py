@@ -5,10 +5,13 @@ half-open --(probe succeeds)--> closed;  half-open --(probe fails)--> open again
 
 While open, requests get 503 at once instead of queueing behind a broken runner;
 in half-open, one request at a time probes it. Only the runner's own failures
-count: an exception from it (a 500 naming the plugin) or a 5xx error it raises.
-Bad input never counts (a 400 from the server's checks or the plugin's
-``InvalidInput``), nor do deadlines (a 504: the client's budget), so no client
-can open the circuit for everyone else.
+count: an exception from it (a 500 naming the plugin) or a 5xx error it raises,
+in an execution of one request (``registry/batching.py``: a failed batch of
+several is run again one request at a time, and those executions count).
+Bad input never counts (a 400 from the server's checks, the plugin's
+``InvalidInput``, or a backend's refusal of the inputs:
+``registry/backends/refusals.py``), nor do deadlines (a 504: the client's
+budget), so no client can open the circuit for everyone else.
 """
 
 from __future__ import annotations
@@ -58,18 +61,28 @@ class CircuitBreaker:
         if not self.enabled or self.state == "closed":
             return
         if self.state == "open":
-            wait = self.opened_at + self.reset_s - self.clock()
-            if wait > 0:
-                raise Unavailable(
-                    f"runner {self.label} is failing: circuit open, next try in {wait:.1f} s",
-                    circuit="open",
-                )
+            refusal = self.open_error()
+            if refusal is not None:
+                raise refusal
             self.state = "half_open"
         if self._probing:
             raise Unavailable(
                 f"runner {self.label} is being probed after failures", circuit="half_open"
             )
         self._probing = True
+
+    def open_error(self) -> Unavailable | None:
+        """The 503 that :meth:`allow` answers while the circuit is open and not yet due for a
+        probe; ``None`` otherwise. Takes no probe."""
+        if not self.enabled or self.state != "open":
+            return None
+        wait = self.opened_at + self.reset_s - self.clock()
+        if wait <= 0:
+            return None
+        return Unavailable(
+            f"runner {self.label} is failing: circuit open, next try in {wait:.1f} s",
+            circuit="open",
+        )
 
     def success(self) -> None:
         self.failures = 0

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from registry.backends.refusals import ort_refusal
 from registry.batching import BatchPolicy, Scheduler
 from registry.breaker import CircuitBreaker
 from registry.calls import call_plugin
@@ -179,15 +180,17 @@ class LoadedPlugin:
                 self._executor = ThreadPoolExecutor(runner.instances, thread_name_prefix=self.label)
             self._inline_budget = runner.inline_budget_us / 1e6
             self.stats = RunnerStats()
+            self.breaker = CircuitBreaker(
+                self.label, runner.breaker_failures, runner.breaker_reset_s
+            )
             self.scheduler = Scheduler(
                 self._execute,
                 batch_policy(runner),
                 self.label,
                 on_execution=self.stats.record_execution,
                 busy=lambda: self.executing,
-            )
-            self.breaker = CircuitBreaker(
-                self.label, runner.breaker_failures, runner.breaker_reset_s
+                on_failure=self._counted,
+                stop=self.breaker.open_error,
             )
 
     @property
@@ -349,7 +352,7 @@ class LoadedPlugin:
         except PlugserveError:
             raise
         except Exception as exc:
-            raise PluginError(self.label, exc) from exc
+            self._raise_fault(exc)
 
     def open_stream(self, data: Any, ctx: RequestContext) -> Stream:
         """A streaming runner's responses to ``data``: started now, or queued for a place."""
@@ -360,11 +363,16 @@ class LoadedPlugin:
         return self.streams.open(inputs, ctx.priority)
 
     def _fault(self, exc: BaseException) -> PlugserveError:
-        """What the client of a stream gets for ``exc`` raised in the runner."""
+        """What the client gets for ``exc`` raised in this plugin: its own error, a backend's
+        refusal of the inputs (ONNX Runtime's, called by the plugin itself) as a 400, or a
+        500 naming the plugin."""
         if isinstance(exc, InvalidInput):
             return self._refused(exc)
         if isinstance(exc, PlugserveError):
             return exc
+        refusal = ort_refusal(exc)
+        if refusal is not None:
+            return self._refused(InvalidInput(f"ONNX Runtime refused the inputs: {refusal}"))
         return PluginError(self.label, exc)
 
     def validate_request(self, inputs: Mapping[str, np.ndarray]) -> None:
@@ -440,18 +448,21 @@ class LoadedPlugin:
         return self.always_inline and not self._is_async
 
     def _raise_fault(self, exc: Exception) -> NoReturn:
-        """Raise what an execution's exception becomes (:meth:`_fault`), counted against
-        the runner unless it is the request's own mistake or the runner's own 503 or 504."""
+        """Raise what an execution's exception becomes (:meth:`_fault`). The scheduler
+        reports it (:meth:`_counted`) once it knows whose fault it is."""
         fault = self._fault(exc)
-        if fault.status == 500:
-            self._failed()
         if fault is exc:
             raise exc
-        raise fault from (None if isinstance(exc, InvalidInput) else exc)
+        raise fault from (exc if fault.status == 500 else None)
+
+    def _counted(self, exc: Exception) -> None:
+        """An execution of one request failed with ``exc``: counted against the runner
+        unless it is the request's own mistake (400) or the runner's own 503 or 504."""
+        if getattr(exc, "status", 500) == 500:
+            self._failed()
 
     def _result(self, result: Any) -> Mapping[str, np.ndarray]:
         if not isinstance(result, Mapping):
-            self._failed()
             problem = TypeError(f"infer() returned {type(result).__name__}, not a dict of arrays")
             raise PluginError(self.label, problem)
         if self.breaker is not None:

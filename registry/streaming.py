@@ -310,6 +310,8 @@ class StreamScheduler:
         for stream, result in zip(batch, results, strict=True):
             if result is None or stream.closed:
                 self._left(stream)
+            elif isinstance(result, Exception):  # the step refused this stream alone
+                self._left(stream, self._failed(result))
             elif not isinstance(result, Mapping):
                 problem = TypeError(f"step() gave {type(result).__name__}, not a dict of arrays")
                 self._left(stream, self._failed(problem))

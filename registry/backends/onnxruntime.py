@@ -38,6 +38,7 @@ from registry.backends.ort_options import (
     cache_dir,
     parse_options,
 )
+from registry.backends.refusals import ort_refusal
 from registry.datatypes import numpy_dtype
 from registry.errors import InvalidInput, PluginLoadError
 from registry.hookspecs import hookimpl
@@ -156,9 +157,17 @@ class OnnxRuntimeRunner:
                 f"the model takes {sorted(self._input_names)}"
             )
         feed = {spec.name: self._convert(spec, inputs) for spec in self._inputs}
-        if self._options.io_binding:
-            return self._run_bound(feed)
-        results = self._session.run(self._output_names, feed)
+        try:
+            if self._options.io_binding:
+                return self._run_bound(feed)
+            results = self._session.run(self._output_names, feed)
+        except Exception as exc:
+            refusal = ort_refusal(exc)
+            if refusal is None:
+                raise  # the runner's own failure: a 500, counted by its circuit breaker
+            raise InvalidInput(
+                f"{self._label}: ONNX Runtime refused the inputs: {refusal}"
+            ) from None
         return dict(zip(self._output_names, results, strict=True))
 
     def _run_bound(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

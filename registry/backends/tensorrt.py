@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from registry.backends.ort_options import cache_dir
+from registry.backends.refusals import trimmed
 from registry.datatypes import v2_datatype
 from registry.errors import InvalidInput, PluginLoadError
 from registry.hookspecs import hookimpl
@@ -320,8 +321,8 @@ class TensorRTRunner:
 
     def _run(self, slot: _Slot, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         context, cuda, stream = slot.context, self._cuda, slot.stream
+        self._shapes(context, arrays)
         for name, array in arrays.items():
-            context.set_input_shape(name, array.shape)
             pointer = slot.buffer(name, array.nbytes)
             cuda.to_device(pointer, array, stream)
             context.set_tensor_address(name, pointer)
@@ -337,6 +338,25 @@ class TensorRTRunner:
             cuda.to_host(out, pointer, stream)
         cuda.sync(stream)
         return {name: out for name, (out, _) in outputs.items()}
+
+    def _shapes(self, context: Any, arrays: Mapping[str, np.ndarray]) -> None:
+        """Give the context the inputs' shapes and let it infer the outputs'. The engine
+        refusing a shape, or finding the shapes inconsistent (inner dimensions of a MatMul
+        that differ, say), refuses the request's inputs: :class:`InvalidInput`."""
+        for name, array in arrays.items():
+            if not context.set_input_shape(name, array.shape):
+                raise InvalidInput(
+                    f"{self._label}: TensorRT refused shape {list(array.shape)} for input {name!r}"
+                )
+        try:
+            unset = context.infer_shapes()
+        except RuntimeError as exc:
+            refusal = trimmed(" ".join(str(exc).split()))
+            raise InvalidInput(
+                f"{self._label}: TensorRT refused the input shapes: {refusal}"
+            ) from None
+        if unset:
+            raise RuntimeError(f"TensorRT left the shapes of {sorted(unset)} unknown")
 
     def close(self) -> None:
         """Free every device buffer and stream, drop the contexts and the engine."""

@@ -21,6 +21,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from registry.backends.refusals import ort_refusal
+
 # -- cuda.cudart -----------------------------------------------------------------------
 
 
@@ -273,6 +275,19 @@ class ExecutionContext:
                 cuda.read(self.addresses[t.name], dtype, shape) if cuda else np.zeros(shape, dtype)
             )
         return feed
+
+    def infer_shapes(self) -> list[str]:
+        """TensorRT's: the inputs whose shapes are not set yet; a RuntimeError when the set
+        shapes are inconsistent (ONNX Runtime on zeros of those shapes says whether they are)."""
+        unset = [t.name for t in self.engine.inputs if t.name not in self.shapes]
+        if unset:
+            return unset
+        try:
+            self.engine.session.run(None, self._inputs(None))
+        except Exception as exc:
+            said = ort_refusal(exc) or type(exc).__name__
+            raise RuntimeError(f"Error Code 4: Shape Error ({said})") from None
+        return []
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:
         if name in self.shapes:
