@@ -685,3 +685,32 @@ async def test_a_gathering_scheduler_closed_in_the_turn_runs_nothing_more() -> N
             await call
     await settle()
     assert runner.batches == [1]
+
+
+async def test_retries_of_a_failed_batch_skip_requests_past_their_deadline_or_the_open_circuit() -> (
+    None
+):
+    """A failed batch's retries cost runner time only while they can help: a request whose
+    deadline passed gets 504 without running again, and once the runner's circuit opened
+    (``stop``), the rest get its 503 without running."""
+    scheduler, runner, fake = make_inline(BatchPolicy(max_batch_size=4, max_queue_delay_s=1.0))
+    runner.fail = PluginError("runner/t@1.0.0", RuntimeError("boom"))
+    opened: list[Exception] = []
+    scheduler.on_failure = opened.append  # the first failure alone "opens the circuit"
+    scheduler.stop = lambda: Unavailable("circuit open", circuit="open") if opened else None
+    failing = runner.execute
+
+    def slow(inputs: Any) -> dict[str, np.ndarray]:
+        fake.advance(0.6)  # the late request's deadline passes while its batch runs
+        return failing(inputs)
+
+    scheduler.inline = slow
+    late = scheduler.enqueue(rows(1, 1.0), deadline=0.5, pump=False)
+    first, second, third = (scheduler.enqueue(rows(1, v), pump=False) for v in (2.0, 3.0, 4.0))
+    scheduler.pump()
+    await asyncio.wait_for(asyncio.wait([late, first, second, third]), 5)
+    assert isinstance(late.exception(), DeadlineExceeded)
+    assert isinstance(first.exception(), PluginError)  # retried alone: the runner's fault
+    assert [f.exception().status for f in (second, third)] == [503, 503]  # type: ignore[union-attr]
+    assert runner.batches == [4, 1]  # the batch, then the first retry only
+    assert len(opened) == 1

@@ -222,3 +222,26 @@ async def test_a_stream_whose_consumer_does_not_read_runs_no_further_than_read_a
     assert len(made) == READ_AHEAD
     assert [int((await anext(stream))["i"][0]) for _ in range(20)] == list(range(1, 21))
     stream.close()
+
+
+async def test_a_step_may_refuse_one_stream_and_the_others_go_on() -> None:
+    """Issue 29 finding 5, the streaming variant: a step of several streams cannot be run
+    again one stream at a time (it may have advanced some states already), so a step runner
+    refuses one stream by returning InvalidInput in its state's place: that stream alone
+    ends 400, the breaker counts nothing, the others step on."""
+
+    class Picky(Counter):
+        def step(self, states: list[dict[str, Any]]) -> list[Any]:
+            out = super().step(states)
+            return [InvalidInput("bad state") if s["name"] == "bad" else r
+                    for s, r in zip(states, out, strict=True)]  # fmt: skip
+
+    runner = Picky()
+    streams = scheduler(runner)
+    good, bad = streams.open(inputs("good", 3), None), streams.open(inputs("bad", 3), None)
+    assert await drain(good) == [2, 1, 0]
+    with pytest.raises(InvalidInput, match="bad state"):
+        await drain(bad)
+    assert runner.steps[0] == ["good", "bad"]  # one step held both
+    assert streams.breaker.failures == 0 and streams.running == 0
+    assert runner.stopped == ["bad", "good"]

@@ -6,12 +6,13 @@ from typing import Any
 import numpy as np
 import pytest
 import structlog
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from registry.backends.onnxruntime import OnnxRuntimeRunner, create_runner
+from registry.backends.refusals import ort_refusal, trimmed
 from registry.errors import InvalidInput, PluginLoadError
 from registry.types import PluginInfo
-from tests.helpers import ONNX_TYPES, add_model, identity_model
+from tests.helpers import ONNX_TYPES, _save, add_model, identity_model
 
 
 def info(tmp_path: Path) -> PluginInfo:
@@ -242,3 +243,66 @@ def test_a_conversion_that_would_change_a_value_is_refused(tmp_path: Path) -> No
     r = runner(tmp_path, add_model(tmp_path / "a.onnx"))
     with pytest.raises(InvalidInput, match="does not fit FP32: outside its range"):
         r.infer({"x": np.full((1, 4), 1e300)})
+
+
+def kernel_model(
+    path: Path, op: str, inputs: dict[str, tuple[int, list[Any]]], **attrs: Any
+) -> Path:
+    """One ``op`` node over ``inputs`` (name: element type, symbolic shape), output ``y``."""
+    values = [helper.make_tensor_value_info(n, t, s) for n, (t, s) in inputs.items()]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    node = helper.make_node(op, list(inputs), ["y"], **attrs)
+    return _save(helper.make_graph([node], op.lower(), values, [y]), path)
+
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+REFUSED = [  # a model whose dimensions are symbolic, the inputs it refuses, what the 400 says
+    ("MatMul", {"a": (F, ["N", "K"]), "b": (F, ["M", "P"])},
+     {"a": np.ones((2, 3), np.float32), "b": np.ones((2, 4), np.float32)},
+     "MatMul: MatMul dimension mismatch"),
+    ("Add", {"a": (F, ["A"]), "b": (F, ["B"])},
+     {"a": np.ones(3, np.float32), "b": np.ones(4, np.float32)},
+     "Add: Attempting to broadcast an axis by a dimension other than 1. 3 by 4"),
+    ("Reshape", {"a": (F, ["A"]), "s": (I64, [2])},
+     {"a": np.ones(5, np.float32), "s": np.array([2, 2])},
+     "Reshape: The input tensor cannot be reshaped to the requested shape."),
+    ("Gather", {"a": (F, ["A"]), "i": (I64, ["I"])},
+     {"a": np.ones(5, np.float32), "i": np.array([7])},
+     "Gather: indices element out of data bounds, idx=7"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("op", "spec", "feed", "said"), REFUSED, ids=[r[0] for r in REFUSED])
+def test_inputs_a_kernel_refuses_at_run_time_are_invalid_input(
+    tmp_path: Path, op: str, spec: dict[str, Any], feed: dict[str, np.ndarray], said: str
+) -> None:
+    """Issue 29 finding 5: ONNX Runtime's Fail or InvalidArgument from a kernel's check of its
+    inputs' shapes or values was a 500 that the circuit breaker counted. It is the request's:
+    InvalidInput with ONNX Runtime's message, without its source paths and functions."""
+    model = runner(tmp_path, kernel_model(tmp_path / "model.onnx", op, spec))
+    with pytest.raises(InvalidInput) as info:
+        model.infer(feed)
+    message = info.value.message
+    assert message.startswith(f"runner/m@1.0.0: ONNX Runtime refused the inputs: {said}"), message
+    assert "onnxruntime_src" not in message and "::" not in message and ".h:" not in message
+
+
+def test_onnx_runtime_errors_about_the_runner_stay_its_own(tmp_path: Path) -> None:
+    """Memory, provider or session failures are not the inputs' fault: no refusal, so the
+    runner's exception goes on (a 500 its breaker counts). An allocation ONNX Runtime cannot
+    make is raised for real (Expand to 2^40 elements)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+    spec = {"a": (F, [1]), "s": (I64, [2])}
+    model = runner(tmp_path, kernel_model(tmp_path / "model.onnx", "Expand", spec))
+    with pytest.raises(ort_errors.Fail) as info:
+        model.infer({"a": np.ones(1, np.float32), "s": np.array([1 << 20, 1 << 20])})
+    assert ort_refusal(info.value) is None
+    for error in (
+        ort_errors.RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : CUDA failure 2"),
+        ort_errors.EPFail("[ONNXRuntimeError] : 11 : EP_FAIL : TensorRT EP failed to build"),
+        ort_errors.Fail("[ONNXRuntimeError] : 1 : FAIL : Load model failed"),
+        ValueError("dimension mismatch"),  # the words alone, not ONNX Runtime's
+    ):
+        assert ort_refusal(error) is None, error
+    assert len(trimmed("x" * 1000)) == 300

@@ -206,3 +206,30 @@ def _has_tensorrt() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("tensorrt") is not None
+
+
+def test_shapes_the_engine_finds_inconsistent_are_invalid_input(
+    fake: fake_tensorrt.FakeCudart, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29 finding 5, TensorRT's side: inputs each within the profile but inconsistent
+    together (a MatMul's inner dimensions 3 and 2: ``infer_shapes`` raises), or a shape
+    ``set_input_shape`` refuses (False), refuse the request's inputs: InvalidInput, never
+    the RuntimeError the circuit breaker counts. The engine then still serves."""
+    from onnx import helper
+
+    from tests.helpers import _save
+
+    a = helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", "K"])
+    b = helper.make_tensor_value_info("b", TensorProto.FLOAT, ["M", "P"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "P"])
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["y"])], "mm", [a, b], [y])
+    model = _save(graph, tmp_path / "model.onnx")
+    shapes = {"min": [1, 1], "opt": [4, 4], "max": [8, 8]}
+    runner = make(tmp_path, model, profile={"a": shapes, "b": shapes})
+    with pytest.raises(InvalidInput, match=r"TensorRT refused the input shapes: .*MatMul"):
+        runner.infer({"a": np.ones((2, 3), np.float32), "b": np.ones((2, 4), np.float32)})
+    good = runner.infer({"a": np.ones((2, 3), np.float32), "b": np.ones((3, 4), np.float32)})
+    np.testing.assert_array_equal(good["y"], np.full((2, 4), 3, np.float32))
+    monkeypatch.setattr(fake_tensorrt.ExecutionContext, "set_input_shape", lambda *_: False)
+    with pytest.raises(InvalidInput, match=r"TensorRT refused shape \[2, 3\] for input 'a'"):
+        runner.infer({"a": np.ones((2, 3), np.float32), "b": np.ones((3, 4), np.float32)})
