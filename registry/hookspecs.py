@@ -68,7 +68,10 @@ responses, in order. A runner streams in one of two ways:
   prompt's prefill, say) and returns the stream's state, an object of the
   runner's own; ``step`` advances several streams by one step at once and
   returns, per state in the same order, that stream's response (a dict of
-  arrays) or ``None`` when the stream has ended (``None`` sends nothing).
+  arrays), ``None`` when the stream has ended (``None`` sends nothing), or an
+  exception (``InvalidInput``: a 400) that ends that stream alone; raising
+  fails every stream of the step (it is never run again: it may have
+  advanced some states).
   Streams join and leave between steps: a step takes up to ``max_batch_size``
   of the streams in progress (round robin when more are), so a new stream
   waits one step, not for the others to finish. An optional ``stop(state)``
