@@ -24,7 +24,8 @@ Requests queue per runner instance and leave it in batches:
   deadline passed before it reached execution gets 504 without running. A
   request cancelled while queued (its client hung up) leaves the queue at once.
 - A batch of several requests that fails (the runner refuses it with
-  :class:`InvalidInput`, or raises anything else) is run again one request at a
+  :class:`InvalidInput`, or raises anything else but its own 503 or 504, which
+  say "not now" about no request) is run again one request at a
   time, so only the requests at fault fail (400 for a refusal) and their
   batch-mates get their answers. (Runners check what they can per request before
   batching, through their ``validate()``, so this is the exception, and its cost
@@ -458,10 +459,10 @@ class Scheduler:
             with self._span(batch, rows):
                 outputs = await self.execute(merged)
         except Exception as exc:
-            if len(batch) > 1:
+            if _retried(batch, exc):
                 await self._one_by_one(batch)
             else:
-                self._fail(batch[0], exc)
+                self._fail_all(batch, exc)
         else:
             self._executed(batch, rows, started, outputs)
         finally:
@@ -479,11 +480,11 @@ class Scheduler:
             with self._span(batch, rows):
                 outputs = self.inline(merged)
         except Exception as exc:
-            if len(batch) > 1:
+            if _retried(batch, exc):
                 self._spawn(self._alone(batch))
                 handed_off = True  # still running: the task ends it
             else:
-                self._fail(batch[0], exc)
+                self._fail_all(batch, exc)
         else:
             self._executed(batch, rows, started, outputs)
         finally:
@@ -539,6 +540,16 @@ class Scheduler:
     def _report(self, exc: Exception) -> None:
         if self.on_failure is not None:
             self.on_failure(exc)
+
+    def _fail_all(self, batch: list[Pending], exc: Exception) -> None:
+        """A batch that is not run again failed: each request gets ``exc``; one request
+        alone is reported (:attr:`on_failure`), a batch of several is not."""
+        if len(batch) == 1:
+            self._fail(batch[0], exc)
+            return
+        for request in batch:
+            if not request.future.done():
+                request.future.set_exception(_fresh(exc))
 
     def _fail(self, request: Pending, exc: Exception) -> None:
         """An execution of ``request`` alone failed: reported, and its answer."""
@@ -624,3 +635,9 @@ def _fresh(exc: Exception) -> Exception:
     clone.__dict__.update(getattr(exc, "__dict__", {}))
     clone.__cause__ = exc.__cause__
     return clone
+
+
+def _retried(batch: list[Pending], exc: Exception) -> bool:
+    """Whether a failed batch runs again one request at a time: one of several requests,
+    failing otherwise than with the runner's own 503 or 504."""
+    return len(batch) > 1 and getattr(exc, "status", 500) not in (503, 504)

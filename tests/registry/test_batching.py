@@ -714,3 +714,16 @@ async def test_retries_of_a_failed_batch_skip_requests_past_their_deadline_or_th
     assert [f.exception().status for f in (second, third)] == [503, 503]  # type: ignore[union-attr]
     assert runner.batches == [4, 1]  # the batch, then the first retry only
     assert len(opened) == 1
+
+
+async def test_a_batch_the_runner_answers_503_is_not_run_again() -> None:
+    """A runner's own "not now" (503, 504) says nothing about any request: its batch fails
+    whole, unreported, and costs no retries."""
+    scheduler, runner, _fake = make_inline(BatchPolicy(max_batch_size=4, max_queue_delay_s=1.0))
+    reported: list[Exception] = []
+    scheduler.on_failure = reported.append
+    runner.fail = Unavailable("the model is warming up")
+    futures = [scheduler.enqueue(rows(1), pump=False) for _ in range(3)]
+    scheduler.pump()
+    assert [f.exception().status for f in futures] == [503] * 3  # type: ignore[union-attr]
+    assert runner.batches == [3] and reported == []
