@@ -2,7 +2,7 @@
 
 Every call passes :class:`Admission` (a server interceptor) as it starts, before
 its request message is read. A data call is admitted while fewer than
-``max_calls`` are open; past it, an open stream idle for a second or more (no
+``max_calls`` are open; past it, the open stream idle longest, a quarter second or more (no
 request in flight, no write waiting) is ended to make room, as HTTP closes an
 idle keep-alive connection, and with none the call is refused
 ``RESOURCE_EXHAUSTED`` at once. Health and readiness (``ServerLive``,
@@ -12,7 +12,7 @@ up to ``HEALTH_CALLS`` at once, so that data calls never crowd them out.
 A unary call's request message must arrive within ``request_timeout_s`` (HTTP's
 ``body_timeout_s``; a health call's within ``health_request_timeout_s``, HTTP's
 ``header_timeout_s``), else the call ends ``DEADLINE_EXCEEDED``; at a full pool, the call
-that has waited longest for its message, a second or more, is ended ``UNAVAILABLE`` to make
+that has waited longest for its message, a quarter second or more, is ended ``UNAVAILABLE`` to make
 room, so calls that never send their message cannot hold the pool (health's included).
 
 A sweep once a second ends, with ``DEADLINE_EXCEEDED``, a stream that has sent
@@ -40,8 +40,9 @@ import structlog
 log = structlog.get_logger("plugserve.grpc")
 
 SWEEP_INTERVAL_S = 1.0
-IDLE_EVICTABLE_S = 1.0
-"""At ``max_calls``, a stream idle this long may be ended for a new call."""
+IDLE_EVICTABLE_S = 0.25
+"""At ``max_calls``, a stream idle this long may be ended for a new call (the longest idle
+first); a unary call waiting this long for its request message, before any stream."""
 HEALTH_CALLS = 64
 """Health and readiness calls open at once, apart from ``max_calls``; more are refused."""
 EXEMPT = frozenset(
@@ -196,8 +197,8 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def _make_room(self, pool: set[TrackedCall], exempt: bool) -> bool:
         """End one call of a full ``pool`` to make room for a new one: the unary call that has
-        waited longest for its request message (a second or more), else, for data calls, a
-        stream idle for a second or more; ``False`` if there is none."""
+        waited longest for its request message (``IDLE_EVICTABLE_S`` or more), else, for data
+        calls, the stream idle longest; ``False`` if there is none."""
         now = time.monotonic()
         waiting = [c for c in pool if c.awaiting_since is not None and c.ended is None]
         if waiting:
@@ -214,21 +215,25 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return not exempt and self._evict_idle()
 
     def _evict_idle(self) -> bool:
-        """End a stream idle for a second or more to make room; ``False`` if there is none."""
+        """End the stream idle longest, ``IDLE_EVICTABLE_S`` or more, to make room; ``False``
+        if there is none. An ended call stays counted until its handler ends: its status
+        may wait for its client to read."""
         now = time.monotonic()
-        for call in self.calls:
-            # An ended call stays counted until its handler ends: its status may wait for
-            # its client to read.
-            if call.ended is None and call.idle_for(now) >= IDLE_EVICTABLE_S:
-                call.end(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "the stream was idle and the server is at its call limit "
-                    "(max_connections): closed to make room; open it again when needed",
-                )
-                call.release()  # it ends at once: nothing of it waits on the client
-                self.evicted += 1
-                return True
-        return False
+        idle = max(
+            (c for c in self.calls if c.ended is None),
+            key=lambda c: c.idle_for(now),
+            default=None,
+        )
+        if idle is None or idle.idle_for(now) < IDLE_EVICTABLE_S:
+            return False
+        idle.end(
+            grpc.StatusCode.UNAVAILABLE,
+            "the stream was idle and the server is at its call limit "
+            "(max_connections): closed to make room; open it again when needed",
+        )
+        idle.release()  # it ends at once: nothing of it waits on the client
+        self.evicted += 1
+        return True
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._sweep_forever())
