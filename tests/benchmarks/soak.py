@@ -387,6 +387,10 @@ def main() -> None:
         finally:
             code = server.stop()
         log_lines = server.log().splitlines()
+        if any("[error" in line or "Traceback" in line for line in log_lines):
+            kept = Path(tempfile.gettempdir()) / f"plugserve-soak-{os.getpid()}.log"
+            shutil.copy(root / "server.log", kept)
+            print(f"the server's log, which has errors: {kept}")
     report(args, answers, outcomes, health, samples, churn_log, code, log_lines)
     raise SystemExit(1 if answers.failed() or health.refused() else 0)
 
