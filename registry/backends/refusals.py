@@ -7,7 +7,8 @@ differ; a broadcast, a concat, a reshape that cannot be done). Those are the req
 fault: a 400 for it alone, never counted by the runner's circuit breaker. Errors about the
 session, its provider, the device or memory stay the runner's (a 500 the breaker counts).
 
-Nothing here imports ONNX Runtime: an exception is recognised by its class's module.
+Nothing here imports ONNX Runtime: an exception is recognised by its class's module (or,
+from a run through IOBinding, a ``RuntimeError`` in its words).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import re
 
 ORT_ERRORS = "onnxruntime.capi.onnxruntime_pybind11_state"
+BOUND_RUN = "Error in execution: "
+"""How ``run_with_iobinding`` words a failed run: a plain ``RuntimeError``, no status."""
 MAX_MESSAGE = 300
 """The longest backend text a client is shown (the rest is cut, with an ellipsis)."""
 
@@ -26,7 +29,7 @@ _NODE = re.compile(
 )
 _SOURCE = re.compile(
     r"(?:\S*/)?[\w.-]+\.(?:h|hpp|cc|cpp|cu|cuh):\d+ "  # file:line
-    r"(?:(?:[\w:*&<>~]+ )?[\w:~<>]+\([^)]*\)(?: const)? |\w+ )"  # the function
+    r"(?:(?:[\w:*&<>~]+ )?[\w:~<>]+\([^)]*\)(?: const)? (?:\[with [^\]]*\] )?|\w+ )"  # the function
 )
 _CONDITION = re.compile(r"^[^.]*? was false\. ")
 _RUNNER_FAULT = re.compile(
@@ -34,7 +37,7 @@ _RUNNER_FAULT = re.compile(
 )
 _INPUT_FAULT = re.compile(
     r"dimension|shape|broadcast|mismatch|must match|must equal|not equal|out of (?:data )?bounds"
-    r"|reshape|rank|indices|invalid input|expected",
+    r"|reshape|rank|indices|index|out of range|invalid input|expected",
     re.IGNORECASE,
 )
 
@@ -43,14 +46,18 @@ def ort_refusal(exc: BaseException) -> str | None:
     """The trimmed message of an ONNX Runtime error that refuses the inputs; ``None`` for any
     other exception (one of the runner's own)."""
     kind = type(exc)
-    if kind.__module__ != ORT_ERRORS or kind.__name__ not in ("InvalidArgument", "Fail"):
+    message = str(exc).strip()
+    if kind is RuntimeError and message.startswith(BOUND_RUN):
+        status, message = "Fail", message.removeprefix(BOUND_RUN)  # IOBinding's words for it
+    elif kind.__module__ == ORT_ERRORS and kind.__name__ in ("InvalidArgument", "Fail"):
+        status, message = kind.__name__, _HEADER.sub("", message)
+    else:
         return None
-    message = _HEADER.sub("", str(exc).strip())
     node = _NODE.search(message)
     op, text = (node["op"], _readable(node["text"])) if node else (None, _readable(message))
     if _RUNNER_FAULT.search(text):
         return None
-    if kind.__name__ == "Fail" and (node is None or not _INPUT_FAULT.search(text)):
+    if status == "Fail" and (node is None or not _INPUT_FAULT.search(text)):
         return None
     return trimmed(f"{op}: {text}" if op else text)
 
