@@ -306,6 +306,19 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             log.info("grpc_calls_timed_out", idle=idle, send=send, request=request)
 
 
+async def end_with(context: Any, ended: Ended) -> None:
+    """Send the status of a call the server ended (``abort``). Its client may read nothing,
+    or be gone, and then gRPC's core cannot send it: the handler ends quietly instead
+    (a ``CancelledError``, which grpc.aio logs at debug), not with gRPC's error traceback."""
+    try:
+        await context.abort(ended.code, ended.message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:
+        log.debug("grpc_status_not_sent", code=ended.code.name, error=type(exc).__name__)
+        raise asyncio.CancelledError from None
+
+
 def _arrival_bounded(handler: Any, call: TrackedCall) -> Any:
     """``handler``, a unary call's, taking its request as a stream so that the wait for the
     request message can be ended (:meth:`Admission.sweep` past its timeout,
@@ -322,7 +335,7 @@ def _arrival_bounded(handler: Any, call: TrackedCall) -> Any:
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
-            await context.abort(ended.code, ended.message)
+            await end_with(context, ended)
         if request is grpc.aio.EOF:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
         call.request_arrived()

@@ -38,7 +38,7 @@ from server import __version__, auth, v2
 from server.bodies import LARGE_BODY_BYTES
 from server.codec import InferRequest
 from server.grpc_api import handlers, tensors
-from server.grpc_api.admission import CURRENT_CALL, TrackedCall
+from server.grpc_api.admission import CURRENT_CALL, TrackedCall, end_with
 from server.grpc_api.calls import Call, error_details, grpc_code
 from server.grpc_api.generated import grpc_service_pb2 as pb
 from server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
@@ -312,7 +312,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 raise  # the client went away, or the server stops
             _uncancel()
             await _stop_all(running)
-            await context.abort(ended.code, ended.message)
+            await end_with(context, ended)
         finally:
             for task in running:  # the client went away: its streams close
                 task.cancel()

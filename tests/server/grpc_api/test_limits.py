@@ -3,6 +3,7 @@ ended (or closed to make room), and a client that reads nothing dropped from its
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import socket
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from server.grpc_api.admission import Ended, end_with
 from server.grpc_api.generated import health_pb2, health_pb2_grpc
 from tests.helpers import ServerProcess, write_add_runner, write_plugin, write_streaming_runner
 
@@ -408,3 +410,27 @@ def test_a_call_ended_for_unread_answers_stays_counted_until_it_ends(
         stop.set()
         unread.cancel()
         channel.close()
+
+
+class UnsendableContext:
+    """The part of ``grpc.aio.ServicerContext`` that ``end_with`` uses, whose ``abort`` fails
+    as gRPC's core does when a call's status cannot be sent (its client reads nothing, or is
+    gone): a stand-in, as which of the two happens first is a race in the core."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise self.error
+
+
+async def test_a_status_that_cannot_be_sent_ends_the_handler_quietly() -> None:
+    """From the hostile soak after issue 29 finding 3's fix: a stream the server ended for
+    unread answers sometimes could not be sent its status, and gRPC logged an
+    ExecuteBatchError traceback at error level. The handler ends with CancelledError
+    (logged at debug by grpc.aio); a status that was sent still ends it with AbortError."""
+    ended = Ended(grpc.StatusCode.DEADLINE_EXCEEDED, "the client read none of the answers")
+    with pytest.raises(asyncio.CancelledError):
+        await end_with(UnsendableContext(RuntimeError("execute_batch failed")), ended)
+    with pytest.raises(grpc.aio.AbortError):
+        await end_with(UnsendableContext(grpc.aio.AbortError()), ended)
