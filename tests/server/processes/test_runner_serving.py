@@ -55,13 +55,16 @@ class Transport:
         pass
 
 
-def serving() -> tuple[RunnerProcess, Serving, Loaded, Transport]:
-    breaker = CircuitBreaker(LABEL, failures=1)
-    loaded = Loaded(Scheduler(_never, BatchPolicy(max_batch_size=8), LABEL), breaker)
+def serving(
+    kind: type[Loaded] = Loaded, failures: int = 1, shm_bytes: int = 1 << 16
+) -> tuple[RunnerProcess, Serving, Loaded, Transport]:
+    breaker = CircuitBreaker(LABEL, failures=failures)
+    loaded = kind(Scheduler(_never, BatchPolicy(max_batch_size=8), LABEL), breaker)
     loaded.scheduler.inline = loaded.run
-    owner = RunnerProcess({"shm_bytes": 1 << 16}, -1)
+    owner = RunnerProcess({"shm_bytes": shm_bytes}, -1)
     owner.loaded = loaded  # type: ignore[assignment]
-    connection = Serving(owner, loaded, Region(1 << 16), Region(1 << 16))  # type: ignore[arg-type]
+    regions = Region(shm_bytes), Region(shm_bytes)
+    connection = Serving(owner, loaded, *regions)  # type: ignore[arg-type]
     transport = Transport()
     connection.connection_made(transport)  # type: ignore[arg-type]
     return owner, connection, loaded, transport
@@ -157,14 +160,7 @@ async def test_an_answer_too_large_gives_its_blocks_back(monkeypatch: pytest.Mon
         def run(self, inputs: Any) -> dict[str, np.ndarray]:
             return {"y" * 600: inputs["x"] * 2}
 
-    breaker = CircuitBreaker(LABEL, failures=0)
-    loaded = LongName(Scheduler(_never, BatchPolicy(max_batch_size=8), LABEL), breaker)
-    loaded.scheduler.inline = loaded.run
-    owner = RunnerProcess({"shm_bytes": 1 << 20}, -1)
-    owner.loaded = loaded  # type: ignore[assignment]
-    connection = Serving(owner, loaded, Region(1 << 20), Region(1 << 20))  # type: ignore[arg-type]
-    transport = Transport()
-    connection.connection_made(transport)  # type: ignore[arg-type]
+    owner, connection, _, transport = serving(LongName, failures=0, shm_bytes=1 << 20)
     descriptors, chunks, _ = put_tensors({"x": np.ones((1, 40_000), np.float32)}, None, None)
     monkeypatch.setattr(wire, "MAX_JSON", 400)  # the request's and the error's fit; not y's
     connection.data_received(frame({"k": "infer", "i": 1, "x": descriptors}, chunks))
