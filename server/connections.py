@@ -73,7 +73,31 @@ class ConnectionLimits:
     """Refused connections reading their 503 at once; past it, refused ones are reset."""
 
 
-class Listener:
+class Swept:
+    """What a sweep once every ``SWEEP_INTERVAL_S`` needs: :meth:`start` it on the running
+    loop, :meth:`stop` it; a subclass says what one round does (:meth:`sweep`)."""
+
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._sweep_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.sweep(time.monotonic())
+
+    def sweep(self, now: float) -> None:
+        raise NotImplementedError
+
+
+class Listener(Swept):
     """The connections of one listening socket: counted, capped, swept."""
 
     def __init__(self, name: str, limits: ConnectionLimits) -> None:
@@ -87,7 +111,6 @@ class Listener:
         self.evicted = 0
         self.timed_out = {"headers": 0, "body": 0, "send": 0}
         self._reported = (0, 0, 0, 0)
-        self._task: asyncio.Task[None] | None = None
         self.refusal = _response(
             "503 Service Unavailable",
             f"the server has {limits.max_connections} open connections, its limit "
@@ -120,20 +143,6 @@ class Listener:
                 self.evicted += 1
                 return True
         return False
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._sweep_forever())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_INTERVAL_S)
-            self.sweep(time.monotonic())
 
     def sweep(self, now: float) -> None:
         """Close the connections past a timeout and the refused ones past their linger."""

@@ -26,7 +26,6 @@ one stream), so the call stays counted until its client reads or disconnects.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import inspect
 import time
@@ -37,9 +36,10 @@ from typing import Any
 import grpc
 import structlog
 
+from server.connections import Swept
+
 log = structlog.get_logger("plugserve.grpc")
 
-SWEEP_INTERVAL_S = 1.0
 IDLE_EVICTABLE_S = 0.25
 """At ``max_calls``, a stream idle this long may be ended for a new call (the longest idle
 first); a unary call waiting this long for its request message, before any stream."""
@@ -157,7 +157,7 @@ CURRENT_CALL: contextvars.ContextVar[TrackedCall | None] = contextvars.ContextVa
 """The call the running handler serves (set by :class:`Admission`, in the call's task)."""
 
 
-class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class Admission(Swept, grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Counts the calls of one gRPC server, refuses those over its limits, sweeps them."""
 
     def __init__(self, limits: CallLimits) -> None:
@@ -168,7 +168,6 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self.evicted = 0
         self.timed_out = {"idle": 0, "send": 0, "request": 0}
         self._reported = (0, 0, 0, 0, 0)
-        self._task: asyncio.Task[None] | None = None
 
     async def intercept_service(
         self,
@@ -234,20 +233,6 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         idle.release()  # it ends at once: nothing of it waits on the client
         self.evicted += 1
         return True
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._sweep_forever())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_INTERVAL_S)
-            self.sweep(time.monotonic())
 
     def sweep(self, now: float) -> None:
         """End the unary calls whose request message is late, and the streams past their
