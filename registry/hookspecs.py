@@ -80,6 +80,9 @@ responses, in order. A runner streams in one of two ways:
 
 ``[runner] max_streams`` (default 64) bounds the streams in progress at once;
 more wait, by priority and then arrival, up to ``max_queue_size`` (429 beyond).
+A stream runs at most 8 responses ahead of its client; one whose client has taken
+none of them for 2 s gives its place to a waiting stream (503 after what it holds,
+``stop(state)`` called), so a client that does not read never holds the runner.
 A stream's deadline covers the whole stream (504 when it passes, sent as the
 stream's last event); a client that hangs up stops its stream before the next
 step. Generation parameters reach the runner as tensors (a preprocessor turns

@@ -17,6 +17,10 @@ A streaming runner (``registry/hookspecs.py``, "Streaming runners") is a generat
   ``stop(state)`` is called.
 - A stream holds at most ``READ_AHEAD`` responses its consumer has not taken:
   a slow client's stream takes no step until it reads (the others step on).
+- A stream whose consumer has taken nothing of its ``READ_AHEAD`` responses for
+  ``UNREAD_LIMIT_S`` gives its place up when another stream waits for one: it ends
+  with a 503 after the responses it holds. A client that does not read holds a
+  place only while no one else needs it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ READ_AHEAD = 8
 """Responses a stream may hold that its consumer has not taken: past it, no step runs for
 it (a step runner's stream waits out of the batch; a generator's next step waits), so a
 client that reads slowly, or not at all, holds its runner back rather than filling memory."""
+
+UNREAD_LIMIT_S = 2.0
+"""How long a stream may hold :data:`READ_AHEAD` responses its consumer has not taken
+before it gives its place to a stream that waits for one."""
 
 log = structlog.get_logger("plugserve.streaming")
 
@@ -79,6 +87,8 @@ class Stream:
         """A generator's stream: the task running it."""
         self.parked = False
         """A step runner's stream left out of the batches until its consumer takes a response."""
+        self.evicted: PlugserveError | None = None
+        """Why it lost its place to a waiting stream (its consumer did not read)."""
         self._items: asyncio.Queue[Any] = asyncio.Queue()
         self._room = asyncio.Event()
         self._room.set()
@@ -88,10 +98,9 @@ class Stream:
 
     async def __anext__(self) -> Arrays:
         item = await self._items.get()
-        if not self.full:
+        if not self.full and not self._room.is_set():
             self._room.set()
-            if self.parked:
-                self._scheduler.resume(self)
+            self._scheduler.read(self)
         if item is _END:
             self._items.put_nowait(_END)  # iterating again ends again
             raise StopAsyncIteration
@@ -118,8 +127,9 @@ class Stream:
     def put(self, response: Arrays) -> None:
         if not self.closed:
             self._items.put_nowait(response)
-            if self.full:
+            if self.full and self._room.is_set():
                 self._room.clear()
+                self._scheduler.unread(self)
 
     def end(self, error: BaseException | None = None) -> None:
         self._items.put_nowait(_END if error is None else error)
@@ -161,6 +171,9 @@ class StreamScheduler:
         self._active: deque[Stream] = deque()
         self._stepping: list[Stream] = []
         self._parked: set[Stream] = set()
+        self._unread: dict[Stream, float] = {}
+        """Streams in progress holding READ_AHEAD untaken responses, since when (oldest first)."""
+        self._evictions: asyncio.TimerHandle | None = None
         self._seq = itertools.count()
         self._steps_task: asyncio.Task[None] | None = None
         self._pumps: set[asyncio.Task[None]] = set()
@@ -190,6 +203,8 @@ class StreamScheduler:
         heapq.heappush(self._waiting, (level, stream.seq, stream))
         self.waiting += 1
         self._admit()
+        if self.waiting:
+            self._make_room()
         return stream
 
     def closed(self, stream: Stream) -> None:
@@ -204,6 +219,54 @@ class StreamScheduler:
             self._left(stream)
         elif stream.task is not None:  # a generator: stopped now (a sync one: after its step)
             stream.task.cancel()
+
+    def unread(self, stream: Stream) -> None:
+        """``stream`` holds :data:`READ_AHEAD` responses its consumer has not taken."""
+        if stream.place != "running":
+            return
+        self._unread[stream] = time.monotonic()
+        if self.waiting and self._evictions is None:
+            self._evictions = asyncio.get_running_loop().call_later(UNREAD_LIMIT_S, self._make_room)
+
+    def read(self, stream: Stream) -> None:
+        """``stream``'s consumer took a response after holding :data:`READ_AHEAD`."""
+        self._unread.pop(stream, None)
+        if stream.parked:
+            self.resume(stream)
+
+    def _make_room(self) -> None:
+        """Streams wait for a place: those whose consumers have read nothing of their
+        responses for :data:`UNREAD_LIMIT_S` give theirs up, the longest unread first, one
+        for each stream waiting. Called again when the next could be due."""
+        if self._evictions is not None:
+            self._evictions.cancel()
+            self._evictions = None
+        if self._closing:
+            return
+        now = time.monotonic()
+        owed = self.waiting
+        for stream, since in list(self._unread.items()):
+            if owed <= 0:
+                return
+            if now - since < UNREAD_LIMIT_S:
+                delay = since + UNREAD_LIMIT_S - now
+                self._evictions = asyncio.get_running_loop().call_later(delay, self._make_room)
+                return
+            self._evict(stream, now - since)
+            owed -= 1
+
+    def _evict(self, stream: Stream, unread_s: float) -> None:
+        """End ``stream`` with a 503 after the responses it holds: its place goes to a
+        waiting stream."""
+        del self._unread[stream]
+        stream.evicted = Unavailable(
+            f"the stream's client took none of its last {READ_AHEAD} responses for "
+            f"{unread_s:.1f} s while other streams waited for a place on runner {self.label} "
+            f"(max_streams {self.max_streams}); the stream ended there"
+        )
+        log.info("stream_evicted", plugin=self.label, unread_s=round(unread_s, 2))
+        stream.closed = True
+        self.closed(stream)
 
     def resume(self, stream: Stream) -> None:
         """``stream``'s consumer took a response: it joins the batches again."""
@@ -242,6 +305,8 @@ class StreamScheduler:
             return
         stream.place = "left"
         self.running -= 1
+        self._unread.pop(stream, None)
+        error = error or stream.evicted
         stream.end(error)
         if error is None or not isinstance(error, PlugserveError) or error.status != 500:
             self.breaker.release()

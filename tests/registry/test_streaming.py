@@ -7,9 +7,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from registry import streaming
 from registry.batching import BatchPolicy
 from registry.breaker import CircuitBreaker
-from registry.errors import InvalidInput, PluginError, PlugserveError, TooManyRequests
+from registry.errors import (
+    InvalidInput,
+    PluginError,
+    PlugserveError,
+    TooManyRequests,
+    Unavailable,
+)
 from registry.streaming import READ_AHEAD, Stream, StreamScheduler, stream_kind
 
 
@@ -245,3 +252,86 @@ async def test_a_step_may_refuse_one_stream_and_the_others_go_on() -> None:
     assert runner.steps[0] == ["good", "bad"]  # one step held both
     assert streams.breaker.failures == 0 and streams.running == 0
     assert runner.stopped == ["bad", "good"]
+
+
+async def test_a_stream_whose_client_reads_nothing_gives_its_place_to_a_waiting_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 29 finding 3: a client that read none of its 64 streams' responses held all
+    of a route's ``max_streams`` places for ``body_timeout_s``, and other clients' streams
+    waited until they gave up. Now a stream that has held READ_AHEAD untaken responses for
+    UNREAD_LIMIT_S gives its place to a waiting stream: it ends 503 after what it holds,
+    its state is stopped, the breaker counts nothing."""
+    monkeypatch.setattr(streaming, "UNREAD_LIMIT_S", 0.1)
+    counter = Counter()
+    streams = scheduler(counter, max_streams=2)
+    started = asyncio.get_running_loop().time()
+    idle = [streams.open(inputs(f"idle{i}", 1000), None) for i in range(2)]
+    await asyncio.sleep(0.02)  # both hold READ_AHEAD responses, unread
+    waiting = streams.open(inputs("reader", 5), None)
+    assert streams.waiting == 1
+    assert await asyncio.wait_for(drain(waiting), 5) == [4, 3, 2, 1, 0]
+    assert asyncio.get_running_loop().time() - started >= 0.1  # not before the limit
+    assert counter.stopped[0] == "idle0"  # the longest unread went, the other kept its place
+    with pytest.raises(Unavailable, match="took none of its last 8 responses") as ended:
+        assert len(await drain(idle[0])) == READ_AHEAD  # what it held, then the 503
+    assert ended.value.status == 503
+    assert streams.breaker.failures == 0 and streams.running == 1
+    assert len(await drain(idle[1])) == 1000  # read at last, it runs to its end
+
+
+async def test_an_unread_generator_stream_gives_its_place_up_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Variant of issue 29 finding 3: a generator runner's stream (its next step waits for
+    room) and a waiting stream of higher priority."""
+    monkeypatch.setattr(streaming, "UNREAD_LIMIT_S", 0.05)
+    closed: list[int] = []
+
+    class Gen:
+        def infer(self, inputs: Any) -> Any:
+            try:
+                for i in range(int(inputs["n"][0])):
+                    yield {"left": np.array([i])}
+            finally:
+                closed.append(int(inputs["n"][0]))
+
+    streams = StreamScheduler(
+        Gen(), "generator", BatchPolicy(priority_levels=2), 1, "runner/gen@1",
+        ThreadPoolExecutor(1), CircuitBreaker("runner/gen@1"), fault,
+    )  # fmt: skip
+    idle = streams.open({"n": np.array([1000])}, None)
+    await asyncio.sleep(0.02)
+    urgent = streams.open({"n": np.array([3])}, 1)
+    assert await asyncio.wait_for(drain(urgent), 5) == [0, 1, 2]
+    with pytest.raises(Unavailable):
+        await drain(idle)
+    for _ in range(50):
+        if 1000 in closed:
+            break
+        await asyncio.sleep(0.01)
+    assert closed == [3, 1000] or sorted(closed) == [3, 1000]
+    assert streams.running == 0 and streams.breaker.failures == 0
+
+
+async def test_an_unread_stream_keeps_its_place_while_no_one_waits_and_a_slow_reader_always(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Variants: a place is taken only for a waiting stream (a non-reader alone keeps it
+    past the limit), and a client that reads slowly, but within the limit, keeps it too."""
+    monkeypatch.setattr(streaming, "UNREAD_LIMIT_S", 0.2)
+    counter = Counter()
+    streams = scheduler(counter, max_streams=1)
+    alone = streams.open(inputs("alone", 20), None)
+    await asyncio.sleep(0.3)
+    assert len(await drain(alone)) == 20
+
+    slow = streams.open(inputs("slow", 20), None)
+    await asyncio.sleep(0.02)
+    waiting = streams.open(inputs("waiting", 2), None)
+    taken = []
+    async for response in slow:  # a response every 0.05 s: never 0.2 s without reading
+        taken.append(int(response["left"][0]))
+        await asyncio.sleep(0.05 if len(taken) < 6 else 0)
+    assert taken == list(range(19, -1, -1))
+    assert await drain(waiting) == [1, 0]

@@ -228,11 +228,13 @@ def test_a_client_that_reads_nothing_frees_its_streams(
     """Issue 29 finding 3: one ModelStreamInfer call asking for max_streams streams, on a
     small flow-control window, that never reads, parked every slot of the streaming route:
     other clients' generate calls waited until their deadline. Its answers unread for
-    body_timeout_s end the call, which closes its streams; the status waits behind them."""
+    body_timeout_s end the call, which closes its streams; the status waits behind them.
+    (body_timeout_s is below UNREAD_LIMIT_S here: the call ends before its streams would
+    give their places up.)"""
     write_streaming_runner(
         plugins_dir, "tokens", kind, runner="max_streams = 4\n", config="step_s = 0.005"
     )
-    srv = start(server, tmp_path, plugins_dir, body_timeout_s=2)
+    srv = start(server, tmp_path, plugins_dir, body_timeout_s=0.5)
     options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
     channel = grpc.insecure_channel(srv.grpc_url, options=options)
     stop = threading.Event()
@@ -257,11 +259,53 @@ def test_a_client_that_reads_nothing_frees_its_streams(
             for _ in unread:  # what was sent before the call ended, then its status
                 pass
         assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "body_timeout_s = 2 s" in (ended.value.details() or "")
+        assert "body_timeout_s = 0.5 s" in (ended.value.details() or "")
     finally:
         stop.set()
         unread.cancel()
         channel.close()
+    assert "Traceback" not in srv.log()
+
+
+@pytest.mark.parametrize("kind", ["generator", "steps"])
+def test_a_client_that_reads_nothing_gives_its_places_up_to_others_at_once(
+    server: Server, tmp_path: Path, plugins_dir: Path, kind: str
+) -> None:
+    """Issue 29 finding 3, within body_timeout_s: the non-reader's streams held the route's
+    places until its call ended (60 s by default), and clients with shorter timeouts gave
+    up. A stream whose client has taken none of its responses for UNREAD_LIMIT_S (2 s)
+    gives its place to a waiting one: other clients are answered within seconds, while the
+    non-reader's call is still open."""
+    write_streaming_runner(
+        plugins_dir, "tokens", kind, runner="max_streams = 4\n", config="step_s = 0.005"
+    )
+    srv = start(server, tmp_path, plugins_dir)  # body_timeout_s = 60
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
+    channel = grpc.insecure_channel(srv.grpc_url, options=options)
+    stop = threading.Event()
+
+    def requests() -> Iterator[Any]:
+        for i in range(4):
+            yield count_request("tokens", 100_000, f"unread{i}")
+        stop.wait()
+
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    unread = stub.ModelStreamInfer(requests(), timeout=60)
+    try:
+        time.sleep(0.5)
+        for _ in range(3):  # three clients in turn, each on a place a non-reader gave up
+            started = time.monotonic()
+            status, _, body = srv.request(
+                "POST", "/v2/models/tokens/generate", {"n": [3]}, {"X-Request-Timeout": "20"}
+            )
+            assert status == 200, body
+            assert json.loads(body)["i"] == [1, 2, 3]
+            assert time.monotonic() - started < 10
+    finally:
+        stop.set()
+        unread.cancel()
+        channel.close()
+    assert "stream_evicted" in srv.log()
     assert "Traceback" not in srv.log()
 
 
