@@ -171,7 +171,12 @@ def create_app(
     app[METRICS] = Metrics()
     app[DRAIN] = Drain(settings.drain_timeout_s)
     app[DRAIN].at_timeout = lambda: app[REGISTRY].end_streams("the server is shutting down")
-    app[BODIES] = Bodies(settings.max_body_bytes, settings.body_threads, settings.max_large_bodies)
+    app[BODIES] = Bodies(
+        settings.max_body_bytes,
+        settings.body_threads,
+        settings.max_large_bodies,
+        settings.max_json_bytes,
+    )
     app.on_cleanup.append(_close_bodies)
     # Workers share one table of shared memory regions (server/triton/shm_table.py), which
     # their supervisor keeps: it holds every region's object (server/triton/shared_memory.py).

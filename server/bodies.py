@@ -6,6 +6,12 @@ one over ``LARGE_BODY_BYTES``, or a compressed one, is parsed on a small thread
 pool of its own. At most ``max_large_bodies`` such parses run or wait at once;
 the next gets 429 with ``Retry-After``, so a flood of big bodies can neither take
 every thread nor pile up memory.
+
+A request's JSON is at most ``max_json_bytes`` (413 before it is parsed): a JSON
+parser holds the interpreter for the whole text, so even on a thread of its own a
+long one stops the event loop, where binary tensor data is only copied. A control
+request's body (a region to register, a model to load) is at most
+``CONTROL_BODY_BYTES``, parsed where it is read.
 """
 
 from __future__ import annotations
@@ -27,9 +33,21 @@ LARGE_BODY_BYTES = 256 * 1024
 """Bodies above this size (after inflation) are parsed off the event loop."""
 
 
+CONTROL_BODY_BYTES = 1024 * 1024
+"""A control request's body (shared memory registration, repository index and load)."""
+
+
 def too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(
         f"the request body is larger than max_body_bytes = {limit} bytes", max_body_bytes=limit
+    )
+
+
+def json_too_large(size: int, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"the request's JSON is {size} bytes, more than max_json_bytes = {limit}: send large "
+        "tensors as binary data (the binary tensor extension, gRPC or shared memory)",
+        max_json_bytes=limit,
     )
 
 
@@ -71,33 +89,37 @@ class Bodies:
     holds it until parsed: at most that many large bodies are in memory at once.
     """
 
-    def __init__(self, max_body_bytes: int, threads: int, max_large: int) -> None:
+    def __init__(
+        self, max_body_bytes: int, threads: int, max_large: int, max_json_bytes: int | None = None
+    ) -> None:
         self.max_body_bytes = max_body_bytes
+        self.max_json_bytes = max_body_bytes if max_json_bytes is None else max_json_bytes
         self.max_large = max_large
         self.large = 0
         """Large bodies being parsed or waiting for a thread."""
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="plugserve-body")
 
-    async def read(self, request: web.BaseRequest) -> bytes:
-        """The whole body, inflated; 413 as soon as it passes ``max_body_bytes``, 400 if
-        it cannot be inflated (or its chunked framing is broken).
+    async def read(self, request: web.BaseRequest, json: bool = False) -> bytes:
+        """The whole body, inflated; 413 as soon as it passes ``max_body_bytes`` (with
+        ``json``, the body is all JSON: ``max_json_bytes``), 400 if it cannot be inflated
+        (or its chunked framing is broken).
 
         Read chunk by chunk (``request.read()`` would raise aiohttp's buffer to
         the whole limit, which inflates a compressed body in one step).
         """
-        limit = self.max_body_bytes
+        limit = min(self.max_json_bytes, self.max_body_bytes) if json else self.max_body_bytes
         try:
             length = request.content_length
             if length is not None and length > limit:
-                raise too_large(limit)
+                raise self._too_large(json, limit, length)
             if (length is not None and length > LARGE_BODY_BYTES) or _compressed(request):
                 self.take(request)
             content = request.content
             first = await content.readany()
             if not content.at_eof():
-                body = await self._read_rest(request, bytearray(first))
+                body = await self._read_rest(request, bytearray(first), json, limit)
             elif len(first) > limit:  # the usual case: the whole body came with the headers
-                raise too_large(limit)
+                raise self._too_large(json, limit, len(first))
             else:
                 body = first
             request[BODY_BYTES] = len(body)
@@ -113,9 +135,11 @@ class Bodies:
             release_slot(request)
             raise
 
-    async def _read_rest(self, request: web.BaseRequest, body: bytearray) -> bytes:
+    async def _read_rest(
+        self, request: web.BaseRequest, body: bytearray, json: bool, limit: int
+    ) -> bytes:
         """The rest of a body that did not come whole with its headers."""
-        limit, content = self.max_body_bytes, request.content
+        content = request.content
         while True:
             # readany() returns buffered data without yielding, and taking it lets aiohttp
             # inflate the next piece at once: yield, or a compressed body is inflated whole
@@ -126,9 +150,19 @@ class Bodies:
                 return bytes(body)
             body += chunk
             if len(body) > limit:
-                raise too_large(limit)
+                raise self._too_large(json, limit, len(body))
             if len(body) > LARGE_BODY_BYTES and request.get(SLOT) is None:
                 self.take(request)  # chunked, of no declared length: large after all
+
+    def _too_large(self, json: bool, limit: int, size: int) -> PayloadTooLarge:
+        if json and limit < self.max_body_bytes:
+            return json_too_large(size, limit)
+        return too_large(limit)
+
+    def check_json(self, size: int) -> None:
+        """413 for a JSON text of ``size`` bytes, over ``max_json_bytes``."""
+        if size > self.max_json_bytes:
+            raise json_too_large(size, self.max_json_bytes)
 
     def take(self, request: web.BaseRequest) -> None:
         """Give the request a large-body slot; 429 when all ``max_large_bodies`` are held."""
@@ -165,6 +199,26 @@ class Bodies:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def read_control(request: web.BaseRequest) -> bytes:
+    """A control request's body: at most ``CONTROL_BODY_BYTES`` (413), else 400 as
+    :meth:`Bodies.read` for one that cannot be read."""
+    limit = CONTROL_BODY_BYTES
+    too_large = PayloadTooLarge(f"a control request's body is at most {limit} bytes")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    body = bytearray()
+    try:
+        while chunk := await request.content.readany():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except RequestPayloadError as exc:
+        request.content.feed_eof()
+        request.protocol.close()
+        raise UnreadableBody(f"the request body cannot be read: {_reason(exc)}") from None
+    return bytes(body)
 
 
 def _reason(exc: RequestPayloadError) -> str:

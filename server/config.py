@@ -33,6 +33,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "grpc_port": (0, 65535),
     "drain_timeout_s": (0, 86_400),
     "max_body_bytes": (1, 2**40),
+    "max_json_bytes": (1, 2**40),
     "reload_debounce_ms": (0, 3_600_000),
     "max_inputs": (1, 1_000_000),
     "max_tensor_rank": (1, 64),
@@ -95,6 +96,10 @@ class Settings:
     close_timeout_s: float = 10.0
     """The bound on a component's ``close()`` and on the shutdown hooks."""
     max_body_bytes: int = 64 * 1024 * 1024
+    max_json_bytes: int = 16 * 1024 * 1024
+    """The JSON of a request (a JSON body, or the JSON header of a body with binary tensor
+    data) is at most this long, else 413: a JSON parse holds the interpreter for its whole
+    length, so other requests wait on it; large tensors travel as binary data."""
     watch: bool = True
     reload_debounce_ms: int = 200
     event_loop: str = "auto"
@@ -424,6 +429,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "max_connections": int,
         "body_threads": int,
         "max_large_bodies": int,
+        "max_json_bytes": int,
         "workers": (int, str),
         "worker_stall_timeout_s": (int, float),
         "runner_stall_timeout_s": (int, float),

@@ -79,9 +79,10 @@ async def _predict(request: web.Request, route: str) -> web.Response:
     # 404/503/429 before a byte of the body is read or parsed; serve() resolves again.
     admit(request, route, None)
     bodies = request.app[BODIES]
-    body = await bodies.read(request)
+    json = is_json(request.content_type)
+    body = await bodies.read(request, json=json)
     data: Any = body
-    if is_json(request.content_type):
+    if json:
         data = await bodies.parse(request, body, parse_json)
 
     deadline = deadline_seconds(request, {})

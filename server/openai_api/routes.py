@@ -132,7 +132,7 @@ async def _asked(request: web.Request, check: Callable[[Any], T], named: _Named)
         return check(body)
 
     bodies = request.app[BODIES]
-    return await bodies.parse(request, await bodies.read(request), parsed)
+    return await bodies.parse(request, await bodies.read(request, json=True), parsed)
 
 
 async def _embed(request: web.Request, named: _Named) -> web.Response:

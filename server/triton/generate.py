@@ -47,7 +47,7 @@ async def _generate(request: web.Request, route: str, stream: bool) -> web.Strea
     version = request.match_info.get("version")
     admit(request, route, version)
     bodies = request.app[BODIES]
-    body = await bodies.read(request)
+    body = await bodies.read(request, json=True)
     data = await bodies.parse(request, body, parse_json)
     if not isinstance(data, dict):
         raise InvalidInput("the body must be a JSON object of inputs and 'parameters'")

@@ -30,6 +30,7 @@ from typing import Any
 HOST = "127.0.0.1"
 BOMB_ELEMENTS = 15_000_000  # empty BYTES elements: 4 zero bytes each, ~57 MiB inflated
 HUGE_JSON_NUMBERS = 24_000_000  # ~46 MiB of JSON numbers
+BIG_JSON_NUMBERS = 8_000_000  # ~15 MiB: under max_json_bytes
 PARTIAL_HEADERS = b"POST /v2/models/add/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty"
 
 
@@ -160,11 +161,16 @@ def gzip_bombs(port: int, stop: threading.Event, outcomes: Outcomes, mix: Mix) -
 
 
 def huge_json(port: int, stop: threading.Event, outcomes: Outcomes, mix: Mix) -> None:
-    """~46 MiB of JSON numbers for a ``[1, 4]`` input: costly to parse, then a 400."""
-    data = b"0," * (HUGE_JSON_NUMBERS - 1) + b"0"
-    body = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,4],"data":[' + data + b"]}]}"
-    del data
-    for _ in paced(stop, mix.huge_json_every_s, mix):
+    """JSON numbers for a ``[1, 4]`` input, in turn ~46 MiB (over ``max_json_bytes``: a 413
+    before it is parsed) and ~15 MiB (within it: costly to parse, then a 400)."""
+    bodies = []
+    for numbers in (HUGE_JSON_NUMBERS, BIG_JSON_NUMBERS):
+        data = b"0," * (numbers - 1) + b"0"
+        bodies.append(b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,4],"data":['
+                      + data + b"]}]}")  # fmt: skip
+        del data
+    for attempt in paced(stop, mix.huge_json_every_s, mix):
+        body = bodies[attempt % 2]
         outcome = post(port, "/v2/models/add/infer", body, {"Content-Type": "application/json"},
                        timeout=60)  # fmt: skip
         outcomes.add(f"huge JSON ({len(body) >> 20} MiB)", outcome)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -125,3 +126,105 @@ def test_a_body_at_the_limit_is_served(bundled: ServerProcess) -> None:
     assert len(body) <= LIMIT
     status, raw = _post(bundled, "/v1/chat/completions", body.encode(), False)
     assert status == 400 and b"at most 1024 are allowed" in raw, raw[:300]
+
+
+JSON_LIMIT = 64 * 1024
+JSON_MESSAGE = "more than max_json_bytes = 65536"
+
+
+@pytest.fixture(scope="module")
+def json_bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Bodies up to 4 MiB, their JSON up to 64 KiB."""
+    folder = tmp_path_factory.mktemp("json-limits")
+    config = folder / "limits.toml"
+    config.write_text(f"max_body_bytes = {4 << 20}\nmax_json_bytes = {JSON_LIMIT}\n")
+    srv = ServerProcess("--plugins-dir", str(ROOT / "plugins"), "--models-dir",
+                        str(ROOT / "models"), "--config", str(config),
+                        log=folder / "server.log")  # fmt: skip
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def _message(raw: bytes) -> str:
+    error = json.loads(raw)
+    return str(error["error"]["message"] if isinstance(error["error"], dict) else error["error"])
+
+
+@pytest.mark.parametrize("gzipped", [False, True], ids=["plain", "gzip"])
+@pytest.mark.parametrize("front_end", HTTP_FRONT_ENDS)
+def test_json_over_max_json_bytes_is_413_before_it_is_parsed(
+    json_bounded: ServerProcess, front_end: str, gzipped: bool
+) -> None:
+    """Issue 29, from the hostile soak: 45 MiB JSON bodies (within max_body_bytes) held the
+    interpreter for 1-2 s each while orjson parsed them on a body thread, and HTTP health
+    waited as long. A request's JSON is now bounded apart (max_json_bytes), before it is
+    parsed, on every JSON front end, plain and gzip (counted inflated)."""
+    path, body = HTTP_FRONT_ENDS[front_end]
+    status, raw = _post(json_bounded, path, json.dumps(body).encode(), gzipped)
+    assert status == 413, raw[:300]
+    assert JSON_MESSAGE in _message(raw), raw[:300]
+    assert json.loads(raw).get("max_json_bytes") == JSON_LIMIT or "max_json_bytes" in raw.decode()
+    _healthy(json_bounded)
+
+
+def _binary_infer(srv: ServerProcess, rows: int, request_id: str = "") -> tuple[int, bytes]:
+    header = json.dumps({"id": request_id, "inputs": [{"name": "input", "datatype": "FP32",
+        "shape": [rows, 4], "parameters": {"binary_data_size": rows * 16}}],
+        "outputs": [{"name": "probabilities", "parameters": {"binary_data": False}}]}).encode()  # fmt: skip
+    body = header + np.ones((rows, 4), np.float32).tobytes()
+    status, _, raw = srv.request("POST", "/v2/models/iris/infer", body, {
+        "Inference-Header-Content-Length": str(len(header)),
+        "Content-Type": "application/octet-stream"})  # fmt: skip
+    return status, raw
+
+
+def test_binary_tensor_data_is_bounded_by_max_body_bytes_not_max_json_bytes(
+    json_bounded: ServerProcess,
+) -> None:
+    """Variant: the bound is on JSON text, not on a request's size. 256 KiB of binary FP32
+    (four times max_json_bytes) is served; the same tensor as JSON is 413; so is a binary
+    request whose JSON header alone is over the bound (a long id)."""
+    rows = 16384  # 256 KiB of FP32
+    status, raw = _binary_infer(json_bounded, rows)
+    assert status == 200, raw[:300]
+    assert json.loads(raw[: raw.index(b"}]}") + 3])["outputs"][0]["shape"] == [rows, 3]
+    as_json = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [rows, 4],
+                           "data": [1.0] * (rows * 4)}]}  # fmt: skip
+    status, _, raw = json_bounded.request("POST", "/v2/models/iris/infer", as_json)
+    assert status == 413 and JSON_MESSAGE in _message(raw), raw[:300]
+    status, raw = _binary_infer(json_bounded, 1, request_id="x" * JSON_LIMIT)
+    assert status == 413 and JSON_MESSAGE in _message(raw), raw[:300]
+    _healthy(json_bounded)
+
+
+def _status_after(srv: ServerProcess, head: str, body: bytes) -> tuple[int, bytes]:
+    """Send ``head`` and ``body`` on a socket of its own; the status and body answered."""
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return int(answer.split(b" ", 2)[1]), answer.partition(b"\r\n\r\n")[2]
+
+
+@pytest.mark.parametrize("path", ["/v2/systemsharedmemory/region/r/register",
+                                  "/v2/repository/index",
+                                  "/v2/repository/models/iris/load"])  # fmt: skip
+def test_a_control_body_over_a_mib_is_413(json_bounded: ServerProcess, path: str) -> None:
+    """Variant: the control routes read their JSON where it arrives (it is small by nature),
+    bounded to 1 MiB whatever max_body_bytes allows: declared, or chunked and counted."""
+    message = "a control request's body is at most 1048576 bytes"
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    status, raw = _status_after(json_bounded, head + f"Content-Length: {2 << 20}\r\n\r\n", b"")
+    assert status == 413 and message in _message(raw), raw
+    chunk = b"10000\r\n" + b" " * 65536 + b"\r\n"  # 64 KiB chunks, 17 of them: over 1 MiB
+    status, raw = _status_after(json_bounded, head + "Transfer-Encoding: chunked\r\n\r\n",
+                                chunk * 17)  # fmt: skip
+    assert status == 413 and message in _message(raw), raw
+    _healthy(json_bounded)

@@ -154,3 +154,18 @@ def test_a_stall_timeout_is_off_or_a_second_at_least(key: str, value: float) -> 
         Settings(**{key: value})
     assert getattr(Settings(**{key: 0}), key) == 0
     assert getattr(Settings(**{key: 1}), key) == 1
+
+
+@pytest.mark.parametrize(("value", "ok"), [(1, True), (1 << 30, True), (0, False), (2**41, False)])
+def test_max_json_bytes_bounds(tmp_path: Path, value: int, ok: bool) -> None:
+    config = tmp_path / "plugserve.toml"
+    config.write_text(f"max_json_bytes = {value}\n")
+    if ok:
+        assert load_settings(config, environ={}).max_json_bytes == value
+    else:
+        with pytest.raises(ConfigError, match="max_json_bytes"):
+            load_settings(config, environ={})
+    assert Settings().max_json_bytes == 16 * 1024 * 1024
+    config.write_text('max_json_bytes = "big"\n')
+    with pytest.raises(ConfigError, match="max_json_bytes"):
+        load_settings(config, environ={})

@@ -38,7 +38,7 @@ SLOW = """
         async def infer(self, inputs):
             x = inputs["x"]
             await asyncio.sleep(float(x[0, 0]))  # x[:, 0]: seconds; x[:, 1]: what to do
-            if float(x[0, 1]) == 1:  # an output whose name no frame can carry
+            if (x[:, 1] == 1).any():  # an output whose name no frame can carry
                 return {"\\x01" * HUGE: x}
             outputs = {"y": x}
             if "text" in inputs:  # BYTES elements: how long each arrived
@@ -78,7 +78,9 @@ def slow_server(server: Callable[..., ServerProcess], tmp_path: Path) -> ServerP
     manifest += '[route]\npreprocess = ["rename"]\n'
     write_plugin(plugins, "runner", "slow", "1.0.0", manifest, {"plugin.py": SLOW})
     config = tmp_path / "plugserve.toml"
-    config.write_text(f"max_body_bytes = {128 * 1024 * 1024}\n")
+    config.write_text(
+        f"max_body_bytes = {128 * 1024 * 1024}\nmax_json_bytes = {128 * 1024 * 1024}\n"
+    )
     return server("--plugins-dir", str(plugins), "--models-dir", str(tmp_path / "models"),
                   "--config", str(config))  # fmt: skip
 
