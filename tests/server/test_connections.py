@@ -79,9 +79,10 @@ def test_a_gzip_bomb_is_404_at_once_for_an_unknown_route_and_never_stalls_health
     (404 at once), and a large body bound for a real route is parsed off the event loop:
     /v2/health/live keeps answering while it is (it waited 3-11 s before)."""
     write_add_runner(plugins_dir, "add", "1.0.0")
-    # BYTES tensors this large are refused by default (max_bytes_elements): allow it here,
-    # so the whole body is inflated and decoded, as a large FP32 one would be.
-    srv = start(server, tmp_path, plugins_dir, max_bytes_elements=1 << 25)
+    # BYTES tensors this large, and JSON this long, are refused by default
+    # (max_bytes_elements, max_json_bytes): allow them here, so the whole body is inflated
+    # and decoded, as a large FP32 one would be.
+    srv = start(server, tmp_path, plugins_dir, max_bytes_elements=1 << 25, max_json_bytes=1 << 26)
     bomb = gzip_bomb()
     headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
     for path in ("/v2/models/nope/infer", "/v2/models/nope/versions/1/infer", "/predict/nope"):
