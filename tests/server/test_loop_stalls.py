@@ -161,11 +161,13 @@ def test_a_slow_sync_preprocessor_runs_off_the_event_loop_and_a_cheap_one_inline
         assert _post(url, row)[0] == 200
     cheap = _inline_calls(srv, "rows")
     assert cheap > 0  # measured cheap: inline after the first eight
-    assert _post(url, row)[0] == 200
-    assert _inline_calls(srv, "rows") == cheap + 1
+    for _ in range(4):  # (one call descheduled past the budget on a loaded machine is not)
+        assert _post(url, row)[0] == 200
+    inline = _inline_calls(srv, "rows")
+    assert inline > cheap
     big = {"x": [[1.0, 2.0, 3.0, 4.0]] * 20_000}  # ~500 KB: far bigger than those measured
     assert _post(url, big)[0] == 200
-    assert _inline_calls(srv, "rows") == cheap + 1
+    assert _inline_calls(srv, "rows") == inline
 
     with _health_watched(srv) as health, ThreadPoolExecutor(2) as pool:
         time.sleep(0.3)
