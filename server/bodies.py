@@ -7,9 +7,9 @@ pool of its own. At most ``max_large_bodies`` such parses run or wait at once;
 the next gets 429 with ``Retry-After``, so a flood of big bodies can neither take
 every thread nor pile up memory.
 
-A request's JSON is at most ``max_json_bytes`` (413 before it is parsed): a JSON
-parser holds the interpreter for the whole text, so even on a thread of its own a
-long one stops the event loop, where binary tensor data is only copied. A control
+A request's JSON is at most ``max_json_bytes`` (413 once read, before it is parsed):
+a JSON parser holds the interpreter for the whole text, so even on a thread of its own
+a long one stops the event loop, where binary tensor data is only copied. A control
 request's body (a region to register, a model to load) is at most
 ``CONTROL_BODY_BYTES``, parsed where it is read.
 """
@@ -100,28 +100,31 @@ class Bodies:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="plugserve-body")
 
     async def read(self, request: web.BaseRequest, json: bool = False) -> bytes:
-        """The whole body, inflated; 413 as soon as it passes ``max_body_bytes`` (with
-        ``json``, the body is all JSON: ``max_json_bytes``), 400 if it cannot be inflated
-        (or its chunked framing is broken).
+        """The whole body, inflated; 413 as soon as it passes ``max_body_bytes``, 400 if
+        it cannot be inflated (or its chunked framing is broken). With ``json`` (the body
+        is all JSON), 413 once read when it is longer than ``max_json_bytes``: a body the
+        server accepts is read whole, so that its client, still sending, gets the answer.
 
         Read chunk by chunk (``request.read()`` would raise aiohttp's buffer to
         the whole limit, which inflates a compressed body in one step).
         """
-        limit = min(self.max_json_bytes, self.max_body_bytes) if json else self.max_body_bytes
+        limit = self.max_body_bytes
         try:
             length = request.content_length
             if length is not None and length > limit:
-                raise self._too_large(json, limit, length)
+                raise too_large(limit)
             if (length is not None and length > LARGE_BODY_BYTES) or _compressed(request):
                 self.take(request)
             content = request.content
             first = await content.readany()
             if not content.at_eof():
-                body = await self._read_rest(request, bytearray(first), json, limit)
+                body = await self._read_rest(request, bytearray(first))
             elif len(first) > limit:  # the usual case: the whole body came with the headers
-                raise self._too_large(json, limit, len(first))
+                raise too_large(limit)
             else:
                 body = first
+            if json:
+                self.check_json(len(body))
             request[BODY_BYTES] = len(body)
             return body
         except RequestPayloadError as exc:
@@ -135,11 +138,9 @@ class Bodies:
             release_slot(request)
             raise
 
-    async def _read_rest(
-        self, request: web.BaseRequest, body: bytearray, json: bool, limit: int
-    ) -> bytes:
+    async def _read_rest(self, request: web.BaseRequest, body: bytearray) -> bytes:
         """The rest of a body that did not come whole with its headers."""
-        content = request.content
+        limit, content = self.max_body_bytes, request.content
         while True:
             # readany() returns buffered data without yielding, and taking it lets aiohttp
             # inflate the next piece at once: yield, or a compressed body is inflated whole
@@ -150,14 +151,9 @@ class Bodies:
                 return bytes(body)
             body += chunk
             if len(body) > limit:
-                raise self._too_large(json, limit, len(body))
+                raise too_large(limit)
             if len(body) > LARGE_BODY_BYTES and request.get(SLOT) is None:
                 self.take(request)  # chunked, of no declared length: large after all
-
-    def _too_large(self, json: bool, limit: int, size: int) -> PayloadTooLarge:
-        if json and limit < self.max_body_bytes:
-            return json_too_large(size, limit)
-        return too_large(limit)
 
     def check_json(self, size: int) -> None:
         """413 for a JSON text of ``size`` bytes, over ``max_json_bytes``."""
