@@ -76,13 +76,16 @@ responses, in order. A runner streams in one of two ways:
   of the streams in progress (round robin when more are), so a new stream
   waits one step, not for the others to finish. An optional ``stop(state)``
   is called once when a stream leaves for any reason (ended, cancelled by its
-  client, past its deadline, failed): free what it holds there.
+  client, past its deadline, failed): free what it holds there. It is called
+  between steps, where ``start`` and ``step`` are, never while a step runs
+  (at unload: before ``close()``, perhaps while a last step finishes).
 
 ``[runner] max_streams`` (default 64) bounds the streams in progress at once;
 more wait, by priority and then arrival, up to ``max_queue_size`` (429 beyond).
 A stream runs at most 8 responses ahead of its client; one whose client has taken
-none of them for 2 s gives its place to a waiting stream (503 after what it holds,
-``stop(state)`` called), so a client that does not read never holds the runner.
+none of them for 2 s gives its place to a stream of its priority or a higher one
+that waits (503 after what it holds, ``stop(state)`` called), so a client that
+does not read never holds the runner.
 A stream's deadline covers the whole stream (504 when it passes, sent as the
 stream's last event); a client that hangs up stops its stream before the next
 step. Generation parameters reach the runner as tensors (a preprocessor turns

@@ -14,13 +14,14 @@ A streaming runner (``registry/hookspecs.py``, "Streaming runners") is a generat
   event loop for an async generator; each stream is its own.
 - A stream closed by its consumer (the client hung up, the deadline passed)
   leaves before its next step: no more steps run for it, and a step runner's
-  ``stop(state)`` is called.
+  ``stop(state)`` is called between steps, where ``start`` and ``step`` are called:
+  never while a step runs.
 - A stream holds at most ``READ_AHEAD`` responses its consumer has not taken:
   a slow client's stream takes no step until it reads (the others step on).
 - A stream whose consumer has taken nothing of its ``READ_AHEAD`` responses for
-  ``UNREAD_LIMIT_S`` gives its place up when another stream waits for one: it ends
-  with a 503 after the responses it holds. A client that does not read holds a
-  place only while no one else needs it.
+  ``UNREAD_LIMIT_S`` gives its place up when another stream of its priority or a
+  higher one waits for a place: it ends with a 503 after the responses it holds. A
+  client that does not read holds a place only while no one else needs it.
 """
 
 from __future__ import annotations
@@ -174,6 +175,10 @@ class StreamScheduler:
         self._unread: dict[Stream, float] = {}
         """Streams in progress holding READ_AHEAD untaken responses, since when (oldest first)."""
         self._evictions: asyncio.TimerHandle | None = None
+        self._evicted: set[Stream] = set()
+        """Streams that gave their place up and have not left yet (a step runs for them)."""
+        self._stops: list[Any] = []
+        """States of streams that left, for ``stop``: called by the step loop between steps."""
         self._seq = itertools.count()
         self._steps_task: asyncio.Task[None] | None = None
         self._pumps: set[asyncio.Task[None]] = set()
@@ -237,23 +242,32 @@ class StreamScheduler:
     def _make_room(self) -> None:
         """Streams wait for a place: those whose consumers have read nothing of their
         responses for :data:`UNREAD_LIMIT_S` give theirs up, the longest unread first, one
-        for each stream waiting. Called again when the next could be due."""
+        for each stream waiting and not yet owed a place, and only to a stream of their
+        priority level or a higher one. Called again when the next could be due."""
         if self._evictions is not None:
             self._evictions.cancel()
             self._evictions = None
         if self._closing:
             return
         now = time.monotonic()
-        owed = self.waiting
+        owed = self.waiting - len(self._evicted)
+        first = self._first_waiting()
         for stream, since in list(self._unread.items()):
-            if owed <= 0:
+            if owed <= 0 or first is None:
                 return
             if now - since < UNREAD_LIMIT_S:
                 delay = since + UNREAD_LIMIT_S - now
                 self._evictions = asyncio.get_running_loop().call_later(delay, self._make_room)
                 return
-            self._evict(stream, now - since)
-            owed -= 1
+            if stream.level >= first.level:  # a lower priority waits for a higher one
+                self._evict(stream, now - since)
+                owed -= 1
+
+    def _first_waiting(self) -> Stream | None:
+        """The stream that takes the next free place, if any waits."""
+        while self._waiting and self._waiting[0][2].place != "waiting":
+            heapq.heappop(self._waiting)  # closed while it waited
+        return self._waiting[0][2] if self._waiting else None
 
     def _evict(self, stream: Stream, unread_s: float) -> None:
         """End ``stream`` with a 503 after the responses it holds: its place goes to a
@@ -266,6 +280,7 @@ class StreamScheduler:
         )
         log.info("stream_evicted", plugin=self.label, unread_s=round(unread_s, 2))
         stream.closed = True
+        self._evicted.add(stream)
         self.closed(stream)
 
     def resume(self, stream: Stream) -> None:
@@ -306,15 +321,15 @@ class StreamScheduler:
         stream.place = "left"
         self.running -= 1
         self._unread.pop(stream, None)
+        self._evicted.discard(stream)
         error = error or stream.evicted
         stream.end(error)
         if error is None or not isinstance(error, PlugserveError) or error.status != 500:
             self.breaker.release()
         if self._stop is not None and stream.state is not None:
-            try:
-                self._stop(stream.state)
-            except Exception as exc:  # its state is gone either way
-                log.warning("stream_stop_failed", plugin=self.label, error=repr(exc))
+            self._stops.append(stream.state)
+            if not self._closing:
+                self._wake_steps()
         stream.state = None
         if not self._closing:
             self._admit()
@@ -328,8 +343,11 @@ class StreamScheduler:
     # -- step runners: continuous batching ---------------------------------------------
 
     async def _run_steps(self) -> None:
-        """Start new streams, then step up to ``batch_size`` of those in progress; repeat."""
-        while self._starting or self._active:
+        """Stop the streams that left, start new ones, then step up to ``batch_size`` of
+        those in progress; repeat."""
+        while self._stops or self._starting or self._active:
+            while self._stops:
+                await self._stop_state(self._stops.pop(0))
             while self._starting:
                 stream = self._starting.popleft()
                 if stream.closed:
@@ -383,6 +401,12 @@ class StreamScheduler:
             else:
                 stream.put(result)
                 self._active.append(stream)
+
+    async def _stop_state(self, state: Any) -> None:
+        try:
+            await self._call(self._stop, state)
+        except Exception as exc:  # its state is gone either way
+            log.warning("stream_stop_failed", plugin=self.label, error=repr(exc))
 
     async def _call(self, method: Any, argument: Any) -> Any:
         if inspect.iscoroutinefunction(method):
@@ -447,6 +471,9 @@ class StreamScheduler:
         """The runner is unloading (or the server stopping, ``reason``): every stream still
         here ends with a 503, which its consumer can still send to its client."""
         self._closing = True
+        if self._evictions is not None:
+            self._evictions.cancel()
+            self._evictions = None
         gone = Unavailable(reason or f"runner {self.label} closed during the stream")
         for _, _, stream in self._waiting:
             if stream.place == "waiting":
@@ -460,10 +487,23 @@ class StreamScheduler:
         self._starting.clear()
         self._active.clear()
         self._parked.clear()
+        self._unread.clear()
         if self._steps_task is not None:
             self._steps_task.cancel()
         for task in list(self._pumps):
             task.cancel()
+        # The runner is going: its close() follows at once, as these may while a last step
+        # finishes on its thread.
+        stops, self._stops = self._stops, []
+        for state in stops:
+            try:
+                stopping = self._stop(state)  # type: ignore[misc]
+                if inspect.isawaitable(stopping):
+                    task = asyncio.ensure_future(stopping)
+                    self._pumps.add(task)
+                    task.add_done_callback(self._pumps.discard)
+            except Exception as exc:
+                log.warning("stream_stop_failed", plugin=self.label, error=repr(exc))
 
 
 def _close_quietly(generator: Any) -> None:

@@ -20,7 +20,8 @@ from registry.versions import Version
 from server import __version__
 from server.auth import ADMIN_PREFIX, check_page_address
 from server.auth import admin_only as protected
-from server.state import METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+from server.bodies import read_control
+from server.state import BODIES, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 PROFILING = web.AppKey("profiling", asyncio.Lock)
 STARTED = web.AppKey("started", float)
@@ -75,7 +76,9 @@ async def route_entry(request: web.Request) -> RouteSpec:
     """The route entry a ``PUT /admin/routes/{route}`` sends, checked whole."""
     name = route_name(request)
     try:
-        entry = validation.parse_json(await request.read())
+        bodies = request.app.get(BODIES)  # none in the supervisor: its workers read first
+        body = await (read_control(request) if bodies is None else bodies.read_control(request))
+        entry = validation.parse_json(body)
     except validation.ValueProblem as exc:
         raise InvalidInput(f"the body must be a JSON route entry: {exc}") from None
     try:

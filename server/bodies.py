@@ -160,6 +160,10 @@ class Bodies:
         if size > self.max_json_bytes:
             raise json_too_large(size, self.max_json_bytes)
 
+    async def read_control(self, request: web.BaseRequest) -> bytes:
+        """:func:`read_control` within ``max_body_bytes`` too."""
+        return await read_control(request, self.max_body_bytes)
+
     def take(self, request: web.BaseRequest) -> None:
         """Give the request a large-body slot; 429 when all ``max_large_bodies`` are held."""
         if self.large >= self.max_large:
@@ -197,19 +201,23 @@ class Bodies:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def read_control(request: web.BaseRequest) -> bytes:
-    """A control request's body: at most ``CONTROL_BODY_BYTES`` (413), else 400 as
-    :meth:`Bodies.read` for one that cannot be read."""
-    limit = CONTROL_BODY_BYTES
-    too_large = PayloadTooLarge(f"a control request's body is at most {limit} bytes")
+async def read_control(request: web.BaseRequest, max_body_bytes: int | None = None) -> bytes:
+    """A control request's body: at most ``CONTROL_BODY_BYTES`` or ``max_body_bytes``,
+    the smaller (413), else 400 as :meth:`Bodies.read` for one that cannot be read."""
+    limit = min(CONTROL_BODY_BYTES, max_body_bytes or CONTROL_BODY_BYTES)
+    too_big = (
+        too_large(limit)
+        if limit < CONTROL_BODY_BYTES
+        else PayloadTooLarge(f"a control request's body is at most {limit} bytes")
+    )
     if request.content_length is not None and request.content_length > limit:
-        raise too_large
+        raise too_big
     body = bytearray()
     try:
         while chunk := await request.content.readany():
             body += chunk
             if len(body) > limit:
-                raise too_large
+                raise too_big
     except RequestPayloadError as exc:
         request.content.feed_eof()
         request.protocol.close()

@@ -123,6 +123,18 @@ class InferRequest:
         return {o.name: o.classification for o in self.outputs or () if o.classification}
 
 
+def json_header_size(header_length: str, body_length: int) -> int:
+    """The JSON header's length that ``Inference-Header-Content-Length`` declares; 400
+    unless it is an integer within the body of ``body_length`` bytes."""
+    try:
+        size = int(header_length)
+    except ValueError:  # not a number, or more digits than int() takes
+        raise InvalidInput(f"{HEADER_LENGTH} must be an integer") from None
+    if not 0 <= size <= body_length:
+        raise InvalidInput(f"{HEADER_LENGTH} {size} is outside the body ({body_length} bytes)")
+    return size
+
+
 def decode_request(
     body: bytes, header_length: str | None, limits: Limits = DEFAULT_LIMITS
 ) -> InferRequest:
@@ -133,12 +145,7 @@ def decode_request(
     if header_length is None:
         header, binary = body, memoryview(b"")
     else:
-        try:
-            size = int(header_length)
-        except ValueError:
-            raise InvalidInput(f"{HEADER_LENGTH} must be an integer") from None
-        if not 0 <= size <= len(body):
-            raise InvalidInput(f"{HEADER_LENGTH} {size} is outside the body ({len(body)} bytes)")
+        size = json_header_size(header_length, len(body))
         header, binary = body[:size], memoryview(body)[size:]
     try:
         doc = orjson.loads(header)

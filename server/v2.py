@@ -16,8 +16,14 @@ from registry.errors import PluginError, Unavailable
 from registry.routes import RouteTable
 from server import __version__, compression
 from server.auth import admin_only
-from server.bodies import LARGE_BODY_BYTES, Bodies, read_control
-from server.codec import HEADER_LENGTH, as_tensor, decode_request, encode_response
+from server.bodies import LARGE_BODY_BYTES, Bodies
+from server.codec import (
+    HEADER_LENGTH,
+    as_tensor,
+    decode_request,
+    encode_response,
+    json_header_size,
+)
 from server.serving import admit, deadline_seconds, measured, request_context, serve
 from server.state import (
     BODIES,
@@ -128,8 +134,8 @@ async def _infer(request: web.Request, route: str) -> web.Response:
     bodies = app[BODIES]
     header_length, limits = request.headers.get(HEADER_LENGTH), app[SETTINGS].limits
     body = await bodies.read(request, json=header_length is None)
-    if header_length is not None and header_length.isdigit():  # else decode_request's 400
-        bodies.check_json(int(header_length))
+    if header_length is not None:
+        bodies.check_json(json_header_size(header_length, len(body)))
     decoded = await bodies.parse(
         request, body, lambda raw: decode_request(raw, header_length, limits)
     )
@@ -172,13 +178,13 @@ async def _infer(request: web.Request, route: str) -> web.Response:
 
 async def repository_index(request: web.Request) -> web.Response:
     """Triton's repository index: every route, each runner version with its state."""
-    ready_only = repository.index_request(await read_control(request))
+    ready_only = repository.index_request(await request.app[BODIES].read_control(request))
     return web.json_response(await request.app[REPOSITORY].index(ready_only))
 
 
 async def repository_load(request: web.Request) -> web.Response:
     """Load a route from its files (or with Triton's ``config`` over its runner settings)."""
-    config = repository.load_request(await read_control(request))
+    config = repository.load_request(await request.app[BODIES].read_control(request))
     route = request.match_info["route"]
     return web.json_response(await request.app[REPOSITORY].load(route, config))
 

@@ -30,12 +30,13 @@ from registry.errors import (
     DeadlineExceeded,
     InvalidInput,
     NotFound,
+    PayloadTooLarge,
     PluginError,
     PlugserveError,
     Unavailable,
 )
 from server import __version__, auth, v2
-from server.bodies import LARGE_BODY_BYTES
+from server.bodies import CONTROL_BODY_BYTES, LARGE_BODY_BYTES
 from server.codec import InferRequest
 from server.grpc_api import handlers, tensors
 from server.grpc_api.admission import CURRENT_CALL, TrackedCall, end_with
@@ -388,6 +389,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 if parameter.WhichOneof("parameter_choice") != "string_param":
                     raise InvalidInput("parameter 'config' must be a string holding the JSON")
                 given = parameter.string_param
+                if len(given) > CONTROL_BODY_BYTES:  # parsed on the event loop
+                    limit = CONTROL_BODY_BYTES
+                    raise PayloadTooLarge(f"parameter 'config' is at most {limit} bytes")
             await self.app[REPOSITORY].load(request.model_name, given)
             return pb.RepositoryModelLoadResponse()
 

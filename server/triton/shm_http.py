@@ -10,7 +10,7 @@ import orjson
 from aiohttp import web
 
 from registry.errors import InvalidInput, NotFound
-from server.bodies import LARGE_BODY_BYTES, read_control
+from server.bodies import LARGE_BODY_BYTES
 from server.codec import InferRequest
 from server.state import BODIES
 from server.triton.shared_memory import Attachment, Regions, check_key, check_size
@@ -29,7 +29,7 @@ def _regions(request: web.Request) -> Regions:
 async def register(request: web.Request) -> web.Response:
     regions = _regions(request)
     try:
-        body = orjson.loads(await read_control(request))
+        body = orjson.loads(await request.app[BODIES].read_control(request))
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"the register request is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

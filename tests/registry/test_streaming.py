@@ -72,6 +72,15 @@ def inputs(name: str, n: int) -> dict[str, np.ndarray]:
     return {"name": np.array([name], object), "n": np.array([n])}
 
 
+async def stopped(runner: Counter, count: int) -> list[str]:
+    """The states ``runner`` stopped, once ``count`` were (between steps, on its thread)."""
+    for _ in range(200):
+        if len(runner.stopped) >= count:
+            break
+        await asyncio.sleep(0.01)
+    return runner.stopped
+
+
 async def drain(stream: Stream) -> list[int]:
     return [int(r["left"][0]) async for r in stream]
 
@@ -99,7 +108,7 @@ async def test_streams_join_and_leave_between_steps() -> None:
     assert int(first["left"][0]) == 2
     assert await drain(a) == [1, 0] and await drain(b) == [0]
     assert runner.steps[0] == ["a"] and ["a", "b"] in runner.steps  # b joined a's steps
-    assert sorted(runner.stopped) == ["a", "b"] and streams.running == 0
+    assert sorted(await stopped(runner, 2)) == ["a", "b"] and streams.running == 0
 
 
 async def test_a_step_takes_at_most_max_batch_size_streams_round_robin() -> None:
@@ -138,7 +147,7 @@ async def test_a_closed_stream_runs_no_more_steps_and_frees_its_place() -> None:
         [s for s in runner.steps if "long" in s]
     )
     assert len([s for s in runner.steps if "long" in s]) <= 2  # the one sent, one in flight
-    assert runner.stopped == ["long", "waiting"]
+    assert await stopped(runner, 2) == ["long", "waiting"]
     gone = streams.open(inputs("gone", 5), None)
     gone.close()  # closed before it started: it never starts
     await asyncio.sleep(0.05)
@@ -210,7 +219,7 @@ async def test_a_stream_whose_consumer_does_not_read_runs_no_further_than_read_a
     parked = streams.open(inputs("parked", 1000), None)
     await asyncio.sleep(0.05)
     parked.close()  # closed while out of the batches: stopped, its place freed
-    assert counter.stopped[-1] == "parked" and streams.running == 0
+    assert (await stopped(counter, 3))[-1] == "parked" and streams.running == 0
 
     made: list[int] = []
 
@@ -251,7 +260,7 @@ async def test_a_step_may_refuse_one_stream_and_the_others_go_on() -> None:
         await drain(bad)
     assert runner.steps[0] == ["good", "bad"]  # one step held both
     assert streams.breaker.failures == 0 and streams.running == 0
-    assert runner.stopped == ["bad", "good"]
+    assert await stopped(runner, 2) == ["bad", "good"]
 
 
 async def test_a_stream_whose_client_reads_nothing_gives_its_place_to_a_waiting_one(
@@ -272,7 +281,9 @@ async def test_a_stream_whose_client_reads_nothing_gives_its_place_to_a_waiting_
     assert streams.waiting == 1
     assert await asyncio.wait_for(drain(waiting), 5) == [4, 3, 2, 1, 0]
     assert asyncio.get_running_loop().time() - started >= 0.1  # not before the limit
-    assert counter.stopped[0] == "idle0"  # the longest unread went, the other kept its place
+    assert (await stopped(counter, 1))[
+        0
+    ] == "idle0"  # the longest unread went, the other kept its place
     with pytest.raises(Unavailable, match="took none of its last 8 responses") as ended:
         assert len(await drain(idle[0])) == READ_AHEAD  # what it held, then the 503
     assert ended.value.status == 503
@@ -335,3 +346,94 @@ async def test_an_unread_stream_keeps_its_place_while_no_one_waits_and_a_slow_re
         await asyncio.sleep(0.05 if len(taken) < 6 else 0)
     assert taken == list(range(19, -1, -1))
     assert await drain(waiting) == [1, 0]
+
+
+async def test_a_stop_never_runs_while_a_step_does() -> None:
+    """From the review of the eviction: ``stop(state)`` was called on the event loop as
+    soon as a stream left, while a step of the others could be running on the runner's
+    thread: a runner whose states share memory (a KV cache) freed it under that step.
+    A stream that leaves (its client hung up, here) is stopped between steps."""
+    import threading
+    import time
+
+    class Slow(Counter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_step = threading.Event()
+            self.overlaps: list[str] = []
+
+        def step(self, states: list[dict[str, Any]]) -> list[Any]:
+            self.in_step.set()
+            time.sleep(0.05)
+            self.in_step.clear()
+            return super().step(states)
+
+        def stop(self, state: dict[str, Any]) -> None:
+            if self.in_step.is_set():
+                self.overlaps.append(state["name"])
+            super().stop(state)
+
+    runner = Slow()
+    streams = scheduler(runner, max_streams=2, batch=1)
+    idle = streams.open(inputs("idle", 1000), None)
+    reader = asyncio.create_task(drain(streams.open(inputs("reader", 40), None)))
+    for _ in range(500):  # the idle stream holds READ_AHEAD responses: parked
+        if idle.parked:
+            break
+        await asyncio.sleep(0.01)
+    assert idle.parked
+    for _ in range(5000):
+        if runner.in_step.is_set():
+            break
+        await asyncio.sleep(0.001)
+    idle.close()  # its client hangs up while the reader's step runs
+    assert await asyncio.wait_for(reader, 10) == list(range(39, -1, -1))
+    assert "idle" in await stopped(runner, 2) and runner.overlaps == []
+
+
+async def test_one_waiting_stream_takes_one_place_however_often_room_is_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From the review of the eviction: a stream that gave its place up but had not left
+    yet (a generator ends after its step) was not counted, so room made again before it
+    left (the next timer, another arrival) took a second non-reader's place for the same
+    waiting stream."""
+    monkeypatch.setattr(streaming, "UNREAD_LIMIT_S", 0.05)
+
+    class Gen:
+        def infer(self, inputs: Any) -> Any:
+            for i in range(int(inputs["n"][0])):
+                yield {"left": np.array([i])}
+
+    streams = StreamScheduler(
+        Gen(), "generator", BatchPolicy(), 2, "runner/gen@1",
+        ThreadPoolExecutor(2), CircuitBreaker("runner/gen@1"), fault,
+    )  # fmt: skip
+    idle = [streams.open({"n": np.array([1000])}, None) for _ in range(2)]
+    await asyncio.sleep(0.1)  # both unread past the limit
+    waiting = streams.open({"n": np.array([2])}, None)  # takes one place: idle[0]'s
+    assert [s.evicted is not None for s in idle] == [True, False]
+    streams._make_room()  # made again before idle[0] has left
+    assert [s.evicted is not None for s in idle] == [True, False]
+    assert await asyncio.wait_for(drain(waiting), 5) == [0, 1]
+    streams.close()
+    assert streams._evictions is None  # closing cancels a pending round of room-making
+
+
+async def test_an_unread_stream_gives_its_place_only_to_its_priority_or_a_higher_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From the review of the eviction: a waiting stream of a lower priority took the
+    place of an urgent stream whose client was slow to read."""
+    monkeypatch.setattr(streaming, "UNREAD_LIMIT_S", 0.05)
+    counter = Counter()
+    streams = scheduler(counter, max_streams=1, priority_levels=2)
+    urgent = streams.open(inputs("urgent", 1000), 1)
+    await asyncio.sleep(0.1)
+    low = streams.open(inputs("low", 2), 2)
+    await asyncio.sleep(0.2)
+    assert urgent.evicted is None and streams.waiting == 1
+    higher = streams.open(inputs("higher", 2), 1)  # its own level: it takes the place
+    assert await asyncio.wait_for(drain(higher), 5) == [1, 0]
+    assert urgent.evicted is not None
+    assert await asyncio.wait_for(drain(low), 5) == [1, 0]

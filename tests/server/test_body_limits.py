@@ -10,7 +10,7 @@ import json
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -199,6 +199,35 @@ def test_binary_tensor_data_is_bounded_by_max_body_bytes_not_max_json_bytes(
     _healthy(json_bounded)
 
 
+SPELLINGS: dict[str, Callable[[int], str]] = {
+    "plus": lambda n: f"+{n}",
+    "underscore": lambda n: f"{n // 10}_{n % 10}",
+    "spaces": lambda n: f" {n} ",
+    "4400-digits": lambda n: "9" * 4400,
+}
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_a_header_length_in_any_spelling_is_bounded_or_refused(
+    json_bounded: ServerProcess, spelling: str
+) -> None:
+    """Variant, from the review: the JSON header's declared length was checked against
+    max_json_bytes only when it was all digits, while the parser takes what int() takes:
+    "+65600" or "6560_0" let a header over the bound be parsed, and 4,400 digits (more than
+    int() converts) were a 500. Every spelling int() takes is bounded; the rest is 400."""
+    header = json.dumps({"id": "x" * JSON_LIMIT, "inputs": [{"name": "input", "datatype": "FP32",
+        "shape": [1, 4], "parameters": {"binary_data_size": 16}}]}).encode()  # fmt: skip
+    status, _, raw = json_bounded.request("POST", "/v2/models/iris/infer",
+        header + np.ones(4, np.float32).tobytes(),
+        {"Inference-Header-Content-Length": SPELLINGS[spelling](len(header)),
+         "Content-Type": "application/octet-stream"})  # fmt: skip
+    if spelling == "4400-digits":
+        assert status == 400 and "must be an integer" in _message(raw), raw[:300]
+    else:
+        assert status == 413 and JSON_MESSAGE in _message(raw), raw[:300]
+    _healthy(json_bounded)
+
+
 def _status_after(srv: ServerProcess, head: str, body: bytes) -> tuple[int, bytes]:
     """Send ``head`` and ``body`` on a socket of its own; the status and body answered."""
     host, port = srv.url.removeprefix("http://").split(":")
@@ -213,18 +242,36 @@ def _status_after(srv: ServerProcess, head: str, body: bytes) -> tuple[int, byte
     return int(answer.split(b" ", 2)[1]), answer.partition(b"\r\n\r\n")[2]
 
 
-@pytest.mark.parametrize("path", ["/v2/systemsharedmemory/region/r/register",
-                                  "/v2/repository/index",
-                                  "/v2/repository/models/iris/load"])  # fmt: skip
+@pytest.mark.parametrize("path", ["POST /v2/systemsharedmemory/region/r/register",
+                                  "POST /v2/repository/index",
+                                  "POST /v2/repository/models/iris/load",
+                                  "PUT /admin/routes/iris"])  # fmt: skip
 def test_a_control_body_over_a_mib_is_413(json_bounded: ServerProcess, path: str) -> None:
     """Variant: the control routes read their JSON where it arrives (it is small by nature),
     bounded to 1 MiB whatever max_body_bytes allows: declared, or chunked and counted."""
     message = "a control request's body is at most 1048576 bytes"
-    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = f"{path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     status, raw = _status_after(json_bounded, head + f"Content-Length: {2 << 20}\r\n\r\n", b"")
     assert status == 413 and message in _message(raw), raw
     chunk = b"10000\r\n" + b" " * 65536 + b"\r\n"  # 64 KiB chunks, 17 of them: over 1 MiB
     status, raw = _status_after(json_bounded, head + "Transfer-Encoding: chunked\r\n\r\n",
                                 chunk * 17)  # fmt: skip
     assert status == 413 and message in _message(raw), raw
+    _healthy(json_bounded)
+
+
+def test_a_grpc_repository_load_config_over_a_mib_is_resource_exhausted(
+    json_bounded: ServerProcess,
+) -> None:
+    """Variant, gRPC: RepositoryModelLoad's ``config`` parameter, JSON parsed where it
+    arrives, is bounded as the HTTP load's body is."""
+    request = service_pb2.RepositoryModelLoadRequest(model_name="iris")
+    request.parameters["config"].string_param = "{" + " " * (2 << 20) + "}"
+    with grpc.insecure_channel(json_bounded.grpc_url, options=[
+            ("grpc.max_send_message_length", 8 << 20)]) as channel:  # fmt: skip
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RepositoryModelLoad(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+    assert "parameter 'config' is at most 1048576 bytes" in str(info.value.details())
     _healthy(json_bounded)
