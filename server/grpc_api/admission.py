@@ -2,12 +2,12 @@
 
 Every call passes :class:`Admission` (a server interceptor) as it starts, before
 its request message is read. A data call is admitted while fewer than
-``max_calls`` are open; past it, the open stream idle longest, a quarter second or more (no
-request in flight, no write waiting) is ended to make room, as HTTP closes an
-idle keep-alive connection, and with none the call is refused
-``RESOURCE_EXHAUSTED`` at once. Health and readiness (``ServerLive``,
-``ServerReady``, ``ModelReady``, ``grpc.health.v1.Health``) are counted apart,
-up to ``HEALTH_CALLS`` at once, so that data calls never crowd them out.
+``max_calls`` are open; past it, an open stream is ended to make room, as HTTP closes an
+idle keep-alive connection: one that has sent nothing since it opened, 50 ms or more,
+first, else the stream idle longest, a quarter second or more (no request in flight, no
+write waiting); with none the call is refused ``RESOURCE_EXHAUSTED`` at once. Health and
+readiness (``ServerLive``, ``ServerReady``, ``ModelReady``, ``grpc.health.v1.Health``) are
+counted apart, up to ``HEALTH_CALLS`` at once, so that data calls never crowd them out.
 
 A unary call's request message must arrive within ``request_timeout_s`` (HTTP's
 ``body_timeout_s``; a health call's within ``health_request_timeout_s``, HTTP's
@@ -43,6 +43,10 @@ log = structlog.get_logger("plugserve.grpc")
 IDLE_EVICTABLE_S = 0.25
 """At ``max_calls``, a stream idle this long may be ended for a new call (the longest idle
 first); a unary call waiting this long for its request message, before any stream."""
+SILENT_EVICTABLE_S = 0.05
+"""At ``max_calls``, a stream that has sent no request since it opened, this long, may be
+ended for a new call before any other: a client sends its first request as it opens a
+stream, so such streams are what holds the pool when calls are opened to fill it."""
 HEALTH_CALLS = 64
 """Health and readiness calls open at once, apart from ``max_calls``; more are refused."""
 EXEMPT = frozenset(
@@ -94,6 +98,7 @@ class TrackedCall:
         "since",
         "streaming",
         "task",
+        "used",
         "writing_since",
     )
 
@@ -105,6 +110,8 @@ class TrackedCall:
         self.since = time.monotonic()
         """When the call last received a request or finished one."""
         self.in_flight = 0
+        self.used = False
+        """Whether a request came on the stream."""
         self.writing_since: float | None = None
         """Since when an answer waits for the client to read it (``None``: none waits)."""
         self.ended: Ended | None = None
@@ -117,6 +124,7 @@ class TrackedCall:
         self.awaiting_since = None
 
     def request_began(self) -> None:
+        self.used = True
         self.in_flight += 1
         self.since = time.monotonic()
 
@@ -135,6 +143,13 @@ class TrackedCall:
         if not self.streaming or self.in_flight or self.writing_since is not None:
             return 0.0
         return now - self.since
+
+    def evictable(self, now: float) -> tuple[bool, bool, float]:
+        """Whether the stream may be ended to make room, whether it is silent (no request
+        since it opened), and how long it has been idle: the largest goes first."""
+        idle = self.idle_for(now)
+        least = IDLE_EVICTABLE_S if self.used else SILENT_EVICTABLE_S
+        return idle >= least and idle > 0, not self.used, idle
 
     def end(self, code: grpc.StatusCode, message: str) -> None:
         """Stop the call's handler, which then sends ``code`` and ``message``. The call counts
@@ -214,16 +229,17 @@ class Admission(Swept, grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return not exempt and self._evict_idle()
 
     def _evict_idle(self) -> bool:
-        """End the stream idle longest, ``IDLE_EVICTABLE_S`` or more, to make room; ``False``
-        if there is none. An ended call stays counted until its handler ends: its status
-        may wait for its client to read."""
+        """End a stream to make room: a silent one (``SILENT_EVICTABLE_S`` or more) first,
+        else the one idle longest, ``IDLE_EVICTABLE_S`` or more; ``False`` if there is none.
+        An ended call stays counted until its handler ends: its status may wait for its
+        client to read."""
         now = time.monotonic()
         idle = max(
             (c for c in self.calls if c.ended is None),
-            key=lambda c: c.idle_for(now),
+            key=lambda c: c.evictable(now),
             default=None,
         )
-        if idle is None or idle.idle_for(now) < IDLE_EVICTABLE_S:
+        if idle is None or not idle.evictable(now)[0]:
             return False
         idle.end(
             grpc.StatusCode.UNAVAILABLE,

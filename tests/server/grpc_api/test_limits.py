@@ -415,6 +415,34 @@ def test_data_calls_whose_request_never_comes_leave_room_for_good_calls(
         silent.close()
 
 
+def test_at_the_limit_a_stream_silent_since_it_opened_goes_first(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """Issue 29, from the hostile soak at --workers 2: streams opened and never used, as fast
+    as they were ended, kept every stream of a full pool under a quarter second idle, and
+    14 good ModelInfer calls got RESOURCE_EXHAUSTED. A stream that has sent nothing since it
+    opened is ended first (after 50 ms), before streams that served requests and are idle
+    longer."""
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    srv = start(server, tmp_path, plugins_dir, max_connections=4)
+    channel = grpc.insecure_channel(srv.grpc_url)
+    used = [IdleStream(channel, [add_request(f"used{i}")]) for i in range(3)]
+    silent: IdleStream | None = None
+    try:
+        assert [stream.answers.get(timeout=15).error_message for stream in used] == [""] * 3
+        time.sleep(0.5)
+        silent = IdleStream(channel, [])
+        time.sleep(0.3)  # the used streams idle 0.8 s, the silent one 0.3 s
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ModelInfer(add_request("good"), timeout=10).id == "good"
+        assert silent.end().code() == grpc.StatusCode.UNAVAILABLE
+        assert all(stream.answers.empty() for stream in used)  # none of them ended
+    finally:
+        for stream in [*used, *([silent] if silent else [])]:
+            stream.close()
+        channel.close()
+
+
 def test_a_call_ended_for_unread_answers_stays_counted_until_it_ends(
     server: Server, tmp_path: Path, plugins_dir: Path
 ) -> None:
