@@ -51,8 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from registry import tracing
-from registry.errors import (
+from plugserve.registry import tracing
+from plugserve.registry.errors import (
     DeadlineExceeded,
     InvalidInput,
     PluginError,

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from registry.errors import Unavailable
+from plugserve.registry.errors import Unavailable
 
 BreakerState = Literal["closed", "open", "half_open"]
 

@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import orjson
 
-from registry.batching import priority_level
-from registry.chain import Chain
-from registry.components import batch_policy
-from registry.registry import LifecycleEvent, Registry
-from registry.types import RequestContext
+from plugserve.registry.batching import priority_level
+from plugserve.registry.chain import Chain
+from plugserve.registry.components import batch_policy
+from plugserve.registry.registry import LifecycleEvent, Registry
+from plugserve.registry.types import RequestContext
 
 IGNORED_PARAMETERS = frozenset({"timeout", "priority", "binary_data_output"})
 """Request parameters that steer scheduling or encoding, never what the chain computes:

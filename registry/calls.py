@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from registry.errors import PluginCallTimeout
+from plugserve.registry.errors import PluginCallTimeout
 
 log = structlog.get_logger("plugserve.registry")
 

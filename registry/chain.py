@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from registry import tracing
-from registry.components import LoadedPlugin
-from registry.errors import Unavailable
-from registry.types import RequestContext
+from plugserve.registry import tracing
+from plugserve.registry.components import LoadedPlugin
+from plugserve.registry.errors import Unavailable
+from plugserve.registry.types import RequestContext
 
 StageCall = Callable[[LoadedPlugin, Any, RequestContext], Awaitable[Any]]
 

@@ -17,18 +17,18 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from registry.backends.refusals import ort_refusal
-from registry.batching import BatchPolicy, Scheduler
-from registry.breaker import CircuitBreaker
-from registry.calls import call_plugin
-from registry.errors import InvalidInput, PluginError, PluginLoadError, PlugserveError
-from registry.inputs import InputSpec, conform, input_specs
-from registry.isolation.remote import RemoteRunner
-from registry.manifest import Manifest, RunnerSection
-from registry.stats import RunnerStats
-from registry.streaming import Stream, StreamScheduler, stream_kind
-from registry.tensors import from_json
-from registry.types import PluginInfo, RequestContext
+from plugserve.registry.backends.refusals import ort_refusal
+from plugserve.registry.batching import BatchPolicy, Scheduler
+from plugserve.registry.breaker import CircuitBreaker
+from plugserve.registry.calls import call_plugin
+from plugserve.registry.errors import InvalidInput, PluginError, PluginLoadError, PlugserveError
+from plugserve.registry.inputs import InputSpec, conform, input_specs
+from plugserve.registry.isolation.remote import RemoteRunner
+from plugserve.registry.manifest import Manifest, RunnerSection
+from plugserve.registry.stats import RunnerStats
+from plugserve.registry.streaming import Stream, StreamScheduler, stream_kind
+from plugserve.registry.tensors import from_json
+from plugserve.registry.types import PluginInfo, RequestContext
 
 STAGE_METHOD = {"preprocessor": "process", "runner": "infer", "postprocessor": "format"}
 INLINE_MAX_ROWS = 4
@@ -576,7 +576,7 @@ class LoadedPlugin:
         of the dtypes the runner's ``metadata()`` declares; a bare list or array
         goes to a runner with exactly one input. With declared inputs, names,
         ranks and fixed dimensions are checked and other datatypes cast when no
-        value changes (:func:`registry.inputs.conform`): a 400 otherwise.
+        value changes (:func:`plugserve.registry.inputs.conform`): a 400 otherwise.
         """
         if type(data) is Checked and data.by is self:  # checked in this step already
             return data

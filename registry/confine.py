@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from registry.errors import PluginLoadError
-from registry.refs import PLUGIN_TYPES, is_ignored_name
+from plugserve.registry.errors import PluginLoadError
+from plugserve.registry.refs import PLUGIN_TYPES, is_ignored_name
 
 
 class Roots:

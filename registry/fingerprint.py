@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from registry.refs import is_ignored_name
+from plugserve.registry.refs import is_ignored_name
 
 _CHUNK = 1 << 20
 

@@ -28,12 +28,12 @@ from urllib.parse import unquote, urlsplit
 
 import structlog
 
-from registry import validation
-from registry.errors import ConfigError, Conflict, NotFound, Unavailable
-from registry.etcd import EtcdClient, EtcdError, KeyValue, WatchBatch
-from registry.registry import LifecycleEvent
-from registry.route_store import Replica, RouteStore, RouteTarget, describe_entries
-from registry.routes import RouteSpec, RouteSpecError, parse_route
+from plugserve.registry import validation
+from plugserve.registry.errors import ConfigError, Conflict, NotFound, Unavailable
+from plugserve.registry.etcd import EtcdClient, EtcdError, KeyValue, WatchBatch
+from plugserve.registry.registry import LifecycleEvent
+from plugserve.registry.route_store import Replica, RouteStore, RouteTarget, describe_entries
+from plugserve.registry.routes import RouteSpec, RouteSpecError, parse_route
 
 log = structlog.get_logger("plugserve.fleet")
 

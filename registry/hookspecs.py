@@ -138,7 +138,7 @@ if TYPE_CHECKING:
 
     from aiohttp import web
 
-    from registry.types import BackendFactory, PluginInfo
+    from plugserve.registry.types import BackendFactory, PluginInfo
 
 PROJECT_NAME = "plugserve"
 

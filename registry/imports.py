@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import CodeType, ModuleType
 
-from registry.confine import Roots
+from plugserve.registry.confine import Roots
 
 PREFIX = "_plugserve_"
 

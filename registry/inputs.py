@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from registry.datatypes import V2_TO_NUMPY, v2_datatype
-from registry.errors import InvalidInput
-from registry.tensors import cast_exact
+from plugserve.registry.datatypes import V2_TO_NUMPY, v2_datatype
+from plugserve.registry.errors import InvalidInput
+from plugserve.registry.tensors import cast_exact
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def conform(
     """``inputs`` checked against ``specs``: names, ranks, fixed dimensions and datatypes.
 
     With ``cast``, an array of another datatype is converted when no value
-    changes (:func:`registry.tensors.cast_exact`); without, a different datatype
+    changes (:func:`plugserve.registry.tensors.cast_exact`); without, a different datatype
     is refused naming both. Raises :class:`InvalidInput`; ``who`` names the
     taker in messages (``route 'iris'``, a plugin label).
     """

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from registry import validation
-from registry.errors import PluginLoadError
-from registry.fingerprint import Fingerprinter
+from plugserve.registry import validation
+from plugserve.registry.errors import PluginLoadError
+from plugserve.registry.fingerprint import Fingerprinter
 
 SUMS_FILE = "SHA256SUMS"
 # The format `sha256sum` writes: "<64 hex>  <path>" (text mode) or "<64 hex> *<path>" (binary).

@@ -22,19 +22,19 @@ from typing import Any
 
 import structlog
 
-from registry.calls import call_plugin
-from registry.components import LoadedPlugin
-from registry.confine import Roots
-from registry.errors import PluginCallTimeout, PluginLoadError, PlugserveError
-from registry.fingerprint import Fingerprinter
-from registry.imports import forget, import_plugin, package_name
-from registry.integrity import verify_checksums
-from registry.isolation.host import RunnerHost, Runners, RunnerSpec
-from registry.isolation.remote import RemoteRunner
-from registry.manager import PluginHost
-from registry.manifest import Manifest, check_runner_keys, load_manifest
-from registry.models import MODELS_SCHEME, resolve_model
-from registry.types import PluginInfo
+from plugserve.registry.calls import call_plugin
+from plugserve.registry.components import LoadedPlugin
+from plugserve.registry.confine import Roots
+from plugserve.registry.errors import PluginCallTimeout, PluginLoadError, PlugserveError
+from plugserve.registry.fingerprint import Fingerprinter
+from plugserve.registry.imports import forget, import_plugin, package_name
+from plugserve.registry.integrity import verify_checksums
+from plugserve.registry.isolation.host import RunnerHost, Runners, RunnerSpec
+from plugserve.registry.isolation.remote import RemoteRunner
+from plugserve.registry.manager import PluginHost
+from plugserve.registry.manifest import Manifest, check_runner_keys, load_manifest
+from plugserve.registry.models import MODELS_SCHEME, resolve_model
+from plugserve.registry.types import PluginInfo
 
 log = structlog.get_logger("plugserve.registry")
 
@@ -91,7 +91,7 @@ class Loader:
         """Load and warm up the version in ``folder``; raise :class:`PluginLoadError`.
 
         A runner with ``isolation = "process"`` loads in runner processes of its
-        own (:mod:`registry.isolation`) unless ``in_process`` (in such a process,
+        own (:mod:`plugserve.registry.isolation`) unless ``in_process`` (in such a process,
         as one instance); ``content`` (the folder's fingerprint) lets the workers
         of one server share them. ``overrides`` replace ``[runner]`` keys of the
         manifest for this load (not for an isolated runner, whose processes read

@@ -15,10 +15,10 @@ import pluggy
 import structlog
 from aiohttp import web
 
-from registry import hookspecs
-from registry.calls import call_plugin
-from registry.errors import BackendConflict, PluginCallTimeout, PluginLoadError
-from registry.types import BackendFactory, PluginInfo
+from plugserve.registry import hookspecs
+from plugserve.registry.calls import call_plugin
+from plugserve.registry.errors import BackendConflict, PluginCallTimeout, PluginLoadError
+from plugserve.registry.types import BackendFactory, PluginInfo
 
 ENTRY_POINT_GROUP = "plugserve"
 
@@ -72,7 +72,7 @@ class PluginHost:
 
     def load_builtins(self) -> None:
         """Register the built-in plugins, through the same hooks as everyone else's."""
-        from registry.backends import onnxruntime, tensorrt
+        from plugserve.registry.backends import onnxruntime, tensorrt
 
         self.register(onnxruntime, "builtin:onnxruntime")
         self.register(tensorrt, "builtin:tensorrt")

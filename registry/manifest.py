@@ -14,11 +14,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from registry import validation
-from registry.errors import ManifestError
-from registry.ratelimit import RateLimit
-from registry.refs import NAME_PATTERN, PLUGIN_TYPES, PluginType, Ref, is_valid_name
-from registry.versions import Version
+from plugserve.registry import validation
+from plugserve.registry.errors import ManifestError
+from plugserve.registry.ratelimit import RateLimit
+from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES, PluginType, Ref, is_valid_name
+from plugserve.registry.versions import Version
 
 MANIFEST_NAME = "plugin.toml"
 
@@ -459,7 +459,8 @@ def _check_relative(path: Path, folder: Path, relative: str, key: str) -> None:
 
 @dataclass(frozen=True)
 class _Fields:
-    """Typed field access over :mod:`registry.validation`; problems name the dotted field."""
+    """Typed field access over :mod:`plugserve.registry.validation`; problems name the
+    dotted field."""
 
     path: Path
 

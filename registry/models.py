@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from registry.errors import PluginLoadError
-from registry.refs import is_ignored_name, is_valid_name
-from registry.versions import Version
+from plugserve.registry.errors import PluginLoadError
+from plugserve.registry.refs import is_ignored_name, is_valid_name
+from plugserve.registry.versions import Version
 
 MODELS_SCHEME = "models:"
 

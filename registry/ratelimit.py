@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from registry import validation
-from registry.shared_files import locked, release
+from plugserve.registry import validation
+from plugserve.registry.shared_files import locked, release
 
 MIN_RPS = 0.001
 """The smallest rate accepted: one request in 1000 s (smaller ones mean "closed")."""
@@ -32,7 +32,7 @@ class RateLimit:
 
         ``rps`` from :data:`MIN_RPS` to :data:`MAX_RPS`, ``burst`` from 1 to
         :data:`MAX_BURST` (default: ``rps`` rounded down, at least 1). Raises
-        :class:`~registry.validation.ValueProblem` (a ``ValueError``) naming the field.
+        :class:`plugserve.registry.validation.ValueProblem` (a ``ValueError``) naming the field.
         """
         if not isinstance(raw, Mapping) or set(raw) - {"rps", "burst"}:
             raise validation.ValueProblem(

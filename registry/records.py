@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from registry.components import LoadedPlugin
-from registry.refs import PluginType
-from registry.versions import Version
+from plugserve.registry.components import LoadedPlugin
+from plugserve.registry.refs import PluginType
+from plugserve.registry.versions import Version
 
 State = Literal["loading", "ready", "failed", "draining", "unloaded"]
 

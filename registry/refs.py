@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from registry.versions import Version
+from plugserve.registry.versions import Version
 
 PluginType = Literal["preprocessor", "runner", "postprocessor"]
 PLUGIN_TYPES: tuple[PluginType, ...] = ("preprocessor", "runner", "postprocessor")

@@ -19,18 +19,24 @@ from typing import Any, Literal
 
 import structlog
 
-from registry.chain import Chain
-from registry.components import LoadedPlugin
-from registry.errors import NotFound, PlugserveError, RoutesFileError
-from registry.fingerprint import Fingerprinter
-from registry.loader import Loader
-from registry.manager import PluginHost
-from registry.manifest import load_manifest
-from registry.ratelimit import SharedTokenBucket, TokenBucket, shared_bucket_path
-from registry.records import VersionRecord
-from registry.refs import PLUGIN_TYPES, PluginType, is_ignored_name
-from registry.routes import ROUTES_FILE, RouteSpec, RouteTable, build_route_table, load_routes_file
-from registry.versions import Version
+from plugserve.registry.chain import Chain
+from plugserve.registry.components import LoadedPlugin
+from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError
+from plugserve.registry.fingerprint import Fingerprinter
+from plugserve.registry.loader import Loader
+from plugserve.registry.manager import PluginHost
+from plugserve.registry.manifest import load_manifest
+from plugserve.registry.ratelimit import SharedTokenBucket, TokenBucket, shared_bucket_path
+from plugserve.registry.records import VersionRecord
+from plugserve.registry.refs import PLUGIN_TYPES, PluginType, is_ignored_name
+from plugserve.registry.routes import (
+    ROUTES_FILE,
+    RouteSpec,
+    RouteTable,
+    build_route_table,
+    load_routes_file,
+)
+from plugserve.registry.versions import Version
 
 log = structlog.get_logger("plugserve.registry")
 

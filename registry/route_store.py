@@ -22,11 +22,11 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from registry import validation
-from registry.errors import ConfigError, Conflict, NotFound, Unavailable
-from registry.records import VersionRecord
-from registry.registry import Key, LifecycleEvent
-from registry.routes import RouteSpec, RouteSpecError, parse_route
+from plugserve.registry import validation
+from plugserve.registry.errors import ConfigError, Conflict, NotFound, Unavailable
+from plugserve.registry.records import VersionRecord
+from plugserve.registry.registry import Key, LifecycleEvent
+from plugserve.registry.routes import RouteSpec, RouteSpecError, parse_route
 
 log = structlog.get_logger("plugserve.routes")
 _T = TypeVar("_T")

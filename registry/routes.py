@@ -21,21 +21,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from registry import validation
-from registry.chain import Chain
-from registry.components import LoadedPlugin
-from registry.errors import (
+from plugserve.registry import validation
+from plugserve.registry.chain import Chain
+from plugserve.registry.components import LoadedPlugin
+from plugserve.registry.errors import (
     PlugserveError,
     RouteNotFound,
     RoutesFileError,
     Unavailable,
     VersionNotFound,
 )
-from registry.ratelimit import RateLimit
-from registry.records import VersionRecord
-from registry.refs import NAME_PATTERN, Ref, is_valid_name
-from registry.variants import Candidate, WeightedChoice, salt_of
-from registry.versions import Version
+from plugserve.registry.ratelimit import RateLimit
+from plugserve.registry.records import VersionRecord
+from plugserve.registry.refs import NAME_PATTERN, Ref, is_valid_name
+from plugserve.registry.variants import Candidate, WeightedChoice, salt_of
+from plugserve.registry.versions import Version
 
 ROUTES_FILE = "routes.toml"
 _ROUTE_KEYS = {"runner", "preprocess", "postprocess", "sticky", "rate_limit"}

@@ -40,9 +40,9 @@ from typing import Any, Literal
 import numpy as np
 import structlog
 
-from registry.batching import BatchPolicy, priority_level
-from registry.breaker import CircuitBreaker
-from registry.errors import PlugserveError, TooManyRequests, Unavailable
+from plugserve.registry.batching import BatchPolicy, priority_level
+from plugserve.registry.breaker import CircuitBreaker
+from plugserve.registry.errors import PlugserveError, TooManyRequests, Unavailable
 
 StreamKind = Literal["generator", "steps"]
 Arrays = Mapping[str, np.ndarray]

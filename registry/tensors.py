@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from registry.datatypes import v2_datatype
+from plugserve.registry.datatypes import v2_datatype
 
 MayHoldBool = bool | Callable[[], bool]
 """Whether JSON data may hold a boolean: known, or asked only when it matters."""

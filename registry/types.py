@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 
 from structlog.typing import FilteringBoundLogger
 
-from registry.errors import InvalidInput
-from registry.refs import PluginType
+from plugserve.registry.errors import InvalidInput
+from plugserve.registry.refs import PluginType
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class PluginInfo:
         plugin's folder, or ``models:<name>/<version>/<file>`` in the models dir (a
         tokenizer, a vocabulary, a labels file). Raises :class:`PluginLoadError`
         when it does not exist or lies outside the plugins and models dirs."""
-        from registry.models import resolve_model
+        from plugserve.registry.models import resolve_model
 
         return resolve_model(spec, self.path, self.models_dir or self.path, None)
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from registry.refs import NAME_PATTERN, is_valid_name
+from plugserve.registry.refs import NAME_PATTERN, is_valid_name
 
 MAX_DEPTH = 32
 """Deepest nesting of tables and arrays accepted in a file or body."""

@@ -25,9 +25,9 @@ from typing import Any, Protocol
 import structlog
 from watchfiles import Change, DefaultFilter, awatch
 
-from registry.refs import PLUGIN_TYPES, is_ignored_name
-from registry.registry import Key, Outcome
-from registry.routes import ROUTES_FILE
+from plugserve.registry.refs import PLUGIN_TYPES, is_ignored_name
+from plugserve.registry.registry import Key, Outcome
+from plugserve.registry.routes import ROUTES_FILE
 
 log = structlog.get_logger("plugserve.watcher")
 

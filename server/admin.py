@@ -11,17 +11,17 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from registry import validation
-from registry.errors import InvalidInput, NotFound, PluginLoadError, TooManyRequests
-from registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
-from registry.registry import Registry
-from registry.routes import RouteSpec, RouteSpecError, parse_route
-from registry.versions import Version
-from server import __version__
-from server.auth import ADMIN_PREFIX, check_page_address
-from server.auth import admin_only as protected
-from server.bodies import read_control
-from server.state import BODIES, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+from plugserve.registry import validation
+from plugserve.registry.errors import InvalidInput, NotFound, PluginLoadError, TooManyRequests
+from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
+from plugserve.registry.registry import Registry
+from plugserve.registry.routes import RouteSpec, RouteSpecError, parse_route
+from plugserve.registry.versions import Version
+from plugserve.server import __version__
+from plugserve.server.auth import ADMIN_PREFIX, check_page_address
+from plugserve.server.auth import admin_only as protected
+from plugserve.server.bodies import read_control
+from plugserve.server.state import BODIES, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 PROFILING = web.AppKey("profiling", asyncio.Lock)
 STARTED = web.AppKey("started", float)

@@ -10,22 +10,22 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from registry import tracing
-from registry.cache import ResponseCache
-from registry.components import LOOP_BUDGET_S
-from registry.fleet import EtcdLocation, EtcdRouteStore
-from registry.isolation.host import ProcessSettings, RunnerHost
-from registry.registry import Registry
-from registry.route_store import Replica, RouteStore, RouteTarget
-from registry.watcher import Watcher
-from server import admin, auth, heap, openapi, predict, v2
-from server.bodies import Bodies
-from server.config import Settings
-from server.metrics import Metrics
-from server.middleware import request_middleware
-from server.openai_api import routes as openai_routes
-from server.shutdown import CLOSE_FLOOR_S, Drain, within
-from server.state import (
+from plugserve.registry import tracing
+from plugserve.registry.cache import ResponseCache
+from plugserve.registry.components import LOOP_BUDGET_S
+from plugserve.registry.fleet import EtcdLocation, EtcdRouteStore
+from plugserve.registry.isolation.host import ProcessSettings, RunnerHost
+from plugserve.registry.registry import Registry
+from plugserve.registry.route_store import Replica, RouteStore, RouteTarget
+from plugserve.registry.watcher import Watcher
+from plugserve.server import admin, auth, heap, openapi, predict, v2
+from plugserve.server.bodies import Bodies
+from plugserve.server.config import Settings
+from plugserve.server.metrics import Metrics
+from plugserve.server.middleware import request_middleware
+from plugserve.server.openai_api import routes as openai_routes
+from plugserve.server.shutdown import CLOSE_FLOOR_S, Drain, within
+from plugserve.server.state import (
     BODIES,
     DRAIN,
     METRICS,
@@ -36,13 +36,13 @@ from server.state import (
     SETTINGS,
     WORKER,
 )
-from server.triton import generate, shm_http
-from server.triton.repository import LocalRepository, SupervisedRepository
-from server.triton.shared_memory import Regions
-from server.triton.shm_table import LocalTable, SharedTable
+from plugserve.server.triton import generate, shm_http
+from plugserve.server.triton.repository import LocalRepository, SupervisedRepository
+from plugserve.server.triton.shared_memory import Regions
+from plugserve.server.triton.shm_table import LocalTable, SharedTable
 
 if TYPE_CHECKING:
-    from server.processes.link import WorkerLink
+    from plugserve.server.processes.link import WorkerLink
 
 log = structlog.get_logger("plugserve.server")
 
@@ -115,7 +115,7 @@ def _isolated_runners(registry: Registry, settings: Settings, worker: WorkerLink
     if worker is None:
         registry.loader.runners = RunnerHost(process_settings(settings))
         return
-    from server.processes.runners import SupervisedRunners
+    from plugserve.server.processes.runners import SupervisedRunners
 
     holder = str(os.getpid())
     registry.loader.runners = SupervisedRunners(

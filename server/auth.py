@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
-from registry.errors import Forbidden, NotFound, Unauthorized
-from server.config import Settings
-from server.state import SETTINGS
+from plugserve.registry.errors import Forbidden, NotFound, Unauthorized
+from plugserve.server.config import Settings
+from plugserve.server.state import SETTINGS
 
 ADMIN_PREFIX = "/admin"
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics", "/openapi.json"})

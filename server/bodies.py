@@ -25,7 +25,7 @@ from typing import TypeVar
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from registry.errors import PayloadTooLarge, TooManyRequests, UnreadableBody
+from plugserve.registry.errors import PayloadTooLarge, TooManyRequests, UnreadableBody
 
 T = TypeVar("T")
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from registry.errors import ConfigError, PlugserveError
-from registry.fleet import EtcdLocation
-from server import __version__
-from server.app import create_app
-from server.config import Settings, load_settings
-from server.connections import (
+from plugserve.registry.errors import ConfigError, PlugserveError
+from plugserve.registry.fleet import EtcdLocation
+from plugserve.server import __version__
+from plugserve.server.app import create_app
+from plugserve.server.config import Settings, load_settings
+from plugserve.server.connections import (
     MIN_REFUSING,
     ConnectionLimits,
     Listener,
@@ -33,15 +33,15 @@ from server.connections import (
     refusing_budget,
     run_app,
 )
-from server.grpc_api.listener import grpc_lifetime
-from server.logs import configure_logging, protocol_logger
-from server.shutdown import install_signal_handlers
-from server.state import METRICS
-from server.streams import flush_std_streams, protect_std_streams
-from server.validate import ERROR, Report, validate
+from plugserve.server.grpc_api.listener import grpc_lifetime
+from plugserve.server.logs import configure_logging, protocol_logger
+from plugserve.server.shutdown import install_signal_handlers
+from plugserve.server.state import METRICS
+from plugserve.server.streams import flush_std_streams, protect_std_streams
+from plugserve.server.validate import ERROR, Report, validate
 
 if TYPE_CHECKING:
-    from server.processes.link import WorkerLink
+    from plugserve.server.processes.link import WorkerLink
 
 THREAD_GRACE_S = 0.5
 """How long the process waits, after shutdown, for threads other than its own to end."""
@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "new":
             return _new(args)
         if args.command == "doctor":
-            from server.doctor import run_doctor
+            from plugserve.server.doctor import run_doctor
 
             return run_doctor(args.config, args.json)
         return _validate(args)
@@ -174,7 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     workers = settings.worker_count
     if workers > 1:
-        from server.processes.supervisor import supervise
+        from plugserve.server.processes.supervisor import supervise
 
         return supervise(settings, workers, _event_loop(settings.event_loop))
     sockets = _sockets(settings)
@@ -295,7 +295,7 @@ def _event_loop(choice: str) -> asyncio.AbstractEventLoop:
 
 def _new(args: argparse.Namespace) -> int:
     """``plugserve new``: 0 with the package written, 1 when its folder exists already."""
-    from server.scaffold import write_package
+    from plugserve.server.scaffold import write_package
 
     try:
         folder = write_package(args.type, args.name, args.package_version, args.dir)

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from registry.datatypes import V2_TO_NUMPY, v2_datatype
-from registry.errors import InvalidInput, PayloadTooLarge
-from registry.tensors import MayHoldBool, bytes_elements, from_json
-from server.triton.classification import class_count
+from plugserve.registry.datatypes import V2_TO_NUMPY, v2_datatype
+from plugserve.registry.errors import InvalidInput, PayloadTooLarge
+from plugserve.registry.tensors import MayHoldBool, bytes_elements, from_json
+from plugserve.server.triton.classification import class_count
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _U32 = struct.Struct("<I")

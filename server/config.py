@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from registry import validation
-from registry.errors import ConfigError
-from server.codec import Limits
-from server.cores import usable_cores
+from plugserve.registry import validation
+from plugserve.registry.errors import ConfigError
+from plugserve.server.codec import Limits
+from plugserve.server.cores import usable_cores
 
 ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
 ADMIN_TOKEN_FILE_ENV = "PLUGSERVE_ADMIN_TOKEN_FILE"

@@ -32,7 +32,7 @@ import structlog
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
-from registry.errors import ConfigError
+from plugserve.registry.errors import ConfigError
 
 log = structlog.get_logger("plugserve.server")
 

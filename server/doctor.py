@@ -22,13 +22,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from registry.backends.ort_gpu import RUNTIMES, installed_runtimes
-from registry.backends.ort_gpu import install_command as extra_command
-from registry.errors import PlugserveError
-from registry.fleet import EtcdLocation
-from server import __version__
-from server.config import Settings, load_settings
-from server.cores import affinity_cores, bounded, cpu_quota
+from plugserve.registry.backends.ort_gpu import RUNTIMES, installed_runtimes
+from plugserve.registry.backends.ort_gpu import install_command as extra_command
+from plugserve.registry.errors import PlugserveError
+from plugserve.registry.fleet import EtcdLocation
+from plugserve.server import __version__
+from plugserve.server.config import Settings, load_settings
+from plugserve.server.cores import affinity_cores, bounded, cpu_quota
 
 ETCD_TIMEOUT_S = 2.0
 SYSTEM_LIBRARIES = (

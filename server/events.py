@@ -18,9 +18,9 @@ import orjson
 import structlog
 from aiohttp import web
 
-from registry.errors import DeadlineExceeded, PluginError, PlugserveError
-from server.logs import REQUEST_ID
-from server.middleware import identify
+from plugserve.registry.errors import DeadlineExceeded, PluginError, PlugserveError
+from plugserve.server.logs import REQUEST_ID
+from plugserve.server.middleware import identify
 
 HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",

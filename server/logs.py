@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 from aiohttp.http_exceptions import HttpProcessingError
 
-from registry.chain import Chain
+from plugserve.registry.chain import Chain
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("plugserve_request_id", default=None)
 """The id of the request being served; set once per request by the middleware."""

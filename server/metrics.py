@@ -24,14 +24,14 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from registry.cache import ResponseCache
-from registry.fleet import EtcdRouteStore
-from registry.refs import PLUGIN_TYPES
-from registry.registry import LifecycleEvent, Registry
-from registry.route_store import RouteStore
+from plugserve.registry.cache import ResponseCache
+from plugserve.registry.fleet import EtcdRouteStore
+from plugserve.registry.refs import PLUGIN_TYPES
+from plugserve.registry.registry import LifecycleEvent, Registry
+from plugserve.registry.route_store import RouteStore
 
 if TYPE_CHECKING:
-    from server.connections import Listener
+    from plugserve.server.connections import Listener
 
 STATES = ("loading", "ready", "failed", "draining", "unloaded")
 

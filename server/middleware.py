@@ -10,12 +10,12 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from registry.errors import PluginError, PlugserveError
-from server.bodies import release_slot, too_large
-from server.connections import begin_request
-from server.logs import REQUEST_CHAIN, REQUEST_ID
-from server.openai_api import errors as openai_errors
-from server.state import BODIES, SETTINGS
+from plugserve.registry.errors import PluginError, PlugserveError
+from plugserve.server.bodies import release_slot, too_large
+from plugserve.server.connections import begin_request
+from plugserve.server.logs import REQUEST_CHAIN, REQUEST_ID
+from plugserve.server.openai_api import errors as openai_errors
+from plugserve.server.state import BODIES, SETTINGS
 
 REQUEST_ID_HEADER = "X-Request-ID"
 VARIANT_HEADER = "X-Plugserve-Variant"

@@ -11,9 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from registry.datatypes import V2_TO_NUMPY
-from registry.refs import NAME_PATTERN, PLUGIN_TYPES
-from server import __version__
+from plugserve.registry.datatypes import V2_TO_NUMPY
+from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES
+from plugserve.server import __version__
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:

@@ -14,12 +14,12 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from registry.cache import run_chain
-from registry.chain import Chain
-from registry.errors import InvalidInput, PluginError
-from server.bodies import LARGE_BODY_BYTES
-from server.serving import admit, deadline_seconds, measured, request_context, serve
-from server.state import BODIES, RESPONSE_CACHE
+from plugserve.registry.cache import run_chain
+from plugserve.registry.chain import Chain
+from plugserve.registry.errors import InvalidInput, PluginError
+from plugserve.server.bodies import LARGE_BODY_BYTES
+from plugserve.server.serving import admit, deadline_seconds, measured, request_context, serve
+from plugserve.server.state import BODIES, RESPONSE_CACHE
 
 
 def is_json(content_type: str) -> bool:

@@ -6,9 +6,9 @@ import os
 import shutil
 from pathlib import Path
 
-from registry.errors import ConfigError
-from registry.refs import NAME_PATTERN, is_valid_name
-from registry.versions import Version
+from plugserve.registry.errors import ConfigError
+from plugserve.registry.refs import NAME_PATTERN, is_valid_name
+from plugserve.registry.versions import Version
 
 RUNNER_MANIFEST = """\
 [plugin]

@@ -12,21 +12,21 @@ from typing import Any, Protocol, TypeVar, cast
 
 from aiohttp import web
 
-from registry import tracing
-from registry.chain import Chain
-from registry.errors import (
+from plugserve.registry import tracing
+from plugserve.registry.chain import Chain
+from plugserve.registry.errors import (
     DeadlineExceeded,
     InvalidInput,
     PlugserveError,
     TooManyRequests,
     Unavailable,
 )
-from registry.types import RequestContext
-from server.bodies import BODY_BYTES
-from server.connections import cancel_on_hangup
-from server.events import STREAM_STATUS
-from server.logs import REQUEST_CHAIN, REQUEST_ID
-from server.state import DRAIN, METRICS, REGISTRY
+from plugserve.registry.types import RequestContext
+from plugserve.server.bodies import BODY_BYTES
+from plugserve.server.connections import cancel_on_hangup
+from plugserve.server.events import STREAM_STATUS
+from plugserve.server.logs import REQUEST_CHAIN, REQUEST_ID
+from plugserve.server.state import DRAIN, METRICS, REGISTRY
 
 T = TypeVar("T")
 
@@ -84,7 +84,7 @@ def request_context(
 ) -> RequestContext:
     """The ``ctx`` stages see; deadline, priority and tenant steer the runner's scheduler.
     ``body_bytes``: the request's size, by default the length of an HTTP request's body as
-    :class:`server.bodies.Bodies` read it."""
+    :class:`plugserve.server.bodies.Bodies` read it."""
     priority = parameters.get("priority")
     # A /predict query string: ASCII digits only ("²".isdigit() is true, int("²") fails).
     if isinstance(priority, str) and priority.isascii() and priority.isdecimal():

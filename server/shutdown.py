@@ -23,8 +23,8 @@ import structlog
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
-from registry.errors import Unavailable
-from server.streams import flush_std_streams
+from plugserve.registry.errors import Unavailable
+from plugserve.server.streams import flush_std_streams
 
 log = structlog.get_logger("plugserve.server")
 
@@ -151,6 +151,6 @@ async def within(step: Awaitable[object], seconds: float, name: str) -> None:
 
 
 async def install_signal_handlers(app: web.Application) -> None:
-    from server.state import DRAIN
+    from plugserve.server.state import DRAIN
 
     app[DRAIN].install()

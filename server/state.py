@@ -6,17 +6,17 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from registry.cache import ResponseCache
-from registry.registry import Registry
-from registry.route_store import RouteStore
-from server.bodies import Bodies
-from server.config import Settings
-from server.metrics import Metrics
-from server.shutdown import Drain
-from server.triton.repository import ModelRepository
+from plugserve.registry.cache import ResponseCache
+from plugserve.registry.registry import Registry
+from plugserve.registry.route_store import RouteStore
+from plugserve.server.bodies import Bodies
+from plugserve.server.config import Settings
+from plugserve.server.metrics import Metrics
+from plugserve.server.shutdown import Drain
+from plugserve.server.triton.repository import ModelRepository
 
 if TYPE_CHECKING:
-    from server.processes.link import WorkerLink
+    from plugserve.server.processes.link import WorkerLink
 
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", Registry)

@@ -10,22 +10,22 @@ import numpy as np
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
-from registry.cache import run_chain
-from registry.chain import Chain
-from registry.errors import PluginError, Unavailable
-from registry.routes import RouteTable
-from server import __version__, compression
-from server.auth import admin_only
-from server.bodies import LARGE_BODY_BYTES, Bodies
-from server.codec import (
+from plugserve.registry.cache import run_chain
+from plugserve.registry.chain import Chain
+from plugserve.registry.errors import PluginError, Unavailable
+from plugserve.registry.routes import RouteTable
+from plugserve.server import __version__, compression
+from plugserve.server.auth import admin_only
+from plugserve.server.bodies import LARGE_BODY_BYTES, Bodies
+from plugserve.server.codec import (
     HEADER_LENGTH,
     as_tensor,
     decode_request,
     encode_response,
     json_header_size,
 )
-from server.serving import admit, deadline_seconds, measured, request_context, serve
-from server.state import (
+from plugserve.server.serving import admit, deadline_seconds, measured, request_context, serve
+from plugserve.server.state import (
     BODIES,
     DRAIN,
     REGISTRY,
@@ -35,7 +35,7 @@ from server.state import (
     SETTINGS,
     WORKER,
 )
-from server.triton import classification, config, repository, shm_http
+from plugserve.server.triton import classification, config, repository, shm_http
 
 EXTENSIONS = [
     "binary_tensor_data",

@@ -17,11 +17,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from registry.errors import ConfigError, PlugserveError
-from registry.loader import Loader
-from registry.manager import PluginHost
-from registry.manifest import MANIFEST_NAME, Manifest, load_manifest
-from registry.refs import PLUGIN_TYPES, Ref, is_ignored_name
+from plugserve.registry.errors import ConfigError, PlugserveError
+from plugserve.registry.loader import Loader
+from plugserve.registry.manager import PluginHost
+from plugserve.registry.manifest import MANIFEST_NAME, Manifest, load_manifest
+from plugserve.registry.refs import PLUGIN_TYPES, Ref, is_ignored_name
 
 VALID, INVALID, ERROR = 0, 1, 2
 """Exit codes: the package is valid; it is not; the command could not check it (usage)."""

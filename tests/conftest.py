@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient
 
-from server.app import create_app
-from server.config import Settings
-from server.logs import configure_logging
+from plugserve.server.app import create_app
+from plugserve.server.config import Settings
+from plugserve.server.logs import configure_logging
 from tests.etcd import EtcdProcess
 from tests.helpers import ServerProcess
 

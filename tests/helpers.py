@@ -321,7 +321,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
-        command = [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args]
+        command = [sys.executable, "-m", "plugserve", "serve", "--port", str(self.port), *args]
         # Its own gRPC port too (the default, 8001, would be shared by the servers of a test).
         self.grpc_port = 0
         if "--grpc-port" not in args:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from registry.backends.ort_gpu import (
+from plugserve.registry.backends.ort_gpu import (
     GPU_PROVIDERS,
     TENSORRT_LIBRARIES,
     build_package,
@@ -30,7 +30,7 @@ from registry.backends.ort_gpu import (
     preload_gpu_libraries,
     provider_load_error,
 )
-from registry.backends.ort_options import (
+from plugserve.registry.backends.ort_options import (
     DEFAULT_PROVIDERS,
     RUNNER_KEYS,
     OrtOptions,
@@ -38,12 +38,12 @@ from registry.backends.ort_options import (
     cache_dir,
     parse_options,
 )
-from registry.backends.refusals import ort_refusal
-from registry.datatypes import numpy_dtype
-from registry.errors import InvalidInput, PluginLoadError
-from registry.hookspecs import hookimpl
-from registry.tensors import cast_exact
-from registry.types import BackendFactory, PluginInfo
+from plugserve.registry.backends.refusals import ort_refusal
+from plugserve.registry.datatypes import numpy_dtype
+from plugserve.registry.errors import InvalidInput, PluginLoadError
+from plugserve.registry.hookspecs import hookimpl
+from plugserve.registry.tensors import cast_exact
+from plugserve.registry.types import BackendFactory, PluginInfo
 
 # ONNX tensor element types as ONNX Runtime names them, and their v2 datatypes.
 ONNX_TO_V2 = {

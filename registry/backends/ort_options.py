@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from registry.datatypes import V2_TO_NUMPY
-from registry.errors import PluginLoadError
+from plugserve.registry.datatypes import V2_TO_NUMPY
+from plugserve.registry.errors import PluginLoadError
 
 RUNNER_KEYS = frozenset(
     {

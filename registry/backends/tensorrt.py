@@ -36,12 +36,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from registry.backends.ort_options import cache_dir
-from registry.backends.refusals import trimmed
-from registry.datatypes import v2_datatype
-from registry.errors import InvalidInput, PluginLoadError
-from registry.hookspecs import hookimpl
-from registry.types import BackendFactory, PluginInfo
+from plugserve.registry.backends.ort_options import cache_dir
+from plugserve.registry.backends.refusals import trimmed
+from plugserve.registry.datatypes import v2_datatype
+from plugserve.registry.errors import InvalidInput, PluginLoadError
+from plugserve.registry.hookspecs import hookimpl
+from plugserve.registry.types import BackendFactory, PluginInfo
 
 EXTRA = "pip install 'plugserve[tensorrt]'"
 

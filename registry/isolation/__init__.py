@@ -1,8 +1,9 @@
 """Isolated runners: a runner version in processes of its own (``[runner] isolation = "process"``).
 
-- :mod:`registry.isolation.shm`: shared memory regions and their allocator;
-- :mod:`registry.isolation.wire`: the messages between a worker and a runner process;
-- :mod:`registry.isolation.remote`: a worker's side, the component that stands for the runner;
-- :mod:`registry.isolation.host`: starts, supervises and stops runner processes;
+- :mod:`plugserve.registry.isolation.shm`: shared memory regions and their allocator;
+- :mod:`plugserve.registry.isolation.wire`: the messages between a worker and a runner process;
+- :mod:`plugserve.registry.isolation.remote`: a worker's side, the component that stands
+  for the runner;
+- :mod:`plugserve.registry.isolation.host`: starts, supervises and stops runner processes;
 - ``server/processes/runner.py``: the runner process itself.
 """

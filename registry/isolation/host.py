@@ -1,4 +1,4 @@
-"""Starts, supervises and stops runner processes (``python -m server.processes.runner``).
+"""Starts, supervises and stops runner processes (``python -m plugserve.server.processes.runner``).
 
 A load of an isolated runner version acquires a *group*: one process per
 ``[runner] instances``, each started with the version's folder, loaded and
@@ -29,13 +29,13 @@ from typing import Any, Protocol
 import orjson
 import structlog
 
-from registry.errors import PluginLoadError, PlugserveError, Unavailable
-from registry.isolation.remote import Connection, ConnectionLost
-from registry.stats import RunnerStats
+from plugserve.registry.errors import PluginLoadError, PlugserveError, Unavailable
+from plugserve.registry.isolation.remote import Connection, ConnectionLost
+from plugserve.registry.stats import RunnerStats
 
 log = structlog.get_logger("plugserve.registry")
 
-RUNNER_MODULE = "server.processes.runner"
+RUNNER_MODULE = "plugserve.server.processes.runner"
 MAX_START_FAILURES = 3
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0

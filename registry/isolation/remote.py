@@ -23,10 +23,10 @@ import numpy as np
 import orjson
 import structlog
 
-from registry import tracing
-from registry.errors import PayloadTooLarge, PlugserveError, Unavailable
-from registry.isolation.shm import Allocator, Region
-from registry.isolation.wire import (
+from plugserve.registry import tracing
+from plugserve.registry.errors import PayloadTooLarge, PlugserveError, Unavailable
+from plugserve.registry.isolation.shm import Allocator, Region
+from plugserve.registry.isolation.wire import (
     FrameReader,
     FrameTooLarge,
     error_from,
@@ -34,11 +34,11 @@ from registry.isolation.wire import (
     get_tensors,
     put_tensors,
 )
-from registry.stats import RunnerStats
+from plugserve.registry.stats import RunnerStats
 
 if TYPE_CHECKING:
-    from registry.isolation.host import RunnerGroup, Runners
-    from registry.types import RequestContext
+    from plugserve.registry.isolation.host import RunnerGroup, Runners
+    from plugserve.registry.types import RequestContext
 
 log = structlog.get_logger("plugserve.registry")
 

@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from registry import errors
-from registry.errors import PlugserveError
-from registry.isolation.shm import Allocator, Region
-from registry.tensors import bytes_elements
+from plugserve.registry import errors
+from plugserve.registry.errors import PlugserveError
+from plugserve.registry.isolation.shm import Allocator, Region
+from plugserve.registry.tensors import bytes_elements
 
 HEADER = struct.Struct("<IIQ")
 _U32 = struct.Struct("<I")

@@ -8,8 +8,8 @@ import grpc
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from registry.errors import PlugserveError
-from server.triton.shared_memory import grpc_peer
+from plugserve.registry.errors import PlugserveError
+from plugserve.server.triton.shared_memory import grpc_peer
 
 GRPC_CODES: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -51,7 +51,7 @@ def error_details(exc: PlugserveError) -> str:
 
 
 class Call:
-    """A gRPC call with what :class:`server.serving.Incoming` reads: the app, the
+    """A gRPC call with what :class:`plugserve.server.serving.Incoming` reads: the app, the
     metadata as headers (``-bin`` keys left out), and where it came from."""
 
     __slots__ = ("app", "content_type", "context", "headers")

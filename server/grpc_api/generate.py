@@ -4,7 +4,7 @@ The .proto files are Triton's own, unchanged, from triton-inference-server/commo
 (``protobuf/``); the generated modules are committed, so that installing plugserve
 needs no protoc. Regenerate after replacing a .proto (needs ``grpcio-tools``)::
 
-    python -m server.grpc_api.generate
+    python -m plugserve.server.grpc_api.generate
 
 A test (tests/server/grpc_api/test_service.py) fails when the committed modules are
 not what this produces; the generator's version is pinned in the ``test`` extra
@@ -24,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 PROTOS = HERE / "protos"
 GENERATED = HERE / "generated"
-PACKAGE = "server.grpc_api.generated"
+PACKAGE = "plugserve.server.grpc_api.generated"
 PROTO_FILES = ("model_config.proto", "grpc_service.proto", "health.proto")
 _BARE_IMPORT = re.compile(r"^import (\w+_pb2) as", re.MULTILINE)
 

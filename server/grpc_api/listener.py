@@ -5,7 +5,7 @@ binds the port with ``SO_REUSEPORT`` (the supervisor holds it meanwhile, as it
 holds the HTTP port, so that no other process takes it); a single process binds
 it alone, so that a port in use is an error at start, not a shared port.
 
-Its calls are counted and swept by :class:`~server.grpc_api.admission.Admission`
+Its calls are counted and swept by :class:`plugserve.server.grpc_api.admission.Admission`
 (``max_connections`` data calls, health apart; idle and unread streams ended);
 its connections by gRPC's own options: the HTTP/2 handshake within
 ``header_timeout_s`` (else closed), and ``GOAWAY`` to a connection with no call
@@ -20,12 +20,12 @@ import grpc
 import structlog
 from aiohttp import web
 
-from registry.errors import ConfigError
-from server.config import Settings
-from server.connections import DEFAULT_MAX_CONNECTIONS
-from server.grpc_api.admission import Admission, CallLimits
-from server.grpc_api.service import add_to_server
-from server.state import SETTINGS, WORKER
+from plugserve.registry.errors import ConfigError
+from plugserve.server.config import Settings
+from plugserve.server.connections import DEFAULT_MAX_CONNECTIONS
+from plugserve.server.grpc_api.admission import Admission, CallLimits
+from plugserve.server.grpc_api.service import add_to_server
+from plugserve.server.state import SETTINGS, WORKER
 
 log = structlog.get_logger("plugserve.grpc")
 

@@ -2,9 +2,9 @@
 
 Every call runs on the server's event loop (``grpc.aio``), in the worker that
 accepted its connection. Inference goes the HTTP path's way
-(:mod:`server.serving`: admission, rate limits, deadline, priority, tenant, the
+(:mod:`plugserve.server.serving`: admission, rate limits, deadline, priority, tenant, the
 drain, metrics with ``protocol="grpc"``, tracing from a ``traceparent`` in the
-metadata), and errors leave as gRPC status codes (:mod:`server.grpc_api.calls`).
+metadata), and errors leave as gRPC status codes (:mod:`plugserve.server.grpc_api.calls`).
 The data plane needs the inference token (``authorization: Bearer ...``
 metadata) where one is configured; the repository calls are the control
 plane's, under the admin rules.
@@ -24,9 +24,9 @@ import structlog
 from aiohttp import web
 from google.protobuf import json_format
 
-from registry.cache import run_chain
-from registry.chain import Chain
-from registry.errors import (
+from plugserve.registry.cache import run_chain
+from plugserve.registry.chain import Chain
+from plugserve.registry.errors import (
     DeadlineExceeded,
     InvalidInput,
     NotFound,
@@ -35,23 +35,30 @@ from registry.errors import (
     PlugserveError,
     Unavailable,
 )
-from server import __version__, auth, v2
-from server.bodies import CONTROL_BODY_BYTES, LARGE_BODY_BYTES
-from server.codec import InferRequest
-from server.grpc_api import handlers, tensors
-from server.grpc_api.admission import CURRENT_CALL, TrackedCall, end_with
-from server.grpc_api.calls import Call, error_details, grpc_code
-from server.grpc_api.generated import grpc_service_pb2 as pb
-from server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
-from server.grpc_api.generated import health_pb2, health_pb2_grpc
-from server.logs import REQUEST_CHAIN, REQUEST_ID
-from server.middleware import REQUEST_ID_HEADER, client_request_id, new_request_id
-from server.serving import admit, deadline_seconds, measured, request_context, serve, streamed
-from server.state import BODIES, REGISTRY, REPOSITORY, RESPONSE_CACHE, SETTINGS, WORKER
-from server.triton import classification, config
-from server.triton.repository import relayed
-from server.triton.shared_memory import Attachment, Regions, check_key
-from server.triton.shm_http import REGIONS, cuda_unsupported
+from plugserve.server import __version__, auth, v2
+from plugserve.server.bodies import CONTROL_BODY_BYTES, LARGE_BODY_BYTES
+from plugserve.server.codec import InferRequest
+from plugserve.server.grpc_api import handlers, tensors
+from plugserve.server.grpc_api.admission import CURRENT_CALL, TrackedCall, end_with
+from plugserve.server.grpc_api.calls import Call, error_details, grpc_code
+from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
+from plugserve.server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
+from plugserve.server.grpc_api.generated import health_pb2, health_pb2_grpc
+from plugserve.server.logs import REQUEST_CHAIN, REQUEST_ID
+from plugserve.server.middleware import REQUEST_ID_HEADER, client_request_id, new_request_id
+from plugserve.server.serving import (
+    admit,
+    deadline_seconds,
+    measured,
+    request_context,
+    serve,
+    streamed,
+)
+from plugserve.server.state import BODIES, REGISTRY, REPOSITORY, RESPONSE_CACHE, SETTINGS, WORKER
+from plugserve.server.triton import classification, config
+from plugserve.server.triton.repository import relayed
+from plugserve.server.triton.shared_memory import Attachment, Regions, check_key
+from plugserve.server.triton.shm_http import REGIONS, cuda_unsupported
 
 T = TypeVar("T")
 log = structlog.get_logger("plugserve.grpc")

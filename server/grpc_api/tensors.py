@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from registry.datatypes import V2_TO_NUMPY, v2_datatype
-from registry.errors import InvalidInput, PayloadTooLarge
-from server.codec import (
+from plugserve.registry.datatypes import V2_TO_NUMPY, v2_datatype
+from plugserve.registry.errors import InvalidInput, PayloadTooLarge
+from plugserve.server.codec import (
     InferRequest,
     Limits,
     RequestedOutput,
@@ -30,8 +30,8 @@ from server.codec import (
     shared_memory_ref,
     to_binary,
 )
-from server.grpc_api.generated import grpc_service_pb2 as pb
-from server.triton.classification import class_count
+from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
+from plugserve.server.triton.classification import class_count
 
 CONTENTS_FIELD = {
     "BOOL": ("bool_contents", np.bool_),

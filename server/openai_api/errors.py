@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from registry.errors import NotFound, PlugserveError
+from plugserve.registry.errors import NotFound, PlugserveError
 
 PREFIX = "/v1/"
 

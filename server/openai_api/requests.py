@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from registry.errors import InvalidInput
+from plugserve.registry.errors import InvalidInput
 
 MAX_CHOICES = 16
 INT64_SPAN = 2**64

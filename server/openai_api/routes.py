@@ -26,15 +26,15 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from registry.cache import run_chain
-from registry.chain import Chain
-from registry.errors import NotFound, PluginError, PlugserveError
-from registry.types import RequestContext
-from server import events
-from server.logs import REQUEST_ID
-from server.openai_api import errors, requests
-from server.predict import parse_json
-from server.serving import (
+from plugserve.registry.cache import run_chain
+from plugserve.registry.chain import Chain
+from plugserve.registry.errors import NotFound, PluginError, PlugserveError
+from plugserve.registry.types import RequestContext
+from plugserve.server import events
+from plugserve.server.logs import REQUEST_ID
+from plugserve.server.openai_api import errors, requests
+from plugserve.server.predict import parse_json
+from plugserve.server.serving import (
     UNKNOWN_ROUTE,
     admit,
     deadline_seconds,
@@ -43,8 +43,8 @@ from server.serving import (
     serve,
     streamed,
 )
-from server.state import BODIES, REGISTRY, RESPONSE_CACHE
-from server.triton.generate import json_value
+from plugserve.server.state import BODIES, REGISTRY, RESPONSE_CACHE
+from plugserve.server.triton.generate import json_value
 
 PROTOCOL = "openai"
 T = TypeVar("T")

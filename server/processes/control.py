@@ -18,20 +18,20 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from registry.errors import PlugserveError, Unavailable
-from registry.fleet import EtcdRouteStore
-from registry.isolation.host import RunnerHost
-from registry.route_store import RouteStore
-from registry.stats import RunnerStats
-from server import __version__, admin, v2
-from server.metrics import Metrics, _FleetCollector
-from server.middleware import error_response
-from server.processes import merge
-from server.processes.pool import Worker, WorkerPool
-from server.processes.runners import RUNNERS
-from server.processes.runners import metrics_text as runner_metrics
-from server.processes.unix import Reply, UnixClient
-from server.triton.shared_memory import Regions
+from plugserve.registry.errors import PlugserveError, Unavailable
+from plugserve.registry.fleet import EtcdRouteStore
+from plugserve.registry.isolation.host import RunnerHost
+from plugserve.registry.route_store import RouteStore
+from plugserve.registry.stats import RunnerStats
+from plugserve.server import __version__, admin, v2
+from plugserve.server.metrics import Metrics, _FleetCollector
+from plugserve.server.middleware import error_response
+from plugserve.server.processes import merge
+from plugserve.server.processes.pool import Worker, WorkerPool
+from plugserve.server.processes.runners import RUNNERS
+from plugserve.server.processes.runners import metrics_text as runner_metrics
+from plugserve.server.processes.unix import Reply, UnixClient
+from plugserve.server.triton.shared_memory import Regions
 
 POOL = web.AppKey("pool", WorkerPool)
 STORE = web.AppKey("store", RouteStore)

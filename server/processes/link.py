@@ -23,15 +23,23 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from registry.errors import InvalidInput, Unavailable
-from registry.registry import Registry
-from server import admin, v2
-from server.config import Settings
-from server.middleware import request_middleware
-from server.processes.pool import routes_from_json
-from server.processes.unix import READ_TIMEOUT_S, UnixClient
-from server.state import BODIES, DRAIN, METRICS, REGISTRY, REPOSITORY, ROUTE_STORE, SETTINGS
-from server.triton.repository import LocalRepository, relayed
+from plugserve.registry.errors import InvalidInput, Unavailable
+from plugserve.registry.registry import Registry
+from plugserve.server import admin, v2
+from plugserve.server.config import Settings
+from plugserve.server.middleware import request_middleware
+from plugserve.server.processes.pool import routes_from_json
+from plugserve.server.processes.unix import READ_TIMEOUT_S, UnixClient
+from plugserve.server.state import (
+    BODIES,
+    DRAIN,
+    METRICS,
+    REGISTRY,
+    REPOSITORY,
+    ROUTE_STORE,
+    SETTINGS,
+)
+from plugserve.server.triton.repository import LocalRepository, relayed
 
 log = structlog.get_logger("plugserve.worker")
 

@@ -1,4 +1,4 @@
-"""A runner process: ``python -m server.processes.runner``, started by a RunnerHost.
+"""A runner process: ``python -m plugserve.server.processes.runner``, started by a RunnerHost.
 
 It reads its spec (one JSON line) from stdin, loads one runner version here,
 answers one JSON line (``ready`` with the version's metadata, or the error that
@@ -29,17 +29,17 @@ import numpy as np
 import orjson
 import structlog
 
-from registry import tracing
-from registry.components import LoadedPlugin
-from registry.errors import (
+from plugserve.registry import tracing
+from plugserve.registry.components import LoadedPlugin
+from plugserve.registry.errors import (
     InvalidInput,
     PayloadTooLarge,
     PluginError,
     PluginLoadError,
     PlugserveError,
 )
-from registry.isolation.shm import Allocator, Region
-from registry.isolation.wire import (
+from plugserve.registry.isolation.shm import Allocator, Region
+from plugserve.registry.isolation.wire import (
     NO_REQUEST,
     SMALL_BYTES,
     FrameReader,
@@ -49,9 +49,9 @@ from registry.isolation.wire import (
     get_tensors,
     put_tensors,
 )
-from registry.loader import Loader
-from registry.manager import PluginHost
-from server import heap
+from plugserve.registry.loader import Loader
+from plugserve.registry.manager import PluginHost
+from plugserve.server import heap
 
 log = structlog.get_logger("plugserve.runner")
 
@@ -408,9 +408,9 @@ def main() -> int:
     _die_with_parent(parent)
     # Everything imported before the spec is read: a spare process, started ahead of the
     # next load, has paid for its interpreter and imports when its spec comes.
-    from server.cli import _event_loop
-    from server.logs import configure_logging
-    from server.streams import protect_std_streams
+    from plugserve.server.cli import _event_loop
+    from plugserve.server.logs import configure_logging
+    from plugserve.server.streams import protect_std_streams
 
     line = sys.stdin.buffer.readline()
     if not line:  # a spare nobody needed: the server is stopping

@@ -1,6 +1,6 @@
 """Isolated runners with several workers: the supervisor runs them, every worker uses them.
 
-The supervisor holds the :class:`~registry.isolation.host.RunnerHost`; a worker's
+The supervisor holds the :class:`plugserve.registry.isolation.host.RunnerHost`; a worker's
 registry asks it for the processes of each isolated version it loads
 (:class:`SupervisedRunners`, its ``Runners``), connects to them and sends its
 requests there, so one process batches the requests of every worker. Workers
@@ -21,8 +21,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Metric, generate_latest
 from prometheus_client.registry import Collector
 
-from registry.errors import PluginLoadError, Unavailable
-from registry.isolation.host import (
+from plugserve.registry.errors import PluginLoadError, Unavailable
+from plugserve.registry.isolation.host import (
     ProcessSettings,
     RunnerGroup,
     RunnerHost,
@@ -30,9 +30,9 @@ from registry.isolation.host import (
     RunnerSpec,
     group_from_json,
 )
-from registry.stats import RunnerStats
-from server.metrics import add_process_figures, execution_families
-from server.processes.unix import Reply, UnixClient
+from plugserve.registry.stats import RunnerStats
+from plugserve.server.metrics import add_process_figures, execution_families
+from plugserve.server.processes.unix import Reply, UnixClient
 
 log = structlog.get_logger("plugserve.worker")
 

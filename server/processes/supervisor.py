@@ -1,7 +1,7 @@
 """The supervisor: N worker processes on one port, and every control decision made once.
 
 It binds the listening sockets, starts the workers (each a fresh interpreter,
-``python -m server.processes.worker``, handed its sockets and settings), keeps
+``python -m plugserve.server.processes.worker``, handed its sockets and settings), keeps
 them running (a worker that ends unasked is replaced, with backoff), and owns
 what a single process owns besides serving: the watcher, the runtime route
 store (a file, or etcd in fleet mode) and the answers for the whole server
@@ -52,19 +52,19 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from registry.errors import ConfigError
-from registry.isolation.host import RunnerHost
-from registry.watcher import Watcher
-from server.app import process_settings, route_store
-from server.config import Settings
-from server.connections import ConnectionLimits, Starting, bind, raise_open_files_limit
-from server.processes import runners
-from server.processes.control import SUPERVISOR_METRICS, control_app
-from server.processes.link import WorkerSpec
-from server.processes.pool import Worker, WorkerPool
-from server.shutdown import SHUTDOWN_MARGIN_S
-from server.triton.shared_memory import Regions
-from server.triton.shm_table import SharedTable
+from plugserve.registry.errors import ConfigError
+from plugserve.registry.isolation.host import RunnerHost
+from plugserve.registry.watcher import Watcher
+from plugserve.server.app import process_settings, route_store
+from plugserve.server.config import Settings
+from plugserve.server.connections import ConnectionLimits, Starting, bind, raise_open_files_limit
+from plugserve.server.processes import runners
+from plugserve.server.processes.control import SUPERVISOR_METRICS, control_app
+from plugserve.server.processes.link import WorkerSpec
+from plugserve.server.processes.pool import Worker, WorkerPool
+from plugserve.server.shutdown import SHUTDOWN_MARGIN_S
+from plugserve.server.triton.shared_memory import Regions
+from plugserve.server.triton.shm_table import SharedTable
 
 log = structlog.get_logger("plugserve.supervisor")
 
@@ -318,7 +318,7 @@ class Supervisor:
         )
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "server.processes.worker",
+                sys.executable, "-m", "plugserve.server.processes.worker",
                 stdin=asyncio.subprocess.PIPE,
                 pass_fds=(*listen, read_end, *([] if data_fd is None else [data_fd])),
                 start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor alone

@@ -1,6 +1,6 @@
-"""A worker process: ``python -m server.processes.worker``, started by the supervisor.
+"""A worker process: ``python -m plugserve.server.processes.worker``, started by the supervisor.
 
-It reads its :class:`~server.processes.link.WorkerSpec` (pickled) from stdin,
+It reads its :class:`plugserve.server.processes.link.WorkerSpec` (pickled) from stdin,
 serves the data plane on the sockets it inherited, and answers its supervisor
 on a control socket of its own. Not a command for people to run.
 """
@@ -16,7 +16,7 @@ import sys
 
 import structlog
 
-from server.processes.link import WorkerLink, WorkerSpec
+from plugserve.server.processes.link import WorkerLink, WorkerSpec
 
 PR_SET_PDEATHSIG = 1
 
@@ -40,10 +40,10 @@ def main() -> int:
         *([] if spec.data_fd is None else [spec.data_fd]),
     ):
         os.set_inheritable(fd, False)
-    from server.cli import serve_sockets
-    from server.connections import bind
-    from server.logs import configure_logging
-    from server.streams import protect_std_streams
+    from plugserve.server.cli import serve_sockets
+    from plugserve.server.connections import bind
+    from plugserve.server.logs import configure_logging
+    from plugserve.server.streams import protect_std_streams
 
     settings = spec.settings
     protect_std_streams()

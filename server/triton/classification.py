@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from registry.chain import Chain
-from registry.datatypes import v2_datatype
-from registry.errors import InvalidInput
+from plugserve.registry.chain import Chain
+from plugserve.registry.datatypes import v2_datatype
+from plugserve.registry.errors import InvalidInput
 
 MAX_CLASSES = 1 << 20
 """The largest ``k`` a request may ask for (more classes than any output holds is clamped)."""

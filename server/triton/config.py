@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from registry.chain import Chain
-from registry.manifest import RunnerSection
+from plugserve.registry.chain import Chain
+from plugserve.registry.manifest import RunnerSection
 
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
 """Triton's ``platform`` of the backends that have one; any other runner is its backend's."""

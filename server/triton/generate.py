@@ -23,12 +23,19 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from registry.chain import Chain
-from registry.errors import InvalidInput, PluginError, PlugserveError
-from server import events
-from server.predict import parse_json
-from server.serving import admit, deadline_seconds, measured, request_context, serve, streamed
-from server.state import BODIES
+from plugserve.registry.chain import Chain
+from plugserve.registry.errors import InvalidInput, PluginError, PlugserveError
+from plugserve.server import events
+from plugserve.server.predict import parse_json
+from plugserve.server.serving import (
+    admit,
+    deadline_seconds,
+    measured,
+    request_context,
+    serve,
+    streamed,
+)
+from plugserve.server.state import BODIES
 
 PROTOCOL = "generate"
 

@@ -19,9 +19,9 @@ from urllib.parse import quote
 
 import aiohttp
 
-from registry import validation
-from registry.chain import Chain
-from registry.errors import (
+from plugserve.registry import validation
+from plugserve.registry.chain import Chain
+from plugserve.registry.errors import (
     Conflict,
     Forbidden,
     InvalidInput,
@@ -33,11 +33,11 @@ from registry.errors import (
     Unauthorized,
     Unavailable,
 )
-from registry.manifest import load_manifest
-from registry.records import VersionRecord
-from registry.registry import Registry
-from registry.routes import RouteEntry
-from server.processes.unix import UnixClient
+from plugserve.registry.manifest import load_manifest
+from plugserve.registry.records import VersionRecord
+from plugserve.registry.registry import Registry
+from plugserve.registry.routes import RouteEntry
+from plugserve.server.processes.unix import UnixClient
 
 STATES = {
     "ready": "READY",

@@ -20,7 +20,7 @@ and a region whose object was unlinked or replaced is then a 400, never another
 object's memory.
 
 Protocol-neutral: HTTP (``server/triton/shm_http.py``) and gRPC call
-:class:`Regions` and :class:`Attachment` with the :class:`~server.codec.InferRequest`
+:class:`Regions` and :class:`Attachment` with the :class:`plugserve.server.codec.InferRequest`
 they decoded.
 """
 
@@ -41,17 +41,17 @@ from typing import Any
 import numpy as np
 import structlog
 
-from registry.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge
-from registry.tensors import bytes_elements
-from server.auth import is_loopback
-from server.codec import (
+from plugserve.registry.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge
+from plugserve.registry.tensors import bytes_elements
+from plugserve.server.auth import is_loopback
+from plugserve.server.codec import (
     InferRequest,
     SharedInput,
     SharedMemoryRef,
     tensor_byte_size,
     tensor_from_bytes,
 )
-from server.triton.shm_table import Entries, LocalTable
+from plugserve.server.triton.shm_table import Entries, LocalTable
 
 log = structlog.get_logger("plugserve.shared_memory")
 

@@ -9,11 +9,11 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from registry.errors import InvalidInput, NotFound
-from server.bodies import LARGE_BODY_BYTES
-from server.codec import InferRequest
-from server.state import BODIES
-from server.triton.shared_memory import Attachment, Regions, check_key, check_size
+from plugserve.registry.errors import InvalidInput, NotFound
+from plugserve.server.bodies import LARGE_BODY_BYTES
+from plugserve.server.codec import InferRequest
+from plugserve.server.state import BODIES
+from plugserve.server.triton.shared_memory import Attachment, Regions, check_key, check_size
 
 SYSTEM = "/v2/systemsharedmemory"
 CUDA = "/v2/cudasharedmemory"

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from registry.shared_files import locked, release
+from plugserve.registry.shared_files import locked, release
 
 T = TypeVar("T")
 Entries = dict[str, dict[str, Any]]
 """Region name -> ``{"name", "key", "offset", "byte_size", "registration", "holder", "fd",
-"identity"}`` (:meth:`server.triton.shared_memory.Region.entry`)."""
+"identity"}`` (:meth:`plugserve.server.triton.shared_memory.Region.entry`)."""
 
 _GENERATION = struct.Struct("<Q")
 

@@ -56,7 +56,7 @@ def serve(
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [
-        sys.executable, "-m", "server", "serve", "--port", str(port),
+        sys.executable, "-m", "plugserve", "serve", "--port", str(port),
         "--grpc-port", str(free_port()),
         "--plugins-dir", str(plugins), "--models-dir", str(models), "--log-level", "warning",
     ]  # fmt: skip

@@ -59,7 +59,7 @@ def main() -> None:
     as_json = lua_script(work, json_body(), {"Content-Type": "application/json"})
 
     port, bare_port = free_port(), free_port()
-    command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(plugins),
+    command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(plugins),
                "--models-dir", str(work / "models"), "--port", str(port),
                "--grpc-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
     servers = [

@@ -415,7 +415,7 @@ def start_plugserve(
 ) -> tuple[Server, int, list[Case]]:
     """A plugserve with ``--workers``, its gRPC port, and its two cases."""
     port, grpc_port = free_port(), free_port()
-    command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(plugins),
+    command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(plugins),
                "--models-dir", str(plugins.parent / "models"), "--port", str(port),
                "--grpc-port", str(grpc_port), "--log-level", "warning"]  # fmt: skip
     command += ["--workers", str(workers)] if workers > 1 else []

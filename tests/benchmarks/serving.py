@@ -508,7 +508,7 @@ def main() -> None:
         if "plugserve" in args.only:
             for (suffix, folder), n in itertools.product(variants, args.workers):
                 port = free_port()
-                command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(folder),
+                command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(folder),
                            "--models-dir", str(folder.parent / "models"), "--port", str(port),
                            "--grpc-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
                 # Only where it matters, so the harness also runs a server without the flag.

@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from registry.isolation.host import RUNNER_MODULE
+from plugserve.registry.isolation.host import RUNNER_MODULE
 from tests.benchmarks.serving import (
     RUNNER_OPTIONS,
     Server,
@@ -92,7 +92,7 @@ def main() -> None:
                                          "Inference-Header-Content-Length": str(length)})  # fmt: skip
     for workers in args.workers:
         port = free_port()
-        command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(work / "plugins"),
+        command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(work / "plugins"),
                    "--models-dir", str(work / "models"), "--port", str(port), "--log-level", "warning",
                    "--grpc-port", str(free_port())]  # fmt: skip
         if workers > 1:

@@ -9,7 +9,7 @@ anywhere (its code is not part of plugserve): for instance ``git -C
 <client.git> archive HEAD src/python/examples | tar -x -C /tmp/triton-examples``.
 
 Builds the fixtures of ``tests/fixtures/triton_models`` (Triton's example models
-as plugins) into a temporary folder, starts ``python -m server serve`` on them
+as plugins) into a temporary folder, starts ``python -m plugserve serve`` on them
 from ``--server-root`` (default: this checkout), and runs each example as a
 subprocess, unchanged, with ``-u 127.0.0.1:<port>`` (HTTP) or ``-u
 127.0.0.1:<grpc port>`` (gRPC), plus the arguments Triton's docs give it (and a
@@ -165,13 +165,13 @@ class Outcome:
 
 
 class Server:
-    """``python -m server serve`` from ``root`` on one fixtures folder, on free (or given) ports."""
+    """``python -m plugserve serve`` from ``root`` on one fixtures folder, on free (or given) ports."""
 
     def __init__(self, root: Path, fixtures: Path, log: Path, http: int, grpc: int) -> None:
         """``grpc`` 0: no ``--grpc-port`` (a checkout from before gRPC, HTTP examples only)."""
         self.http_port, self.grpc_port, self.log_path = http, grpc, log
         plugins, models = fixtures / "plugins", fixtures / "models"
-        command = [sys.executable, "-m", "server", "serve", "--plugins-dir", str(plugins),
+        command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(plugins),
                    "--models-dir", str(models), "--port", str(http)]  # fmt: skip
         if grpc:
             command += ["--grpc-port", str(grpc)]
@@ -431,7 +431,7 @@ def main() -> None:
         "--server-root",
         type=Path,
         default=ROOT,
-        help="the checkout `python -m server` runs from (default: this one)",
+        help="the checkout `python -m plugserve` runs from (default: this one)",
     )
     parser.add_argument(
         "--client-path", type=Path, help="put first on the examples' PYTHONPATH (Pillow, attrdict)"

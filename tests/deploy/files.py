@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from server.cli import _parser
-from server.config import Settings, load_settings
+from plugserve.server.cli import _parser
+from plugserve.server.config import Settings, load_settings
 from tests.helpers import ROOT
 
 DEPLOY = ROOT / "deploy"

@@ -22,7 +22,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 from packaging.requirements import Requirement
 
-from server.config import Settings
+from plugserve.server.config import Settings
 from tests.deploy.files import DOCKER, DOCKERFILES, entrypoint, instructions, last, serve_settings
 from tests.helpers import ROOT, free_port
 
@@ -196,7 +196,7 @@ def test_dockerignore_keeps_what_the_recipes_copy() -> None:
         if i.keyword == "COPY" and not i.text.startswith("--from")
         for source in i.text.split()[:-1]
     }
-    assert {"server", "registry", "setup.cfg"} <= copied
+    assert {"plugserve", "server", "registry", "setup.cfg"} <= copied
     for source in copied:
         assert not _ignored(source, patterns), f"{source} is copied but .dockerignore drops it"
         assert (ROOT / source).exists(), source

@@ -6,8 +6,8 @@ import re
 
 import yaml
 
-from server.config import Settings
-from server.shutdown import SHUTDOWN_MARGIN_S
+from plugserve.server.config import Settings
+from plugserve.server.shutdown import SHUTDOWN_MARGIN_S
 from tests.deploy.files import KUBERNETES, SYSTEMD, find
 from tests.helpers import ROOT
 

@@ -21,8 +21,8 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient
 
-from registry.fleet import EtcdLocation
-from server.config import (
+from plugserve.registry.fleet import EtcdLocation
+from plugserve.server.config import (
     ADMIN_TOKEN_ENV,
     ADMIN_TOKEN_FILE_ENV,
     ETCD_PASSWORD_ENV,
@@ -30,7 +30,7 @@ from server.config import (
     INFERENCE_TOKEN_FILE_ENV,
     Settings,
 )
-from server.shutdown import SHUTDOWN_MARGIN_S
+from plugserve.server.shutdown import SHUTDOWN_MARGIN_S
 from tests.deploy import kserve
 from tests.deploy.files import (
     DOCKER,

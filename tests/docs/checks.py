@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from registry.errors import ManifestError
-from registry.manifest import load_manifest
+from plugserve.registry.errors import ManifestError
+from plugserve.registry.manifest import load_manifest
 from tests.docs.blocks import Block
 from tests.docs.conftest import Project
 from tests.helpers import ROOT
@@ -23,7 +23,7 @@ def cli_synopsis(block: Block, project: Project) -> None:
         r"^plugserve (\w+)(.*?)(?=^plugserve |\Z)", block.text, re.M | re.S
     ):
         helped = subprocess.run(
-            [sys.executable, "-m", "server", command, "--help"],
+            [sys.executable, "-m", "plugserve", command, "--help"],
             cwd=ROOT, capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
         for flag in re.findall(r"--[a-z-]+", flags):

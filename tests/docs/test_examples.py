@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from registry.manifest import parse_manifest
-from registry.routes import load_routes_file
-from server.config import Settings, load_settings
+from plugserve.registry.manifest import parse_manifest
+from plugserve.registry.routes import load_routes_file
+from plugserve.server.config import Settings, load_settings
 from tests.docs.blocks import HOW_TO_MARK, Block, all_blocks, printed, session
 from tests.docs.checks import CHECKS
 from tests.docs.compare import mismatch

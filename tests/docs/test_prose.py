@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from registry.manifest import RUNNER_KEYS
-from server.config import Settings
+from plugserve.registry.manifest import RUNNER_KEYS
+from plugserve.server.config import Settings
 from tests.docs.blocks import DOCS
 from tests.docs.compare import mismatch, parse_expected
 from tests.helpers import ROOT, ServerProcess

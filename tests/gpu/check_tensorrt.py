@@ -25,8 +25,8 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from registry.backends import tensorrt as backend
-from registry.types import PluginInfo
+from plugserve.registry.backends import tensorrt as backend
+from plugserve.registry.types import PluginInfo
 from tests.benchmarks.serving import make_mlp
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import structlog
 
-from registry.manifest import load_manifest
-from registry.types import PluginInfo, RequestContext
+from plugserve.registry.manifest import load_manifest
+from plugserve.registry.types import PluginInfo, RequestContext
 from tests.helpers import ROOT
 
 PLUGINS = ROOT / "plugins"

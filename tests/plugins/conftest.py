@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from registry.loader import Loader
-from registry.manager import PluginHost
+from plugserve.registry.loader import Loader
+from plugserve.registry.manager import PluginHost
 from tests.plugins.bundled import MODELS, PLUGINS, folder
 
 

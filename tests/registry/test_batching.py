@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from registry import batching
-from registry.batching import BatchPolicy, Scheduler
-from registry.errors import (
+from plugserve.registry import batching
+from plugserve.registry.batching import BatchPolicy, Scheduler
+from plugserve.registry.errors import (
     DeadlineExceeded,
     InvalidInput,
     PluginError,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from registry.breaker import CircuitBreaker
-from registry.errors import Unavailable
+from plugserve.registry.breaker import CircuitBreaker
+from plugserve.registry.errors import Unavailable
 
 
 class Clock:

@@ -9,11 +9,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from registry.cache import ENTRY_OVERHEAD_BYTES, CacheKey, ResponseCache, freeze, run_chain
-from registry.chain import Chain
-from registry.errors import InvalidInput
-from registry.registry import Registry
-from registry.types import RequestContext
+from plugserve.registry.cache import (
+    ENTRY_OVERHEAD_BYTES,
+    CacheKey,
+    ResponseCache,
+    freeze,
+    run_chain,
+)
+from plugserve.registry.chain import Chain
+from plugserve.registry.errors import InvalidInput
+from plugserve.registry.registry import Registry
+from plugserve.registry.types import RequestContext
 from tests.helpers import write_plugin, write_processor
 
 COUNTING_RUNNER = """

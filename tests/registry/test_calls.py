@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from registry.calls import call_plugin
-from registry.errors import PluginCallTimeout
+from plugserve.registry.calls import call_plugin
+from plugserve.registry.errors import PluginCallTimeout
 
 
 async def test_results_and_errors_come_back_from_sync_and_async_calls() -> None:

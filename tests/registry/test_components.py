@@ -68,9 +68,9 @@ async def test_a_runner_first_in_its_chain_checks_a_request_once(
 ) -> None:
     """Review of issue 12: a v2 request to a route whose first stage is its runner was
     checked against the runner's declared inputs twice (route, then runner)."""
-    from registry import components
-    from registry.registry import Registry
-    from registry.types import RequestContext
+    from plugserve.registry import components
+    from plugserve.registry.registry import Registry
+    from plugserve.registry.types import RequestContext
 
     write_plugin(plugins_dir, "runner", "last", "1.0.0", files={"plugin.py": LAST_COLUMN})
     registry = Registry(plugins_dir, models_dir)
@@ -221,8 +221,8 @@ async def test_a_cancelled_processor_call_on_its_thread_is_waited_for(
     returns, so an unload waits for it, as for a runner's call."""
     import asyncio
 
-    from registry.registry import Registry
-    from registry.types import RequestContext
+    from plugserve.registry.registry import Registry
+    from plugserve.registry.types import RequestContext
     from tests.helpers import write_add_runner
 
     write_plugin(

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from registry.confine import Roots
-from registry.imports import forget, import_plugin, package_name
-from registry.registry import Registry
-from registry.types import RequestContext
+from plugserve.registry.confine import Roots
+from plugserve.registry.imports import forget, import_plugin, package_name
+from plugserve.registry.registry import Registry
+from plugserve.registry.types import RequestContext
 from tests.helpers import ROOT, add_model, processor_source, write_add_runner, write_plugin
 
 
@@ -255,7 +255,7 @@ def test_validate_refuses_a_folder_symlinked_out(
         folder.parent.mkdir(parents=True)
         folder.symlink_to(elsewhere)
     result = subprocess.run(
-        [sys.executable, "-m", "server", "validate", str(folder)],
+        [sys.executable, "-m", "plugserve", "validate", str(folder)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from registry.datatypes import V2_TO_NUMPY, numpy_dtype, v2_datatype
+from plugserve.registry.datatypes import V2_TO_NUMPY, numpy_dtype, v2_datatype
 
 
 @pytest.mark.parametrize("datatype", sorted(V2_TO_NUMPY))

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from registry.etcd import EtcdClient, EtcdError, WatchCompacted, prefix_end
+from plugserve.registry.etcd import EtcdClient, EtcdError, WatchCompacted, prefix_end
 from tests.etcd import EtcdProcess
 
 

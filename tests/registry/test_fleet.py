@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import ConfigError, Conflict, NotFound, Unavailable
-from registry.etcd import EtcdClient
-from registry.fleet import EtcdLocation, EtcdRouteStore
-from registry.registry import Registry
-from registry.route_store import Replica
-from registry.routes import parse_route
+from plugserve.registry.errors import ConfigError, Conflict, NotFound, Unavailable
+from plugserve.registry.etcd import EtcdClient
+from plugserve.registry.fleet import EtcdLocation, EtcdRouteStore
+from plugserve.registry.registry import Registry
+from plugserve.registry.route_store import Replica
+from plugserve.registry.routes import parse_route
 from tests.etcd import EtcdProcess
 from tests.helpers import write_add_runner
 

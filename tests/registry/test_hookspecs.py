@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from registry import hookspecs
+from plugserve.registry import hookspecs
 
 HOOKS = sorted(n for n in dir(hookspecs) if n.startswith("plugserve_"))
 ROOT = Path(__file__).resolve().parents[2]

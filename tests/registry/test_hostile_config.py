@@ -17,13 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from registry.backends.ort_options import RUNNER_KEYS as ORT_KEYS
-from registry.backends.ort_options import parse_options
-from registry.errors import ManifestError, PluginLoadError, RoutesFileError
-from registry.manifest import RUNNER_KEYS, Manifest, check_runner_keys, load_manifest
-from registry.ratelimit import MAX_BURST, MAX_RPS, MIN_RPS, RateLimit
-from registry.refs import is_valid_name
-from registry.routes import RouteSpecError, load_routes_file, parse_route
+from plugserve.registry.backends.ort_options import RUNNER_KEYS as ORT_KEYS
+from plugserve.registry.backends.ort_options import parse_options
+from plugserve.registry.errors import ManifestError, PluginLoadError, RoutesFileError
+from plugserve.registry.manifest import RUNNER_KEYS, Manifest, check_runner_keys, load_manifest
+from plugserve.registry.ratelimit import MAX_BURST, MAX_RPS, MIN_RPS, RateLimit
+from plugserve.registry.refs import is_valid_name
+from plugserve.registry.routes import RouteSpecError, load_routes_file, parse_route
 from tests.hostile import names, nested, rate_limits, toml_document, values
 
 FAST = settings(

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from registry.errors import InvalidInput
-from registry.inputs import conform, input_specs
+from plugserve.registry.errors import InvalidInput
+from plugserve.registry.inputs import conform, input_specs
 
 SPECS = input_specs(
     {

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import PluginLoadError
-from registry.fingerprint import Fingerprinter
-from registry.integrity import verify_checksums
+from plugserve.registry.errors import PluginLoadError
+from plugserve.registry.fingerprint import Fingerprinter
+from plugserve.registry.integrity import verify_checksums
 
 
 @pytest.mark.parametrize(

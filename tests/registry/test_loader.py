@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import PluginCallTimeout, PluginLoadError
-from registry.loader import Loader
-from registry.manager import PluginHost
+from plugserve.registry.errors import PluginCallTimeout, PluginLoadError
+from plugserve.registry.loader import Loader
+from plugserve.registry.manager import PluginHost
 from tests.helpers import write_add_runner, write_plugin
 
 SIBLING_PLUGIN = """

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from registry.errors import BackendConflict
-from registry.manager import PluginHost
+from plugserve.registry.errors import BackendConflict
+from plugserve.registry.manager import PluginHost
 from tests.helpers import fake_distribution
 
 ECHO_BACKEND = """
@@ -111,14 +111,14 @@ async def test_a_failing_lifecycle_hook_does_not_stop_the_others() -> None:
     calls = []
 
     class Bad:
-        from registry.hookspecs import hookimpl
+        from plugserve.registry.hookspecs import hookimpl
 
         @hookimpl
         def plugserve_shutdown(self, app: web.Application) -> None:
             raise RuntimeError("bad")
 
     class Good:
-        from registry.hookspecs import hookimpl
+        from plugserve.registry.hookspecs import hookimpl
 
         @hookimpl
         def plugserve_shutdown(self, app: web.Application) -> None:
@@ -152,7 +152,7 @@ async def test_a_lifecycle_hook_that_never_returns_is_given_up_and_the_others_ru
     def good(app: web.Application) -> None:
         calls.append("good")
 
-    from registry.hookspecs import hookimpl
+    from plugserve.registry.hookspecs import hookimpl
 
     host = PluginHost()
     for function in (sync_hang, async_hang, good):

@@ -2,10 +2,10 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import ManifestError
-from registry.manifest import load_manifest
-from registry.refs import Ref
-from registry.versions import Version
+from plugserve.registry.errors import ManifestError
+from plugserve.registry.manifest import load_manifest
+from plugserve.registry.refs import Ref
+from plugserve.registry.versions import Version
 from tests.helpers import write_plugin
 
 

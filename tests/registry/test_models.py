@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import PluginLoadError
-from registry.models import ModelRef, model_versions, resolve_model
+from plugserve.registry.errors import PluginLoadError
+from plugserve.registry.models import ModelRef, model_versions, resolve_model
 
 
 def _version(models_dir: Path, name: str, version: str, *files: str) -> Path:

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import MAX_RETRY_AFTER_S, TooManyRequests
-from registry.ratelimit import (
+from plugserve.registry.errors import MAX_RETRY_AFTER_S, TooManyRequests
+from plugserve.registry.ratelimit import (
     MIN_RPS,
     RateLimit,
     SharedTokenBucket,

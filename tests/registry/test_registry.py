@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from registry.errors import RouteNotFound, Unavailable, VersionNotFound
-from registry.registry import Registry
-from registry.types import RequestContext
+from plugserve.registry.errors import RouteNotFound, Unavailable, VersionNotFound
+from plugserve.registry.registry import Registry
+from plugserve.registry.types import RequestContext
 from tests.helpers import processor_source, write_add_runner, write_plugin, write_processor
 
 

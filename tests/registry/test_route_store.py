@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from registry.errors import ConfigError, Conflict, NotFound, Unavailable
-from registry.registry import Registry
-from registry.route_store import Replica, RouteStore
-from registry.routes import parse_route
+from plugserve.registry.errors import ConfigError, Conflict, NotFound, Unavailable
+from plugserve.registry.registry import Registry
+from plugserve.registry.route_store import Replica, RouteStore
+from plugserve.registry.routes import parse_route
 from tests.helpers import write_add_runner
 
 

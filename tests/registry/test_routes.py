@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import Unavailable, VersionNotFound
-from registry.registry import Registry
-from registry.routes import RouteSpecError, parse_route
+from plugserve.registry.errors import Unavailable, VersionNotFound
+from plugserve.registry.registry import Registry
+from plugserve.registry.routes import RouteSpecError, parse_route
 from tests.helpers import write_add_runner
 
 CANARY = """

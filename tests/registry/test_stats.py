@@ -1,6 +1,6 @@
 """Per runner-version statistics (Triton's statistics extension)."""
 
-from registry.stats import RunnerStats
+from plugserve.registry.stats import RunnerStats
 
 
 def test_batch_stats_keep_a_bounded_number_of_sizes() -> None:

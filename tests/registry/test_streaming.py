@@ -7,17 +7,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from registry import streaming
-from registry.batching import BatchPolicy
-from registry.breaker import CircuitBreaker
-from registry.errors import (
+from plugserve.registry import streaming
+from plugserve.registry.batching import BatchPolicy
+from plugserve.registry.breaker import CircuitBreaker
+from plugserve.registry.errors import (
     InvalidInput,
     PluginError,
     PlugserveError,
     TooManyRequests,
     Unavailable,
 )
-from registry.streaming import READ_AHEAD, Stream, StreamScheduler, stream_kind
+from plugserve.registry.streaming import READ_AHEAD, Stream, StreamScheduler, stream_kind
 
 
 class Counter:

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from registry.datatypes import V2_TO_NUMPY
-from registry.tensors import cast_exact, from_json
+from plugserve.registry.datatypes import V2_TO_NUMPY
+from plugserve.registry.tensors import cast_exact, from_json
 
 NUMERIC = {name: dtype for name, dtype in V2_TO_NUMPY.items() if name != "BYTES"}
 

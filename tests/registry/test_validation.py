@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from registry import validation
-from registry.refs import Ref, is_valid_name
-from registry.validation import ValueProblem
-from registry.versions import Version
+from plugserve.registry import validation
+from plugserve.registry.refs import Ref, is_valid_name
+from plugserve.registry.validation import ValueProblem
+from plugserve.registry.versions import Version
 
 NON_FINITE = [float("inf"), float("-inf"), float("nan"), 1e999]
 

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from registry.variants import Candidate, WeightedChoice, salt_of
+from plugserve.registry.variants import Candidate, WeightedChoice, salt_of
 
 KEYS = [f"user-{i}".encode() for i in range(20_000)]
 

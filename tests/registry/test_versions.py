@@ -1,6 +1,6 @@
 import pytest
 
-from registry.versions import Version
+from plugserve.registry.versions import Version
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from registry.fingerprint import Fingerprinter
-from registry.registry import Registry
-from registry.watcher import Watcher
+from plugserve.registry.fingerprint import Fingerprinter
+from plugserve.registry.registry import Registry
+from plugserve.registry.watcher import Watcher
 from tests.helpers import write_processor
 
 

@@ -9,9 +9,9 @@ from unittest import mock
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from registry.errors import Forbidden, Unauthorized
-from server.auth import check_admin, is_loopback
-from server.config import Settings
+from plugserve.registry.errors import Forbidden, Unauthorized
+from plugserve.server.auth import check_admin, is_loopback
+from plugserve.server.config import Settings
 from tests.helpers import ServerProcess, write_add_runner, write_plugin
 
 

@@ -9,9 +9,9 @@ import pytest
 import structlog
 import structlog.testing
 
-from registry import calls
-from server.app import create_app
-from server.config import Settings
+from plugserve.registry import calls
+from plugserve.server.app import create_app
+from plugserve.server.config import Settings
 from tests.helpers import write_add_runner, write_plugin
 
 HANGING_CLOSE = """

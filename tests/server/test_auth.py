@@ -14,9 +14,9 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
-from registry.errors import Forbidden, NotFound, Unauthorized
-from server.auth import check_admin_call, is_loopback
-from server.config import Settings
+from plugserve.registry.errors import Forbidden, NotFound, Unauthorized
+from plugserve.server.auth import check_admin_call, is_loopback
+from plugserve.server.config import Settings
 from tests.helpers import ServerProcess, write_add_runner
 
 INFERENCE, ADMIN = "inf-t0ken", "adm-t0ken"
@@ -94,7 +94,7 @@ async def test_without_an_inference_token_the_data_plane_has_no_check(
     """No middleware at all: the hot path costs nothing when no token is configured."""
     write_add_runner(plugins_dir, "add", "1.0.0")
     cli: TestClient = await client(admin_token=ADMIN)  # type: ignore[operator]
-    assert not [m for m in cli.app.middlewares if m.__module__ == "server.auth"]  # type: ignore[union-attr]
+    assert not [m for m in cli.app.middlewares if m.__module__ == "plugserve.server.auth"]  # type: ignore[union-attr]
     assert (await cli.post("/v2/models/add/infer", json=X)).status == 200
     assert (await cli.get("/admin/plugins")).status == 401
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from registry.errors import TooManyRequests
-from server.bodies import Bodies
-from server.state import BODIES
+from plugserve.registry.errors import TooManyRequests
+from plugserve.server.bodies import Bodies
+from plugserve.server.state import BODIES
 from tests.helpers import write_add_runner
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}

@@ -18,7 +18,7 @@ def plugserve(
     *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "server", *args],
+        [sys.executable, "-m", "plugserve", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

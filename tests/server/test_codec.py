@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from registry.datatypes import V2_TO_NUMPY
-from registry.errors import InvalidInput, PayloadTooLarge
-from server import codec
-from server.codec import (
+from plugserve.registry.datatypes import V2_TO_NUMPY
+from plugserve.registry.errors import InvalidInput, PayloadTooLarge
+from plugserve.server import codec
+from plugserve.server.codec import (
     HEADER_LENGTH,
     InferRequest,
     Limits,
@@ -22,8 +22,8 @@ from server.codec import (
     decode_request,
     encode_response,
 )
-from server.grpc_api import tensors as grpc_tensors
-from server.grpc_api.generated import grpc_service_pb2 as pb
+from plugserve.server.grpc_api import tensors as grpc_tensors
+from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
 
 NUMERIC = [d for d in V2_TO_NUMPY if d != "BYTES"]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from server.compression import accepted, compress
+from plugserve.server.compression import accepted, compress
 from tests.helpers import ServerProcess, write_add_runner
 
 

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import ConfigError
-from server.config import ADMIN_TOKEN_ENV, Settings, load_settings
+from plugserve.registry.errors import ConfigError
+from plugserve.server.config import ADMIN_TOKEN_ENV, Settings, load_settings
 
 
 def test_defaults_serve_the_bundled_folders() -> None:
@@ -66,7 +66,7 @@ def test_token_is_not_in_the_repr() -> None:
 
 
 def test_the_etcd_password_comes_from_the_environment_and_is_never_shown() -> None:
-    from server.cli import _shown_registry
+    from plugserve.server.cli import _shown_registry
 
     settings = load_settings(
         None,
@@ -134,7 +134,7 @@ def test_inline_runners_is_auto_on_or_off() -> None:
 def test_runners_run_on_the_loop_when_asked_or_when_every_core_has_a_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import server.config as config
+    import plugserve.server.config as config
 
     monkeypatch.setattr(config, "usable_cores", lambda: 4)
     assert not Settings().runners_on_loop  # one worker: as before

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import ConfigError
-from server.config import Settings
-from server.connections import default_max_connections, refusing_budget
+from plugserve.registry.errors import ConfigError
+from plugserve.server.config import Settings
+from plugserve.server.connections import default_max_connections, refusing_budget
 from tests.helpers import ServerProcess, write_add_runner, write_plugin
 
 Server = Callable[..., ServerProcess]
@@ -284,7 +284,7 @@ def test_the_admin_listener_has_a_small_cap_of_its_own(
     """Review of issue 12: with admin_port set, both listeners took the whole open-files
     budget each, together twice what the process may open. The control plane's listener
     now holds at most 64 connections, out of the same budget."""
-    from server.cli import ADMIN_CONNECTIONS
+    from plugserve.server.cli import ADMIN_CONNECTIONS
     from tests.helpers import free_port
 
     admin_port = free_port()

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from server import config
-from server.config import Settings
-from server.cores import cpu_quota, usable_cores
+from plugserve.server import config
+from plugserve.server.config import Settings
+from plugserve.server.cores import cpu_quota, usable_cores
 
 AFFINITY = len(os.sched_getaffinity(0))
 

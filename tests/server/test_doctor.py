@@ -11,7 +11,7 @@ from typing import Any
 import onnxruntime
 import pytest
 
-from server.doctor import install_command, needed_libraries, runtime_conflict
+from plugserve.server.doctor import install_command, needed_libraries, runtime_conflict
 from tests.etcd import EtcdProcess
 from tests.helpers import free_port
 from tests.server.test_cli import plugserve

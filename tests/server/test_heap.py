@@ -10,7 +10,7 @@ from tests.helpers import ROOT
 
 SETTLED = """
 import gc, json, weakref
-from server import heap
+from plugserve.server import heap
 before = gc.get_threshold()
 heap.settle()
 after = gc.get_threshold()

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from registry.errors import ConfigError
-from server.config import Settings, load_settings
+from plugserve.registry.errors import ConfigError
+from plugserve.server.config import Settings, load_settings
 from tests.helpers import write_add_runner
 from tests.hostile import nested, rate_limits, scalars, toml_document, values
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from server.logs import configure_logging
-from server.streams import SafeStream
+from plugserve.server.logs import configure_logging
+from plugserve.server.streams import SafeStream
 from tests.helpers import (
     ROOT,
     ServerProcess,
@@ -156,7 +156,7 @@ def test_a_reader_that_goes_away_neither_breaks_serving_nor_holds_sigterm(
     config.write_text("access_log = true\ndrain_timeout_s = 2\n")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "server", "serve", "--port", str(port),
+    command = [sys.executable, "-m", "plugserve", "serve", "--port", str(port),
                "--grpc-port", str(free_port()), "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                "--config", str(config)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
@@ -196,7 +196,7 @@ def test_a_reader_that_stops_reading_does_not_stall_the_server(
     config.write_text("access_log = true\ndrain_timeout_s = 2\n")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "server", "serve", "--port", str(port),
+    command = [sys.executable, "-m", "plugserve", "serve", "--port", str(port),
                "--grpc-port", str(free_port()), "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                "--config", str(config)]  # fmt: skip
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -9,9 +9,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from server.app import create_app
-from server.config import Settings
-from server.openapi import document
+from plugserve.server.app import create_app
+from plugserve.server.config import Settings
+from plugserve.server.openapi import document
 from tests.helpers import ServerProcess, write_add_runner, write_processor
 
 

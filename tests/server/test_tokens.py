@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from registry.errors import ConfigError
-from server.config import Settings, load_settings
+from plugserve.registry.errors import ConfigError
+from plugserve.server.config import Settings, load_settings
 from tests.helpers import ROOT
 
 TOKENS = ("admin_token", "inference_token")
@@ -137,7 +137,7 @@ def test_a_bad_token_setting_stops_the_server_with_exit_2(
     config.write_text(config_text)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PLUGSERVE_")}
     result = subprocess.run(
-        [sys.executable, "-m", "server", "serve", "--config", str(config), "--port", "1"],
+        [sys.executable, "-m", "plugserve", "serve", "--config", str(config), "--port", "1"],
         cwd=ROOT,
         env={**environ, **env},
         capture_output=True,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from server.grpc_api.generated import health_pb2 as health__pb2
+from plugserve.server.grpc_api.generated import health_pb2 as health__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
-from registry.errors import InvalidInput
+from plugserve.registry.errors import InvalidInput
 from tests.plugins.bundled import MODELS, context
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from registry.errors import InvalidInput
+from plugserve.registry.errors import InvalidInput
 from tests.plugins.bundled import MODELS, context, folder
 
 

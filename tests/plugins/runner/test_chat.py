@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from registry.errors import InvalidInput
-from registry.manifest import load_manifest
+from plugserve.registry.errors import InvalidInput
+from plugserve.registry.manifest import load_manifest
 from tests.plugins.bundled import MODELS, context, create_component, folder
 
 

@@ -4,7 +4,7 @@ from typing import Any
 
 import numpy as np
 
-from registry.manifest import load_manifest
+from plugserve.registry.manifest import load_manifest
 from tests.plugins.bundled import MODELS, PLUGINS, context, folder
 
 

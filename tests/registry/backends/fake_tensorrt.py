@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from registry.backends.refusals import ort_refusal
+from plugserve.registry.backends.refusals import ort_refusal
 
 # -- cuda.cudart -----------------------------------------------------------------------
 

@@ -8,10 +8,10 @@ import pytest
 import structlog
 from onnx import TensorProto, helper
 
-from registry.backends.onnxruntime import OnnxRuntimeRunner, create_runner
-from registry.backends.refusals import ort_refusal, trimmed
-from registry.errors import InvalidInput, PluginLoadError
-from registry.types import PluginInfo
+from plugserve.registry.backends.onnxruntime import OnnxRuntimeRunner, create_runner
+from plugserve.registry.backends.refusals import ort_refusal, trimmed
+from plugserve.registry.errors import InvalidInput, PluginLoadError
+from plugserve.registry.types import PluginInfo
 from tests.helpers import ONNX_TYPES, _save, add_model, identity_model
 
 
@@ -40,7 +40,7 @@ def test_every_onnx_type_maps_to_its_v2_datatype_and_runs(tmp_path: Path) -> Non
     assert {o["name"]: o["datatype"] for o in meta["outputs"]} == {
         f"out_{k}": v for k, v in V2.items()
     }
-    from registry.datatypes import numpy_dtype
+    from plugserve.registry.datatypes import numpy_dtype
 
     inputs = {}
     for key, datatype in V2.items():

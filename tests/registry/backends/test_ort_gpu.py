@@ -12,8 +12,8 @@ import onnxruntime as ort
 import pytest
 import structlog
 
-from registry.backends.onnxruntime import create_runner
-from registry.backends.ort_gpu import (
+from plugserve.registry.backends.onnxruntime import create_runner
+from plugserve.registry.backends.ort_gpu import (
     build_package,
     install_command,
     installed_runtimes,
@@ -21,8 +21,8 @@ from registry.backends.ort_gpu import (
     preload_gpu_libraries,
     provider_load_error,
 )
-from registry.errors import PluginLoadError
-from registry.types import PluginInfo
+from plugserve.registry.errors import PluginLoadError
+from plugserve.registry.types import PluginInfo
 from tests.helpers import ROOT, add_model
 
 CUDA_FIRST = ["CUDAExecutionProvider", "CPUExecutionProvider"]

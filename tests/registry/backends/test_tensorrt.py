@@ -12,9 +12,9 @@ import pytest
 import structlog
 from onnx import TensorProto
 
-from registry.backends import tensorrt as backend
-from registry.errors import InvalidInput, PluginLoadError
-from registry.types import PluginInfo
+from plugserve.registry.backends import tensorrt as backend
+from plugserve.registry.errors import InvalidInput, PluginLoadError
+from plugserve.registry.types import PluginInfo
 from tests.helpers import add_model, identity_model
 from tests.registry.backends import fake_tensorrt
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from registry.isolation.host import sweep_folders
+from plugserve.registry.isolation.host import sweep_folders
 
 
 def test_folders_of_servers_that_are_gone_are_swept(tmp_path: Path) -> None:

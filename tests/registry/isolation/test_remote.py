@@ -12,13 +12,18 @@ import numpy as np
 import orjson
 import pytest
 
-from registry.errors import Unavailable
-from registry.isolation import wire
-from registry.isolation.host import RunnerGroup, RunnerHost, RunnerProcess, RunnerSpec
-from registry.isolation.remote import Connection, RemoteRunner, RunnerCrashed, UnreadableAnswer
-from registry.isolation.shm import Allocator, Region
-from registry.isolation.wire import SMALL_BYTES, FrameReader, frame, put_tensors
-from registry.types import RequestContext
+from plugserve.registry.errors import Unavailable
+from plugserve.registry.isolation import wire
+from plugserve.registry.isolation.host import RunnerGroup, RunnerHost, RunnerProcess, RunnerSpec
+from plugserve.registry.isolation.remote import (
+    Connection,
+    RemoteRunner,
+    RunnerCrashed,
+    UnreadableAnswer,
+)
+from plugserve.registry.isolation.shm import Allocator, Region
+from plugserve.registry.isolation.wire import SMALL_BYTES, FrameReader, frame, put_tensors
+from plugserve.registry.types import RequestContext
 
 
 class Transport:

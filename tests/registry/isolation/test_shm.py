@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from registry.isolation.shm import ALIGN, Allocator, Region
+from plugserve.registry.isolation.shm import ALIGN, Allocator, Region
 
 
 def test_blocks_are_aligned_and_do_not_overlap() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from registry.errors import InvalidInput, PluginError, TooManyRequests
-from registry.isolation import wire
-from registry.isolation.shm import Allocator, Region
-from registry.isolation.wire import (
+from plugserve.registry.errors import InvalidInput, PluginError, TooManyRequests
+from plugserve.registry.isolation import wire
+from plugserve.registry.isolation.shm import Allocator, Region
+from plugserve.registry.isolation.wire import (
     FrameReader,
     FrameTooLarge,
     error_from,

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from server.grpc_api.admission import Ended, end_with
-from server.grpc_api.generated import health_pb2, health_pb2_grpc
+from plugserve.server.grpc_api.admission import Ended, end_with
+from plugserve.server.grpc_api.generated import health_pb2, health_pb2_grpc
 from tests.helpers import ServerProcess, write_add_runner, write_plugin, write_streaming_runner
 
 pytestmark = pytest.mark.slow

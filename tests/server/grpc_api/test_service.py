@@ -21,8 +21,8 @@ from onnx import TensorProto
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from registry.errors import DeadlineExceeded
-from server.grpc_api.service import InferenceService
+from plugserve.registry.errors import DeadlineExceeded
+from plugserve.server.grpc_api.service import InferenceService
 from tests.helpers import ServerProcess, identity_model, write_add_runner, write_plugin
 
 pytestmark = pytest.mark.slow
@@ -522,7 +522,7 @@ def test_a_grpc_port_in_use_stops_the_start_with_a_message(
 
 def test_the_committed_generated_code_is_what_the_protos_give(tmp_path: Path) -> None:
     """server/grpc_api/generated is protoc's output for server/grpc_api/protos, unedited."""
-    from server.grpc_api import generate
+    from plugserve.server.grpc_api import generate
 
     fresh = {p.name: p.read_text() for p in generate.generate(tmp_path)}
     committed = {
@@ -532,7 +532,7 @@ def test_the_committed_generated_code_is_what_the_protos_give(tmp_path: Path) ->
     }
     assert fresh.keys() == committed.keys()
     stale = [name for name in fresh if fresh[name] != committed[name]]
-    assert not stale, f"run python -m server.grpc_api.generate: {stale} differ"
+    assert not stale, f"run python -m plugserve.server.grpc_api.generate: {stale} differ"
 
 
 def test_grpc_port_zero_turns_it_off(
@@ -639,7 +639,7 @@ def test_a_version_that_is_no_version_answers_tritons_words(
 
 
 def test_grpc_health_check(grpc_server: ServerProcess) -> None:
-    from server.grpc_api.generated import health_pb2
+    from plugserve.server.grpc_api.generated import health_pb2
 
     with grpc.insecure_channel(grpc_server.grpc_url) as channel:
         check = channel.unary_unary(

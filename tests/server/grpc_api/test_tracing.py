@@ -11,7 +11,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from server.grpc_api.service import add_to_server
+from plugserve.server.grpc_api.service import add_to_server
 from tests.helpers import free_port, write_add_runner
 from tests.server.test_tracing import TRACEPARENT, spans  # noqa: F401  (the fixture)
 

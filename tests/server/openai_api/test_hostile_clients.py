@@ -11,9 +11,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from server.openai_api import requests
-from server.openai_api.requests import Refused
-from server.openai_api.routes import Stops
+from plugserve.server.openai_api import requests
+from plugserve.server.openai_api.requests import Refused
+from plugserve.server.openai_api.routes import Stops
 from tests.helpers import ServerProcess, write_plugin, write_streaming_runner
 from tests.server.openai_api.plugins import write_openai_plugins
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.processes import merge
+from plugserve.server.processes import merge
 
 
 def _worker_metrics(requests: int, in_flight: int, latencies: list[float]) -> str:

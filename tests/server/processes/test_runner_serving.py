@@ -12,12 +12,12 @@ import numpy as np
 import orjson
 import pytest
 
-from registry.batching import BatchPolicy, Scheduler
-from registry.breaker import CircuitBreaker
-from registry.isolation import wire
-from registry.isolation.shm import Region
-from registry.isolation.wire import FrameReader, frame, put_tensors
-from server.processes.runner import RunnerProcess, Serving
+from plugserve.registry.batching import BatchPolicy, Scheduler
+from plugserve.registry.breaker import CircuitBreaker
+from plugserve.registry.isolation import wire
+from plugserve.registry.isolation.shm import Region
+from plugserve.registry.isolation.wire import FrameReader, frame, put_tensors
+from plugserve.server.processes.runner import RunnerProcess, Serving
 
 LABEL = "runner/double@1.0.0"
 

@@ -5,8 +5,8 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from registry.errors import InvalidInput
-from server.triton.classification import class_count, classify
+from plugserve.registry.errors import InvalidInput
+from plugserve.server.triton.classification import class_count, classify
 from tests.server.triton.conftest import LABELS
 
 

@@ -10,8 +10,8 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from registry.errors import ModelLoadFailed
-from server.triton.repository import runner_overrides
+from plugserve.registry.errors import ModelLoadFailed
+from plugserve.server.triton.repository import runner_overrides
 from tests.helpers import ServerProcess, write_add_runner
 from tests.server.triton.conftest import write_python, write_scores
 

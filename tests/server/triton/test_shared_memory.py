@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from registry.errors import Forbidden, InvalidInput, NotFound
-from server.codec import decode_request
-from server.triton import shared_memory
-from server.triton.shared_memory import Regions
-from server.triton.shm_table import SharedTable
+from plugserve.registry.errors import Forbidden, InvalidInput, NotFound
+from plugserve.server.codec import decode_request
+from plugserve.server.triton import shared_memory
+from plugserve.server.triton.shared_memory import Regions
+from plugserve.server.triton.shm_table import SharedTable
 
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
 

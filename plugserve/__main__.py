@@ -1,0 +1,5 @@
+"""``python -m plugserve``: the ``plugserve`` command."""
+
+from plugserve.server.cli import main
+
+raise SystemExit(main())
