@@ -29,7 +29,8 @@ from plugserve.registry.errors import PluginCallTimeout, PluginLoadError, Plugse
 from plugserve.registry.fingerprint import Fingerprinter
 from plugserve.registry.imports import forget, import_plugin, package_name
 from plugserve.registry.integrity import verify_checksums
-from plugserve.registry.isolation.host import RunnerHost, Runners, RunnerSpec
+from plugserve.registry.isolation.groups import Runners, RunnerSpec
+from plugserve.registry.isolation.host import RunnerHost
 from plugserve.registry.isolation.remote import RemoteRunner
 from plugserve.registry.manager import PluginHost
 from plugserve.registry.manifest import Manifest, check_runner_keys, load_manifest

@@ -14,7 +14,8 @@ from plugserve.registry import tracing
 from plugserve.registry.cache import ResponseCache
 from plugserve.registry.components import LOOP_BUDGET_S
 from plugserve.registry.fleet import EtcdLocation, EtcdRouteStore
-from plugserve.registry.isolation.host import ProcessSettings, RunnerHost
+from plugserve.registry.isolation.groups import ProcessSettings
+from plugserve.registry.isolation.host import RunnerHost
 from plugserve.registry.registry import Registry
 from plugserve.registry.route_store import Replica, RouteStore, RouteTarget
 from plugserve.registry.watcher import Watcher
@@ -24,6 +25,7 @@ from plugserve.server.config import Settings
 from plugserve.server.metrics import Metrics
 from plugserve.server.middleware import request_middleware
 from plugserve.server.openai_api import routes as openai_routes
+from plugserve.server.processes.worker_control import control_app
 from plugserve.server.shutdown import CLOSE_FLOOR_S, Drain, within
 from plugserve.server.state import (
     BODIES,
@@ -72,7 +74,7 @@ async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
     worker = app.get(WORKER)
     if worker is not None:  # one of several workers: the supervisor has the rest of the state
         worker.watch_supervisor()
-        await worker.start(app)
+        await worker.start(registry, control_app(app, worker))
     heap.settle()  # the collector off the request path (server/heap.py)
     watcher = Watcher(registry, settings.reload_debounce_ms / 1000) if settings.watch else None
     task = asyncio.create_task(watcher.run()) if watcher else None

@@ -35,12 +35,13 @@ from plugserve.server.connections import (
 )
 from plugserve.server.grpc_api.listener import grpc_lifetime
 from plugserve.server.logs import configure_logging, protocol_logger
-from plugserve.server.shutdown import install_signal_handlers
-from plugserve.server.state import METRICS
+from plugserve.server.state import DRAIN, METRICS
 from plugserve.server.streams import flush_std_streams, protect_std_streams
 from plugserve.server.validate import ERROR, Report, validate
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from plugserve.server.processes.link import WorkerLink
 
 THREAD_GRACE_S = 0.5
@@ -123,6 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+async def _install_signal_handlers(app: web.Application) -> None:
+    app[DRAIN].install()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -192,7 +197,7 @@ def serve_sockets(
     until then the other workers, or at the first start its supervisor, answer.
     """
     app = create_app(settings, worker=worker)
-    app.on_startup.append(install_signal_handlers)
+    app.on_startup.append(_install_signal_handlers)
     app.cleanup_ctx.append(grpc_lifetime)
     listeners = _listeners(settings, len(sockets))
     app[METRICS].collect_connections(listeners)

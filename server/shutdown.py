@@ -20,7 +20,6 @@ import time
 from collections.abc import Awaitable, Callable
 
 import structlog
-from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
 from plugserve.registry.errors import Unavailable
@@ -148,9 +147,3 @@ async def within(step: Awaitable[object], seconds: float, name: str) -> None:
         log.error("shutdown_step_timeout", step=name, timeout_s=round(seconds, 2))
     elif not task.cancelled() and task.exception() is not None:
         log.error("shutdown_step_failed", step=name, exc_info=task.exception())
-
-
-async def install_signal_handlers(app: web.Application) -> None:
-    from plugserve.server.state import DRAIN
-
-    app[DRAIN].install()

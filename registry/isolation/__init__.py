@@ -2,6 +2,7 @@
 
 - :mod:`plugserve.registry.isolation.shm`: shared memory regions and their allocator;
 - :mod:`plugserve.registry.isolation.wire`: the messages between a worker and a runner process;
+- :mod:`plugserve.registry.isolation.groups`: a version's group of runner processes;
 - :mod:`plugserve.registry.isolation.remote`: a worker's side, the component that stands
   for the runner;
 - :mod:`plugserve.registry.isolation.host`: starts, supervises and stops runner processes;

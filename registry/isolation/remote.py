@@ -37,7 +37,7 @@ from plugserve.registry.isolation.wire import (
 from plugserve.registry.stats import RunnerStats
 
 if TYPE_CHECKING:
-    from plugserve.registry.isolation.host import RunnerGroup, Runners
+    from plugserve.registry.isolation.groups import RunnerGroup, Runners
     from plugserve.registry.types import RequestContext
 
 log = structlog.get_logger("plugserve.registry")

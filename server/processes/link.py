@@ -23,23 +23,12 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from plugserve.registry.errors import InvalidInput, Unavailable
+from plugserve.registry.errors import Unavailable
 from plugserve.registry.registry import Registry
-from plugserve.server import admin, v2
 from plugserve.server.config import Settings
-from plugserve.server.middleware import request_middleware
 from plugserve.server.processes.pool import routes_from_json
 from plugserve.server.processes.unix import READ_TIMEOUT_S, UnixClient
-from plugserve.server.state import (
-    BODIES,
-    DRAIN,
-    METRICS,
-    REGISTRY,
-    REPOSITORY,
-    ROUTE_STORE,
-    SETTINGS,
-)
-from plugserve.server.triton.repository import LocalRepository, relayed
+from plugserve.server.triton.repository import relayed
 
 log = structlog.get_logger("plugserve.worker")
 
@@ -108,22 +97,14 @@ class WorkerLink:
 
         loop.add_reader(fd, readable)
 
-    async def start(self, app: web.Application) -> None:
-        """Open the control socket, register, take the server's state, catch up with the disk.
+    async def start(self, registry: Registry, control: web.Application) -> None:
+        """Serve ``control`` (what the supervisor calls on this worker: built by
+        ``server/processes/worker_control.py``) on the control socket, register, take the
+        server's state, catch up with the disk.
 
         Called once this worker's registry has loaded the plugins dir: it serves
         nothing before it has what every other worker serves.
         """
-        control = web.Application(
-            middlewares=[request_middleware], client_max_size=app[SETTINGS].max_body_bytes
-        )
-        control[SETTINGS], control[REGISTRY] = app[SETTINGS], app[REGISTRY]
-        control[METRICS], control[DRAIN] = app[METRICS], app[DRAIN]
-        control[ROUTE_STORE], control[BODIES] = app[ROUTE_STORE], app[BODIES]
-        control[admin.STARTED] = app[admin.STARTED]
-        control[admin.PROFILING] = app[admin.PROFILING]
-        control[REPOSITORY] = LocalRepository(app[REGISTRY])
-        _add_control_routes(control, self)
         self._runner = web.AppRunner(control, access_log=None)
         await self._runner.setup()
         await web.UnixSite(self._runner, str(self.socket_path)).start()
@@ -140,15 +121,18 @@ class WorkerLink:
         if reply.status != 200:
             raise RuntimeError(f"the supervisor refused this worker: {reply.body[:500]!r}")
         state = reply.json()
-        registry = app[REGISTRY]
         for key in state["unloaded"]:
             await registry.unload((key[0], key[1], key[2]))
-        self.apply_routes(app, state["routes"])
+        self.apply_routes(registry, state["routes"])
         set_lost_roots(registry, state["lost_roots"])
         await registry.sync()  # what changed on disk since this worker's first scan
         log.info("worker_registered", worker=self.index, versions=len(registry.records))
         if not state["listen"]:  # the first workers listen together, once all have loaded
             await self._go.wait()
+
+    def go(self) -> None:
+        """The supervisor's "listen now": every first worker has loaded."""
+        self._go.set()
 
     async def drained(self) -> None:
         """This worker has drained; wait until every worker has, then stop (together)."""
@@ -157,12 +141,12 @@ class WorkerLink:
                 "POST", "/_supervisor/drained", json_body={"index": self.index}
             )
 
-    def apply_routes(self, app: web.Application, state: dict[str, Any]) -> bool:
+    def apply_routes(self, registry: Registry, state: dict[str, Any]) -> bool:
         generation = int(state["generation"])
         if generation <= self.generation:
             return False  # an older change that arrived late
         self.generation = generation
-        app[REGISTRY].set_runtime_routes(routes_from_json(state["routes"]))
+        registry.set_runtime_routes(routes_from_json(state["routes"]))
         return True
 
     async def stop(self) -> None:
@@ -216,63 +200,3 @@ class WorkerLink:
 def set_lost_roots(registry: Registry, paths: dict[str, float]) -> None:
     """What the supervisor's watcher found missing: this worker is not ready meanwhile."""
     registry.lost_roots = {Path(path): float(since) for path, since in paths.items()}
-
-
-def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
-    """What the supervisor calls on this worker: its own state, and the changes to apply."""
-    registry = control[REGISTRY]
-
-    async def sync_version(request: web.Request) -> web.Response:
-        key = (await request.json())["key"]
-        if not (isinstance(key, list) and len(key) == 3):
-            raise InvalidInput("key must be [type, name, version]")
-        outcome = await registry.sync_version((str(key[0]), str(key[1]), str(key[2])))
-        return web.json_response({"outcome": outcome})
-
-    async def sync_model(request: web.Request) -> web.Response:
-        outcomes = await registry.sync_model(str((await request.json())["name"]))
-        return web.json_response({"outcomes": outcomes})
-
-    async def sync_routes_file(request: web.Request) -> web.Response:
-        return web.json_response({"result": registry.sync_routes_file()})
-
-    async def runtime_routes(request: web.Request) -> web.Response:
-        applied = link.apply_routes(control, await request.json())
-        return web.json_response({"applied": applied, "generation": link.generation})
-
-    async def listen(request: web.Request) -> web.Response:
-        link._go.set()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(link.listening.wait(), LISTEN_WAIT_S)
-        return web.json_response({"listening": link.listening.is_set()})
-
-    async def lost_roots(request: web.Request) -> web.Response:
-        set_lost_roots(registry, await request.json())
-        return web.json_response({"lost_roots": len(registry.lost_roots)})
-
-    async def local_metrics(request: web.Request) -> web.Response:
-        return web.Response(body=control[METRICS].render(), content_type="text/plain")
-
-    async def alive(request: web.Request) -> web.Response:
-        """A sign of life from this worker's event loop (the supervisor's stall check)."""
-        return web.json_response({"pid": os.getpid()})
-
-    router = control.router
-    router.add_get("/_control/alive", alive)
-    router.add_post("/_control/sync_version", sync_version)
-    router.add_post("/_control/sync_model", sync_model)
-    router.add_post("/_control/sync_routes_file", sync_routes_file)
-    router.add_put("/_control/runtime_routes", runtime_routes)
-    router.add_put("/_control/lost_roots", lost_roots)
-    router.add_post("/_control/listen", listen)
-    router.add_get("/metrics", local_metrics)
-    # This worker's own answers, as a single-process server gives them.
-    router.add_get("/admin/plugins", admin.list_plugins)
-    router.add_get("/admin/routes", admin.list_routes)
-    router.add_get("/admin/status", admin.status)
-    router.add_post("/admin/reload", admin.reload_all)
-    version = "/admin/plugins/{type}/{name}/{version}"
-    router.add_post(version + "/reload", admin.reload_version)
-    router.add_post(version + "/unload", admin.unload_version)
-    v2.add_stats_routes(control, v2.statistics)
-    v2.add_repository_routes(control, lambda handler: handler)  # the supervisor checked

@@ -22,14 +22,14 @@ from prometheus_client import CollectorRegistry, Metric, generate_latest
 from prometheus_client.registry import Collector
 
 from plugserve.registry.errors import PluginLoadError, Unavailable
-from plugserve.registry.isolation.host import (
+from plugserve.registry.isolation.groups import (
     ProcessSettings,
     RunnerGroup,
-    RunnerHost,
     RunnerProcess,
     RunnerSpec,
     group_from_json,
 )
+from plugserve.registry.isolation.host import RunnerHost
 from plugserve.registry.stats import RunnerStats
 from plugserve.server.metrics import add_process_figures, execution_families
 from plugserve.server.processes.unix import Reply, UnixClient

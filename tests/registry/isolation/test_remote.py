@@ -14,7 +14,8 @@ import pytest
 
 from plugserve.registry.errors import Unavailable
 from plugserve.registry.isolation import wire
-from plugserve.registry.isolation.host import RunnerGroup, RunnerHost, RunnerProcess, RunnerSpec
+from plugserve.registry.isolation.groups import RunnerGroup, RunnerProcess, RunnerSpec
+from plugserve.registry.isolation.host import RunnerHost
 from plugserve.registry.isolation.remote import (
     Connection,
     RemoteRunner,
