@@ -404,7 +404,10 @@ class StreamScheduler:
 
     async def _stop_state(self, state: Any) -> None:
         try:
-            await self._call(self._stop, state)
+            if self.executor is None and not inspect.iscoroutinefunction(self._stop):
+                self._stop(state)  # type: ignore[misc]  # async start and step: no thread
+            else:
+                await self._call(self._stop, state)
         except Exception as exc:  # its state is gone either way
             log.warning("stream_stop_failed", plugin=self.label, error=repr(exc))
 

@@ -396,7 +396,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 if parameter.WhichOneof("parameter_choice") != "string_param":
                     raise InvalidInput("parameter 'config' must be a string holding the JSON")
                 given = parameter.string_param
-                if len(given) > CONTROL_BODY_BYTES:  # parsed on the event loop
+                if len(given.encode()) > CONTROL_BODY_BYTES:  # parsed on the event loop
                     limit = CONTROL_BODY_BYTES
                     raise PayloadTooLarge(f"parameter 'config' is at most {limit} bytes")
             await self.app[REPOSITORY].load(request.model_name, given)

@@ -437,3 +437,24 @@ async def test_an_unread_stream_gives_its_place_only_to_its_priority_or_a_higher
     assert await asyncio.wait_for(drain(higher), 5) == [1, 0]
     assert urgent.evicted is not None
     assert await asyncio.wait_for(drain(low), 5) == [1, 0]
+
+
+async def test_a_sync_stop_is_called_when_start_and_step_are_async() -> None:
+    """From the third review: with async ``start`` and ``step`` the runner has no thread,
+    and a sync ``stop`` queued for the step loop failed on the missing executor (logged,
+    never called): a runner freeing memory there leaked it for every stream."""
+
+    class AsyncCounter(Counter):
+        async def start(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:  # type: ignore[override]
+            return Counter.start(self, inputs)
+
+        async def step(self, states: list[dict[str, Any]]) -> list[Any]:  # type: ignore[override]
+            return Counter.step(self, states)
+
+    runner = AsyncCounter()
+    streams = StreamScheduler(
+        runner, "steps", BatchPolicy(max_batch_size=8), 8, "runner/counter@1", None,
+        CircuitBreaker("runner/counter@1", failures=2), fault,
+    )  # fmt: skip
+    assert await drain(streams.open(inputs("a", 3), None)) == [2, 1, 0]
+    assert await stopped(runner, 1) == ["a"]
