@@ -17,7 +17,6 @@ machine for a 4 MiB input, and as fast for small ones (0.5 us for 32 bytes).
 from __future__ import annotations
 
 import hashlib
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
@@ -26,9 +25,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from plugserve.registry.batching import priority_level
 from plugserve.registry.chain import Chain
-from plugserve.registry.components import batch_policy
 from plugserve.registry.registry import LifecycleEvent, Registry
 from plugserve.registry.types import RequestContext
 
@@ -173,45 +170,6 @@ class ResponseCache:
         entry = self._entries.pop(digest, None)
         if entry is not None:
             self.bytes -= entry.nbytes
-
-
-async def run_chain(cache: ResponseCache, chain: Chain, data: Any, ctx: RequestContext) -> Any:
-    """``chain.run(data, ctx)``, answered from ``cache`` when the chain's runner asks for it.
-
-    What every protocol calls once it has resolved and entered ``chain``. A hit
-    runs no stage; it counts in the runner version's statistics as a success
-    with ``cache_hit`` and no execution, a miss as ``cache_miss`` (the lookup
-    and the insertion) besides its run. A result that cannot be cached
-    (:func:`freeze`) is returned as it is.
-    """
-    if not cache.wants(chain):
-        return await chain.run(data, ctx)
-    started = time.perf_counter()
-    key = cache.key(chain, data, ctx)
-    if key is None:
-        return await chain.run(data, ctx)
-    entry = cache.get(key)
-    stats = chain.runner.stats
-    if entry is not None:
-        runner = chain.runner
-        if runner.manifest.runner is not None:  # what the runner's queue would refuse: 400
-            priority_level(ctx.priority, batch_policy(runner.manifest.runner), runner.label)
-        ctx.rows = entry.rows
-        result = entry.result()
-        if stats is not None:
-            took = time.perf_counter() - started
-            stats.record_cache_hit(took, took, entry.rows)
-        return result
-    spent = time.perf_counter() - started
-    try:
-        result = await chain.run(data, ctx)
-        mark = time.perf_counter()
-        cache.put(key, result, ctx.rows)
-        spent += time.perf_counter() - mark
-        return result
-    finally:
-        if stats is not None:
-            stats.cache_miss.add(spent)
 
 
 def freeze(result: Any) -> tuple[Any, int] | None:

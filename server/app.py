@@ -22,6 +22,7 @@ from plugserve.registry.watcher import Watcher
 from plugserve.server import admin, auth, heap, openapi, predict, v2
 from plugserve.server.bodies import Bodies
 from plugserve.server.config import Settings
+from plugserve.server.dataplane.plane import DataPlane
 from plugserve.server.metrics import Metrics
 from plugserve.server.middleware import request_middleware
 from plugserve.server.openai_api import routes as openai_routes
@@ -29,19 +30,25 @@ from plugserve.server.processes.worker_control import control_app
 from plugserve.server.shutdown import CLOSE_FLOOR_S, Drain, within
 from plugserve.server.state import (
     BODIES,
+    DATA_PLANE,
     DRAIN,
     METRICS,
+    READINESS,
+    REGIONS,
     REGISTRY,
     REPOSITORY,
     RESPONSE_CACHE,
     ROUTE_STORE,
     SETTINGS,
+    STATISTICS,
     WORKER,
 )
 from plugserve.server.triton import generate, shm_http
+from plugserve.server.triton.answers import Readiness
 from plugserve.server.triton.repository import LocalRepository, SupervisedRepository
 from plugserve.server.triton.shared_memory import Regions
 from plugserve.server.triton.shm_table import LocalTable, SharedTable
+from plugserve.server.triton.statistics import LocalStatistics, SupervisedStatistics
 
 if TYPE_CHECKING:
     from plugserve.server.processes.link import WorkerLink
@@ -184,13 +191,14 @@ def create_app(
     # their supervisor keeps: it holds every region's object (server/triton/shared_memory.py).
     table = LocalTable() if worker is None else SharedTable(worker.spec.control_dir)
     forward = None if worker is None else worker.shared_memory
-    app[shm_http.REGIONS] = Regions(table, settings.shared_memory, settings.max_body_bytes, forward)
+    app[REGIONS] = Regions(table, settings.shared_memory, settings.max_body_bytes, forward)
     app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
     app[ROUTE_STORE] = route_store(settings, app[REGISTRY])
     app[METRICS].collect_from(app[REGISTRY], app[ROUTE_STORE])
     app[RESPONSE_CACHE] = ResponseCache(settings.response_cache_bytes)
     app[REGISTRY].listeners.append(app[RESPONSE_CACHE].listener(app[REGISTRY]))
     app[METRICS].collect_cache(app[RESPONSE_CACHE])
+    app[DATA_PLANE] = DataPlane(app[REGISTRY], app[METRICS], app[DRAIN], app[RESPONSE_CACHE])
     app.cleanup_ctx.append(_registry_lifetime)
     through = None
     if worker is not None:
@@ -201,9 +209,15 @@ def create_app(
     _isolated_runners(app[REGISTRY], settings, worker)
     if settings.runners_on_loop:
         app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S
-    repository = LocalRepository(app[REGISTRY])
-    app[REPOSITORY] = repository if worker is None else SupervisedRepository(worker.supervisor)
-    v2.add_routes(app, through)
+    fleet = worker.fleet_health if worker is not None and worker.spec.fleet else None
+    app[READINESS] = Readiness(app[REGISTRY], app[DRAIN], app[ROUTE_STORE], fleet)
+    if worker is None:
+        app[REPOSITORY] = LocalRepository(app[REGISTRY])
+        app[STATISTICS] = LocalStatistics(app[REGISTRY])
+    else:  # the supervisor answers for the whole server
+        app[REPOSITORY] = SupervisedRepository(worker.supervisor)
+        app[STATISTICS] = SupervisedStatistics(worker.supervisor)
+    v2.add_routes(app)
     generate.add_routes(app)
     openai_routes.add_routes(app)
     shm_http.add_routes(app)

@@ -10,32 +10,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import ipaddress
 from collections.abc import Iterable
 
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
 from plugserve.registry.errors import Forbidden, NotFound, Unauthorized
+from plugserve.server.addresses import is_loopback
 from plugserve.server.config import Settings
 from plugserve.server.state import SETTINGS
 
 ADMIN_PREFIX = "/admin"
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics", "/openapi.json"})
 """Data-plane paths served without the inference token: probes, scrapes, the API's description."""
-
-
-def is_loopback(remote: str | None) -> bool:
-    """Whether a peer address is loopback, IPv4-mapped IPv6 (``::ffff:127.0.0.1``) included."""
-    if not remote:
-        return False
-    try:
-        address = ipaddress.ip_address(remote.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped.is_loopback
-    return address.is_loopback
 
 
 def _as_bytes(text: str) -> bytes:

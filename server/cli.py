@@ -198,7 +198,7 @@ def serve_sockets(
     """
     app = create_app(settings, worker=worker)
     app.on_startup.append(_install_signal_handlers)
-    app.cleanup_ctx.append(grpc_lifetime)
+    app.cleanup_ctx.append(grpc_lifetime(shared=worker is not None))
     listeners = _listeners(settings, len(sockets))
     app[METRICS].collect_connections(listeners)
     run_app(

@@ -18,7 +18,9 @@ import orjson
 import structlog
 from aiohttp import web
 
-from plugserve.registry.errors import DeadlineExceeded, PluginError, PlugserveError
+from plugserve.registry.errors import PlugserveError
+from plugserve.server.dataplane.outcomes import log_failure
+from plugserve.server.dataplane.plane import Served, late
 from plugserve.server.logs import REQUEST_ID
 from plugserve.server.middleware import identify
 
@@ -28,9 +30,6 @@ HEADERS = {
     "X-Accel-Buffering": "no",  # nginx: pass each event on as it comes
 }
 _END = object()
-STREAM_STATUS = web.RequestKey("stream_status", int)
-"""The status of the error that ended a stream after it began (its answer said 200): what
-the request is counted as (``server/serving.py`` measured)."""
 
 log = structlog.get_logger("plugserve.server")
 
@@ -42,22 +41,24 @@ def event(payload: Any) -> bytes:
 
 async def send(
     request: web.Request,
+    served: Served,
     responses: AsyncIterator[Any],
     encode: Callable[[Any], bytes],
     fail: Callable[[PlugserveError], bytes],
-    deadline_s: float | None = None,
     last: bytes = b"",
 ) -> web.StreamResponse:
     """Send ``encode(response)`` for each of ``responses`` as it comes, then ``last``.
 
-    ``deadline_s`` bounds the whole stream. The caller closes ``responses``.
+    The request's deadline bounds the whole stream. The caller closes ``responses``.
+    An error once the stream began is its last event, and what ``served`` counts.
     """
+    deadline_s = served.deadline_s
     until = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
     try:
         async with asyncio.timeout_at(until):
             first = await anext(responses, _END)
     except TimeoutError:
-        raise _late(deadline_s) from None
+        raise late(deadline_s) from None
     answer = web.StreamResponse(headers=HEADERS)
     identify(answer, REQUEST_ID.get() or "")  # the middleware cannot, once it is sent
     answer.enable_chunked_encoding()
@@ -70,23 +71,18 @@ async def send(
                     await answer.write(encode(response))
         await answer.write(last)
     except TimeoutError:
-        late = _late(deadline_s)
-        request[STREAM_STATUS] = late.status
-        await answer.write(fail(late))
+        passed = late(deadline_s)
+        served.status = passed.status
+        await answer.write(fail(passed))
     except PlugserveError as exc:
-        cause = exc.exc if isinstance(exc, PluginError) else None  # its traceback, logged
-        log.log(40 if exc.status == 500 else 10, "stream_failed", error=exc.message, exc_info=cause)
-        request[STREAM_STATUS] = exc.status
+        log_failure(exc, "stream_failed")
+        served.status = exc.status
         await answer.write(fail(exc))
     except ConnectionError:  # the client left: nothing more can reach it
         raise
     except Exception:  # a fault of the server's once the answer began: the client is told
         log.exception("stream_internal_error")
-        request[STREAM_STATUS] = 500
+        served.status = 500
         await answer.write(fail(PlugserveError("internal server error")))
     await answer.write_eof()
     return answer
-
-
-def _late(deadline_s: float | None) -> DeadlineExceeded:
-    return DeadlineExceeded(f"the request's deadline of {deadline_s:g} s passed")

@@ -1,20 +1,28 @@
-"""The request middleware: request ids, and the one place errors become HTTP responses."""
+"""The request middleware: request ids, and the one place errors become HTTP responses.
+
+An error's status and log level come from the data plane's table
+(``server/dataplane/outcomes.py``); its body is ``{"error": message, ...}``, or the
+shape a front end registered for the paths under its prefix (:class:`ErrorShapes`:
+OpenAI's under ``/v1/``).
+"""
 
 from __future__ import annotations
 
 import itertools
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from plugserve.registry.errors import PluginError, PlugserveError
+from plugserve.registry.errors import PlugserveError
 from plugserve.server.bodies import release_slot, too_large
 from plugserve.server.connections import begin_request
+from plugserve.server.dataplane.outcomes import log_failure
 from plugserve.server.logs import REQUEST_CHAIN, REQUEST_ID
-from plugserve.server.openai_api import errors as openai_errors
 from plugserve.server.state import BODIES, SETTINGS
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -53,16 +61,49 @@ def identify(response: web.StreamResponse, request_id: str) -> None:
         response.headers[VARIANT_HEADER] = chain.variant
 
 
-def error_response(exc: PlugserveError, path: str = "") -> web.Response:
-    """``{"error": message, ...}``, or OpenAI's shape under ``/v1/``."""
-    payload = openai_errors.of(exc) if openai_errors.is_openai(path) else exc.to_json()
+ErrorShape = Callable[[PlugserveError], Any]
+"""An error's JSON body in a front end's own shape."""
+
+
+class ErrorShapes:
+    """The error shapes front ends registered, by the path prefix they serve."""
+
+    def __init__(self) -> None:
+        self.by_prefix: list[tuple[str, ErrorShape]] = []
+
+    def add(self, prefix: str, shape: ErrorShape) -> None:
+        self.by_prefix.append((prefix, shape))
+
+    def body(self, exc: PlugserveError, path: str) -> Any:
+        for prefix, shape in self.by_prefix:
+            if path.startswith(prefix):
+                return shape(exc)
+        return exc.to_json()
+
+
+ERROR_SHAPES = web.AppKey("error_shapes", ErrorShapes)
+
+
+def error_shapes(app: web.Application) -> ErrorShapes:
+    """The app's error shapes, for a front end to add its own to."""
+    if ERROR_SHAPES not in app:
+        app[ERROR_SHAPES] = ErrorShapes()
+    return app[ERROR_SHAPES]
+
+
+def error_response(
+    exc: PlugserveError, path: str = "", shapes: ErrorShapes | None = None
+) -> web.Response:
+    """``exc`` as its status and JSON: ``{"error": message, ...}``, or the shape ``shapes``
+    hold for ``path``."""
+    payload = exc.to_json() if shapes is None else shapes.body(exc, path)
     return web.json_response(payload, status=exc.status, headers=exc.headers())
 
 
-def _plain_error(path: str, status: int, message: str) -> web.Response:
-    if openai_errors.is_openai(path):
-        return web.json_response(openai_errors.body(status, message), status=status)
-    return web.json_response({"error": message}, status=status)
+def _plain_error(request: web.Request, status: int, message: str) -> web.Response:
+    exc = PlugserveError(message)
+    exc.status = status
+    return error_response(exc, request.path, request.app.get(ERROR_SHAPES))
 
 
 @web.middleware
@@ -119,17 +160,12 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 
 def _failure(request: web.Request, exc: Exception) -> web.Response:
-    """The answer to an exception raised by a handler, logged by its kind."""
+    """The answer to an exception raised by a handler, logged at its level."""
     if not isinstance(exc, PlugserveError):
-        log.exception("internal_error", path=request.path, exc_info=exc)
-        return _plain_error(request.path, 500, "internal server error")
-    if isinstance(exc, PluginError):
-        log.error("plugin_raised", error=exc.message, exc_info=exc.exc)
-    elif exc.status == 500:
-        log.error("request_failed", error=exc.message, status=exc.status)
-    else:  # refused or timed out (503, 504, 429) or the client's mistake: expected
-        log.debug("request_failed", error=exc.message, status=exc.status)
-    return error_response(exc, request.path)
+        log_failure(exc, path=request.path)
+        return _plain_error(request, 500, "internal server error")
+    log_failure(exc)
+    return error_response(exc, request.path, request.app.get(ERROR_SHAPES))
 
 
 def _refusal(request: web.Request, exc: web.HTTPException) -> web.Response:
@@ -137,7 +173,7 @@ def _refusal(request: web.Request, exc: web.HTTPException) -> web.Response:
     reason = exc.reason
     if isinstance(exc, web.HTTPRequestEntityTooLarge):  # aiohttp's own body limit
         reason = too_large(request.app[SETTINGS].max_body_bytes).message
-    response = _plain_error(request.path, exc.status, reason)
+    response = _plain_error(request, exc.status, reason)
     if "Allow" in exc.headers:
         response.headers["Allow"] = exc.headers["Allow"]
     return response

@@ -14,12 +14,13 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from plugserve.registry.cache import run_chain
 from plugserve.registry.chain import Chain
-from plugserve.registry.errors import InvalidInput, PluginError
+from plugserve.registry.errors import PluginError
 from plugserve.server.bodies import LARGE_BODY_BYTES
-from plugserve.server.serving import admit, deadline_seconds, measured, request_context, serve
-from plugserve.server.state import BODIES, RESPONSE_CACHE
+from plugserve.server.connections import cancel_on_hangup
+from plugserve.server.dataplane.plane import Inference, Served
+from plugserve.server.jsonio import parse_json
+from plugserve.server.state import BODIES, DATA_PLANE
 
 
 def is_json(content_type: str) -> bool:
@@ -64,39 +65,23 @@ def _size(result: Any) -> int:
 
 
 async def predict(request: web.Request) -> web.Response:
-    route = request.match_info["route"]
-    return await measured(request, route, "predict", _predict(request, route))
-
-
-def parse_json(body: bytes) -> Any:
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"the body is not valid JSON: {exc}") from None
-
-
-async def _predict(request: web.Request, route: str) -> web.Response:
-    # 404/503/429 before a byte of the body is read or parsed; serve() resolves again.
-    admit(request, route, None)
+    cancel_on_hangup(request)
     bodies = request.app[BODIES]
-    json = is_json(request.content_type)
-    body = await bodies.read(request, json=json)
-    data: Any = body
-    if json:
-        data = await bodies.parse(request, body, parse_json)
 
-    deadline = deadline_seconds(request, {})
-    ctx = request_context(request, route, "predict", dict(request.query), deadline)
-    cache = request.app[RESPONSE_CACHE]
+    async def read(served: Served) -> Inference:
+        json = is_json(request.content_type)
+        body = await bodies.read(request, json=json)
+        data = await bodies.parse(request, body, parse_json) if json else body
+        return Inference(served.route or "", data, dict(request.query), len(body))
 
-    async def run(chain: Chain) -> web.Response:
-        ctx.versions = dict(chain.versions)
-        result = await run_chain(cache, chain, data, ctx)
+    async def answer(served: Served) -> web.Response:
+        chain, result = served.chain, await served.result()
         if _size(result) <= LARGE_BODY_BYTES:
             return encode_result(chain, result)
         return await bodies.run(lambda: encode_result(chain, result))  # off the event loop
 
-    return await serve(request, route, None, run, deadline)
+    plane = request.app[DATA_PLANE]
+    return await plane.infer(request, "predict", read, answer, request.match_info["route"])
 
 
 def add_routes(app: web.Application) -> None:

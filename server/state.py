@@ -11,9 +11,13 @@ from plugserve.registry.registry import Registry
 from plugserve.registry.route_store import RouteStore
 from plugserve.server.bodies import Bodies
 from plugserve.server.config import Settings
+from plugserve.server.dataplane.plane import DataPlane
 from plugserve.server.metrics import Metrics
 from plugserve.server.shutdown import Drain
+from plugserve.server.triton.answers import Readiness
 from plugserve.server.triton.repository import ModelRepository
+from plugserve.server.triton.shared_memory import Regions
+from plugserve.server.triton.statistics import Statistics
 
 if TYPE_CHECKING:
     from plugserve.server.processes.link import WorkerLink
@@ -25,7 +29,15 @@ DRAIN = web.AppKey("drain", Drain)
 ROUTE_STORE = web.AppKey("route_store", RouteStore)
 BODIES = web.AppKey("bodies", Bodies)
 RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
+DATA_PLANE = web.AppKey("data_plane", DataPlane)
+"""The request path every front end serves inference through (server/dataplane/)."""
 REPOSITORY: web.AppKey[ModelRepository] = web.AppKey("repository")
 """Triton's model repository extension: this registry's, or through the supervisor."""
+READINESS = web.AppKey("readiness", Readiness)
+"""Whether the server is ready (a fleet replica: the fleet's table read)."""
+STATISTICS: web.AppKey[Statistics] = web.AppKey("statistics")
+"""Triton's statistics of the whole server: this process's, or through the supervisor."""
+REGIONS = web.AppKey("shared_memory_regions", Regions)
+"""The shared memory regions registered with this server (server/triton/shared_memory.py)."""
 WORKER: web.AppKey[WorkerLink] = web.AppKey("worker")
 """Set in a worker among several: its link to the supervisor (server/processes/link.py)."""

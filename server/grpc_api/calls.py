@@ -51,8 +51,8 @@ def error_details(exc: PlugserveError) -> str:
 
 
 class Call:
-    """A gRPC call with what :class:`plugserve.server.serving.Incoming` reads: the app, the
-    metadata as headers (``-bin`` keys left out), and where it came from."""
+    """A gRPC call with what :class:`plugserve.server.dataplane.context.Incoming` reads:
+    the metadata as headers (``-bin`` keys left out); and the app, and where it came from."""
 
     __slots__ = ("app", "content_type", "context", "headers")
 

@@ -14,7 +14,7 @@ open for ``grpc_idle_timeout_s``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -25,7 +25,7 @@ from plugserve.server.config import Settings
 from plugserve.server.connections import DEFAULT_MAX_CONNECTIONS
 from plugserve.server.grpc_api.admission import Admission, CallLimits
 from plugserve.server.grpc_api.service import add_to_server
-from plugserve.server.state import SETTINGS, WORKER
+from plugserve.server.state import SETTINGS
 
 log = structlog.get_logger("plugserve.grpc")
 
@@ -38,13 +38,21 @@ def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def grpc_lifetime(app: web.Application) -> AsyncIterator[None]:
-    """An aiohttp ``cleanup_ctx``: serve gRPC on ``grpc_port`` while the app runs."""
+def grpc_lifetime(shared: bool) -> Callable[[web.Application], AsyncIterator[None]]:
+    """An aiohttp ``cleanup_ctx``: serve gRPC on ``grpc_port`` while the app runs, the port
+    ``shared`` with the other workers (``SO_REUSEPORT``) or not."""
+
+    def lifetime(app: web.Application) -> AsyncIterator[None]:
+        return _serve(app, shared)
+
+    return lifetime
+
+
+async def _serve(app: web.Application, shared: bool) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     if not settings.grpc_port:
         yield
         return
-    shared = app.get(WORKER) is not None
     admission = Admission(call_limits(settings))
     server = grpc.aio.server(options=server_options(settings, shared), interceptors=[admission])
     add_to_server(server, app, settings.grpc_port)

@@ -1,8 +1,8 @@
 """Triton's ``inference.GRPCInferenceService`` over the same chains, limits and rules as HTTP.
 
 Every call runs on the server's event loop (``grpc.aio``), in the worker that
-accepted its connection. Inference goes the HTTP path's way
-(:mod:`plugserve.server.serving`: admission, rate limits, deadline, priority, tenant, the
+accepted its connection. Inference goes through the data plane
+(:mod:`plugserve.server.dataplane.plane`: admission, rate limits, deadline, priority, tenant, the
 drain, metrics with ``protocol="grpc"``, tracing from a ``traceparent`` in the
 metadata), and errors leave as gRPC status codes (:mod:`plugserve.server.grpc_api.calls`).
 The data plane needs the inference token (``authorization: Bearer ...``
@@ -19,25 +19,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-import orjson
 import structlog
 from aiohttp import web
 from google.protobuf import json_format
 
-from plugserve.registry.cache import run_chain
 from plugserve.registry.chain import Chain
 from plugserve.registry.errors import (
     DeadlineExceeded,
     InvalidInput,
     NotFound,
     PayloadTooLarge,
-    PluginError,
     PlugserveError,
     Unavailable,
 )
-from plugserve.server import __version__, auth, v2
+from plugserve.server import auth
 from plugserve.server.bodies import CONTROL_BODY_BYTES, LARGE_BODY_BYTES
 from plugserve.server.codec import InferRequest
+from plugserve.server.dataplane.outcomes import log_failure
+from plugserve.server.dataplane.plane import Inference, Served
 from plugserve.server.grpc_api import handlers, tensors
 from plugserve.server.grpc_api.admission import CURRENT_CALL, TrackedCall, end_with
 from plugserve.server.grpc_api.calls import Call, error_details, grpc_code
@@ -46,19 +45,18 @@ from plugserve.server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
 from plugserve.server.grpc_api.generated import health_pb2, health_pb2_grpc
 from plugserve.server.logs import REQUEST_CHAIN, REQUEST_ID
 from plugserve.server.middleware import REQUEST_ID_HEADER, client_request_id, new_request_id
-from plugserve.server.serving import (
-    admit,
-    deadline_seconds,
-    measured,
-    request_context,
-    serve,
-    streamed,
+from plugserve.server.state import (
+    BODIES,
+    DATA_PLANE,
+    READINESS,
+    REGIONS,
+    REGISTRY,
+    REPOSITORY,
+    SETTINGS,
+    STATISTICS,
 )
-from plugserve.server.state import BODIES, REGISTRY, REPOSITORY, RESPONSE_CACHE, SETTINGS, WORKER
-from plugserve.server.triton import classification, config
-from plugserve.server.triton.repository import relayed
-from plugserve.server.triton.shared_memory import Attachment, Regions, check_key
-from plugserve.server.triton.shm_http import REGIONS, cuda_unsupported
+from plugserve.server.triton import answers, classification, config
+from plugserve.server.triton.shared_memory import Attachment, Regions, check_key, cuda_unsupported
 
 T = TypeVar("T")
 log = structlog.get_logger("plugserve.grpc")
@@ -76,6 +74,8 @@ STOP_WAIT_S = 5.0
 DECOUPLED_UNARY = "ModelInfer RPC doesn't support models with decoupled transaction policy"
 """Triton's words for a unary call to a decoupled model (a streaming route here)."""
 
+PROTOCOL = "grpc"
+
 Send = Callable[[pb.ModelStreamInferResponse], Awaitable[None]]
 """Writes one answer on a ``ModelStreamInfer`` stream."""
 
@@ -88,6 +88,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self.port = port
         """The port this service listens on (the admin rules compare it with admin_port)."""
         self.tokens = auth.data_plane_tokens(app[SETTINGS])
+        self.plane = app[DATA_PLANE]
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -110,7 +111,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         try:
             return await work()
         except PlugserveError as exc:
-            _log_refusal(exc, method)
+            log_failure(exc, rpc=method)
             if isinstance(exc, DeadlineExceeded) and _expired(context):
                 # The call's own gRPC deadline: gRPC ends it with DEADLINE_EXCEEDED itself,
                 # and an abort that races that end fails in gRPC's core, which logs the
@@ -136,11 +137,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=await self._ready())
 
     async def _ready(self) -> bool:
-        try:
-            await v2.readiness(self.app)
-        except Unavailable:
-            return False
-        return True
+        return await self.app[READINESS].ready()
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
         async def work() -> Any:
@@ -156,9 +153,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> Any:
         async def work() -> Any:
             self._call(context)
-            return pb.ServerMetadataResponse(
-                name="plugserve", version=__version__, extensions=v2.EXTENSIONS
-            )
+            return pb.ServerMetadataResponse(**answers.server_metadata())
 
         return await self._answer(context, "ServerMetadata", work)
 
@@ -166,7 +161,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         async def work() -> Any:
             self._call(context)
             chain = self._resolve(request.name, request.version)
-            doc = v2.metadata(self.app[REGISTRY].routes, chain)
+            doc = answers.metadata(self.app[REGISTRY].routes, chain)
             response = pb.ModelMetadataResponse(
                 name=doc["name"], versions=doc["versions"], platform=doc["platform"]
             )
@@ -196,54 +191,54 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse | None:
         """The request's one answer; a streaming route's answers go to ``send`` (a
         ``ModelStreamInfer`` call) and this returns ``None``."""
-        route = request.model_name
-        return await measured(call, route, "grpc", self._run(call, request, route, send))
+        decoded: InferRequest
+        shared: Attachment | None = None
+        classes: dict[str, int] | None = None
 
-    async def _run(
-        self, call: Call, request: pb.ModelInferRequest, route: str, send: Send | None
-    ) -> pb.ModelInferResponse | None:
-        version = request.model_version or None
-        admit(call, route, version)
-        decoded = tensors.decode(request, self.app[SETTINGS].limits)
-        deadline = _deadline(call, decoded.parameters)
-        size = request.ByteSize()  # the message as it arrived, as HTTP counts its body
-        ctx = request_context(call, route, "grpc", decoded.parameters, deadline, size)
-        cache = self.app[RESPONSE_CACHE]
-        shared = await self._attach(call, decoded) if decoded.uses_shared_memory else None
-        if shared is not None:
-            ctx.body_bytes = size + shared.input_bytes
+        async def read(served: Served) -> Inference:
+            nonlocal decoded, shared, classes
+            decoded = tensors.decode(request, self.app[SETTINGS].limits)
+            classes = decoded.classifications() if decoded.outputs else None
+            size = request.ByteSize()  # the message as it arrived, as HTTP counts its body
+            if decoded.uses_shared_memory:
+                shared = await self._attach(call, decoded)
+                size += shared.input_bytes
+            return Inference(
+                request.model_name, decoded.inputs, decoded.parameters, size, _deadline(call)
+            )
 
-        classes = decoded.classifications() if decoded.outputs else None
-
-        async def answer(chain: Chain, result: Any) -> pb.ModelInferResponse:
-            outputs = v2.named_outputs(chain, result)
+        async def encoded(chain: Chain, result: Any) -> pb.ModelInferResponse:
+            outputs = answers.named_outputs(chain, result)
             if classes:
                 outputs = classification.classify_outputs(chain, outputs, classes)
             if shared is not None:
                 await self._off_loop(shared.output_bytes(outputs), shared.write_outputs, outputs)
-            return tensors.encode(decoded, route, chain.runner_version, outputs)
+            return tensors.encode(decoded, chain.route, chain.runner_version, outputs)
 
-        async def run(chain: Chain) -> pb.ModelInferResponse | None:
-            ctx.versions = dict(chain.versions)
+        async def answer(served: Served) -> pb.ModelInferResponse | None:
+            chain = served.chain
             if not chain.streaming:
-                return await answer(chain, await run_chain(cache, chain, decoded.inputs, ctx))
+                return await encoded(chain, await served.result())
             if send is None:
                 raise InvalidInput(
-                    f"{DECOUPLED_UNARY}: route {route!r} streams its responses, "
+                    f"{DECOUPLED_UNARY}: route {chain.route!r} streams its responses, "
                     "call ModelStreamInfer"
                 )
-            async with contextlib.aclosing(streamed(call, chain, decoded.inputs, ctx)) as results:
+            # A stream's deadline bounds the whole stream: past it, it closes (its runner
+            # stops before the next step) and the request answers DEADLINE_EXCEEDED.
+            async with contextlib.aclosing(served.responses()) as results:
                 async for result in results:
-                    await send(_final(await answer(chain, result), False))
+                    await send(_final(await encoded(chain, result), False))
             if decoded.parameters.get(EMPTY_FINAL) is True:
-                empty = pb.ModelInferResponse(model_name=route, model_version=chain.runner_version)
+                empty = pb.ModelInferResponse(
+                    model_name=chain.route, model_version=chain.runner_version
+                )
                 empty.id = request.id
                 await send(_final(empty, True))
             return None
 
-        # A stream's deadline bounds the whole stream: past it, it closes (its runner
-        # stops before the next step) and the request answers DEADLINE_EXCEEDED.
-        return await serve(call, route, version, run, deadline)
+        route, version = request.model_name, request.model_version or None
+        return await self.plane.infer(call, PROTOCOL, read, answer, route, version)
 
     async def _attach(self, call: Call, decoded: InferRequest) -> Attachment:
         """The request's tensors in shared memory: inputs read, output regions held."""
@@ -294,7 +289,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     if response is not None:
                         await send(_final(response, True))
                 except PlugserveError as exc:
-                    _log_refusal(exc, "ModelStreamInfer")
+                    log_failure(exc, rpc="ModelStreamInfer")
                     await send(_failed(request, error_details(exc)))
                 except Exception:
                     log.exception("internal_error", rpc="ModelStreamInfer")
@@ -329,35 +324,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
         async def work() -> Any:
-            call = self._call(context)
+            self._call(context)
             name, version = request.name or None, request.version or None
-            doc = await self._whole_server(call, "GET", v2.stats_path(name, version), None)
-            if doc is None:
-                doc = await v2.statistics_of(self.app, name, version)
+            doc = await self.app[STATISTICS].of(name, version)
             return json_format.ParseDict(
                 doc, pb.ModelStatisticsResponse(), ignore_unknown_fields=True
             )
 
         return await self._answer(context, "ModelStatistics", work)
-
-    async def _whole_server(
-        self, call: Call, method: str, path: str, body: bytes | None
-    ) -> dict[str, Any] | None:
-        """A whole-server answer from the supervisor (with several workers), else ``None``:
-        this process is the whole server and answers itself."""
-        worker = self.app.get(WORKER)
-        if worker is None:
-            return None
-        headers = {REQUEST_ID_HEADER: REQUEST_ID.get() or ""}
-        try:
-            reply = await worker.supervisor.call(method, path, body, headers)
-        except (OSError, TimeoutError) as exc:
-            raise Unavailable(f"the supervisor is not answering: {exc!r}") from None
-        doc = orjson.loads(reply.body) if reply.body else {}
-        if reply.status >= 400:
-            message = doc.get("error") if isinstance(doc, dict) else None
-            raise relayed(reply.status, str(message or f"the supervisor answered {reply.status}"))
-        return doc if isinstance(doc, dict) else {}
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
         async def work() -> Any:
@@ -501,15 +475,13 @@ class HealthService(health_pb2_grpc.HealthServicer):
         return status(status=status.SERVING if ready else status.NOT_SERVING)
 
 
-def _deadline(call: Call, parameters: dict[str, Any]) -> float | None:
-    """The request's budget: the gRPC deadline, the ``timeout`` parameter (µs) or the
-    ``x-request-timeout`` metadata (s), the smallest of those given."""
-    budget = deadline_seconds(call, parameters)
-    remaining = call.context.time_remaining()
+def _deadline(call: Call) -> float | None:
+    """The call's own gRPC deadline, if it has one: the request's budget is the smallest of
+    it, the ``timeout`` parameter (µs) and the ``x-request-timeout`` metadata (s)."""
+    remaining: float | None = call.context.time_remaining()
     if remaining is not None and math.isfinite(remaining):
-        remaining = max(remaining, 1e-6)
-        budget = remaining if budget is None else min(budget, remaining)
-    return budget
+        return max(remaining, 1e-6)
+    return None
 
 
 async def _write_whole(
@@ -583,15 +555,6 @@ def _expired(context: Any) -> bool:
     millisecond early (uvloop's resolution), and gRPC ends the call within that anyway."""
     remaining = context.time_remaining()
     return remaining is not None and remaining < DEADLINE_SLACK_S
-
-
-def _log_refusal(exc: PlugserveError, method: str) -> None:
-    if isinstance(exc, PluginError):
-        log.error("plugin_raised", rpc=method, error=exc.message, exc_info=exc.exc)
-    elif exc.status >= 500 and exc.status not in (503, 504):
-        log.error("request_failed", rpc=method, error=exc.message, status=exc.status)
-    else:
-        log.debug("request_failed", rpc=method, error=exc.message, status=exc.status)
 
 
 def add_to_server(server: Any, app: web.Application, port: int | None = None) -> InferenceService:

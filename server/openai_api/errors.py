@@ -2,8 +2,8 @@
 
 The official clients raise by status (``BadRequestError`` for 400,
 ``AuthenticationError`` for 401, ``NotFoundError``, ``RateLimitError``,
-``InternalServerError``...) and show ``message``; ``server/middleware.py``
-answers every error under ``/v1/`` in this shape.
+``InternalServerError``...) and show ``message``; the OpenAI front end has the
+middleware answer every error under ``/v1/`` in this shape (``routes.add_routes``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,6 @@ from plugserve.registry.errors import NotFound, PlugserveError
 PREFIX = "/v1/"
 
 _CODES = {401: "invalid_api_key", 429: "rate_limit_exceeded", 504: "timeout"}
-
-
-def is_openai(path: str) -> bool:
-    return path.startswith(PREFIX)
 
 
 def body(status: int, message: str, param: str | None = None, code: str | None = None) -> Any:

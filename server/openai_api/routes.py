@@ -26,25 +26,17 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from plugserve.registry.cache import run_chain
 from plugserve.registry.chain import Chain
 from plugserve.registry.errors import NotFound, PluginError, PlugserveError
 from plugserve.registry.types import RequestContext
 from plugserve.server import events
+from plugserve.server.connections import cancel_on_hangup
+from plugserve.server.dataplane.plane import Inference, Served
+from plugserve.server.jsonio import json_value, parse_json
 from plugserve.server.logs import REQUEST_ID
+from plugserve.server.middleware import error_shapes
 from plugserve.server.openai_api import errors, requests
-from plugserve.server.predict import parse_json
-from plugserve.server.serving import (
-    UNKNOWN_ROUTE,
-    admit,
-    deadline_seconds,
-    measured,
-    request_context,
-    serve,
-    streamed,
-)
-from plugserve.server.state import BODIES, REGISTRY, RESPONSE_CACHE
-from plugserve.server.triton.generate import json_value
+from plugserve.server.state import BODIES, DATA_PLANE, REGISTRY
 
 PROTOCOL = "openai"
 T = TypeVar("T")
@@ -106,47 +98,18 @@ def _check_serves(chain: Chain, kind: str) -> None:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    named = _Named()
-    return await measured(request, named, PROTOCOL, _embed(request, named))
+    cancel_on_hangup(request)
+    asked: requests.Embeddings
 
+    async def read(served: Served) -> Inference:
+        nonlocal asked
+        asked, size = await _asked(request, requests.embeddings, served)
+        return Inference(asked.model, {"input": asked.input}, {}, size)
 
-class _Named:
-    """The route a /v1 body names (``model``), for the metrics: ``_unknown`` until read."""
-
-    def __init__(self) -> None:
-        self.model = UNKNOWN_ROUTE
-
-    def __call__(self) -> str:
-        return self.model
-
-
-async def _asked(request: web.Request, check: Callable[[Any], T], named: _Named) -> T:
-    """The request's body, read and checked by ``check`` (on the pool with the parse, for a
-    large body: a million messages take seconds)."""
-
-    def parsed(raw: bytes) -> T:
-        body = parse_json(raw)
-        model = body.get("model") if isinstance(body, dict) else None
-        if isinstance(model, str):
-            named.model = model
-        return check(body)
-
-    bodies = request.app[BODIES]
-    return await bodies.parse(request, await bodies.read(request, json=True), parsed)
-
-
-async def _embed(request: web.Request, named: _Named) -> web.Response:
-    asked = await _asked(request, requests.embeddings, named)
-    admit(request, asked.model, None)
-    deadline = deadline_seconds(request, {})
-    ctx = request_context(request, asked.model, PROTOCOL, {}, deadline)
-    cache = request.app[RESPONSE_CACHE]
-
-    async def run(chain: Chain) -> web.Response:
+    async def answer(served: Served) -> web.Response:
+        chain = served.chain
         _check_serves(chain, "embeddings")
-        ctx.versions = dict(chain.versions)
-        result = await run_chain(cache, chain, {"input": asked.input}, ctx)
-        vectors = _vectors(chain, result, len(asked.input))
+        vectors = _vectors(chain, await served.result(), len(asked.input))
         if asked.dimensions is not None:
             vectors = _shortened(vectors, asked.dimensions)
         data = [
@@ -159,11 +122,28 @@ async def _embed(request: web.Request, named: _Named) -> web.Response:
             }
             for i, row in enumerate(vectors)
         ]
-        tokens = ctx.usage.get("prompt_tokens", 0)
+        tokens = served.ctx.usage.get("prompt_tokens", 0)
         usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         return _json({"object": "list", "data": data, "model": chain.route, "usage": usage})
 
-    return await serve(request, asked.model, None, run, deadline)
+    return await request.app[DATA_PLANE].infer(request, PROTOCOL, read, answer)
+
+
+async def _asked(request: web.Request, check: Callable[[Any], T], served: Served) -> tuple[T, int]:
+    """The request's body, read and checked by ``check`` (on the pool with the parse, for a
+    large body: a million messages take seconds), and its size. The route it names counts
+    the request from the moment it is read, refused or not."""
+
+    def parsed(raw: bytes) -> T:
+        body = parse_json(raw)
+        model = body.get("model") if isinstance(body, dict) else None
+        if isinstance(model, str):
+            served.route = model
+        return check(body)
+
+    bodies = request.app[BODIES]
+    body = await bodies.read(request, json=True)
+    return await bodies.parse(request, body, parsed), len(body)
 
 
 def _vectors(chain: Chain, result: Any, count: int) -> np.ndarray:
@@ -195,13 +175,11 @@ def _shortened(vectors: np.ndarray, dimensions: int) -> np.ndarray:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    named = _Named()
-    return await measured(request, named, PROTOCOL, _generate(request, named, "chat"))
+    return await _generate(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    named = _Named()
-    return await measured(request, named, PROTOCOL, _generate(request, named, "completions"))
+    return await _generate(request, "completions")
 
 
 @dataclass
@@ -246,16 +224,17 @@ class Stops:
 
 
 async def _pieces(
-    request: web.Request, chain: Chain, choice: Choice, asked: requests.Generation
+    served: Served, choice: Choice, asked: requests.Generation
 ) -> AsyncGenerator[str, None]:
     """The text of one choice, piece by piece; ``choice.finish`` is set when it ends."""
     stops = Stops(asked.stop)
     usage = choice.ctx.usage
     # Bytes are decoded across responses: a character's bytes may come in two tokens.
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    async with contextlib.aclosing(streamed(request, chain, choice.data, choice.ctx)) as responses:
+    responses = served.responses(choice.data, choice.ctx)
+    async with contextlib.aclosing(responses):
         async for response in responses:
-            text, stopped = stops.feed(_text(chain, response, decoder))
+            text, stopped = stops.feed(_text(served.chain, response, decoder))
             if text:
                 yield text
             if stopped:
@@ -291,51 +270,50 @@ def _text(chain: Chain, response: Any, decoder: codecs.IncrementalDecoder) -> st
     return value
 
 
-async def _generate(request: web.Request, named: _Named, kind: str) -> web.StreamResponse:
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    cancel_on_hangup(request)
     check = requests.chat if kind == "chat" else requests.completions
-    asked = await _asked(request, check, named)
-    admit(request, asked.model, None)
-    deadline = deadline_seconds(request, {})
-    choices: list[Choice] = []
-    for data in asked.inputs:
-        for _ in range(asked.choices):
-            parameters = dict(asked.parameters)
-            if asked.seed is not None and len(choices):  # n > 1: a seed of its own each
-                parameters["seed"] = asked.choice_seed(len(choices))
-            ctx = request_context(request, asked.model, PROTOCOL, parameters, deadline)
-            choices.append(Choice(len(choices), data, ctx, data.get("prompt", "")))
-    head = {
-        "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{REQUEST_ID.get()}",
-        "object": "chat.completion" if kind == "chat" else "text_completion",
-        "created": int(time.time()),
-        "model": asked.model,
-    }
+    asked: requests.Generation
 
-    async def run(chain: Chain) -> web.StreamResponse:
+    async def read(served: Served) -> Inference:
+        nonlocal asked
+        asked, size = await _asked(request, check, served)
+        # A stream's deadline is kept by events.send, which can still tell the client.
+        return Inference(asked.model, None, asked.parameters, size, streams=asked.stream)
+
+    async def answer(served: Served) -> web.StreamResponse:
+        chain = served.chain
         _check_serves(chain, kind)
-        head["system_fingerprint"] = chain.variant
-        for choice in choices:
-            choice.ctx.versions = dict(chain.versions)
+        choices: list[Choice] = []
+        for data in asked.inputs:
+            for _ in range(asked.choices):
+                parameters = dict(asked.parameters)
+                if asked.seed is not None and len(choices):  # n > 1: a seed of its own each
+                    parameters["seed"] = asked.choice_seed(len(choices))
+                ctx = served.context(parameters)
+                choices.append(Choice(len(choices), data, ctx, data.get("prompt", "")))
+        head = {
+            "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{REQUEST_ID.get()}",
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": asked.model,
+            "system_fingerprint": chain.variant,
+        }
         if not asked.stream:
-            texts = await asyncio.gather(*(_whole(request, chain, c, asked) for c in choices))
+            texts = await asyncio.gather(*(_whole(served, c, asked) for c in choices))
             made = [
                 _choice(kind, c, text, asked.echo) for c, text in zip(choices, texts, strict=True)
             ]
             return _json({**head, "choices": made, "usage": _usage(choices, asked)})
-        chunks = _chunks(request, chain, choices, asked, kind, head)
+        chunks = _chunks(served, choices, asked, kind, head)
         async with contextlib.aclosing(chunks):
-            return await events.send(
-                request, chunks, events.event, _error_event, deadline, last=DONE
-            )
+            return await events.send(request, served, chunks, events.event, _error_event, DONE)
 
-    # A stream's deadline is kept by events.send, which can still tell the client.
-    return await serve(request, asked.model, None, run, None if asked.stream else deadline)
+    return await request.app[DATA_PLANE].infer(request, PROTOCOL, read, answer)
 
 
-async def _whole(
-    request: web.Request, chain: Chain, choice: Choice, asked: requests.Generation
-) -> str:
-    async with contextlib.aclosing(_pieces(request, chain, choice, asked)) as pieces:
+async def _whole(served: Served, choice: Choice, asked: requests.Generation) -> str:
+    async with contextlib.aclosing(_pieces(served, choice, asked)) as pieces:
         return "".join([piece async for piece in pieces])
 
 
@@ -360,8 +338,7 @@ def _usage(choices: list[Choice], asked: requests.Generation) -> dict[str, int]:
 
 
 async def _chunks(
-    request: web.Request,
-    chain: Chain,
+    served: Served,
     choices: list[Choice],
     asked: requests.Generation,
     kind: str,
@@ -384,7 +361,7 @@ async def _chunks(
     def piece(choice: Choice, text: str | None) -> dict[str, Any]:
         return chunk(choice, text, None) if text is not None else chunk(choice, None, choice.finish)
 
-    async with contextlib.aclosing(_interleaved(request, chain, choices, asked)) as pieces:
+    async with contextlib.aclosing(_interleaved(served, choices, asked)) as pieces:
         # What fails before the first piece (a preprocessor's 400, a full queue's 429) is
         # an ordinary error answer: nothing is sent until the first piece is made.
         first = await anext(pieces, None)
@@ -400,12 +377,12 @@ async def _chunks(
 
 
 async def _interleaved(
-    request: web.Request, chain: Chain, choices: list[Choice], asked: requests.Generation
+    served: Served, choices: list[Choice], asked: requests.Generation
 ) -> AsyncGenerator[tuple[Choice, str | None], None]:
     """Every choice's pieces in the order they come, then ``(choice, None)`` as each ends."""
     if len(choices) == 1:
         (choice,) = choices
-        async with contextlib.aclosing(_pieces(request, chain, choice, asked)) as pieces:
+        async with contextlib.aclosing(_pieces(served, choice, asked)) as pieces:
             async for text in pieces:
                 yield choice, text
         yield choice, None
@@ -415,7 +392,7 @@ async def _interleaved(
 
     async def pump(choice: Choice) -> None:
         try:
-            async with contextlib.aclosing(_pieces(request, chain, choice, asked)) as pieces:
+            async with contextlib.aclosing(_pieces(served, choice, asked)) as pieces:
                 async for text in pieces:
                     await queue.put((choice, text))
             await queue.put((choice, None))
@@ -443,6 +420,7 @@ def _error_event(exc: PlugserveError) -> bytes:
 
 
 def add_routes(app: web.Application) -> None:
+    error_shapes(app).add(errors.PREFIX, errors.of)
     r = app.router
     r.add_get("/v1/models", list_models)
     r.add_get("/v1/models/{model}", get_model)

@@ -32,6 +32,7 @@ from plugserve.server.processes.runners import RUNNERS
 from plugserve.server.processes.runners import metrics_text as runner_metrics
 from plugserve.server.processes.unix import Reply, UnixClient
 from plugserve.server.triton.shared_memory import Regions
+from plugserve.server.triton.statistics import ISOLATED_RUNNER
 
 POOL = web.AppKey("pool", WorkerPool)
 STORE = web.AppKey("store", RouteStore)
@@ -313,7 +314,7 @@ async def statistics(request: web.Request) -> web.Response:
     merged = merge.model_stats(r.json() for _, r in answers)
     runners = request.app.get(RUNNERS)
     for entry in merged["model_stats"]:
-        label = entry.pop(v2.ISOLATED_RUNNER, None)
+        label = entry.pop(ISOLATED_RUNNER, None)
         if label is not None and runners is not None:  # executions: the processes' own
             executions = await _executions(runners, label)
             entry["execution_count"] = executions.execution_count

@@ -24,8 +24,10 @@ from plugserve.server.state import (
     REPOSITORY,
     ROUTE_STORE,
     SETTINGS,
+    STATISTICS,
 )
 from plugserve.server.triton.repository import LocalRepository
+from plugserve.server.triton.statistics import LocalStatistics
 
 
 def control_app(app: web.Application, link: WorkerLink) -> web.Application:
@@ -39,6 +41,7 @@ def control_app(app: web.Application, link: WorkerLink) -> web.Application:
     control[admin.STARTED] = app[admin.STARTED]
     control[admin.PROFILING] = app[admin.PROFILING]
     control[REPOSITORY] = LocalRepository(app[REGISTRY])
+    control[STATISTICS] = LocalStatistics(app[REGISTRY])
     _add_control_routes(control, link)
     return control
 

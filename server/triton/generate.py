@@ -26,62 +26,56 @@ from aiohttp import web
 from plugserve.registry.chain import Chain
 from plugserve.registry.errors import InvalidInput, PluginError, PlugserveError
 from plugserve.server import events
-from plugserve.server.predict import parse_json
-from plugserve.server.serving import (
-    admit,
-    deadline_seconds,
-    measured,
-    request_context,
-    serve,
-    streamed,
-)
-from plugserve.server.state import BODIES
+from plugserve.server.connections import cancel_on_hangup
+from plugserve.server.dataplane.plane import Inference, Served
+from plugserve.server.jsonio import json_value, parse_json
+from plugserve.server.state import BODIES, DATA_PLANE
 
 PROTOCOL = "generate"
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    route = request.match_info["route"]
-    return await measured(request, route, PROTOCOL, _generate(request, route, stream=False))
+    return await _generate(request, stream=False)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    route = request.match_info["route"]
-    return await measured(request, route, PROTOCOL, _generate(request, route, stream=True))
+    return await _generate(request, stream=True)
 
 
-async def _generate(request: web.Request, route: str, stream: bool) -> web.StreamResponse:
-    version = request.match_info.get("version")
-    admit(request, route, version)
+async def _generate(request: web.Request, stream: bool) -> web.StreamResponse:
+    cancel_on_hangup(request)
     bodies = request.app[BODIES]
-    body = await bodies.read(request, json=True)
-    data = await bodies.parse(request, body, parse_json)
-    if not isinstance(data, dict):
-        raise InvalidInput("the body must be a JSON object of inputs and 'parameters'")
-    parameters = data.pop("parameters", None) or {}
-    if not isinstance(parameters, dict):
-        raise InvalidInput("'parameters' must be a JSON object")
-    deadline = deadline_seconds(request, parameters)
-    ctx = request_context(request, route, PROTOCOL, parameters, deadline)
 
-    async def run(chain: Chain) -> web.StreamResponse:
-        ctx.versions = dict(chain.versions)
+    async def read(served: Served) -> Inference:
+        body = await bodies.read(request, json=True)
+        data = await bodies.parse(request, body, parse_json)
+        if not isinstance(data, dict):
+            raise InvalidInput("the body must be a JSON object of inputs and 'parameters'")
+        parameters = data.pop("parameters", None) or {}
+        if not isinstance(parameters, dict):
+            raise InvalidInput("'parameters' must be a JSON object")
+        # The deadline of a stream is kept by events.send, which can still tell the client.
+        return Inference(served.route or "", data, parameters, len(body), streams=stream)
+
+    async def answer(served: Served) -> web.StreamResponse:
+        chain = served.chain
         head = {"model_name": chain.route, "model_version": chain.runner_version}
-        async with contextlib.aclosing(streamed(request, chain, data, ctx)) as responses:
+        async with contextlib.aclosing(served.responses()) as responses:
             if not stream:
                 merged = merge([r async for r in responses])
                 body = _encoded(chain, _dumps, {**head, **fields(merged)})
                 return web.Response(body=body, content_type="application/json")
             return await events.send(
                 request,
+                served,
                 responses,
                 lambda response: _encoded(chain, events.event, {**head, **fields(response)}),
                 _error_event,
-                deadline,
             )
 
-    # The deadline of a stream is kept by events.send, which can still tell the client.
-    return await serve(request, route, version, run, None if stream else deadline)
+    match = request.match_info
+    plane = request.app[DATA_PLANE]
+    return await plane.infer(request, PROTOCOL, read, answer, match["route"], match.get("version"))
 
 
 def fields(result: Any) -> dict[str, Any]:
@@ -89,22 +83,6 @@ def fields(result: Any) -> dict[str, Any]:
     if not isinstance(result, dict):
         return {"output": json_value(result)}
     return {str(name): json_value(value) for name, value in result.items()}
-
-
-def json_value(value: Any) -> Any:
-    """A response's value as JSON: a one-element array as its item, text decoded."""
-    if isinstance(value, np.ndarray):
-        if value.size == 1:
-            value = value.reshape(()).item()
-        else:
-            if value.dtype.kind in "OUS":  # orjson writes no text arrays
-                return [json_value(v) for v in value.tolist()]
-            return np.ascontiguousarray(value)
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
 
 
 def merge(responses: list[Any]) -> Any:

@@ -43,7 +43,7 @@ import structlog
 
 from plugserve.registry.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge
 from plugserve.registry.tensors import bytes_elements
-from plugserve.server.auth import is_loopback
+from plugserve.server.addresses import is_loopback
 from plugserve.server.codec import (
     InferRequest,
     SharedInput,
@@ -513,3 +513,12 @@ def _binary(array: np.ndarray) -> memoryview:
         return memoryview(bytes_elements(array))
     flat = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).reshape(-1)
     return flat.view(np.uint8).data
+
+
+def cuda_unsupported(name: str) -> str:
+    """Why a CUDA shared memory region cannot be registered, in Triton's words and ours."""
+    return (
+        f"failed to register CUDA shared memory region: '{name}', GPUs not supported: CUDA "
+        "shared memory needs a GPU and cuda-python, and plugserve has no CUDA support (use "
+        "system shared memory)"
+    )

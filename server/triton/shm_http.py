@@ -12,12 +12,17 @@ from aiohttp import web
 from plugserve.registry.errors import InvalidInput, NotFound
 from plugserve.server.bodies import LARGE_BODY_BYTES
 from plugserve.server.codec import InferRequest
-from plugserve.server.state import BODIES
-from plugserve.server.triton.shared_memory import Attachment, Regions, check_key, check_size
+from plugserve.server.state import BODIES, REGIONS
+from plugserve.server.triton.shared_memory import (
+    Attachment,
+    Regions,
+    check_key,
+    check_size,
+    cuda_unsupported,
+)
 
 SYSTEM = "/v2/systemsharedmemory"
 CUDA = "/v2/cudasharedmemory"
-REGIONS = web.AppKey("shared_memory_regions", Regions)
 
 
 def _regions(request: web.Request) -> Regions:
@@ -54,15 +59,6 @@ async def unregister(request: web.Request) -> web.Response:
 async def cuda_register(request: web.Request) -> web.Response:
     """400 with Triton's words for a server built without GPU support, and the reason."""
     raise InvalidInput(cuda_unsupported(request.match_info["name"]))
-
-
-def cuda_unsupported(name: str) -> str:
-    """Why a CUDA shared memory region cannot be registered, in Triton's words and ours."""
-    return (
-        f"failed to register CUDA shared memory region: '{name}', GPUs not supported: CUDA "
-        "shared memory needs a GPU and cuda-python, and plugserve has no CUDA support (use "
-        "system shared memory)"
-    )
 
 
 async def cuda_status(request: web.Request) -> web.Response:

@@ -1,6 +1,7 @@
 """The request path's floor: what an answer costs before plugserve's own work, and after.
 
     python -m tests.benchmarks.floor [--rounds 5] [--duration 4] [--connections 64]
+                                     [--baseline OTHER_CHECKOUT]
 
 One plugserve (``--workers 1``, the serving benchmark's MLP, tests/benchmarks/serving.py)
 and one bare aiohttp server on uvloop, both up for the whole run, take turns under
@@ -16,7 +17,9 @@ and one bare aiohttp server on uvloop, both up for the whole run, take turns und
 Prints the medians of req/s and the server's CPU per request (its process tree,
 from /proc), and the steps between them: what the server adds to aiohttp, and
 what the infer route adds to the server, each the median of the differences
-within a round (the machine drifts between rounds). A case with failed requests
+within a round (the machine drifts between rounds). With ``--baseline`` (another
+checkout, a git worktree of an earlier commit, say), a second plugserve from there
+takes its turns beside this one, and the steps include this checkout against it. A case with failed requests
 makes it exit non-zero. Not run by CI.
 """
 
@@ -48,6 +51,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", type=int, default=4, help="seconds per measurement")
     parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-floor-"))
     plugins = write_mlp_runner(work)
@@ -67,6 +71,14 @@ def main() -> None:
         Server(command, port, work / "plugserve.log"),
     ]
     bare, plugserve = servers
+    baseline = None
+    if args.baseline is not None:
+        other = free_port()
+        baseline_command = [*command[:command.index("--port") + 1], str(other),
+                            "--grpc-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
+        baseline = Server(baseline_command, other, work / "baseline.log",
+                          checkout=args.baseline.resolve())  # fmt: skip
+        servers.append(baseline)
     base, infer = f"http://127.0.0.1:{bare_port}", f"http://127.0.0.1:{port}/v2/models/mlp/infer"
     cases = [
         ("bare GET", bare, f"{base}/health", empty),
@@ -75,11 +87,21 @@ def main() -> None:
         ("plugserve infer binary", plugserve, infer, binary),
         ("plugserve infer JSON", plugserve, infer, as_json),
     ]
+    if baseline is not None:
+        other_infer = f"http://127.0.0.1:{baseline.port}/v2/models/mlp/infer"
+        cases += [
+            ("baseline GET live", baseline, f"http://127.0.0.1:{baseline.port}/v2/health/live",
+             empty),
+            ("baseline infer binary", baseline, other_infer, binary),
+            ("baseline infer JSON", baseline, other_infer, as_json),
+        ]  # fmt: skip
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in cases}
     errors: dict[str, int] = dict.fromkeys(samples, 0)
     try:
         bare.wait("/health", 30)
         plugserve.wait("/v2/health/ready", 120)
+        if baseline is not None:
+            baseline.wait("/v2/health/ready", 120)
         for _, _, url, script in cases:
             wrk(url, script, args.connections, 1)  # warm up
         for round_no in range(1, args.rounds + 1):
@@ -108,6 +130,14 @@ def main() -> None:
         ("the infer route, binary", "plugserve infer binary", "plugserve GET live"),
         ("JSON over binary", "plugserve infer JSON", "plugserve infer binary"),
     ]
+    if baseline is not None:
+        steps += [
+            ("this checkout over the baseline, live", "plugserve GET live", "baseline GET live"),
+            ("this checkout over the baseline, binary", "plugserve infer binary",
+             "baseline infer binary"),
+            ("this checkout over the baseline, JSON", "plugserve infer JSON",
+             "baseline infer JSON"),
+        ]  # fmt: skip
     for label, top, bottom in steps:
         each = [a[1] - b[1] for a, b in zip(samples[top], samples[bottom], strict=True)]
         shown = ", ".join(f"{d:+.0f}" for d in each)

@@ -223,11 +223,21 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print
 
 
 class Server:
-    def __init__(self, command: list[str], port: int, log: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        command: list[str],
+        port: int,
+        log: Path,
+        env: dict[str, str] | None = None,
+        checkout: Path | None = None,
+    ):
+        """``checkout``: another copy of plugserve to run (its folder first on the path)."""
         self.port = port
         self.log = log
+        if checkout is not None:
+            env = {**(env or {}), "PYTHONPATH": str(checkout)}
         self.proc = subprocess.Popen(
-            command, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+            command, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=checkout or ROOT,
             env={**os.environ, **(env or {})}, start_new_session=True,
         )  # fmt: skip
 
@@ -459,6 +469,10 @@ def main() -> None:
     )
     parser.add_argument("--no-mlserver", action="store_true")
     parser.add_argument(
+        "--baseline", type=Path, default=None,
+        help="another checkout of plugserve (a git worktree): served beside this one, in turns",
+    )  # fmt: skip
+    parser.add_argument(
         "--wrk-threads", type=int, default=1, help="wrk's threads (1 here; more on many cores)"
     )
     parser.add_argument("--instances", type=int, default=1)
@@ -505,16 +519,21 @@ def main() -> None:
                 Case("bare", "json", url, json_script, server),
                 Case("bare", "binary", url, bin_script, server),
             ]
+        checkouts: list[tuple[str, Path | None]] = [("plugserve", None)]
+        if args.baseline is not None:
+            checkouts.append(("baseline", args.baseline.resolve()))
         if "plugserve" in args.only:
-            for (suffix, folder), n in itertools.product(variants, args.workers):
+            for (suffix, folder), n, (label, checkout) in itertools.product(
+                variants, args.workers, checkouts
+            ):
                 port = free_port()
                 command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(folder),
                            "--models-dir", str(folder.parent / "models"), "--port", str(port),
                            "--grpc-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
                 # Only where it matters, so the harness also runs a server without the flag.
                 command += ["--workers", str(n)] if n > 1 else []
-                name = f"plugserve-w{n}{suffix}"
-                server = Server(command, port, work / f"{name}.log")
+                name = f"{label}-w{n}{suffix}"
+                server = Server(command, port, work / f"{name}.log", checkout=checkout)
                 servers.append(server)
                 server.wait("/v2/health/ready", 60)
                 if n > 1:

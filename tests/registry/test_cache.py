@@ -14,12 +14,12 @@ from plugserve.registry.cache import (
     CacheKey,
     ResponseCache,
     freeze,
-    run_chain,
 )
 from plugserve.registry.chain import Chain
 from plugserve.registry.errors import InvalidInput
 from plugserve.registry.registry import Registry
 from plugserve.registry.types import RequestContext
+from plugserve.server.dataplane.plane import run_chain
 from tests.helpers import write_plugin, write_processor
 
 COUNTING_RUNNER = """

@@ -1,0 +1,293 @@
+"""The request path of every front end: admit, read, budget, resolve, run, count.
+
+A front end (v2 HTTP, ``/predict``, Triton's generate, OpenAI's ``/v1``, gRPC) is
+an adapter around :meth:`DataPlane.infer`: it reads and decodes its wire format
+into an :class:`Inference`, and writes the chain's result (or its stream of
+responses) back in its wire format. Everything between is here, once:
+
+1. the drain (503 while the server shuts down) and admission: a route or version
+   not served here is 404/503, a route over its rate limit 429, before a byte of
+   the body is read;
+2. the request's budget (``timeout`` parameter, ``X-Request-Timeout``, and the
+   transport's own deadline, the smallest), priority and tenant, in its ``ctx``;
+3. route resolution and the variant (canary, sticky header), entered on every
+   stage in the same event-loop step, so a reload never releases an instance a
+   request is about to use; the shutdown drain counts it in;
+4. the chain, with the response cache (:func:`run_chain`), or its stream of
+   responses, timed (:meth:`Served.responses`);
+5. a deadline that passes answers 504; tracing spans from the caller's
+   ``traceparent``; the request's status and duration in the metrics, labelled
+   by route, protocol and variant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import sys
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from plugserve.registry import tracing
+from plugserve.registry.batching import priority_level
+from plugserve.registry.cache import ResponseCache
+from plugserve.registry.chain import Chain
+from plugserve.registry.components import batch_policy
+from plugserve.registry.errors import DeadlineExceeded, TooManyRequests, Unavailable
+from plugserve.registry.registry import Registry
+from plugserve.registry.types import RequestContext
+from plugserve.server.dataplane.context import (
+    Incoming,
+    another,
+    deadline_seconds,
+    request_context,
+)
+from plugserve.server.dataplane.outcomes import status_of
+from plugserve.server.logs import REQUEST_CHAIN
+from plugserve.server.metrics import Metrics
+from plugserve.server.shutdown import Drain
+
+T = TypeVar("T")
+
+UNKNOWN_ROUTE = "_unknown"
+"""The metrics' label of a route not in the table: clients cannot grow the metric series
+by asking for made-up routes."""
+
+
+@dataclass(slots=True)
+class Inference:
+    """A request in no protocol's terms: what its front end decoded."""
+
+    route: str
+    data: Any
+    """What the chain's first stage receives: named tensors, a parsed JSON body, bytes."""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+    body_bytes: int | None = None
+    """The request's size (its body as read, inflated, with its tensors in shared memory)."""
+    deadline_s: float | None = None
+    """A budget the transport set itself (a gRPC deadline), besides the request's own."""
+    streams: bool = False
+    """The front end keeps the deadline of a stream it sends as responses come (Server-Sent
+    Events), so that it can still tell the client; the data plane does not bound it."""
+
+
+class Served:
+    """One request in the data plane: its route, and once resolved its chain and ``ctx``.
+
+    What a front end's answer callback is handed: :meth:`result` runs the chain,
+    :meth:`responses` streams it. ``status`` is set by a front end whose stream
+    failed after its answer began (it said 200): what the request is counted as.
+    """
+
+    __slots__ = ("chain", "ctx", "data", "deadline_s", "plane", "route", "status")
+
+    def __init__(self, plane: DataPlane, route: str | None) -> None:
+        self.plane = plane
+        self.route = route
+        self.status: int | None = None
+        self.chain: Chain
+        self.ctx: RequestContext
+        self.data: Any
+        self.deadline_s: float | None = None
+
+    async def result(self) -> Any:
+        """The chain's result for the request's data (from the response cache if it may)."""
+        return await run_chain(self.plane.cache, self.chain, self.data, self.ctx)
+
+    async def responses(
+        self, data: Any = None, ctx: RequestContext | None = None
+    ) -> AsyncGenerator[Any, None]:
+        """The chain's responses as they come (``chain.stream``), timed: time to first
+        token, between tokens, tokens made, streams in flight (``server/metrics.py``).
+        Close it (``aclose``) to stop the stream: its runner stops before its next step."""
+        ctx = self.ctx if ctx is None else ctx
+        data = self.data if data is None else data
+        clock = self.plane.metrics.stream(self.chain.route)
+        try:
+            async with contextlib.aclosing(self.chain.stream(data, ctx)) as responses:
+                async for response in responses:
+                    clock.response(ctx.usage.get("completion_tokens", 0))
+                    yield response
+        finally:
+            clock.done(ctx.usage.get("completion_tokens", 0))
+
+    def context(self, parameters: Mapping[str, Any]) -> RequestContext:
+        """A further ``ctx`` of this request, for one more run of its chain."""
+        return another(self.ctx, parameters)
+
+
+class DataPlane:
+    """The request path of one process, over its registry, metrics, drain and cache."""
+
+    def __init__(
+        self, registry: Registry, metrics: Metrics, drain: Drain, cache: ResponseCache
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.drain = drain
+        self.cache = cache
+
+    async def infer(
+        self,
+        call: Incoming,
+        protocol: str,
+        read: Callable[[Served], Awaitable[Inference]],
+        answer: Callable[[Served], Awaitable[T]],
+        route: str | None = None,
+        version: str | None = None,
+    ) -> T:
+        """Serve one request: ``read(served)`` decodes it, ``answer(served)`` runs its chain
+        and encodes what it gives; counted in the metrics with its status and duration.
+
+        ``route`` is known before the body is read from most front ends' paths (admitted
+        before the body is read); ``None`` where the body names it (OpenAI's ``model``,
+        admitted once read; ``read`` may set ``served.route`` as soon as it knows it, so
+        that a refused body counts under its route).
+        """
+        served = Served(self, route)
+        started = time.perf_counter()
+        status = 200
+        if self.drain.draining:
+            self.metrics.observe(UNKNOWN_ROUTE, protocol, 503, 0.0)
+            raise Unavailable("the server is shutting down")
+        try:
+            return await self._infer(call, protocol, served, read, answer, version)
+        except BaseException as exc:
+            status = status_of(exc)
+            raise
+        finally:
+            route = served.route
+            if route is None or route not in self.registry.routes.entries:
+                route = UNKNOWN_ROUTE
+            chain = REQUEST_CHAIN.get()
+            self.metrics.observe(
+                route,
+                protocol,
+                status if served.status is None else served.status,
+                time.perf_counter() - started,
+                "" if chain is None else chain.variant,
+            )
+
+    async def _infer(
+        self,
+        call: Incoming,
+        protocol: str,
+        served: Served,
+        read: Callable[[Served], Awaitable[Inference]],
+        answer: Callable[[Served], Awaitable[T]],
+        version: str | None,
+    ) -> T:
+        admitted = served.route
+        if admitted is not None:  # 404/503/429 before a byte of the body is read
+            self.admit(admitted, version)
+        inference = await read(served)
+        route = served.route = inference.route
+        if admitted is None:
+            self.admit(route, version)
+        deadline = deadline_seconds(call, inference.parameters)
+        if inference.deadline_s is not None:
+            budget = inference.deadline_s
+            deadline = budget if deadline is None else min(deadline, budget)
+        served.ctx = ctx = request_context(
+            call, route, protocol, inference.parameters, deadline, inference.body_bytes
+        )
+        served.data = inference.data
+        served.deadline_s = deadline
+        # Resolved again (the table may have changed while the body was read; a lookup costs
+        # well under 1 µs), and entered in the same step: a reload never releases an
+        # instance a request is about to use. Counted in for the shutdown drain only now
+        # that its body is in: a client still uploading never holds a shutdown up.
+        chain = served.chain = self.registry.routes.resolve(route, version, call.headers)
+        drain = self.drain
+        drain.enter()
+        chain.enter()
+        REQUEST_CHAIN.set(chain)
+        ctx.versions = dict(chain.versions)
+        span = None
+        if tracing.TRACER is not None:
+            span = _request_span(call, route, chain)
+            span.__enter__()
+        try:
+            if deadline is None or inference.streams:
+                return await answer(served)
+            try:
+                async with asyncio.timeout(deadline):
+                    return await answer(served)
+            except TimeoutError:
+                # Stage errors arrive wrapped (PluginError): this can only be the deadline.
+                raise late(deadline) from None
+        finally:
+            chain.leave()
+            drain.leave()
+            if span is not None:
+                span.__exit__(*sys.exc_info())
+
+    def admit(self, route: str, version: str | None) -> None:
+        """404/503 for a route or version not served here, 429 for a route over its rate
+        limit."""
+        registry = self.registry
+        registry.routes.resolve(route, version)
+        bucket = registry.buckets.get(route)
+        if bucket is not None and (wait := bucket.take()) > 0:
+            raise TooManyRequests(
+                f"route {route!r} is over its rate limit of {bucket.limit.rps:g} requests/s",
+                retry_after_s=math.ceil(wait),
+            )
+
+
+def late(deadline_s: float | None) -> DeadlineExceeded:
+    """The error of a request whose deadline passed."""
+    return DeadlineExceeded(f"the request's deadline of {deadline_s:g} s passed")
+
+
+def _request_span(call: Incoming, route: str, chain: Chain) -> Any:
+    """A server span for the request, continuing the caller's W3C ``traceparent``."""
+    from opentelemetry import propagate, trace
+
+    return tracing.TRACER.start_as_current_span(
+        f"infer {route}",
+        context=propagate.extract(call.headers),
+        kind=trace.SpanKind.SERVER,
+        attributes={"plugserve.route": route, "plugserve.chain": chain.label},
+    )
+
+
+async def run_chain(cache: ResponseCache, chain: Chain, data: Any, ctx: RequestContext) -> Any:
+    """``chain.run(data, ctx)``, answered from ``cache`` when the chain's runner asks for it.
+
+    A hit runs no stage; it counts in the runner version's statistics as a
+    success with ``cache_hit`` and no execution, a miss as ``cache_miss`` (the
+    lookup and the insertion) besides its run. A result that cannot be cached
+    (:func:`plugserve.registry.cache.freeze`) is returned as it is.
+    """
+    if not cache.wants(chain):
+        return await chain.run(data, ctx)
+    started = time.perf_counter()
+    key = cache.key(chain, data, ctx)
+    if key is None:
+        return await chain.run(data, ctx)
+    entry = cache.get(key)
+    stats = chain.runner.stats
+    if entry is not None:
+        runner = chain.runner
+        if runner.manifest.runner is not None:  # what the runner's queue would refuse: 400
+            priority_level(ctx.priority, batch_policy(runner.manifest.runner), runner.label)
+        ctx.rows = entry.rows
+        result = entry.result()
+        if stats is not None:
+            took = time.perf_counter() - started
+            stats.record_cache_hit(took, took, entry.rows)
+        return result
+    spent = time.perf_counter() - started
+    try:
+        result = await chain.run(data, ctx)
+        mark = time.perf_counter()
+        cache.put(key, result, ctx.rows)
+        spent += time.perf_counter() - mark
+        return result
+    finally:
+        if stats is not None:
+            stats.cache_miss.add(spent)
