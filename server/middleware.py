@@ -8,8 +8,6 @@ OpenAI's under ``/v1/``).
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,35 +20,19 @@ from plugserve.registry.errors import PlugserveError
 from plugserve.server.bodies import release_slot, too_large
 from plugserve.server.connections import begin_request
 from plugserve.server.dataplane.outcomes import log_failure
-from plugserve.server.logs import REQUEST_CHAIN, REQUEST_ID
+from plugserve.server.logs import (
+    REQUEST_CHAIN,
+    REQUEST_ID,
+    REQUEST_ID_HEADER,
+    client_request_id,
+    new_request_id,
+)
 from plugserve.server.state import BODIES, SETTINGS
 
-REQUEST_ID_HEADER = "X-Request-ID"
 VARIANT_HEADER = "X-Plugserve-Variant"
 """The runner version (``name@version``) that served the request."""
 
 log = structlog.get_logger("plugserve.server")
-
-# Unique per process start; a counter after it. uuid4() reads the kernel's random
-# source on every call, which profiles showed as 8% of a busy server's time.
-_ID_PREFIX = os.urandom(8).hex()
-_ID_COUNTER = itertools.count()
-
-
-MAX_REQUEST_ID = 128
-"""Longest ``X-Request-ID`` taken from a client; a longer or odd one is replaced."""
-
-
-def client_request_id(value: str | None) -> str | None:
-    """The client's request id if it is short printable ASCII without spaces, else ``None``:
-    it is echoed in a header and written to every log line of the request."""
-    if value and len(value) <= MAX_REQUEST_ID and value.isascii() and value.isprintable():
-        return None if " " in value else value
-    return None
-
-
-def new_request_id() -> str:
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 def identify(response: web.StreamResponse, request_id: str) -> None:

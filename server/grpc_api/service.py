@@ -43,8 +43,13 @@ from plugserve.server.grpc_api.calls import Call, error_details, grpc_code
 from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
 from plugserve.server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
 from plugserve.server.grpc_api.generated import health_pb2, health_pb2_grpc
-from plugserve.server.logs import REQUEST_CHAIN, REQUEST_ID
-from plugserve.server.middleware import REQUEST_ID_HEADER, client_request_id, new_request_id
+from plugserve.server.logs import (
+    REQUEST_CHAIN,
+    REQUEST_ID,
+    REQUEST_ID_HEADER,
+    client_request_id,
+    new_request_id,
+)
 from plugserve.server.state import (
     BODIES,
     DATA_PLANE,
