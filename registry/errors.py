@@ -2,7 +2,7 @@
 
 Every error that can reach a client or an operator is a :class:`PlugserveError`
 carrying its HTTP status. The server turns them into JSON in one middleware
-(``server/middleware.py``); nothing else maps exceptions to statuses.
+(``server/http/middleware.py``); nothing else maps exceptions to statuses.
 """
 
 from __future__ import annotations

@@ -19,15 +19,17 @@ from plugserve.registry.isolation.host import RunnerHost
 from plugserve.registry.registry import Registry
 from plugserve.registry.route_store import Replica, RouteStore, RouteTarget
 from plugserve.registry.watcher import Watcher
-from plugserve.server import admin, auth, heap, openapi, predict, v2
-from plugserve.server.bodies import Bodies
 from plugserve.server.config import Settings
 from plugserve.server.dataplane.plane import DataPlane
-from plugserve.server.metrics import Metrics
-from plugserve.server.middleware import request_middleware
+from plugserve.server.http import auth
+from plugserve.server.http.bodies import Bodies
+from plugserve.server.http.middleware import request_middleware
+from plugserve.server.http_api import admin, generate, openapi, predict, shm_http, v2
 from plugserve.server.openai_api import routes as openai_routes
 from plugserve.server.processes.worker_control import control_app
-from plugserve.server.shutdown import CLOSE_FLOOR_S, Drain, within
+from plugserve.server.runtime import heap
+from plugserve.server.runtime.metrics import Metrics
+from plugserve.server.runtime.shutdown import CLOSE_FLOOR_S, Drain, within
 from plugserve.server.state import (
     BODIES,
     DATA_PLANE,
@@ -43,7 +45,6 @@ from plugserve.server.state import (
     STATISTICS,
     WORKER,
 )
-from plugserve.server.triton import generate, shm_http
 from plugserve.server.triton.answers import Readiness
 from plugserve.server.triton.repository import LocalRepository, SupervisedRepository
 from plugserve.server.triton.shared_memory import Regions
@@ -82,7 +83,7 @@ async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
     if worker is not None:  # one of several workers: the supervisor has the rest of the state
         worker.watch_supervisor()
         await worker.start(registry, control_app(app, worker))
-    heap.settle()  # the collector off the request path (server/heap.py)
+    heap.settle()  # the collector off the request path (server/runtime/heap.py)
     watcher = Watcher(registry, settings.reload_debounce_ms / 1000) if settings.watch else None
     task = asyncio.create_task(watcher.run()) if watcher else None
     yield

@@ -22,8 +22,10 @@ from plugserve.registry.errors import ConfigError, PlugserveError
 from plugserve.registry.fleet import EtcdLocation
 from plugserve.server import __version__
 from plugserve.server.app import create_app
+from plugserve.server.commands.validate import ERROR, Report, validate
 from plugserve.server.config import Settings, load_settings
-from plugserve.server.connections import (
+from plugserve.server.grpc_api.listener import grpc_lifetime
+from plugserve.server.http.connections import (
     MIN_REFUSING,
     ConnectionLimits,
     Listener,
@@ -33,11 +35,9 @@ from plugserve.server.connections import (
     refusing_budget,
     run_app,
 )
-from plugserve.server.grpc_api.listener import grpc_lifetime
-from plugserve.server.logs import configure_logging, protocol_logger
+from plugserve.server.runtime.logs import configure_logging, protocol_logger
+from plugserve.server.runtime.stdio import flush_std_streams, protect_std_streams
 from plugserve.server.state import DRAIN, METRICS
-from plugserve.server.streams import flush_std_streams, protect_std_streams
-from plugserve.server.validate import ERROR, Report, validate
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "new":
             return _new(args)
         if args.command == "doctor":
-            from plugserve.server.doctor import run_doctor
+            from plugserve.server.commands.doctor import run_doctor
 
             return run_doctor(args.config, args.json)
         return _validate(args)
@@ -209,7 +209,7 @@ def serve_sockets(
         access_log=None,
         logger=protocol_logger(),
         keepalive_timeout=KEEPALIVE_TIMEOUT_S,
-        # Our drain (server/shutdown.py) has already waited for in-flight requests.
+        # Our drain (server/runtime/shutdown.py) has already waited for in-flight requests.
         shutdown_timeout=1.0,
         accept_while_starting=worker is None,
         listening=None if worker is None else worker.listening,
@@ -300,7 +300,7 @@ def _event_loop(choice: str) -> asyncio.AbstractEventLoop:
 
 def _new(args: argparse.Namespace) -> int:
     """``plugserve new``: 0 with the package written, 1 when its folder exists already."""
-    from plugserve.server.scaffold import write_package
+    from plugserve.server.commands.scaffold import write_package
 
     try:
         folder = write_package(args.type, args.name, args.package_version, args.dir)

@@ -13,8 +13,8 @@ from typing import Any
 
 from plugserve.registry import validation
 from plugserve.registry.errors import ConfigError
-from plugserve.server.codec import Limits
-from plugserve.server.cores import usable_cores
+from plugserve.server.http_api.codec import Limits
+from plugserve.server.runtime.cores import usable_cores
 
 ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
 ADMIN_TOKEN_FILE_ENV = "PLUGSERVE_ADMIN_TOKEN_FILE"
@@ -119,7 +119,7 @@ class Settings:
     """This replica's name in the fleet; default ``<hostname>:<port>``."""
     fleet_lease_ttl_s: int = 10
     fleet_startup_wait_s: float = 5.0
-    # Connections and bodies (server/connections.py, server/bodies.py).
+    # Connections and bodies (server/http/connections.py, server/http/bodies.py).
     header_timeout_s: float = 10.0
     """A request's headers must be complete this long after the connection opened or the
     request's first byte arrived; else 408 and the connection is closed."""

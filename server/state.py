@@ -9,11 +9,11 @@ from aiohttp import web
 from plugserve.registry.cache import ResponseCache
 from plugserve.registry.registry import Registry
 from plugserve.registry.route_store import RouteStore
-from plugserve.server.bodies import Bodies
 from plugserve.server.config import Settings
 from plugserve.server.dataplane.plane import DataPlane
-from plugserve.server.metrics import Metrics
-from plugserve.server.shutdown import Drain
+from plugserve.server.http.bodies import Bodies
+from plugserve.server.runtime.metrics import Metrics
+from plugserve.server.runtime.shutdown import Drain
 from plugserve.server.triton.answers import Readiness
 from plugserve.server.triton.repository import ModelRepository
 from plugserve.server.triton.shared_memory import Regions

@@ -8,7 +8,7 @@ from aiohttp.test_utils import TestClient
 
 from plugserve.server.app import create_app
 from plugserve.server.config import Settings
-from plugserve.server.logs import configure_logging
+from plugserve.server.runtime.logs import configure_logging
 from tests.etcd import EtcdProcess
 from tests.helpers import ServerProcess
 

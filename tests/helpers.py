@@ -326,6 +326,8 @@ class ServerProcess:
         self.grpc_port = 0
         if "--grpc-port" not in args:
             self.grpc_port = free_port()
+            while self.grpc_port == self.port:  # the kernel may hand the same port out twice
+                self.grpc_port = free_port()
             command += ["--grpc-port", str(self.grpc_port)]
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

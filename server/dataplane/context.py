@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from plugserve.registry.errors import InvalidInput
 from plugserve.registry.types import RequestContext
-from plugserve.server.logs import REQUEST_ID
+from plugserve.server.runtime.logs import REQUEST_ID
 
 TIMEOUT_HEADER = "X-Request-Timeout"
 TENANT_HEADER = "X-Tenant-ID"

@@ -46,9 +46,9 @@ from plugserve.server.dataplane.context import (
     request_context,
 )
 from plugserve.server.dataplane.outcomes import status_of
-from plugserve.server.logs import REQUEST_CHAIN
-from plugserve.server.metrics import Metrics
-from plugserve.server.shutdown import Drain
+from plugserve.server.runtime.logs import REQUEST_CHAIN
+from plugserve.server.runtime.metrics import Metrics
+from plugserve.server.runtime.shutdown import Drain
 
 T = TypeVar("T")
 
@@ -101,7 +101,7 @@ class Served:
         self, data: Any = None, ctx: RequestContext | None = None
     ) -> AsyncGenerator[Any, None]:
         """The chain's responses as they come (``chain.stream``), timed: time to first
-        token, between tokens, tokens made, streams in flight (``server/metrics.py``).
+        token, between tokens, tokens made, streams in flight (``server/runtime/metrics.py``).
         Close it (``aclose``) to stop the stream: its runner stops before its next step."""
         ctx = self.ctx if ctx is None else ctx
         data = self.data if data is None else data

@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 import structlog
 
-from plugserve.server.connections import Swept
+from plugserve.server.http.connections import Swept
 
 log = structlog.get_logger("plugserve.grpc")
 

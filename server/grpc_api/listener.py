@@ -22,9 +22,9 @@ from aiohttp import web
 
 from plugserve.registry.errors import ConfigError
 from plugserve.server.config import Settings
-from plugserve.server.connections import DEFAULT_MAX_CONNECTIONS
 from plugserve.server.grpc_api.admission import Admission, CallLimits
 from plugserve.server.grpc_api.service import add_to_server
+from plugserve.server.http.connections import DEFAULT_MAX_CONNECTIONS
 from plugserve.server.state import SETTINGS
 
 log = structlog.get_logger("plugserve.grpc")

@@ -32,9 +32,6 @@ from plugserve.registry.errors import (
     PlugserveError,
     Unavailable,
 )
-from plugserve.server import auth
-from plugserve.server.bodies import CONTROL_BODY_BYTES, LARGE_BODY_BYTES
-from plugserve.server.codec import InferRequest
 from plugserve.server.dataplane.outcomes import log_failure
 from plugserve.server.dataplane.plane import Inference, Served
 from plugserve.server.grpc_api import handlers, tensors
@@ -43,7 +40,10 @@ from plugserve.server.grpc_api.calls import Call, error_details, grpc_code
 from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
 from plugserve.server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
 from plugserve.server.grpc_api.generated import health_pb2, health_pb2_grpc
-from plugserve.server.logs import (
+from plugserve.server.http import auth
+from plugserve.server.http.bodies import CONTROL_BODY_BYTES, LARGE_BODY_BYTES
+from plugserve.server.http_api.codec import InferRequest
+from plugserve.server.runtime.logs import (
     REQUEST_CHAIN,
     REQUEST_ID,
     REQUEST_ID_HEADER,

@@ -29,13 +29,13 @@ from aiohttp import web
 from plugserve.registry.chain import Chain
 from plugserve.registry.errors import NotFound, PluginError, PlugserveError
 from plugserve.registry.types import RequestContext
-from plugserve.server import events
-from plugserve.server.connections import cancel_on_hangup
 from plugserve.server.dataplane.plane import Inference, Served
-from plugserve.server.jsonio import json_value, parse_json
-from plugserve.server.logs import REQUEST_ID
-from plugserve.server.middleware import error_shapes
+from plugserve.server.http import sse
+from plugserve.server.http.connections import cancel_on_hangup
+from plugserve.server.http.jsonio import json_value, parse_json
+from plugserve.server.http.middleware import error_shapes
 from plugserve.server.openai_api import errors, requests
+from plugserve.server.runtime.logs import REQUEST_ID
 from plugserve.server.state import BODIES, DATA_PLANE, REGISTRY
 
 PROTOCOL = "openai"
@@ -278,7 +278,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     async def read(served: Served) -> Inference:
         nonlocal asked
         asked, size = await _asked(request, check, served)
-        # A stream's deadline is kept by events.send, which can still tell the client.
+        # A stream's deadline is kept by sse.send, which can still tell the client.
         return Inference(asked.model, None, asked.parameters, size, streams=asked.stream)
 
     async def answer(served: Served) -> web.StreamResponse:
@@ -307,7 +307,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             return _json({**head, "choices": made, "usage": _usage(choices, asked)})
         chunks = _chunks(served, choices, asked, kind, head)
         async with contextlib.aclosing(chunks):
-            return await events.send(request, served, chunks, events.event, _error_event, DONE)
+            return await sse.send(request, served, chunks, sse.event, _error_event, DONE)
 
     return await request.app[DATA_PLANE].infer(request, PROTOCOL, read, answer)
 
@@ -416,7 +416,7 @@ async def _interleaved(
 
 
 def _error_event(exc: PlugserveError) -> bytes:
-    return events.event(errors.of(exc))
+    return sse.event(errors.of(exc))
 
 
 def add_routes(app: web.Application) -> None:

@@ -23,14 +23,15 @@ from plugserve.registry.fleet import EtcdRouteStore
 from plugserve.registry.isolation.host import RunnerHost
 from plugserve.registry.route_store import RouteStore
 from plugserve.registry.stats import RunnerStats
-from plugserve.server import __version__, admin, v2
-from plugserve.server.metrics import Metrics, _FleetCollector
-from plugserve.server.middleware import error_response
+from plugserve.server import __version__
+from plugserve.server.http.middleware import error_response
+from plugserve.server.http_api import admin, v2
 from plugserve.server.processes import merge
 from plugserve.server.processes.pool import Worker, WorkerPool
 from plugserve.server.processes.runners import RUNNERS
 from plugserve.server.processes.runners import metrics_text as runner_metrics
 from plugserve.server.processes.unix import Reply, UnixClient
+from plugserve.server.runtime.metrics import Metrics, _FleetCollector
 from plugserve.server.triton.shared_memory import Regions
 from plugserve.server.triton.statistics import ISOLATED_RUNNER
 

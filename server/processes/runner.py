@@ -51,7 +51,7 @@ from plugserve.registry.isolation.wire import (
 )
 from plugserve.registry.loader import Loader
 from plugserve.registry.manager import PluginHost
-from plugserve.server import heap
+from plugserve.server.runtime import heap
 
 log = structlog.get_logger("plugserve.runner")
 
@@ -128,7 +128,7 @@ class RunnerProcess:
         loop.add_signal_handler(signal.SIGTERM, self.stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the server's Ctrl-C: its call
         loop.add_reader(0, self._lifeline)
-        heap.settle()  # the collector off the request path (server/heap.py)
+        heap.settle()  # the collector off the request path (server/runtime/heap.py)
         self._answer(ready=True, pid=os.getpid(), metadata=loaded.metadata())
         await self.stop.wait()
         loop.remove_reader(listener.fileno())
@@ -409,8 +409,8 @@ def main() -> int:
     # Everything imported before the spec is read: a spare process, started ahead of the
     # next load, has paid for its interpreter and imports when its spec comes.
     from plugserve.server.cli import _event_loop
-    from plugserve.server.logs import configure_logging
-    from plugserve.server.streams import protect_std_streams
+    from plugserve.server.runtime.logs import configure_logging
+    from plugserve.server.runtime.stdio import protect_std_streams
 
     line = sys.stdin.buffer.readline()
     if not line:  # a spare nobody needed: the server is stopping

@@ -31,8 +31,8 @@ from plugserve.registry.isolation.groups import (
 )
 from plugserve.registry.isolation.host import RunnerHost
 from plugserve.registry.stats import RunnerStats
-from plugserve.server.metrics import add_process_figures, execution_families
 from plugserve.server.processes.unix import Reply, UnixClient
+from plugserve.server.runtime.metrics import add_process_figures, execution_families
 
 log = structlog.get_logger("plugserve.worker")
 

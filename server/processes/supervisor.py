@@ -57,12 +57,17 @@ from plugserve.registry.isolation.host import RunnerHost
 from plugserve.registry.watcher import Watcher
 from plugserve.server.app import process_settings, route_store
 from plugserve.server.config import Settings
-from plugserve.server.connections import ConnectionLimits, Starting, bind, raise_open_files_limit
+from plugserve.server.http.connections import (
+    ConnectionLimits,
+    Starting,
+    bind,
+    raise_open_files_limit,
+)
 from plugserve.server.processes import runners
 from plugserve.server.processes.control import SUPERVISOR_METRICS, control_app
 from plugserve.server.processes.link import WorkerSpec
 from plugserve.server.processes.pool import Worker, WorkerPool
-from plugserve.server.shutdown import SHUTDOWN_MARGIN_S
+from plugserve.server.runtime.shutdown import SHUTDOWN_MARGIN_S
 from plugserve.server.triton.shared_memory import Regions
 from plugserve.server.triton.shm_table import SharedTable
 

@@ -41,9 +41,9 @@ def main() -> int:
     ):
         os.set_inheritable(fd, False)
     from plugserve.server.cli import serve_sockets
-    from plugserve.server.connections import bind
-    from plugserve.server.logs import configure_logging
-    from plugserve.server.streams import protect_std_streams
+    from plugserve.server.http.connections import bind
+    from plugserve.server.runtime.logs import configure_logging
+    from plugserve.server.runtime.stdio import protect_std_streams
 
     settings = spec.settings
     protect_std_streams()

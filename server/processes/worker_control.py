@@ -13,8 +13,8 @@ import os
 from aiohttp import web
 
 from plugserve.registry.errors import InvalidInput
-from plugserve.server import admin, v2
-from plugserve.server.middleware import request_middleware
+from plugserve.server.http.middleware import request_middleware
+from plugserve.server.http_api import admin, v2
 from plugserve.server.processes.link import LISTEN_WAIT_S, WorkerLink, set_lost_roots
 from plugserve.server.state import (
     BODIES,

@@ -14,8 +14,8 @@ from plugserve.registry.registry import Registry
 from plugserve.registry.route_store import RouteStore
 from plugserve.registry.routes import RouteTable
 from plugserve.server import __version__
-from plugserve.server.codec import as_tensor
-from plugserve.server.shutdown import Drain
+from plugserve.server.http_api.codec import as_tensor
+from plugserve.server.runtime.shutdown import Drain
 
 EXTENSIONS = [
     "binary_tensor_data",

@@ -19,9 +19,9 @@ and inode); where ``/proc`` cannot be used it opens the key and checks the same,
 and a region whose object was unlinked or replaced is then a 400, never another
 object's memory.
 
-Protocol-neutral: HTTP (``server/triton/shm_http.py``) and gRPC call
-:class:`Regions` and :class:`Attachment` with the :class:`plugserve.server.codec.InferRequest`
-they decoded.
+Protocol-neutral: HTTP (``server/http_api/shm_http.py``) and gRPC call
+:class:`Regions` and :class:`Attachment` with the
+:class:`plugserve.server.http_api.codec.InferRequest` they decoded.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import structlog
 
 from plugserve.registry.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge
 from plugserve.registry.tensors import bytes_elements
-from plugserve.server.addresses import is_loopback
-from plugserve.server.codec import (
+from plugserve.server.http.addresses import is_loopback
+from plugserve.server.http_api.codec import (
     InferRequest,
     SharedInput,
     SharedMemoryRef,

@@ -12,8 +12,8 @@ import aiohttp
 from plugserve.registry.chain import Chain
 from plugserve.registry.errors import Unavailable
 from plugserve.registry.registry import Registry
-from plugserve.server.logs import REQUEST_ID
 from plugserve.server.processes.unix import UnixClient
+from plugserve.server.runtime.logs import REQUEST_ID
 from plugserve.server.triton.repository import relayed
 
 ISOLATED_RUNNER = "_isolated_runner"

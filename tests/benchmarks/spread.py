@@ -13,7 +13,7 @@ two modes:
   kernel hashes each new connection to one of the listening sockets.
 
 Both go through the same ``loop.create_server(sock=..., backlog=1024)`` as
-plugserve (server/connections.py), on uvloop (plugserve's default where it is
+plugserve (server/http/connections.py), on uvloop (plugserve's default where it is
 installed) or asyncio's loop. For each mode and each ``--connections`` c, the
 workers are started afresh (all listening before the load starts) and
 ``wrk -t1 -c<c> -d<duration>s`` drives them. Each worker counts its requests

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from plugserve.server.shutdown import SHUTDOWN_MARGIN_S
+from plugserve.server.runtime.shutdown import SHUTDOWN_MARGIN_S
 from tests.deploy.files import DOCKER, entrypoint, last
 from tests.helpers import ROOT, free_port, wait_until_ok
 

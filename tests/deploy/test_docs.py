@@ -7,7 +7,7 @@ import re
 import yaml
 
 from plugserve.server.config import Settings
-from plugserve.server.shutdown import SHUTDOWN_MARGIN_S
+from plugserve.server.runtime.shutdown import SHUTDOWN_MARGIN_S
 from tests.deploy.files import KUBERNETES, SYSTEMD, find
 from tests.helpers import ROOT
 

@@ -30,7 +30,7 @@ from plugserve.server.config import (
     INFERENCE_TOKEN_FILE_ENV,
     Settings,
 )
-from plugserve.server.shutdown import SHUTDOWN_MARGIN_S
+from plugserve.server.runtime.shutdown import SHUTDOWN_MARGIN_S
 from tests.deploy import kserve
 from tests.deploy.files import (
     DOCKER,

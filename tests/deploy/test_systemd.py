@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from plugserve.server.shutdown import SHUTDOWN_MARGIN_S
+from plugserve.server.runtime.shutdown import SHUTDOWN_MARGIN_S
 from tests.deploy.files import SYSTEMD, serve_settings, split_command
 
 UNIT = SYSTEMD / "plugserve.service"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from plugserve.registry.errors import Forbidden, InvalidInput, NotFound
-from plugserve.server.codec import decode_request
+from plugserve.server.http_api.codec import decode_request
 from plugserve.server.triton import shared_memory
 from plugserve.server.triton.shared_memory import Regions
 from plugserve.server.triton.shm_table import SharedTable

@@ -1,0 +1,2 @@
+"""The ``plugserve`` command's subcommands besides ``serve``: ``validate``, ``new``
+(``scaffold``) and ``doctor``."""

@@ -1,0 +1,195 @@
+"""The KServe v2 / Open Inference Protocol data plane, with a route as the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import hdrs, web
+from aiohttp.typedefs import Handler
+
+from plugserve.registry.chain import Chain
+from plugserve.server.dataplane.plane import Inference, Served
+from plugserve.server.http import compression
+from plugserve.server.http.auth import admin_only
+from plugserve.server.http.bodies import LARGE_BODY_BYTES, Bodies
+from plugserve.server.http.connections import cancel_on_hangup
+from plugserve.server.http_api import shm_http
+from plugserve.server.http_api.codec import (
+    HEADER_LENGTH,
+    InferRequest,
+    decode_request,
+    encode_response,
+    json_header_size,
+)
+from plugserve.server.state import (
+    BODIES,
+    DATA_PLANE,
+    READINESS,
+    REGISTRY,
+    REPOSITORY,
+    SETTINGS,
+    STATISTICS,
+)
+from plugserve.server.triton import answers, classification, config, repository
+from plugserve.server.triton.shared_memory import Attachment
+from plugserve.server.triton.statistics import STATS_PATHS
+
+
+async def server_metadata(request: web.Request) -> web.Response:
+    return web.json_response(answers.server_metadata())
+
+
+async def live(request: web.Request) -> web.Response:
+    return web.json_response({"live": True})
+
+
+async def ready(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[READINESS].check())
+
+
+def _resolve(request: web.Request) -> Chain:
+    route = request.match_info["route"]
+    return request.app[REGISTRY].routes.resolve(route, request.match_info.get("version"))
+
+
+async def model_metadata(request: web.Request) -> web.Response:
+    chain = _resolve(request)
+    return web.json_response(answers.metadata(request.app[REGISTRY].routes, chain))
+
+
+async def model_ready(request: web.Request) -> web.Response:
+    chain = _resolve(request)
+    return web.json_response({"name": chain.route, "ready": True})
+
+
+async def model_config(request: web.Request) -> web.Response:
+    """Triton's model configuration extension: the route's configuration as its JSON."""
+    return web.json_response(config.model_config(_resolve(request)))
+
+
+async def infer(request: web.Request) -> web.Response:
+    """``POST /v2/models/{route}[/versions/{version}]/infer``: a JSON body, or binary
+    tensor data after a JSON header (``Inference-Header-Content-Length``)."""
+    cancel_on_hangup(request)
+    match = request.match_info
+    plane = request.app[DATA_PLANE]
+    bodies = request.app[BODIES]
+    header_length = request.headers.get(HEADER_LENGTH)
+    decoded: InferRequest
+    shared: Attachment | None = None
+    classes: dict[str, int] | None = None
+
+    async def read(served: Served) -> Inference:
+        nonlocal decoded, shared, classes
+        limits = request.app[SETTINGS].limits
+        body = await bodies.read(request, json=header_length is None)
+        if header_length is not None:
+            bodies.check_json(json_header_size(header_length, len(body)))
+        decoded = await bodies.parse(
+            request, body, lambda raw: decode_request(raw, header_length, limits)
+        )
+        classes = decoded.classifications() if decoded.outputs else None
+        size = len(body)
+        # The request's tensors in shared memory, if any: inputs read, output regions held.
+        if decoded.uses_shared_memory:
+            shared = await shm_http.attach(request, decoded)
+            if shared is not None:
+                size += shared.input_bytes
+        return Inference(served.route or "", decoded.inputs, decoded.parameters, size)
+
+    async def answer(served: Served) -> web.Response:
+        chain = served.chain
+        outputs = answers.named_outputs(chain, await served.result())
+        if classes:
+            outputs = classification.classify_outputs(chain, outputs, classes)
+        if shared is not None:
+            await shm_http.place(request, shared, outputs)
+        route, version = chain.route, chain.runner_version
+        if sum(a.nbytes for a in outputs.values()) <= LARGE_BODY_BYTES:
+            payload, headers = encode_response(decoded, route, version, outputs)
+        else:  # a large response is encoded off the event loop
+            payload, headers = await bodies.run(
+                lambda: encode_response(decoded, route, version, outputs)
+            )
+        accept = request.headers.get(hdrs.ACCEPT_ENCODING)
+        coding = compression.accepted(accept) if accept else None
+        if coding is not None and len(payload) >= compression.MIN_BYTES:
+            return await _compressed(payload, headers, coding, bodies)
+        if len(headers) == 1:  # JSON: no header dict to build
+            return web.Response(body=payload, content_type="application/json")
+        return web.Response(body=payload, headers=headers)
+
+    return await plane.infer(request, "v2", read, answer, match["route"], match.get("version"))
+
+
+async def repository_index(request: web.Request) -> web.Response:
+    """Triton's repository index: every route, each runner version with its state."""
+    ready_only = repository.index_request(await request.app[BODIES].read_control(request))
+    return web.json_response(await request.app[REPOSITORY].index(ready_only))
+
+
+async def repository_load(request: web.Request) -> web.Response:
+    """Load a route from its files (or with Triton's ``config`` over its runner settings)."""
+    config = repository.load_request(await request.app[BODIES].read_control(request))
+    route = request.match_info["route"]
+    return web.json_response(await request.app[REPOSITORY].load(route, config))
+
+
+async def repository_unload(request: web.Request) -> web.Response:
+    """Unload every version of a route's runner (``unload_dependents`` changes nothing)."""
+    return web.json_response(await request.app[REPOSITORY].unload(request.match_info["route"]))
+
+
+REPOSITORY_PATHS = (
+    ("/v2/repository/index", repository_index),
+    ("/v2/repository/models/{route}/load", repository_load),
+    ("/v2/repository/models/{route}/unload", repository_unload),
+)
+"""Triton's model repository extension: control-plane calls, under the admin rules."""
+
+
+def add_repository_routes(app: web.Application, guard: Callable[[Handler], Handler]) -> None:
+    for path, handler in REPOSITORY_PATHS:
+        app.router.add_post(path, guard(handler))
+
+
+async def _compressed(
+    payload: bytes, headers: dict[str, str], coding: str, bodies: Bodies
+) -> web.Response:
+    """The response in ``coding``; a large one compressed off the event loop."""
+    if len(payload) <= compression.OFF_LOOP_BYTES:
+        body = compression.compress(payload, coding)
+    else:
+        body = await bodies.run(lambda: compression.compress(payload, coding))
+    return web.Response(
+        body=body,
+        headers={**headers, hdrs.CONTENT_ENCODING: coding, hdrs.VARY: hdrs.ACCEPT_ENCODING},
+    )
+
+
+async def statistics(request: web.Request) -> web.Response:
+    """Triton's statistics extension: per route and runner version, cumulative since load."""
+    route, version = request.match_info.get("route"), request.match_info.get("version")
+    return web.json_response(await request.app[STATISTICS].of(route, version))
+
+
+def add_stats_routes(app: web.Application, handler: Handler = statistics) -> None:
+    for path in STATS_PATHS:
+        app.router.add_get(path, handler)
+
+
+def add_routes(app: web.Application) -> None:
+    """The v2 routes of the KServe protocol and Triton's extensions over HTTP."""
+    r = app.router
+    # The router tries resources in order: the hot path first.
+    r.add_post("/v2/models/{route}/infer", infer)
+    r.add_post("/v2/models/{route}/versions/{version}/infer", infer)
+    add_stats_routes(app)
+    r.add_get("/v2", server_metadata)
+    r.add_get("/v2/health/live", live)
+    r.add_get("/v2/health/ready", ready)
+    add_repository_routes(app, admin_only)
+    for prefix in ("/v2/models/{route}", "/v2/models/{route}/versions/{version}"):
+        r.add_get(prefix, model_metadata)
+        r.add_get(prefix + "/ready", model_ready)
+        r.add_get(prefix + "/config", model_config)
