@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from plugserve.registry import validation
+from plugserve.registry import checks
 from plugserve.registry.errors import ManifestError
 from plugserve.registry.ratelimit import RateLimit
 from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES, PluginType, Ref, is_valid_name
@@ -92,7 +92,7 @@ class RunnerSection:
     devices: tuple[str, ...] = ()
     """``cuda:N`` per instance, in turn (``device`` is one for all); ``()``: unset."""
     response_cache: bool = False
-    """Cache whole responses of the routes this runner serves (registry/cache.py)."""
+    """Cache whole responses of the routes this runner serves (server/dataplane/cache.py)."""
     formats: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Input name: ``FORMAT_NCHW`` or ``FORMAT_NHWC`` (shown in the model configuration)."""
     label_files: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
@@ -159,10 +159,10 @@ def load_manifest(
     """
     path = folder / MANIFEST_NAME
     try:
-        raw = validation.read_toml(path)
+        raw = checks.read_toml(path)
     except FileNotFoundError:
         raise ManifestError(path, "no plugin.toml in the plugin folder") from None
-    except validation.ValueProblem as exc:
+    except checks.ValueProblem as exc:
         raise ManifestError(path, exc.reason) from None
     if runner_overrides and isinstance(raw.get("runner", {}), dict):
         raw = {**raw, "runner": {**raw.get("runner", {}), **runner_overrides}}
@@ -173,11 +173,11 @@ def parse_manifest(raw: Mapping[str, Any], folder: Path, check_layout: bool = Tr
     """Validate a parsed manifest ``raw`` from ``folder``; raises :class:`ManifestError` only."""
     path = folder / MANIFEST_NAME
     try:
-        validation.shallow(raw)
+        checks.shallow(raw)
         return _parse(raw, folder, _Fields(path), check_layout)
     except ManifestError:
         raise
-    except validation.ValueProblem as exc:
+    except checks.ValueProblem as exc:
         raise ManifestError(path, exc.reason, exc.field or None) from None
     except Exception as exc:  # outside data: whatever a check missed is this file's error
         raise ManifestError(path, f"invalid: {type(exc).__name__}: {exc}") from None
@@ -189,8 +189,8 @@ def check_runner_keys(manifest: Manifest, backend: str, declared: Iterable[str])
     if manifest.runner is None:
         return
     try:
-        validation.known_keys(manifest.runner.table, "runner", RUNNER_KEYS | set(declared))
-    except validation.ValueProblem as exc:
+        checks.known_keys(manifest.runner.table, "runner", RUNNER_KEYS | set(declared))
+    except checks.ValueProblem as exc:
         raise ManifestError(
             manifest.path / MANIFEST_NAME, f"{exc.reason} (with backend {backend!r})", "runner"
         ) from None
@@ -219,7 +219,7 @@ def _parse(raw: Mapping[str, Any], folder: Path, p: _Fields, check_layout: bool)
 
     module = p.string(plugin, "plugin.module")
     if module is not None:
-        validation.relative_path(module, "plugin.module")
+        checks.relative_path(module, "plugin.module")
         _check_relative(path, folder, module, "plugin.module")
     runner = _runner_section(p, raw, folder) if kind == "runner" else None
     if kind != "runner":
@@ -264,7 +264,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         p.no_unknown_keys(table, "runner", RUNNER_KEYS)
     model = p.string(table, "runner.model")
     if model is not None:
-        validation.relative_path(model, "runner.model")
+        checks.relative_path(model, "runner.model")
     if model is not None and not model.startswith("models:"):
         _check_relative(p.path, folder, model, "runner.model")
     providers = _provider_names(p, table)
@@ -277,7 +277,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         max_batch_size=p.integer(table, "runner.max_batch_size", 0, 0, MAX_BATCH_SIZE),
         max_queue_delay_ms=p.number(table, "runner.max_queue_delay_ms", 0.0, MAX_QUEUE_DELAY_MS),
         instances=p.integer(table, "runner.instances", 1, 1, MAX_INSTANCES),
-        max_queue_size=p.integer(table, "runner.max_queue_size", 0, 0, validation.MAX_INTEGER),
+        max_queue_size=p.integer(table, "runner.max_queue_size", 0, 0, checks.MAX_INTEGER),
         preferred_batch_sizes=_preferred_sizes(p, table),
         priority_levels=levels,
         default_priority_level=_default_level(p, table, levels),
@@ -303,7 +303,7 @@ def _formats(p: _Fields, table: Mapping[str, Any]) -> Mapping[str, str]:
     """``formats = { image = "FORMAT_NCHW" }``: the layout of image inputs, by input name."""
     formats = {}
     for name, value in p.table(table, "runner.formats").items():
-        where = f"runner.formats.{validation.text(name, 'runner.formats', max_length=256)}"
+        where = f"runner.formats.{checks.text(name, 'runner.formats', max_length=256)}"
         if value not in FORMATS:
             raise ManifestError(p.path, f"must be one of {', '.join(FORMATS)}", where)
         formats[name] = value
@@ -314,8 +314,8 @@ def _label_files(p: _Fields, table: Mapping[str, Any], folder: Path) -> dict[str
     """``labels = { scores = "labels.txt" }``: a file in the plugin folder per output."""
     files = {}
     for name, value in p.table(table, "runner.labels").items():
-        where = f"runner.labels.{validation.text(name, 'runner.labels', max_length=256)}"
-        relative = validation.relative_path(validation.text(value, where), where)
+        where = f"runner.labels.{checks.text(name, 'runner.labels', max_length=256)}"
+        relative = checks.relative_path(checks.text(value, where), where)
         _check_relative(p.path, folder, relative, where)
         if not (folder / relative).is_file():
             raise ManifestError(p.path, f"{relative!r} is not a file in the plugin folder", where)
@@ -376,9 +376,7 @@ def _provider_names(p: _Fields, table: Mapping[str, Any]) -> list[str]:
         raise ManifestError(
             p.path, "must be a list of names or tables with a 'name'", "runner.providers"
         )
-    return [
-        validation.text(n, f"runner.providers[{i}]", max_length=256) for i, n in enumerate(names)
-    ]
+    return [checks.text(n, f"runner.providers[{i}]", max_length=256) for i, n in enumerate(names)]
 
 
 def _preferred_sizes(p: _Fields, table: Mapping[str, Any]) -> tuple[int, ...]:
@@ -388,7 +386,7 @@ def _preferred_sizes(p: _Fields, table: Mapping[str, Any]) -> tuple[int, ...]:
             p.path, "must be a list of positive integers", "runner.preferred_batch_sizes"
         )
     where = "runner.preferred_batch_sizes"
-    return tuple(sorted({validation.integer(n, where, low=1, high=MAX_BATCH_SIZE) for n in sizes}))
+    return tuple(sorted({checks.integer(n, where, low=1, high=MAX_BATCH_SIZE) for n in sizes}))
 
 
 def _default_level(p: _Fields, table: Mapping[str, Any], levels: int) -> int | None:
@@ -401,7 +399,7 @@ def _tenant_weights(p: _Fields, table: Mapping[str, Any]) -> Mapping[str, float]
     weights = p.table(table, "runner.tenant_weights")
     return MappingProxyType(
         {
-            validation.text(k, "runner.tenant_weights", max_length=256): validation.number(
+            checks.text(k, "runner.tenant_weights", max_length=256): checks.number(
                 w, f"runner.tenant_weights.{k}", low=0.0, high=1e6, above=True
             )
             for k, w in weights.items()
@@ -419,7 +417,7 @@ def _route_section(p: _Fields, raw: Mapping[str, Any]) -> RouteSection:
     if "rate_limit" in table:
         try:
             rate_limit = RateLimit.parse(table["rate_limit"])
-        except validation.ValueProblem as exc:
+        except checks.ValueProblem as exc:
             field = f"route.rate_limit.{exc.field}" if exc.field else "route.rate_limit"
             raise ManifestError(p.path, exc.reason, field) from None
     return RouteSection(
@@ -459,7 +457,7 @@ def _check_relative(path: Path, folder: Path, relative: str, key: str) -> None:
 
 @dataclass(frozen=True)
 class _Fields:
-    """Typed field access over :mod:`plugserve.registry.validation`; problems name the
+    """Typed field access over :mod:`plugserve.registry.checks`; problems name the
     dotted field."""
 
     path: Path
@@ -474,7 +472,7 @@ class _Fields:
 
     def table(self, raw: Mapping[str, Any], key: str, required: bool = False) -> Mapping[str, Any]:
         value = self._get(raw, key, required)
-        return {} if value is None else validation.table(value, key)
+        return {} if value is None else checks.table(value, key)
 
     def string(
         self, table: Mapping[str, Any], key: str, required: bool = False, multiline: bool = False
@@ -482,7 +480,7 @@ class _Fields:
         value = self._get(table, key, required)
         if value is None:
             return None
-        return validation.text(
+        return checks.text(
             value, key, max_length=65_536 if multiline else 1024, multiline=multiline
         )
 
@@ -493,15 +491,13 @@ class _Fields:
 
     def string_list(self, table: Mapping[str, Any], key: str) -> list[str]:
         value = self._get(table, key, False)
-        return [] if value is None else validation.text_list(value, key, max_items=256)
+        return [] if value is None else checks.text_list(value, key, max_items=256)
 
     def integer(
         self, table: Mapping[str, Any], key: str, default: int, minimum: int, maximum: int
     ) -> int:
         value = self._get(table, key, False)
-        return (
-            default if value is None else validation.integer(value, key, low=minimum, high=maximum)
-        )
+        return default if value is None else checks.integer(value, key, low=minimum, high=maximum)
 
     def boolean(self, table: Mapping[str, Any], key: str, default: bool) -> bool:
         value = self._get(table, key, False)
@@ -513,7 +509,7 @@ class _Fields:
 
     def number(self, table: Mapping[str, Any], key: str, default: float, maximum: float) -> float:
         value = self._get(table, key, False)
-        return default if value is None else validation.number(value, key, low=0.0, high=maximum)
+        return default if value is None else checks.number(value, key, low=0.0, high=maximum)
 
     def refs(self, table: Mapping[str, Any], key: str) -> tuple[Ref, ...]:
         refs = []
@@ -525,4 +521,4 @@ class _Fields:
         return tuple(refs)
 
     def no_unknown_keys(self, table: Mapping[str, Any], name: str, known: Iterable[str]) -> None:
-        validation.known_keys(table, name, known)
+        checks.known_keys(table, name, known)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plugserve.registry import validation
+from plugserve.registry import checks
 from plugserve.registry.shared_files import locked, release
 
 MIN_RPS = 0.001
@@ -32,15 +32,15 @@ class RateLimit:
 
         ``rps`` from :data:`MIN_RPS` to :data:`MAX_RPS`, ``burst`` from 1 to
         :data:`MAX_BURST` (default: ``rps`` rounded down, at least 1). Raises
-        :class:`plugserve.registry.validation.ValueProblem` (a ``ValueError``) naming the field.
+        :class:`plugserve.registry.checks.ValueProblem` (a ``ValueError``) naming the field.
         """
         if not isinstance(raw, Mapping) or set(raw) - {"rps", "burst"}:
-            raise validation.ValueProblem(
+            raise checks.ValueProblem(
                 "", "must be a table { rps = <per second>, burst = <requests> }"
             )
-        rps = validation.number(raw.get("rps"), "rps", low=MIN_RPS, high=MAX_RPS)
+        rps = checks.number(raw.get("rps"), "rps", low=MIN_RPS, high=MAX_RPS)
         burst = raw.get("burst", max(1, int(rps)))
-        return cls(rps, validation.integer(burst, "burst", low=1, high=MAX_BURST))
+        return cls(rps, checks.integer(burst, "burst", low=1, high=MAX_BURST))
 
 
 class TokenBucket:

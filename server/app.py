@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from plugserve.registry import tracing
-from plugserve.registry.cache import ResponseCache
-from plugserve.registry.components import LOOP_BUDGET_S
-from plugserve.registry.fleet import EtcdLocation, EtcdRouteStore
-from plugserve.registry.isolation.groups import ProcessSettings
-from plugserve.registry.isolation.host import RunnerHost
-from plugserve.registry.registry import Registry
-from plugserve.registry.route_store import Replica, RouteStore, RouteTarget
-from plugserve.registry.watcher import Watcher
+from plugserve.registry.execution import tracing
+from plugserve.registry.execution.components import LOOP_BUDGET_S
+from plugserve.registry.execution.isolation.groups import ProcessSettings
+from plugserve.registry.execution.isolation.host import RunnerHost
+from plugserve.registry.fleet.etcd_store import EtcdLocation, EtcdRouteStore
+from plugserve.registry.fleet.route_store import Replica, RouteStore, RouteTarget
+from plugserve.registry.lifecycle.registry import Registry
+from plugserve.registry.lifecycle.watcher import Watcher
 from plugserve.server.config import Settings
+from plugserve.server.dataplane.cache import ResponseCache
 from plugserve.server.dataplane.plane import DataPlane
 from plugserve.server.http import auth
 from plugserve.server.http.bodies import Bodies

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from plugserve.registry.errors import ConfigError, PlugserveError
-from plugserve.registry.fleet import EtcdLocation
+from plugserve.registry.fleet.etcd_store import EtcdLocation
 from plugserve.server import __version__
 from plugserve.server.app import create_app
 from plugserve.server.commands.validate import ERROR, Report, validate

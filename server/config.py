@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plugserve.registry import validation
+from plugserve.registry import checks
 from plugserve.registry.errors import ConfigError
 from plugserve.server.http_api.codec import Limits
 from plugserve.server.runtime.cores import usable_cores
@@ -144,7 +144,7 @@ class Settings:
     inference_token_file: Path | None = None
     response_cache_bytes: int = 64 * 1024 * 1024
     """The response cache's bound, per worker process: whole responses of the routes whose
-    runner sets ``[runner] response_cache = true`` (registry/cache.py); 0 turns it off."""
+    runner sets ``[runner] response_cache = true`` (server/dataplane/cache.py); 0 turns it off."""
     shared_memory: str = "loopback"
     """Who may use Triton's system shared memory extension: ``loopback`` (clients on this
     host), ``any`` (every caller the data plane admits) or ``off``."""
@@ -162,9 +162,9 @@ class Settings:
     requests are answered 500 saying so, and it is started again. 0 turns the check off."""
     inline_runners: str = "auto"
     """Where a worker runs its in-worker runners' batches: ``on`` its event loop (within a
-    few ms a batch, ``registry/components.py``), ``off`` on a thread each, or ``auto``: on the
-    loop when every usable core has a worker of its own (``workers`` > 1 and at least one
-    per core), where a thread only adds hand-offs."""
+    few ms a batch, ``registry/execution/components.py``), ``off`` on a thread each, or
+    ``auto``: on the loop when every usable core has a worker of its own (``workers`` > 1
+    and at least one per core), where a thread only adds hand-offs."""
 
     @property
     def worker_count(self) -> int:
@@ -253,13 +253,13 @@ def _check_numbers(settings: Settings) -> None:
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, int | float):
             continue
-        low, high = _BOUNDS.get(name, (-validation.MAX_INTEGER, validation.MAX_INTEGER))
+        low, high = _BOUNDS.get(name, (-checks.MAX_INTEGER, checks.MAX_INTEGER))
         try:
             if isinstance(value, int) and name not in _ABOVE_LOW:
-                validation.integer(value, name, low=int(low), high=int(high))
+                checks.integer(value, name, low=int(low), high=int(high))
             else:
-                validation.number(value, name, low=low, high=high, above=name in _ABOVE_LOW)
-        except validation.ValueProblem as exc:
+                checks.number(value, name, low=low, high=high, above=name in _ABOVE_LOW)
+        except checks.ValueProblem as exc:
             raise ConfigError(str(exc)) from None
 
 
@@ -345,10 +345,10 @@ def _read_token(name: str, path: Path) -> str:
 def _read_config(path: Path) -> dict[str, Any]:
     """The settings of a TOML file, each of its setting's type; raises :class:`ConfigError`."""
     try:
-        raw = validation.read_toml(path)
+        raw = checks.read_toml(path)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
-    except validation.ValueProblem as exc:
+    except checks.ValueProblem as exc:
         raise ConfigError(f"{path}: {exc}") from None
     unknown = sorted(set(raw) - set(_FIELDS))
     if unknown:
@@ -359,8 +359,8 @@ def _read_config(path: Path) -> dict[str, Any]:
     for key, value in raw.items():
         if isinstance(value, str):
             try:
-                validation.text(value, key)
-            except validation.ValueProblem as exc:
+                checks.text(value, key)
+            except checks.ValueProblem as exc:
                 raise ConfigError(f"{path}: {exc}") from None
         elif key in _PATHS:
             raise ConfigError(f"{path}: {key} must be a path (a string), not {_described(value)}")

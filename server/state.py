@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from plugserve.registry.cache import ResponseCache
-from plugserve.registry.registry import Registry
-from plugserve.registry.route_store import RouteStore
+from plugserve.registry.fleet.route_store import RouteStore
+from plugserve.registry.lifecycle.registry import Registry
 from plugserve.server.config import Settings
+from plugserve.server.dataplane.cache import ResponseCache
 from plugserve.server.dataplane.plane import DataPlane
 from plugserve.server.http.bodies import Bodies
 from plugserve.server.runtime.metrics import Metrics

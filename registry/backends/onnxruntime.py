@@ -39,10 +39,10 @@ from plugserve.registry.backends.ort_options import (
     parse_options,
 )
 from plugserve.registry.backends.refusals import ort_refusal
-from plugserve.registry.datatypes import numpy_dtype
 from plugserve.registry.errors import InvalidInput, PluginLoadError
 from plugserve.registry.hookspecs import hookimpl
-from plugserve.registry.tensors import cast_exact
+from plugserve.registry.tensors.datatypes import numpy_dtype
+from plugserve.registry.tensors.values import cast_exact
 from plugserve.registry.types import BackendFactory, PluginInfo
 
 # ONNX tensor element types as ONNX Runtime names them, and their v2 datatypes.

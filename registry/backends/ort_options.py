@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plugserve.registry.datatypes import V2_TO_NUMPY
 from plugserve.registry.errors import PluginLoadError
+from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
 
 RUNNER_KEYS = frozenset(
     {

@@ -38,9 +38,9 @@ import numpy as np
 
 from plugserve.registry.backends.ort_options import cache_dir
 from plugserve.registry.backends.refusals import trimmed
-from plugserve.registry.datatypes import v2_datatype
 from plugserve.registry.errors import InvalidInput, PluginLoadError
 from plugserve.registry.hookspecs import hookimpl
+from plugserve.registry.tensors.datatypes import v2_datatype
 from plugserve.registry.types import BackendFactory, PluginInfo
 
 EXTRA = "pip install 'plugserve[tensorrt]'"

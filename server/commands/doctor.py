@@ -25,7 +25,7 @@ from typing import Any
 from plugserve.registry.backends.ort_gpu import RUNTIMES, installed_runtimes
 from plugserve.registry.backends.ort_gpu import install_command as extra_command
 from plugserve.registry.errors import PlugserveError
-from plugserve.registry.fleet import EtcdLocation
+from plugserve.registry.fleet.etcd_store import EtcdLocation
 from plugserve.server import __version__
 from plugserve.server.config import Settings, load_settings
 from plugserve.server.runtime.cores import affinity_cores, bounded, cpu_quota

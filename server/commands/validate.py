@@ -3,7 +3,7 @@
 A package inside a plugins folder (``<plugins_dir>/<type>/<name>/<version>``)
 is checked as the server checks it, folder names included. A package anywhere
 else (a staged ``build/iris-2.0.0/``) takes its type, name and version from its
-manifest alone. Either way the symlink rule (``registry/confine.py``) holds:
+manifest alone. Either way the symlink rule (``registry/plugins/confine.py``) holds:
 what the package reads must lie in its plugins folder (the package folder
 itself, for a staged one) or the models folder. A runner's chain is checked
 against a plugins folder: the one given, else the one the package lies in.
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from plugserve.registry.errors import ConfigError, PlugserveError
-from plugserve.registry.loader import Loader
-from plugserve.registry.manager import PluginHost
+from plugserve.registry.lifecycle.loader import Loader
 from plugserve.registry.manifest import MANIFEST_NAME, Manifest, load_manifest
+from plugserve.registry.plugins.hooks import PluginHooks
 from plugserve.registry.refs import PLUGIN_TYPES, Ref, is_ignored_name
 
 VALID, INVALID, ERROR = 0, 1, 2
@@ -179,7 +179,7 @@ def _resolve(plugins_dir: Path, kind: str, ref: Ref) -> str | None:
 
 async def _load(report: Report, manifest: Manifest, home: Path | None) -> None:
     """Load, warm up and release the package; a failure is the report's problem."""
-    host = PluginHost()
+    host = PluginHooks()
     host.load_builtins()
     host.load_entry_points()
     loader = Loader(host, report.models_dir, plugins_dir=home, check_layout=home is not None)

@@ -31,14 +31,14 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from plugserve.registry import tracing
-from plugserve.registry.batching import priority_level
-from plugserve.registry.cache import ResponseCache
-from plugserve.registry.chain import Chain
-from plugserve.registry.components import batch_policy
 from plugserve.registry.errors import DeadlineExceeded, TooManyRequests, Unavailable
-from plugserve.registry.registry import Registry
+from plugserve.registry.execution import tracing
+from plugserve.registry.execution.batching import priority_level
+from plugserve.registry.execution.chain import Chain
+from plugserve.registry.execution.components import batch_policy
+from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.types import RequestContext
+from plugserve.server.dataplane.cache import ResponseCache
 from plugserve.server.dataplane.context import (
     Incoming,
     another,
@@ -261,7 +261,7 @@ async def run_chain(cache: ResponseCache, chain: Chain, data: Any, ctx: RequestC
     A hit runs no stage; it counts in the runner version's statistics as a
     success with ``cache_hit`` and no execution, a miss as ``cache_miss`` (the
     lookup and the insertion) besides its run. A result that cannot be cached
-    (:func:`plugserve.registry.cache.freeze`) is returned as it is.
+    (:func:`plugserve.server.dataplane.cache.freeze`) is returned as it is.
     """
     if not cache.wants(chain):
         return await chain.run(data, ctx)

@@ -23,7 +23,6 @@ import structlog
 from aiohttp import web
 from google.protobuf import json_format
 
-from plugserve.registry.chain import Chain
 from plugserve.registry.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -32,6 +31,7 @@ from plugserve.registry.errors import (
     PlugserveError,
     Unavailable,
 )
+from plugserve.registry.execution.chain import Chain
 from plugserve.server.dataplane.outcomes import log_failure
 from plugserve.server.dataplane.plane import Inference, Served
 from plugserve.server.grpc_api import handlers, tensors

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.registry.datatypes import V2_TO_NUMPY, v2_datatype
 from plugserve.registry.errors import InvalidInput, PayloadTooLarge
+from plugserve.registry.tensors.datatypes import V2_TO_NUMPY, v2_datatype
 from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
 from plugserve.server.http_api.codec import (
     InferRequest,

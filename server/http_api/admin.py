@@ -11,11 +11,11 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from plugserve.registry import validation
+from plugserve.registry import checks
 from plugserve.registry.errors import InvalidInput, NotFound, PluginLoadError, TooManyRequests
+from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
-from plugserve.registry.registry import Registry
-from plugserve.registry.routes import RouteSpec, RouteSpecError, parse_route
+from plugserve.registry.routing.routes import RouteSpec, RouteSpecError, parse_route
 from plugserve.registry.versions import Version
 from plugserve.server import __version__
 from plugserve.server.http.auth import ADMIN_PREFIX, check_page_address
@@ -78,8 +78,8 @@ async def route_entry(request: web.Request) -> RouteSpec:
     try:
         bodies = request.app.get(BODIES)  # none in the supervisor: its workers read first
         body = await (read_control(request) if bodies is None else bodies.read_control(request))
-        entry = validation.parse_json(body)
-    except validation.ValueProblem as exc:
+        entry = checks.parse_json(body)
+    except checks.ValueProblem as exc:
         raise InvalidInput(f"the body must be a JSON route entry: {exc}") from None
     try:
         return parse_route(name, entry, "admin")
@@ -90,7 +90,7 @@ async def route_entry(request: web.Request) -> RouteSpec:
 def route_name(request: web.Request) -> str:
     name = request.match_info["route"]
     if not is_valid_name(name):
-        raise InvalidInput(f"route name {validation.shown(name)} must match {NAME_PATTERN}")
+        raise InvalidInput(f"route name {checks.shown(name)} must match {NAME_PATTERN}")
     return name
 
 

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from plugserve.registry.datatypes import V2_TO_NUMPY, v2_datatype
 from plugserve.registry.errors import InvalidInput, PayloadTooLarge
-from plugserve.registry.tensors import MayHoldBool, bytes_elements, from_json
+from plugserve.registry.tensors.datatypes import V2_TO_NUMPY, v2_datatype
+from plugserve.registry.tensors.values import MayHoldBool, bytes_elements, from_json
 from plugserve.server.triton.classification import class_count
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -159,7 +159,7 @@ def decode_request(
 class _BoolSearch:
     """Whether the JSON text holds ``true`` or ``false``; if not, no tensor holds a JSON
     boolean. Searched only when a tensor's data needs it (not a plain list of floats,
-    registry/tensors.py), and at most once a request, however many tensors ask: a large
+    registry/tensors/values.py), and at most once a request, however many tensors ask: a large
     body with many tensors is never scanned once per tensor. A slotted class, as
     ``functools.cache`` would build a cache per request that costs more than the search."""
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from plugserve.registry.datatypes import V2_TO_NUMPY
 from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES
+from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
 from plugserve.server import __version__
 
 

@@ -14,8 +14,8 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from plugserve.registry.chain import Chain
 from plugserve.registry.errors import PluginError
+from plugserve.registry.execution.chain import Chain
 from plugserve.server.dataplane.plane import Inference, Served
 from plugserve.server.http.bodies import LARGE_BODY_BYTES
 from plugserve.server.http.connections import cancel_on_hangup

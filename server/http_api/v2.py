@@ -7,7 +7,7 @@ from collections.abc import Callable
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
-from plugserve.registry.chain import Chain
+from plugserve.registry.execution.chain import Chain
 from plugserve.server.dataplane.plane import Inference, Served
 from plugserve.server.http import compression
 from plugserve.server.http.auth import admin_only

@@ -26,8 +26,8 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from plugserve.registry.chain import Chain
 from plugserve.registry.errors import NotFound, PluginError, PlugserveError
+from plugserve.registry.execution.chain import Chain
 from plugserve.registry.types import RequestContext
 from plugserve.server.dataplane.plane import Inference, Served
 from plugserve.server.http import sse

@@ -19,10 +19,10 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from plugserve.registry.errors import PlugserveError, Unavailable
-from plugserve.registry.fleet import EtcdRouteStore
-from plugserve.registry.isolation.host import RunnerHost
-from plugserve.registry.route_store import RouteStore
-from plugserve.registry.stats import RunnerStats
+from plugserve.registry.execution.isolation.host import RunnerHost
+from plugserve.registry.execution.stats import RunnerStats
+from plugserve.registry.fleet.etcd_store import EtcdRouteStore
+from plugserve.registry.fleet.route_store import RouteStore
 from plugserve.server import __version__
 from plugserve.server.http.middleware import error_response
 from plugserve.server.http_api import admin, v2

@@ -24,7 +24,7 @@ import structlog
 from aiohttp import web
 
 from plugserve.registry.errors import Unavailable
-from plugserve.registry.registry import Registry
+from plugserve.registry.lifecycle.registry import Registry
 from plugserve.server.config import Settings
 from plugserve.server.processes.pool import routes_from_json
 from plugserve.server.processes.unix import READ_TIMEOUT_S, UnixClient

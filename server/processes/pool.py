@@ -1,7 +1,7 @@
 """The supervisor's view of its workers: every control decision, made once, applied by all.
 
 :class:`WorkerPool` stands where a single process has its
-:class:`plugserve.registry.registry.Registry`: the watcher, the route store and fleet mode
+:class:`plugserve.registry.lifecycle.registry.Registry`: the watcher, the route store and fleet mode
 call it as they call a registry, and it hands each call to every worker that
 serves, answering once all of them have applied it. What it says of the
 plugins (``records``) is what the workers answered last, merged.
@@ -20,9 +20,9 @@ from typing import Any
 import aiohttp
 import structlog
 
-from plugserve.registry.records import VersionRecord
-from plugserve.registry.registry import Key, LifecycleEvent, Outcome
-from plugserve.registry.routes import RouteSpec, parse_route
+from plugserve.registry.lifecycle.registry import Key, LifecycleEvent, Outcome
+from plugserve.registry.routing.records import VersionRecord
+from plugserve.registry.routing.routes import RouteSpec, parse_route
 from plugserve.server.processes import merge
 from plugserve.server.processes.unix import CONTROL_TIMEOUT_S, READ_TIMEOUT_S, Reply, UnixClient
 

@@ -29,8 +29,6 @@ import numpy as np
 import orjson
 import structlog
 
-from plugserve.registry import tracing
-from plugserve.registry.components import LoadedPlugin
 from plugserve.registry.errors import (
     InvalidInput,
     PayloadTooLarge,
@@ -38,8 +36,10 @@ from plugserve.registry.errors import (
     PluginLoadError,
     PlugserveError,
 )
-from plugserve.registry.isolation.shm import Allocator, Region
-from plugserve.registry.isolation.wire import (
+from plugserve.registry.execution import tracing
+from plugserve.registry.execution.components import LoadedPlugin
+from plugserve.registry.execution.isolation.shm import Allocator, Region
+from plugserve.registry.execution.isolation.wire import (
     NO_REQUEST,
     SMALL_BYTES,
     FrameReader,
@@ -49,8 +49,8 @@ from plugserve.registry.isolation.wire import (
     get_tensors,
     put_tensors,
 )
-from plugserve.registry.loader import Loader
-from plugserve.registry.manager import PluginHost
+from plugserve.registry.lifecycle.loader import Loader
+from plugserve.registry.plugins.hooks import PluginHooks
 from plugserve.server.runtime import heap
 
 log = structlog.get_logger("plugserve.runner")
@@ -91,7 +91,7 @@ class RunnerProcess:
 
     async def run(self) -> int:
         spec = self.spec
-        host = PluginHost()
+        host = PluginHooks()
         host.load_builtins()
         host.load_entry_points()
         plugins_dir = spec.get("plugins_dir")

@@ -1,6 +1,6 @@
 """Isolated runners with several workers: the supervisor runs them, every worker uses them.
 
-The supervisor holds the :class:`plugserve.registry.isolation.host.RunnerHost`; a worker's
+The supervisor holds the :class:`plugserve.registry.execution.isolation.host.RunnerHost`; a worker's
 registry asks it for the processes of each isolated version it loads
 (:class:`SupervisedRunners`, its ``Runners``), connects to them and sends its
 requests there, so one process batches the requests of every worker. Workers
@@ -22,15 +22,15 @@ from prometheus_client import CollectorRegistry, Metric, generate_latest
 from prometheus_client.registry import Collector
 
 from plugserve.registry.errors import PluginLoadError, Unavailable
-from plugserve.registry.isolation.groups import (
+from plugserve.registry.execution.isolation.groups import (
     ProcessSettings,
     RunnerGroup,
     RunnerProcess,
     RunnerSpec,
     group_from_json,
 )
-from plugserve.registry.isolation.host import RunnerHost
-from plugserve.registry.stats import RunnerStats
+from plugserve.registry.execution.isolation.host import RunnerHost
+from plugserve.registry.execution.stats import RunnerStats
 from plugserve.server.processes.unix import Reply, UnixClient
 from plugserve.server.runtime.metrics import add_process_figures, execution_families
 

@@ -53,8 +53,8 @@ import structlog
 from aiohttp import web
 
 from plugserve.registry.errors import ConfigError
-from plugserve.registry.isolation.host import RunnerHost
-from plugserve.registry.watcher import Watcher
+from plugserve.registry.execution.isolation.host import RunnerHost
+from plugserve.registry.lifecycle.watcher import Watcher
 from plugserve.server.app import process_settings, route_store
 from plugserve.server.config import Settings
 from plugserve.server.http.connections import (

@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 from aiohttp.http_exceptions import HttpProcessingError
 
-from plugserve.registry.chain import Chain
+from plugserve.registry.execution.chain import Chain
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("plugserve_request_id", default=None)
 """The id of the request being served; set once per request by the middleware."""

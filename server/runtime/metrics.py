@@ -24,11 +24,11 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from plugserve.registry.cache import ResponseCache
-from plugserve.registry.fleet import EtcdRouteStore
+from plugserve.registry.fleet.etcd_store import EtcdRouteStore
+from plugserve.registry.fleet.route_store import RouteStore
+from plugserve.registry.lifecycle.registry import LifecycleEvent, Registry
 from plugserve.registry.refs import PLUGIN_TYPES
-from plugserve.registry.registry import LifecycleEvent, Registry
-from plugserve.registry.route_store import RouteStore
+from plugserve.server.dataplane.cache import ResponseCache
 
 if TYPE_CHECKING:
     from plugserve.server.http.connections import Listener

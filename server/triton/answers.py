@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.registry.chain import Chain
 from plugserve.registry.errors import PluginError, Unavailable
-from plugserve.registry.registry import Registry
-from plugserve.registry.route_store import RouteStore
-from plugserve.registry.routes import RouteTable
+from plugserve.registry.execution.chain import Chain
+from plugserve.registry.fleet.route_store import RouteStore
+from plugserve.registry.lifecycle.registry import Registry
+from plugserve.registry.routing.routes import RouteTable
 from plugserve.server import __version__
 from plugserve.server.http_api.codec import as_tensor
 from plugserve.server.runtime.shutdown import Drain

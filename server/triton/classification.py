@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.registry.chain import Chain
-from plugserve.registry.datatypes import v2_datatype
 from plugserve.registry.errors import InvalidInput
+from plugserve.registry.execution.chain import Chain
+from plugserve.registry.tensors.datatypes import v2_datatype
 
 MAX_CLASSES = 1 << 20
 """The largest ``k`` a request may ask for (more classes than any output holds is clamped)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from plugserve.registry.chain import Chain
+from plugserve.registry.execution.chain import Chain
 from plugserve.registry.manifest import RunnerSection
 
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}

@@ -19,8 +19,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from plugserve.registry import validation
-from plugserve.registry.chain import Chain
+from plugserve.registry import checks
 from plugserve.registry.errors import (
     Conflict,
     Forbidden,
@@ -33,10 +32,11 @@ from plugserve.registry.errors import (
     Unauthorized,
     Unavailable,
 )
+from plugserve.registry.execution.chain import Chain
+from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.manifest import load_manifest
-from plugserve.registry.records import VersionRecord
-from plugserve.registry.registry import Registry
-from plugserve.registry.routes import RouteEntry
+from plugserve.registry.routing.records import VersionRecord
+from plugserve.registry.routing.routes import RouteEntry
 from plugserve.server.processes.unix import UnixClient
 
 STATES = {
@@ -220,8 +220,8 @@ def _body(body: bytes) -> dict[str, Any]:
     if not body.strip():
         return {}
     try:
-        doc = validation.parse_json(body)
-    except validation.ValueProblem as exc:
+        doc = checks.parse_json(body)
+    except checks.ValueProblem as exc:
         raise InvalidInput(f"the body must be a JSON object: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidInput("the body must be a JSON object")
@@ -239,8 +239,8 @@ def runner_overrides(route: str, config: str) -> dict[str, Any]:
     is ignored; any other field is refused.
     """
     try:
-        doc = validation.parse_json(config.encode("utf-8", "surrogatepass"))
-    except validation.ValueProblem as exc:
+        doc = checks.parse_json(config.encode("utf-8", "surrogatepass"))
+    except checks.ValueProblem as exc:
         raise ModelLoadFailed(route, f"the config is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise ModelLoadFailed(route, "the config must be a JSON object")
@@ -312,7 +312,7 @@ def _integer(value: Any, where: str) -> int:
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if number and math.isfinite(value) and value == int(value):
         return int(value)
-    raise ValueError(f"{where} must be an integer, not {validation.shown(value)}")
+    raise ValueError(f"{where} must be an integer, not {checks.shown(value)}")
 
 
 def _versions(entry: RouteEntry) -> set[str] | None:

@@ -42,7 +42,7 @@ import numpy as np
 import structlog
 
 from plugserve.registry.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge
-from plugserve.registry.tensors import bytes_elements
+from plugserve.registry.tensors.values import bytes_elements
 from plugserve.server.http.addresses import is_loopback
 from plugserve.server.http_api.codec import (
     InferRequest,

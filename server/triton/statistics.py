@@ -9,9 +9,9 @@ from urllib.parse import quote
 
 import aiohttp
 
-from plugserve.registry.chain import Chain
 from plugserve.registry.errors import Unavailable
-from plugserve.registry.registry import Registry
+from plugserve.registry.execution.chain import Chain
+from plugserve.registry.lifecycle.registry import Registry
 from plugserve.server.processes.unix import UnixClient
 from plugserve.server.runtime.logs import REQUEST_ID
 from plugserve.server.triton.repository import relayed

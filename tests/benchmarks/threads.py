@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from plugserve.registry.isolation.host import RUNNER_MODULE
+from plugserve.registry.execution.isolation.host import RUNNER_MODULE
 from tests.benchmarks.serving import (
     RUNNER_OPTIONS,
     Server,

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient
 
-from plugserve.registry.fleet import EtcdLocation
+from plugserve.registry.fleet.etcd_store import EtcdLocation
 from plugserve.server.config import (
     ADMIN_TOKEN_ENV,
     ADMIN_TOKEN_FILE_ENV,

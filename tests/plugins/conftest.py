@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from plugserve.registry.loader import Loader
-from plugserve.registry.manager import PluginHost
+from plugserve.registry.lifecycle.loader import Loader
+from plugserve.registry.plugins.hooks import PluginHooks
 from tests.plugins.bundled import MODELS, PLUGINS, folder
 
 
@@ -16,7 +16,7 @@ from tests.plugins.bundled import MODELS, PLUGINS, folder
 async def bundled() -> AsyncIterator[Callable[[str, str], Awaitable[Any]]]:
     """``await bundled(kind, name)``: the component of that bundled plugin, loaded by the
     real loader (manifest, import, create, warmup); released after the test."""
-    host = PluginHost()
+    host = PluginHooks()
     host.load_builtins()
     loader = Loader(host, MODELS, plugins_dir=PLUGINS)
     loaded = []

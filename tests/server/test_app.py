@@ -9,7 +9,7 @@ import pytest
 import structlog
 import structlog.testing
 
-from plugserve.registry import calls
+from plugserve.registry.plugins import calls
 from plugserve.server.app import create_app
 from plugserve.server.config import Settings
 from tests.helpers import write_add_runner, write_plugin

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto
 
-from plugserve.registry.datatypes import V2_TO_NUMPY
+from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
 from tests.helpers import (
     ONNX_TYPES,
     ROOT,

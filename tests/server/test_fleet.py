@@ -198,7 +198,7 @@ def test_bad_values_in_etcd_leave_every_replica_connected_and_listed(
     that is not an object made GET /admin/fleet a 500."""
     import asyncio
 
-    from plugserve.registry.etcd import EtcdClient
+    from plugserve.registry.fleet.etcd import EtcdClient
 
     write_add_runner(tmp_path / "plugins", "add", "1.0.0")
     write_add_runner(tmp_path / "plugins", "add", "2.0.0", amount=2.0)

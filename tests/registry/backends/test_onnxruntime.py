@@ -40,7 +40,7 @@ def test_every_onnx_type_maps_to_its_v2_datatype_and_runs(tmp_path: Path) -> Non
     assert {o["name"]: o["datatype"] for o in meta["outputs"]} == {
         f"out_{k}": v for k, v in V2.items()
     }
-    from plugserve.registry.datatypes import numpy_dtype
+    from plugserve.registry.tensors.datatypes import numpy_dtype
 
     inputs = {}
     for key, datatype in V2.items():

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from plugserve.registry.datatypes import V2_TO_NUMPY
 from plugserve.registry.errors import InvalidInput, PayloadTooLarge
+from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
 from plugserve.server.grpc_api import tensors as grpc_tensors
 from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
 from plugserve.server.http_api import codec

@@ -93,7 +93,7 @@ async def test_json_infer_of_every_datatype_roundtrips(plugins_dir: Path, client
 async def test_binary_request_and_response_of_every_datatype(plugins_dir: Path, client) -> None:  # type: ignore[no-untyped-def]
     write_identity_runner(plugins_dir)
     cli = await client()
-    from plugserve.registry.datatypes import numpy_dtype
+    from plugserve.registry.tensors.datatypes import numpy_dtype
 
     arrays: dict[str, np.ndarray] = {}
     chunks, inputs = [], []

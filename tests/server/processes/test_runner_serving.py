@@ -12,11 +12,11 @@ import numpy as np
 import orjson
 import pytest
 
-from plugserve.registry.batching import BatchPolicy, Scheduler
-from plugserve.registry.breaker import CircuitBreaker
-from plugserve.registry.isolation import wire
-from plugserve.registry.isolation.shm import Region
-from plugserve.registry.isolation.wire import FrameReader, frame, put_tensors
+from plugserve.registry.execution.batching import BatchPolicy, Scheduler
+from plugserve.registry.execution.breaker import CircuitBreaker
+from plugserve.registry.execution.isolation import wire
+from plugserve.registry.execution.isolation.shm import Region
+from plugserve.registry.execution.isolation.wire import FrameReader, frame, put_tensors
 from plugserve.server.processes.runner import RunnerProcess, Serving
 
 LABEL = "runner/double@1.0.0"

@@ -1,0 +1,9 @@
+"""Isolated runners: a runner version in processes of its own (``[runner] isolation = "process"``).
+
+- ``shm``: shared memory regions and their allocator;
+- ``wire``: the messages between a worker and a runner process;
+- ``groups``: a version's group of runner processes;
+- ``remote``: a worker's side, the component that stands for the runner;
+- ``host``: starts, supervises and stops runner processes;
+- ``server/processes/runner.py``: the runner process itself.
+"""

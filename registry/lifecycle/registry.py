@@ -1,0 +1,516 @@
+"""The registry: every plugin version's record, its lifecycle, and the route table built from them.
+
+Lifecycle of a version (one lock each, so the watcher, admin calls and startup
+cannot race): load the new instance beside the old one, swap it in with one
+route-table rebuild, let the old instance drain, then release it. A failed load
+leaves whatever was serving untouched. Whether a folder needs loading at all is
+decided by its content fingerprint, never by the event that pointed at it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+
+from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError
+from plugserve.registry.execution.chain import Chain
+from plugserve.registry.execution.components import LoadedPlugin
+from plugserve.registry.lifecycle.loader import Loader
+from plugserve.registry.manifest import load_manifest
+from plugserve.registry.plugins.fingerprint import Fingerprinter
+from plugserve.registry.plugins.hooks import PluginHooks
+from plugserve.registry.ratelimit import SharedTokenBucket, TokenBucket, shared_bucket_path
+from plugserve.registry.refs import PLUGIN_TYPES, PluginType, is_ignored_name
+from plugserve.registry.routing.records import VersionRecord
+from plugserve.registry.routing.routes import (
+    ROUTES_FILE,
+    RouteSpec,
+    RouteTable,
+    build_route_table,
+    load_routes_file,
+)
+from plugserve.registry.versions import Version
+
+log = structlog.get_logger("plugserve.registry")
+
+Key = tuple[str, str, str]
+Outcome = Literal["loaded", "reloaded", "unchanged", "failed", "unloaded", "held"]
+CLOSE_SLACK_S = 0.5
+"""How much longer than its own bound ``close()`` waits for the plugin closes it started."""
+
+
+@dataclass(frozen=True)
+class LifecycleEvent:
+    """What listeners (metrics) hear after every load, reload or unload."""
+
+    record: VersionRecord
+    outcome: Outcome
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class SyncReport:
+    """What a rescan did: the answer of ``POST /admin/reload``."""
+
+    loaded: list[str] = field(default_factory=list)
+    reloaded: list[str] = field(default_factory=list)
+    unloaded: list[str] = field(default_factory=list)
+    failed: list[dict[str, str]] = field(default_factory=list)
+    unchanged: int = 0
+    routes_file: str = "unchanged"
+
+    def add(self, record: VersionRecord, outcome: Outcome) -> None:
+        if outcome == "failed":
+            self.failed.append({"plugin": record.label, "error": record.last_error or ""})
+        elif outcome in ("loaded", "reloaded", "unloaded"):
+            getattr(self, outcome).append(record.label)
+        else:
+            self.unchanged += 1
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "loaded": self.loaded,
+            "reloaded": self.reloaded,
+            "unloaded": self.unloaded,
+            "failed": self.failed,
+            "unchanged": self.unchanged,
+            "routes_file": self.routes_file,
+        }
+
+
+class Registry:
+    """Discovers, loads, serves and releases plugin versions."""
+
+    def __init__(
+        self,
+        plugins_dir: Path,
+        models_dir: Path,
+        host: PluginHooks | None = None,
+        drain_timeout: float = 30.0,
+        load_timeout: float = 120.0,
+        close_timeout: float = 10.0,
+    ) -> None:
+        self.plugins_dir = plugins_dir
+        self.models_dir = models_dir
+        self.host = host or PluginHooks()
+        self.fingerprinter = Fingerprinter()
+        self.loader = Loader(
+            self.host, models_dir, self.fingerprinter, plugins_dir, load_timeout, close_timeout
+        )
+        self.drain_timeout = drain_timeout
+        self.records: dict[Key, VersionRecord] = {}
+        self.routes = RouteTable()
+        self.waiting: dict[tuple[str, str], tuple[str, ...]] = {}
+        """What each ready runner version not yet eligible for its route waits for, by
+        ``(route, name@version)``: the table's :meth:`RouteTable.waiting`, logged on change."""
+        self.file_routes: dict[str, RouteSpec] = {}
+        self.runtime_routes: Mapping[str, RouteSpec] = {}
+        self.routes_file_error: str | None = None
+        self._routes_fingerprint: str | None = None
+        self.listeners: list[Callable[[LifecycleEvent], None]] = []
+        self.buckets: dict[str, TokenBucket | SharedTokenBucket] = {}
+        self.shared_buckets: Path | None = None
+        """With several workers: the folder of the rate-limit state they share."""
+        self.started = False
+        # Watched folders that went missing (path: since, epoch s); the watcher keeps it.
+        self.lost_roots: dict[Path, float] = {}
+
+    @property
+    def routes_file(self) -> Path:
+        return self.plugins_dir / ROUTES_FILE
+
+    # -- discovery ---------------------------------------------------------------------
+
+    def discover(self) -> list[Path]:
+        """Every folder ``<plugins_dir>/<type>/<name>/<version>/``, ignored names skipped."""
+        found: list[Path] = []
+        for kind in PLUGIN_TYPES:
+            for name in _subdirs(self.plugins_dir / kind):
+                found.extend(_subdirs(name))
+        return found
+
+    def folder_of(self, key: Key) -> Path:
+        return self.plugins_dir.joinpath(*key)
+
+    @staticmethod
+    def key_of(folder: Path) -> Key:
+        return (folder.parent.parent.name, folder.parent.name, folder.name)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Register built-ins and entry points, read ``routes.toml``, load every version."""
+        self.host.load_builtins()
+        self.host.load_entry_points()
+        await self.sync()
+        self.started = True
+        log.info("registry_started", versions=len(self.records), routes=len(self.routes.entries))
+
+    async def sync(self, force: bool = False) -> SyncReport:
+        """Make the registry match the disk: load new, reload changed, unload deleted.
+
+        Plugins with a module load first: one may provide a backend that a
+        declarative runner uses. ``force`` reloads unchanged versions too
+        (versions unloaded through the admin API stay unloaded). While the
+        plugins dir is missing (being replaced), nothing is rescanned and what is
+        loaded stays; the report lists the missing folder among the failures.
+        """
+        report = SyncReport()
+        if self.records and not self.plugins_dir.is_dir():
+            report.failed.append(
+                {
+                    "plugins_dir": str(self.plugins_dir),
+                    "error": f"the plugins dir {self.plugins_dir} is missing: nothing "
+                    "rescanned, what is loaded keeps serving until it is back",
+                }
+            )
+            report.unchanged = len(self.records)
+            return report
+        report.routes_file = self.sync_routes_file()
+        folders = self.discover()
+        with_module = [f for f in folders if not _is_declarative(f)]
+        declarative = [f for f in folders if f not in with_module]
+        for batch in (with_module, declarative):
+            outcomes = await asyncio.gather(*(self.load(f, force=force) for f in batch))
+            for folder, outcome in zip(batch, outcomes, strict=True):
+                record = self.records.get(self.key_of(folder))
+                if record is not None:  # else its folder went, and the watcher with it
+                    report.add(record, outcome)
+        on_disk = {self.key_of(f) for f in folders}
+        for key in [k for k in self.records if k not in on_disk]:
+            record = self.records.get(key)
+            if record is not None:  # else unloaded meanwhile
+                report.add(record, await self.unload(key, forget=True))
+        return report
+
+    async def sync_version(self, key: Key) -> Outcome:
+        """Bring one version in line with its folder (the watcher calls this)."""
+        folder = self.folder_of(key)
+        if folder.is_dir():
+            return await self.load(folder)
+        if key in self.records:
+            return await self.unload(key, forget=True)
+        return "unchanged"
+
+    async def sync_model(self, name: str) -> list[tuple[str, Outcome]]:
+        """Reload every runner using model ``name`` whose resolved model changed."""
+        users = [
+            r
+            for r in list(self.records.values())
+            if r.current is not None and self.loader.model_name(r.current.manifest) == name
+        ]
+        outcomes = await asyncio.gather(*(self.load(r.folder) for r in users))
+        return [(r.label, o) for r, o in zip(users, outcomes, strict=True)]
+
+    def fingerprint(self, folder: Path) -> str:
+        """The folder's files and, for a runner, the model file it resolves to now."""
+        extra: list[Path] = []
+        try:
+            model = self.loader.model_path(load_manifest(folder))
+        except Exception:  # the load reports it
+            model = None
+        if model is not None and not model.is_relative_to(folder):
+            extra.append(model)
+        return self.fingerprinter.folder(folder, extra)
+
+    async def load(
+        self,
+        folder: Path,
+        force: bool = False,
+        explicit: bool = False,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> Outcome:
+        """Load, or reload, the version in ``folder`` if its content changed.
+
+        A failure keeps what was serving; the next change to the folder is tried
+        again. ``force`` reloads unchanged content; ``explicit`` (an admin call
+        for this version) also brings back a version unloaded through the API.
+        ``overrides`` replace ``[runner]`` keys of its manifest for this load
+        only (a model repository load's ``config``; give ``explicit`` with them).
+        Whatever goes wrong becomes the outcome ``failed`` with the record's
+        ``last_error``: nothing raises out of here, no version stays ``loading``.
+        """
+        key = self.key_of(folder)
+        record = self.records.get(key)
+        if record is None:
+            kind: PluginType = key[0]  # type: ignore[assignment]  # discover() yields PLUGIN_TYPES
+            record = self.records[key] = VersionRecord(kind, key[1], key[2], folder)
+            self._rebuild()
+        async with record.lock:
+            try:
+                fingerprint = await asyncio.to_thread(self.fingerprint, folder)
+            except Exception as exc:  # the folder went away or cannot be read
+                record.fingerprint = None
+                return self._failed(record, exc, time.perf_counter())
+            if record.state == "unloaded" and not explicit and fingerprint == record.fingerprint:
+                return "held"
+            if not (force or explicit) and fingerprint == record.fingerprint:
+                return "unchanged"
+            record.fingerprint = fingerprint
+            return await self._load_locked(record, folder, overrides)
+
+    async def _load_locked(
+        self, record: VersionRecord, folder: Path, overrides: Mapping[str, Any] | None = None
+    ) -> Outcome:
+        bound = log.bind(plugin=record.label)
+        started = time.perf_counter()
+        if record.current is None:
+            record.state = "loading"
+        try:
+            new = await self.loader.load(folder, content=record.fingerprint, overrides=overrides)
+        except Exception as exc:
+            return self._failed(record, exc, started)
+        old = record.current
+        record.current, record.state, record.last_error = new, "ready", None
+        self._rebuild()
+        outcome: Outcome = "reloaded" if old is not None else "loaded"
+        bound.info("plugin_ready", outcome=outcome, seconds=round(time.perf_counter() - started, 4))
+        self._emit(record, outcome, started)
+        if old is not None:
+            await self._retire(record, old)
+        return outcome
+
+    def _failed(self, record: VersionRecord, exc: Exception, started: float) -> Outcome:
+        """Record a failed load: what was serving keeps serving; the error is kept and logged."""
+        if isinstance(exc, PlugserveError):
+            message, exc_info = exc.message, None
+        else:  # not an error of ours: a bug somewhere, keep its traceback in the log
+            message, exc_info = f"{record.label}: {type(exc).__name__}: {exc}", exc
+        record.last_error = message
+        if record.current is None:
+            record.state = "failed"
+        log.error(
+            "plugin_load_failed",
+            plugin=record.label,
+            error=message,
+            keeps_serving=record.current is not None,
+            exc_info=exc_info,
+        )
+        self._rebuild()
+        self._emit(record, "failed", started, message)
+        return "failed"
+
+    async def unload(self, key: Key, forget: bool = False) -> Outcome:
+        """Stop routing to a version, drain it, release it.
+
+        ``forget`` (its folder is gone) drops the record; otherwise it stays as
+        ``unloaded`` and rescans leave it so until its content changes or an
+        admin reload brings it back.
+        """
+        record = self.records.get(key)
+        if record is None:
+            raise NotFound(f"no plugin {key[0]}/{key[1]}@{key[2]}")
+        started = time.perf_counter()
+        async with record.lock:
+            old, record.current = record.current, None
+            record.state = "draining"
+            self._rebuild()
+            if old is not None:
+                await self._retire(record, old)
+            record.state = "unloaded"
+            if forget and self.records.get(key) is record:
+                del self.records[key]
+                self.fingerprinter.forget(record.folder)
+            self._rebuild()
+        log.info("plugin_unloaded", plugin=record.label)
+        self._emit(record, "unloaded", started)
+        return "unloaded"
+
+    def end_streams(self, reason: str) -> int:
+        """End every stream still open, on every loaded runner (draining ones too), with a
+        503 saying ``reason``; returns how many runners had streams. For a shutdown whose
+        drain ran out: their clients get a last event rather than a cut connection."""
+        ended = 0
+        for record in self.records.values():
+            for loaded in [record.current, *record.draining]:
+                streams = None if loaded is None else loaded.streams
+                if streams is not None and (streams.running or streams.waiting):
+                    streams.close(reason)
+                    ended += 1
+        return ended
+
+    async def close(self, within: float | None = None) -> None:
+        """Unload everything at shutdown, within ``within`` seconds (default: the close timeout).
+
+        The server has drained already: no second wait for requests. Every
+        ``close()`` runs at once, each bounded; a version whose lock a load
+        still holds past the bound is left as it is (logged as ``close_timeout``).
+        """
+        self.drain_timeout = 0.0
+        budget = self.loader.close_timeout if within is None else max(within, 0.0)
+        self.loader.close_timeout = min(self.loader.close_timeout, budget)
+        unloads = {
+            asyncio.create_task(self.unload(key, forget=True)): self.records[key].label
+            for key in list(self.records)
+        }
+        if not unloads:
+            await self._close_runners()
+            return
+        done, pending = await asyncio.wait(unloads, timeout=budget + CLOSE_SLACK_S)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("plugin_unload_failed", plugin=unloads[task], exc_info=task.exception())
+        if pending:
+            stuck = sorted(unloads[t] for t in pending)
+            log.error("close_timeout", plugins=stuck, timeout_s=budget)
+            for task in pending:
+                task.cancel()
+        await self._close_runners()
+
+    async def _close_runners(self) -> None:
+        """End whatever runner processes are left (their versions released them already)."""
+        if self.loader.runners is not None:
+            await self.loader.runners.close()
+
+    async def refresh_isolated(self) -> None:
+        """Read the figures of every isolated runner's processes (the admin API shows them)."""
+        remotes = [
+            p.remote
+            for r in self.records.values()
+            for p in [*r.draining, *([r.current] if r.current else [])]
+            if p.remote is not None
+        ]
+        await asyncio.gather(*(remote.refresh() for remote in remotes))
+
+    async def _retire(self, record: VersionRecord, old: LoadedPlugin) -> None:
+        record.draining.append(old)
+        try:
+            if not await old.wait_idle(self.drain_timeout):
+                log.warning(
+                    "drain_timeout",
+                    plugin=record.label,
+                    in_flight=old.in_flight,
+                    timeout_s=self.drain_timeout,
+                )
+            await self.loader.release(old)
+        finally:
+            record.draining.remove(old)
+        del old
+        gc.collect()
+
+    def _emit(
+        self, record: VersionRecord, outcome: Outcome, started: float, error: str | None = None
+    ) -> None:
+        event = LifecycleEvent(record, outcome, time.perf_counter() - started, error)
+        for listener in self.listeners:
+            listener(event)
+
+    # -- routes ------------------------------------------------------------------------
+
+    def sync_routes_file(self) -> str:
+        """Re-read ``routes.toml`` if its content changed: unchanged, applied or invalid.
+
+        The content counts as seen only once it has been judged, so a read that
+        did not finish is tried again by the next rescan.
+        """
+        fingerprint = self.fingerprinter.file(self.routes_file)
+        if fingerprint == self._routes_fingerprint:
+            return "unchanged"
+        applied = self.reload_routes_file()
+        self._routes_fingerprint = fingerprint
+        return "applied" if applied else "invalid"
+
+    def reload_routes_file(self) -> bool:
+        """Re-read ``routes.toml``; an invalid file keeps the previous routes and says why
+        (``routes_file_error``: in ``GET /admin/routes`` and the log)."""
+        try:
+            self.file_routes = load_routes_file(self.routes_file)
+        except RoutesFileError as exc:
+            self.routes_file_error = exc.message
+            log.error("routes_file_invalid", error=exc.message)
+            return False
+        self.routes_file_error = None
+        self._rebuild()
+        log.info("routes_file_applied", routes=sorted(self.file_routes))
+        return True
+
+    def set_runtime_routes(self, routes: Mapping[str, RouteSpec]) -> None:
+        """Replace the runtime layer (admin API, etcd) in one step: one table rebuild.
+
+        Layers, lowest first: routes runners declare, ``routes.toml``, runtime
+        entries. A runtime entry wins over a ``routes.toml`` entry of the same name
+        until it is deleted, whatever the file does meanwhile.
+        """
+        self.runtime_routes = dict(routes)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        # One assignment: a request sees the old table or the new one, never a mix.
+        specs = {**self.file_routes, **self.runtime_routes}
+        self.routes = build_route_table(self.records.values(), specs)
+        self._note_waiting()
+        buckets = {}
+        for name, entry in self.routes.entries.items():
+            limit = entry.rate_limit
+            if limit is not None:
+                kept = self.buckets.get(name)
+                if kept is not None and kept.limit == limit:
+                    buckets[name] = kept
+                elif self.shared_buckets is not None:
+                    path = shared_bucket_path(self.shared_buckets, name, limit)
+                    buckets[name] = SharedTokenBucket(limit, path)
+                else:
+                    buckets[name] = TokenBucket(limit)
+        self.buckets = buckets
+
+    def _note_waiting(self) -> None:
+        """Log each runner version that starts waiting for its chain (or waits for something
+        else), and each that stops waiting: its chain is whole and it serves its route.
+
+        A warning once the registry has started; at start, while versions load side by
+        side, a runner often waits a moment for its processors: info.
+        """
+        waiting = self.routes.waiting()
+        note = log.warning if self.started else log.info
+        for (route, runner), reasons in waiting.items():
+            if self.waiting.get((route, runner)) != reasons:
+                serving = self.routes.entries[route].default
+                note(
+                    "route_waiting",
+                    route=route,
+                    runner=runner,
+                    waiting_for=list(reasons),
+                    serving=serving.label if isinstance(serving, Chain) else None,
+                )
+        for route, runner in self.waiting.keys() - waiting.keys():
+            entry = self.routes.entries.get(route)
+            chain = entry.by_version.get(runner.rpartition("@")[2]) if entry else None
+            if isinstance(chain, Chain):
+                log.info("route_chain_whole", route=route, runner=runner, chain=chain.label)
+        self.waiting = waiting
+
+    # -- views -------------------------------------------------------------------------
+
+    def plugins(self) -> list[VersionRecord]:
+        return sorted(
+            self.records.values(),
+            key=lambda r: (
+                PLUGIN_TYPES.index(r.type),
+                r.name,
+                r.sort_version is not None,
+                r.sort_version or Version(0, 0, 0),
+                r.version,
+            ),
+        )
+
+
+def _subdirs(folder: Path) -> Iterable[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not is_ignored_name(p.name))
+
+
+def _is_declarative(folder: Path) -> bool:
+    """A plugin without a module; a broken manifest counts as not (it fails on load anyway)."""
+    try:
+        return load_manifest(folder).module is None
+    except Exception:
+        return False

@@ -1,0 +1,112 @@
+"""What the registry knows of each plugin version: state, error, the instance serving."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from plugserve.registry.execution.components import LoadedPlugin
+from plugserve.registry.refs import PluginType
+from plugserve.registry.versions import Version
+
+State = Literal["loading", "ready", "failed", "draining", "unloaded"]
+
+
+@dataclass(eq=False)
+class VersionRecord:
+    """One plugin version folder, across its loads.
+
+    ``current`` is the instance that serves; ``state`` says where the version
+    stands. A reload that fails while ``current`` keeps serving leaves the
+    state ``ready`` with the failure in ``last_error``. ``lock`` serialises the
+    lifecycle operations (load, reload, unload) of this one version.
+    """
+
+    type: PluginType
+    name: str
+    version: str
+    folder: Path
+    state: State = "loading"
+    current: LoadedPlugin | None = None
+    last_error: str | None = None
+    fingerprint: str | None = field(default=None, repr=False)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    draining: list[LoadedPlugin] = field(default_factory=list, repr=False)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.type, self.name, self.version)
+
+    @property
+    def label(self) -> str:
+        return f"{self.type}/{self.name}@{self.version}"
+
+    @property
+    def sort_version(self) -> Version | None:
+        try:
+            return Version.parse(self.version)
+        except ValueError:
+            return None
+
+    def as_json(self) -> dict[str, Any]:
+        current = self.current
+        return {
+            "type": self.type,
+            "name": self.name,
+            "version": self.version,
+            "state": self.state,
+            "path": str(self.folder),
+            "loaded_at": _iso(current.loaded_at) if current else None,
+            "in_flight": sum(
+                p.in_flight for p in [*self.draining, *([current] if current else [])]
+            ),
+            "last_error": self.last_error,
+            "description": current.manifest.description if current else None,
+            "backend": current.manifest.runner.backend
+            if current and current.manifest.runner
+            else None,
+            **_scheduler_stats(current),
+            **_runtime(current),
+        }
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
+
+
+def _scheduler_stats(current: LoadedPlugin | None) -> dict[str, Any]:
+    if current is not None and current.remote is not None:
+        return current.remote.describe()
+    scheduler = current.scheduler if current else None
+    if scheduler is None:
+        return _processor_stats(current)
+    return {
+        "queued": scheduler.queued,
+        "executions": scheduler.executions,
+        "batched_rows": scheduler.rows,
+        "inline_executions": current.inline_executions if current else 0,
+        **_breaker(current),
+    }
+
+
+def _processor_stats(current: LoadedPlugin | None) -> dict[str, Any]:
+    """A synchronous processor's calls that ran on the event loop, not on its thread."""
+    if current is None or current.manifest.runner is not None or not current.runs_on_thread:
+        return {}
+    return {"inline_executions": current.inline_executions}
+
+
+def _breaker(current: LoadedPlugin | None) -> dict[str, Any]:
+    breaker = current.breaker if current else None
+    if breaker is None or not breaker.enabled:
+        return {}
+    return {"circuit": breaker.state, "circuit_trips": breaker.trips}
+
+
+def _runtime(current: LoadedPlugin | None) -> dict[str, Any]:
+    """Where a runner executes (device, providers), as its backend reports it."""
+    metadata = (current.metadata() if current else None) or {}
+    return {k: metadata[k] for k in ("device", "providers", "requested_providers") if k in metadata}
