@@ -19,37 +19,25 @@ from plugserve.registry.fleet.route_store import Replica, RouteStore, RouteTarge
 from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.lifecycle.watcher import Watcher
 from plugserve.server.config import Settings
-from plugserve.server.dataplane.cache import ResponseCache
-from plugserve.server.dataplane.plane import DataPlane
+from plugserve.server.dataplane.cache import RESPONSE_CACHE, ResponseCache
+from plugserve.server.dataplane.plane import DATA_PLANE, DataPlane
 from plugserve.server.http import auth
-from plugserve.server.http.bodies import Bodies
+from plugserve.server.http.bodies import BODIES, Bodies
 from plugserve.server.http.middleware import request_middleware
 from plugserve.server.http_api import admin, generate, openapi, predict, shm_http, v2
 from plugserve.server.openai_api import routes as openai_routes
+from plugserve.server.processes.link import WORKER
+from plugserve.server.processes.supervised import SupervisedRepository, SupervisedStatistics
 from plugserve.server.processes.worker_control import control_app
 from plugserve.server.runtime import heap
 from plugserve.server.runtime.metrics import Metrics
 from plugserve.server.runtime.shutdown import CLOSE_FLOOR_S, Drain, within
-from plugserve.server.state import (
-    BODIES,
-    DATA_PLANE,
-    DRAIN,
-    METRICS,
-    READINESS,
-    REGIONS,
-    REGISTRY,
-    REPOSITORY,
-    RESPONSE_CACHE,
-    ROUTE_STORE,
-    SETTINGS,
-    STATISTICS,
-    WORKER,
-)
-from plugserve.server.triton.answers import Readiness
-from plugserve.server.triton.repository import LocalRepository, SupervisedRepository
-from plugserve.server.triton.shared_memory import Regions
+from plugserve.server.state import DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+from plugserve.server.triton.answers import READINESS, Readiness
+from plugserve.server.triton.repository import REPOSITORY, LocalRepository
+from plugserve.server.triton.shared_memory import REGIONS, Regions
 from plugserve.server.triton.shm_table import LocalTable, SharedTable
-from plugserve.server.triton.statistics import LocalStatistics, SupervisedStatistics
+from plugserve.server.triton.statistics import STATISTICS, LocalStatistics
 
 if TYPE_CHECKING:
     from plugserve.server.processes.link import WorkerLink
@@ -125,7 +113,7 @@ def _isolated_runners(registry: Registry, settings: Settings, worker: WorkerLink
     if worker is None:
         registry.loader.runners = RunnerHost(process_settings(settings))
         return
-    from plugserve.server.processes.runners import SupervisedRunners
+    from plugserve.server.processes.shared_runners import SupervisedRunners
 
     holder = str(os.getpid())
     registry.loader.runners = SupervisedRunners(

@@ -13,7 +13,6 @@ from typing import Any
 
 from plugserve.registry import checks
 from plugserve.registry.errors import ConfigError
-from plugserve.server.http_api.codec import Limits
 from plugserve.server.runtime.cores import usable_cores
 
 ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
@@ -72,6 +71,16 @@ def bundled_dir(name: str) -> Path:
     """The bundled ``plugins/`` or ``models/`` of a source checkout, else ``./<name>``."""
     bundled = _PROJECT_ROOT / name
     return bundled if bundled.is_dir() else Path.cwd() / name
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; nothing is allocated before these are checked."""
+
+    max_inputs: int = 64
+    max_rank: int = 16
+    max_elements: int = 1 << 26
+    max_bytes_elements: int = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from aiohttp import web
 
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.lifecycle.registry import LifecycleEvent, Registry
@@ -259,3 +260,6 @@ def _tensor_bytes(array: np.ndarray) -> np.ndarray | None:
         else:
             return None
     return np.frombuffer(b"".join(parts), np.uint8)
+
+
+RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)

@@ -31,6 +31,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from aiohttp import web
+
 from plugserve.registry.errors import DeadlineExceeded, TooManyRequests, Unavailable
 from plugserve.registry.execution import tracing
 from plugserve.registry.execution.batching import priority_level
@@ -291,3 +293,7 @@ async def run_chain(cache: ResponseCache, chain: Chain, data: Any, ctx: RequestC
     finally:
         if stats is not None:
             stats.cache_miss.add(spent)
+
+
+DATA_PLANE = web.AppKey("data_plane", DataPlane)
+"""The request path every front end serves inference through."""

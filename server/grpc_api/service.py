@@ -33,7 +33,7 @@ from plugserve.registry.errors import (
 )
 from plugserve.registry.execution.chain import Chain
 from plugserve.server.dataplane.outcomes import log_failure
-from plugserve.server.dataplane.plane import Inference, Served
+from plugserve.server.dataplane.plane import DATA_PLANE, Inference, Served
 from plugserve.server.grpc_api import handlers, tensors
 from plugserve.server.grpc_api.admission import CURRENT_CALL, TrackedCall, end_with
 from plugserve.server.grpc_api.calls import Call, error_details, grpc_code
@@ -41,8 +41,7 @@ from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
 from plugserve.server.grpc_api.generated import grpc_service_pb2_grpc as pb_grpc
 from plugserve.server.grpc_api.generated import health_pb2, health_pb2_grpc
 from plugserve.server.http import auth
-from plugserve.server.http.bodies import CONTROL_BODY_BYTES, LARGE_BODY_BYTES
-from plugserve.server.http_api.codec import InferRequest
+from plugserve.server.http.bodies import BODIES, CONTROL_BODY_BYTES, LARGE_BODY_BYTES
 from plugserve.server.runtime.logs import (
     REQUEST_CHAIN,
     REQUEST_ID,
@@ -50,18 +49,19 @@ from plugserve.server.runtime.logs import (
     client_request_id,
     new_request_id,
 )
-from plugserve.server.state import (
-    BODIES,
-    DATA_PLANE,
-    READINESS,
-    REGIONS,
-    REGISTRY,
-    REPOSITORY,
-    SETTINGS,
-    STATISTICS,
-)
+from plugserve.server.state import REGISTRY, SETTINGS
 from plugserve.server.triton import answers, classification, config
-from plugserve.server.triton.shared_memory import Attachment, Regions, check_key, cuda_unsupported
+from plugserve.server.triton.answers import READINESS
+from plugserve.server.triton.repository import REPOSITORY
+from plugserve.server.triton.requests import InferRequest
+from plugserve.server.triton.shared_memory import (
+    REGIONS,
+    Attachment,
+    Regions,
+    check_key,
+    cuda_unsupported,
+)
+from plugserve.server.triton.statistics import STATISTICS
 
 T = TypeVar("T")
 log = structlog.get_logger("plugserve.grpc")

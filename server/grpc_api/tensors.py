@@ -3,7 +3,7 @@
 Inputs arrive either as ``raw_input_contents`` (one entry per input, in input
 order, laid out as the binary tensor extension lays them: little-endian,
 row-major, ``BYTES`` length-prefixed) or as typed ``contents``; both are checked
-against the same limits as HTTP's, by the same code (``server/http_api/codec.py``), and
+against the same limits as HTTP's, by the same code (``server/triton/requests.py``), and
 raw ones are read without a copy. Outputs always go back as
 ``raw_output_contents``, as Triton answers, which every Triton client reads.
 """
@@ -18,10 +18,11 @@ import numpy as np
 
 from plugserve.registry.errors import InvalidInput, PayloadTooLarge
 from plugserve.registry.tensors.datatypes import V2_TO_NUMPY, v2_datatype
+from plugserve.server.config import Limits
 from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
-from plugserve.server.http_api.codec import (
+from plugserve.server.triton.classification import class_count
+from plugserve.server.triton.requests import (
     InferRequest,
-    Limits,
     RequestedOutput,
     SharedInput,
     check_name,
@@ -31,7 +32,6 @@ from plugserve.server.http_api.codec import (
     shared_memory_ref,
     to_binary,
 )
-from plugserve.server.triton.classification import class_count
 
 CONTENTS_FIELD = {
     "BOOL": ("bool_contents", np.bool_),

@@ -239,3 +239,7 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) ->
 
 def _compressed(request: web.BaseRequest) -> bool:
     return request.headers.get(hdrs.CONTENT_ENCODING, "identity").lower() != "identity"
+
+
+BODIES = web.AppKey("bodies", Bodies)
+"""The app's body reader (one per process)."""

@@ -18,7 +18,7 @@ from aiohttp.typedefs import Handler
 
 from plugserve.registry.errors import PlugserveError
 from plugserve.server.dataplane.outcomes import log_failure
-from plugserve.server.http.bodies import release_slot, too_large
+from plugserve.server.http.bodies import BODIES, release_slot, too_large
 from plugserve.server.http.connections import begin_request
 from plugserve.server.runtime.logs import (
     REQUEST_CHAIN,
@@ -27,7 +27,7 @@ from plugserve.server.runtime.logs import (
     client_request_id,
     new_request_id,
 )
-from plugserve.server.state import BODIES, SETTINGS
+from plugserve.server.state import SETTINGS
 
 VARIANT_HEADER = "X-Plugserve-Variant"
 """The runner version (``name@version``) that served the request."""

@@ -20,8 +20,8 @@ from plugserve.registry.versions import Version
 from plugserve.server import __version__
 from plugserve.server.http.auth import ADMIN_PREFIX, check_page_address
 from plugserve.server.http.auth import admin_only as protected
-from plugserve.server.http.bodies import read_control
-from plugserve.server.state import BODIES, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+from plugserve.server.http.bodies import BODIES, read_control
+from plugserve.server.state import METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 PROFILING = web.AppKey("profiling", asyncio.Lock)
 STARTED = web.AppKey("started", float)

@@ -25,11 +25,11 @@ from aiohttp import web
 
 from plugserve.registry.errors import InvalidInput, PluginError, PlugserveError
 from plugserve.registry.execution.chain import Chain
-from plugserve.server.dataplane.plane import Inference, Served
+from plugserve.server.dataplane.plane import DATA_PLANE, Inference, Served
 from plugserve.server.http import sse
+from plugserve.server.http.bodies import BODIES
 from plugserve.server.http.connections import cancel_on_hangup
 from plugserve.server.http.jsonio import json_value, parse_json
-from plugserve.server.state import BODIES, DATA_PLANE
 
 PROTOCOL = "generate"
 

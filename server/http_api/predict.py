@@ -16,11 +16,10 @@ from aiohttp import web
 
 from plugserve.registry.errors import PluginError
 from plugserve.registry.execution.chain import Chain
-from plugserve.server.dataplane.plane import Inference, Served
-from plugserve.server.http.bodies import LARGE_BODY_BYTES
+from plugserve.server.dataplane.plane import DATA_PLANE, Inference, Served
+from plugserve.server.http.bodies import BODIES, LARGE_BODY_BYTES
 from plugserve.server.http.connections import cancel_on_hangup
 from plugserve.server.http.jsonio import parse_json
-from plugserve.server.state import BODIES, DATA_PLANE
 
 
 def is_json(content_type: str) -> bool:

@@ -10,10 +10,10 @@ import orjson
 from aiohttp import web
 
 from plugserve.registry.errors import InvalidInput, NotFound
-from plugserve.server.http.bodies import LARGE_BODY_BYTES
-from plugserve.server.http_api.codec import InferRequest
-from plugserve.server.state import BODIES, REGIONS
+from plugserve.server.http.bodies import BODIES, LARGE_BODY_BYTES
+from plugserve.server.triton.requests import InferRequest
 from plugserve.server.triton.shared_memory import (
+    REGIONS,
     Attachment,
     Regions,
     check_key,

@@ -8,31 +8,25 @@ from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
 from plugserve.registry.execution.chain import Chain
-from plugserve.server.dataplane.plane import Inference, Served
+from plugserve.server.dataplane.plane import DATA_PLANE, Inference, Served
 from plugserve.server.http import compression
 from plugserve.server.http.auth import admin_only
-from plugserve.server.http.bodies import LARGE_BODY_BYTES, Bodies
+from plugserve.server.http.bodies import BODIES, LARGE_BODY_BYTES, Bodies
 from plugserve.server.http.connections import cancel_on_hangup
 from plugserve.server.http_api import shm_http
 from plugserve.server.http_api.codec import (
     HEADER_LENGTH,
-    InferRequest,
     decode_request,
     encode_response,
     json_header_size,
 )
-from plugserve.server.state import (
-    BODIES,
-    DATA_PLANE,
-    READINESS,
-    REGISTRY,
-    REPOSITORY,
-    SETTINGS,
-    STATISTICS,
-)
+from plugserve.server.state import REGISTRY, SETTINGS
 from plugserve.server.triton import answers, classification, config, repository
+from plugserve.server.triton.answers import READINESS
+from plugserve.server.triton.repository import REPOSITORY
+from plugserve.server.triton.requests import InferRequest
 from plugserve.server.triton.shared_memory import Attachment
-from plugserve.server.triton.statistics import STATS_PATHS
+from plugserve.server.triton.statistics import STATISTICS, STATS_PATHS
 
 
 async def server_metadata(request: web.Request) -> web.Response:

@@ -29,14 +29,15 @@ from aiohttp import web
 from plugserve.registry.errors import NotFound, PluginError, PlugserveError
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.types import RequestContext
-from plugserve.server.dataplane.plane import Inference, Served
+from plugserve.server.dataplane.plane import DATA_PLANE, Inference, Served
 from plugserve.server.http import sse
+from plugserve.server.http.bodies import BODIES
 from plugserve.server.http.connections import cancel_on_hangup
 from plugserve.server.http.jsonio import json_value, parse_json
 from plugserve.server.http.middleware import error_shapes
 from plugserve.server.openai_api import errors, requests
 from plugserve.server.runtime.logs import REQUEST_ID
-from plugserve.server.state import BODIES, DATA_PLANE, REGISTRY
+from plugserve.server.state import REGISTRY
 
 PROTOCOL = "openai"
 T = TypeVar("T")

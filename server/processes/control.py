@@ -28,8 +28,8 @@ from plugserve.server.http.middleware import error_response
 from plugserve.server.http_api import admin, v2
 from plugserve.server.processes import merge
 from plugserve.server.processes.pool import Worker, WorkerPool
-from plugserve.server.processes.runners import RUNNERS
-from plugserve.server.processes.runners import metrics_text as runner_metrics
+from plugserve.server.processes.shared_runners import RUNNERS
+from plugserve.server.processes.shared_runners import metrics_text as runner_metrics
 from plugserve.server.processes.unix import Reply, UnixClient
 from plugserve.server.runtime.metrics import Metrics, _FleetCollector
 from plugserve.server.triton.shared_memory import Regions

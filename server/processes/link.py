@@ -200,3 +200,7 @@ class WorkerLink:
 def set_lost_roots(registry: Registry, paths: dict[str, float]) -> None:
     """What the supervisor's watcher found missing: this worker is not ready meanwhile."""
     registry.lost_roots = {Path(path): float(since) for path, since in paths.items()}
+
+
+WORKER = web.AppKey("worker", WorkerLink)
+"""Set in a worker among several: its link to the supervisor."""

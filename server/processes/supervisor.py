@@ -63,7 +63,7 @@ from plugserve.server.http.connections import (
     bind,
     raise_open_files_limit,
 )
-from plugserve.server.processes import runners
+from plugserve.server.processes import shared_runners
 from plugserve.server.processes.control import SUPERVISOR_METRICS, control_app
 from plugserve.server.processes.link import WorkerSpec
 from plugserve.server.processes.pool import Worker, WorkerPool
@@ -119,8 +119,8 @@ class Supervisor:
             self.pool, self.store, settings.watch, self._registered, self._drained, self.regions
         )
         self.runners = RunnerHost(process_settings(settings))
-        """Isolated runners' processes, shared by every worker (server/processes/runners.py)."""
-        runners.add_routes(self.app, self.runners)
+        """Isolated runners' processes, shared by every worker (``shared_runners.py``)."""
+        shared_runners.add_routes(self.app, self.runners)
         self._starting: asyncio.AbstractServer | None = None
         self._starting_fd: int | None = None
         self._first = set(range(workers))

@@ -13,21 +13,13 @@ import os
 from aiohttp import web
 
 from plugserve.registry.errors import InvalidInput
+from plugserve.server.http.bodies import BODIES
 from plugserve.server.http.middleware import request_middleware
 from plugserve.server.http_api import admin, v2
 from plugserve.server.processes.link import LISTEN_WAIT_S, WorkerLink, set_lost_roots
-from plugserve.server.state import (
-    BODIES,
-    DRAIN,
-    METRICS,
-    REGISTRY,
-    REPOSITORY,
-    ROUTE_STORE,
-    SETTINGS,
-    STATISTICS,
-)
-from plugserve.server.triton.repository import LocalRepository
-from plugserve.server.triton.statistics import LocalStatistics
+from plugserve.server.state import DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+from plugserve.server.triton.repository import REPOSITORY, LocalRepository
+from plugserve.server.triton.statistics import STATISTICS, LocalStatistics
 
 
 def control_app(app: web.Application, link: WorkerLink) -> web.Application:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
+from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -28,10 +28,40 @@ from plugserve.registry.fleet.etcd_store import EtcdRouteStore
 from plugserve.registry.fleet.route_store import RouteStore
 from plugserve.registry.lifecycle.registry import LifecycleEvent, Registry
 from plugserve.registry.refs import PLUGIN_TYPES
-from plugserve.server.dataplane.cache import ResponseCache
 
-if TYPE_CHECKING:
-    from plugserve.server.http.connections import Listener
+
+class CacheFigures(Protocol):
+    """What the metrics read of a response cache (``server/dataplane/cache.py``)."""
+
+    @property
+    def hits(self) -> Mapping[str, int]: ...
+    @property
+    def misses(self) -> Mapping[str, int]: ...
+    @property
+    def evictions(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    def __len__(self) -> int: ...
+
+
+class ListenerFigures(Protocol):
+    """What the metrics read of a listener's connections (``server/http/connections.py``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def open(self) -> Sized: ...
+    @property
+    def idle(self) -> Sized: ...
+    @property
+    def refused(self) -> int: ...
+    @property
+    def evicted(self) -> int: ...
+    @property
+    def timed_out(self) -> Mapping[str, int]: ...
+
 
 STATES = ("loading", "ready", "failed", "draining", "unloaded")
 
@@ -127,11 +157,11 @@ class Metrics:
         if isinstance(store, EtcdRouteStore):
             self.registry.register(_FleetCollector(store))
 
-    def collect_connections(self, listeners: Sequence[Listener]) -> None:
+    def collect_connections(self, listeners: Sequence[ListenerFigures]) -> None:
         """Add the client connections of the server's listeners (open, refused, timed out)."""
         self.registry.register(_ConnectionCollector(listeners))
 
-    def collect_cache(self, cache: ResponseCache) -> None:
+    def collect_cache(self, cache: CacheFigures) -> None:
         """Add the response cache's hits, misses, evictions, bytes and entries."""
         self.registry.register(_CacheCollector(cache))
 
@@ -338,7 +368,7 @@ class _FleetCollector(Collector):
 class _CacheCollector(Collector):
     """The response cache of this process (with workers, the supervisor sums them)."""
 
-    def __init__(self, cache: ResponseCache) -> None:
+    def __init__(self, cache: CacheFigures) -> None:
         self._cache = cache
 
     def describe(self) -> list[Metric]:
@@ -386,7 +416,7 @@ class _CacheCollector(Collector):
 class _ConnectionCollector(Collector):
     """Client connections per listener (``data``, and ``admin`` with its own port)."""
 
-    def __init__(self, listeners: Sequence[Listener]) -> None:
+    def __init__(self, listeners: Sequence[ListenerFigures]) -> None:
         self._listeners = listeners
 
     def describe(self) -> list[Metric]:

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
+from aiohttp import web
 
 from plugserve.registry.errors import PluginError, Unavailable
 from plugserve.registry.execution.chain import Chain
@@ -14,8 +15,8 @@ from plugserve.registry.fleet.route_store import RouteStore
 from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.routing.routes import RouteTable
 from plugserve.server import __version__
-from plugserve.server.http_api.codec import as_tensor
 from plugserve.server.runtime.shutdown import Drain
+from plugserve.server.triton.requests import as_tensor
 
 EXTENSIONS = [
     "binary_tensor_data",
@@ -110,3 +111,7 @@ def named_outputs(chain: Chain, result: Any) -> dict[str, np.ndarray]:
         return {str(name): as_tensor(str(name), value) for name, value in result.items()}
     except (TypeError, ValueError) as exc:
         raise PluginError(chain.stages[-1].label, exc) from None
+
+
+READINESS = web.AppKey("readiness", Readiness)
+"""Whether the server is ready (a fleet replica: the fleet's table read)."""

@@ -5,8 +5,8 @@ version of its runner the route can serve, unloading it unloads them; the
 route stays in the table, not ready, until a load or a change to its files.
 :class:`LocalRepository` does it on this process's registry (a single
 process, and each worker when its supervisor tells it to);
-:class:`SupervisedRepository` hands it to the supervisor, which makes every
-worker do it. Callers check the admin rules first (``server.auth``).
+``server/processes/supervised.py`` hands it to the supervisor, which makes every
+worker do it. Callers check the admin rules first (``server/http/auth.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import asyncio
 import math
 from collections.abc import Mapping
 from typing import Any, Protocol
-from urllib.parse import quote
 
-import aiohttp
+from aiohttp import web
 
 from plugserve.registry import checks
 from plugserve.registry.errors import (
@@ -37,7 +36,6 @@ from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.manifest import load_manifest
 from plugserve.registry.routing.records import VersionRecord
 from plugserve.registry.routing.routes import RouteEntry
-from plugserve.server.processes.unix import UnixClient
 
 STATES = {
     "ready": "READY",
@@ -140,37 +138,6 @@ async def _declaring(registry: Registry, route: str) -> str | None:
         return None
 
     return await asyncio.to_thread(find)
-
-
-class SupervisedRepository:
-    """The repository extension of a worker among several: its supervisor has every worker
-    do it (one change at a time), and answers once all have."""
-
-    def __init__(self, supervisor: UnixClient) -> None:
-        self.supervisor = supervisor
-
-    async def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = await self._call("index", {"ready": ready_only})
-        return rows
-
-    async def load(self, route: str, config: str | None = None) -> dict[str, Any]:
-        body = {} if config is None else {"parameters": {"config": config}}
-        answer: dict[str, Any] = await self._call(f"models/{quote(route, safe='')}/load", body)
-        return answer
-
-    async def unload(self, route: str) -> dict[str, Any]:
-        answer: dict[str, Any] = await self._call(f"models/{quote(route, safe='')}/unload", {})
-        return answer
-
-    async def _call(self, path: str, body: dict[str, Any]) -> Any:
-        try:
-            reply = await self.supervisor.call("POST", f"/v2/repository/{path}", json_body=body)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise Unavailable(f"the supervisor is not answering: {exc!r}") from None
-        answer = reply.json()
-        if reply.status != 200:
-            raise relayed(reply.status, answer.get("error", "") if isinstance(answer, dict) else "")
-        return answer
 
 
 _BY_STATUS: dict[int, type[PlugserveError]] = {
@@ -353,3 +320,7 @@ def _rows(name: str, entry: RouteEntry) -> list[dict[str, Any]]:
             reason = reason or "unloaded"
         rows.append({"name": name, "version": record.version, "state": state, "reason": reason})
     return rows
+
+
+REPOSITORY: web.AppKey[ModelRepository] = web.AppKey("repository")
+"""Triton's model repository extension: this registry's, or through the supervisor."""

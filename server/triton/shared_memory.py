@@ -21,7 +21,7 @@ object's memory.
 
 Protocol-neutral: HTTP (``server/http_api/shm_http.py``) and gRPC call
 :class:`Regions` and :class:`Attachment` with the
-:class:`plugserve.server.http_api.codec.InferRequest` they decoded.
+:class:`plugserve.server.triton.requests.InferRequest` they decoded.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ from typing import Any
 
 import numpy as np
 import structlog
+from aiohttp import web
 
 from plugserve.registry.errors import Forbidden, InvalidInput, NotFound, PayloadTooLarge
 from plugserve.registry.tensors.values import bytes_elements
 from plugserve.server.http.addresses import is_loopback
-from plugserve.server.http_api.codec import (
+from plugserve.server.triton.requests import (
     InferRequest,
     SharedInput,
     SharedMemoryRef,
@@ -522,3 +523,7 @@ def cuda_unsupported(name: str) -> str:
         "shared memory needs a GPU and cuda-python, and plugserve has no CUDA support (use "
         "system shared memory)"
     )
+
+
+REGIONS = web.AppKey("shared_memory_regions", Regions)
+"""The shared memory regions registered with this server."""

@@ -1,20 +1,16 @@
 """Triton's statistics extension, protocol-neutral: per route and runner version, cumulative
-since load. :class:`LocalStatistics` counts this process's; :class:`SupervisedStatistics`
-asks a worker's supervisor, which merges every worker's (``server/processes/control.py``)."""
+since load. :class:`LocalStatistics` counts this process's; a worker among several asks
+its supervisor (``server/processes/supervised.py``), which merges every worker's."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 from urllib.parse import quote
 
-import aiohttp
+from aiohttp import web
 
-from plugserve.registry.errors import Unavailable
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.lifecycle.registry import Registry
-from plugserve.server.processes.unix import UnixClient
-from plugserve.server.runtime.logs import REQUEST_ID
-from plugserve.server.triton.repository import relayed
 
 ISOLATED_RUNNER = "_isolated_runner"
 """Marks, in a worker's statistics, an isolated runner whose executions its supervisor
@@ -78,20 +74,5 @@ class LocalStatistics:
         return {"model_stats": stats}
 
 
-class SupervisedStatistics:
-    """A worker's answer for the whole server: its supervisor asks every worker."""
-
-    def __init__(self, supervisor: UnixClient) -> None:
-        self.supervisor = supervisor
-
-    async def of(self, route: str | None = None, version: str | None = None) -> dict[str, Any]:
-        try:
-            headers = {"X-Request-ID": REQUEST_ID.get() or ""}  # the supervisor logs it
-            reply = await self.supervisor.call("GET", stats_path(route, version), None, headers)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise Unavailable(f"the supervisor is not answering: {exc!r}") from None
-        answer = reply.json() if reply.body else {}
-        if reply.status != 200:
-            message = answer.get("error") if isinstance(answer, dict) else None
-            raise relayed(reply.status, str(message or f"the supervisor answered {reply.status}"))
-        return answer if isinstance(answer, dict) else {}
+STATISTICS: web.AppKey[Statistics] = web.AppKey("statistics")
+"""Triton's statistics of the whole server: this process's, or through the supervisor."""

@@ -5,5 +5,5 @@
 - ``groups``: a version's group of runner processes;
 - ``remote``: a worker's side, the component that stands for the runner;
 - ``host``: starts, supervises and stops runner processes;
-- ``server/processes/runner.py``: the runner process itself.
+- ``server/processes/runner_process.py``: the runner process itself.
 """

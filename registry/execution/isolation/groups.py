@@ -158,7 +158,7 @@ def group_from_json(doc: dict[str, Any], spec: RunnerSpec) -> RunnerGroup:
 
 class Runners(Protocol):
     """Where a process's isolated runners run: a :class:`RunnerHost` of its own, or its
-    supervisor's (``server/processes/runners.py``), shared by every worker."""
+    supervisor's (``server/processes/shared_runners.py``), shared by every worker."""
 
     settings: ProcessSettings
 

@@ -1,4 +1,5 @@
-"""Starts, supervises and stops runner processes (``python -m plugserve.server.processes.runner``).
+"""Starts, supervises and stops runner processes
+(``python -m plugserve.server.processes.runner_process``).
 
 A load of an isolated runner version acquires a *group*: one process per
 ``[runner] instances``, each started with the version's folder, loaded and
@@ -41,7 +42,7 @@ from plugserve.registry.execution.stats import RunnerStats
 
 log = structlog.get_logger("plugserve.registry")
 
-RUNNER_MODULE = "plugserve.server.processes.runner"
+RUNNER_MODULE = "plugserve.server.processes.runner_process"
 MAX_START_FAILURES = 3
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0

@@ -12,8 +12,7 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from plugserve.registry.errors import TooManyRequests
-from plugserve.server.http.bodies import Bodies
-from plugserve.server.state import BODIES
+from plugserve.server.http.bodies import BODIES, Bodies
 from tests.helpers import write_add_runner
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}

@@ -14,15 +14,13 @@ from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
 from plugserve.server.grpc_api import tensors as grpc_tensors
 from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
 from plugserve.server.http_api import codec
-from plugserve.server.http_api.codec import (
-    HEADER_LENGTH,
+from plugserve.server.http_api.codec import HEADER_LENGTH, decode_request, encode_response
+from plugserve.server.triton.requests import (
     InferRequest,
     Limits,
     RequestedOutput,
     SharedInput,
     SharedMemoryRef,
-    decode_request,
-    encode_response,
 )
 
 NUMERIC = [d for d in V2_TO_NUMPY if d != "BYTES"]

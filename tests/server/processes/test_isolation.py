@@ -279,7 +279,7 @@ def test_a_runner_process_that_dies_fails_its_request_alone_and_comes_back(
     workers = {w["pid"] for w in json.loads(raw).get("workers", [])} | {srv.proc.pid}
     assert first not in workers  # neither the server nor any worker ran it
     assert first in descendants(srv.proc.pid)
-    assert "plugserve.server.processes.runner" in _cmdline(first)
+    assert "plugserve.server.processes.runner_process" in _cmdline(first)
     row = plugin_row(srv, "crashy")
     assert row["isolation"] == "process"
     assert first in row["pids"]

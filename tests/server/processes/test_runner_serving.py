@@ -1,4 +1,4 @@
-"""A runner process's side of one worker's connection (server/processes/runner.py), driven
+"""A runner process's side of one worker's connection (server/processes/runner_process.py), driven
 frame by frame in this process: a real scheduler, breaker, shared memory and wire format;
 the loaded plugin is a stand-in with the attributes ``Serving`` reads (no ONNX model)."""
 
@@ -17,7 +17,7 @@ from plugserve.registry.execution.breaker import CircuitBreaker
 from plugserve.registry.execution.isolation import wire
 from plugserve.registry.execution.isolation.shm import Region
 from plugserve.registry.execution.isolation.wire import FrameReader, frame, put_tensors
-from plugserve.server.processes.runner import RunnerProcess, Serving
+from plugserve.server.processes.runner_process import RunnerProcess, Serving
 
 LABEL = "runner/double@1.0.0"
 

@@ -1,4 +1,5 @@
-"""A runner process: ``python -m plugserve.server.processes.runner``, started by a RunnerHost.
+"""A runner process (``python -m plugserve.server.processes.runner_process``), started by a
+RunnerHost.
 
 It reads its spec (one JSON line) from stdin, loads one runner version here,
 answers one JSON line (``ready`` with the version's metadata, or the error that
