@@ -38,6 +38,15 @@ class InvalidInput(PlugserveError):
     status = 400
 
 
+class StreamingOnly(InvalidInput):
+    """A request for one answer to a route whose runner streams its responses: each front
+    end words it with the calls of its own protocol that stream."""
+
+    def __init__(self, route: str) -> None:
+        super().__init__(f"route {route!r} streams its responses: call it for a stream")
+        self.route = route
+
+
 class UnreadableBody(InvalidInput):
     """The body cannot be read (a broken compressed body or chunk framing): the rest of
     it is never read, so the connection closes after the answer."""

@@ -20,6 +20,7 @@ from plugserve.server.dataplane.plane import DATA_PLANE, Inference, Served
 from plugserve.server.http.bodies import BODIES, LARGE_BODY_BYTES
 from plugserve.server.http.connections import cancel_on_hangup
 from plugserve.server.http.jsonio import parse_json
+from plugserve.server.http_api.v2 import refuse_streaming
 
 
 def is_json(content_type: str) -> bool:
@@ -74,6 +75,7 @@ async def predict(request: web.Request) -> web.Response:
         return Inference(served.route or "", data, dict(request.query), len(body))
 
     async def answer(served: Served) -> web.Response:
+        refuse_streaming(served.chain)
         chain, result = served.chain, await served.result()
         if _size(result) <= LARGE_BODY_BYTES:
             return encode_result(chain, result)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
+from plugserve.registry.errors import InvalidInput
 from plugserve.registry.execution.chain import Chain
 from plugserve.server.dataplane.plane import DATA_PLANE, Inference, Served
 from plugserve.server.http import compression
@@ -61,6 +62,20 @@ async def model_config(request: web.Request) -> web.Response:
     return web.json_response(config.model_config(_resolve(request)))
 
 
+DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
+"""Triton's words for a one-answer HTTP call to a decoupled model (a streaming route here)."""
+
+
+def refuse_streaming(chain: Chain) -> None:
+    """400 for a one-answer HTTP call to a route that streams, saying where to stream it."""
+    if chain.streaming:
+        raise InvalidInput(
+            f"{DECOUPLED_HTTP}: route {chain.route!r} streams its responses; call "
+            ".../generate_stream, .../generate or gRPC ModelStreamInfer (or /v1 for an "
+            "OpenAI route)"
+        )
+
+
 async def infer(request: web.Request) -> web.Response:
     """``POST /v2/models/{route}[/versions/{version}]/infer``: a JSON body, or binary
     tensor data after a JSON header (``Inference-Header-Content-Length``)."""
@@ -93,6 +108,7 @@ async def infer(request: web.Request) -> web.Response:
 
     async def answer(served: Served) -> web.Response:
         chain = served.chain
+        refuse_streaming(chain)
         outputs = answers.named_outputs(chain, await served.result())
         if classes:
             outputs = classification.classify_outputs(chain, outputs, classes)

@@ -63,10 +63,12 @@ def test_streaming_routes_refuse_single_answer_calls_and_bad_requests(
     streams: ServerProcess,
 ) -> None:
     infer = {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1], "data": [2]}]}
+    # Triton's words (the HTTP front ends word the core's protocol-neutral StreamingOnly).
+    decoupled = b"HTTP end point doesn't support models with decoupled transaction policy"
     status, _, body = streams.request("POST", "/v2/models/steps/infer", infer)
-    assert status == 400 and b"generate_stream" in body, body
+    assert status == 400 and b"generate_stream" in body and decoupled in body, body
     status, _, body = streams.request("POST", "/predict/steps", {"n": [2]})
-    assert status == 400, body
+    assert status == 400 and decoupled in body, body
     for bad in (b"[1, 2]", b'{"n": [1], "parameters": [1]}', b"{"):
         status, _, body = streams.request(
             "POST", "/v2/models/steps/generate_stream", bad, {"Content-Type": "application/json"}
