@@ -128,8 +128,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc_code(exc.status), error_details(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception:
-            log.exception("internal_error", rpc=method)
+        except Exception as exc:
+            log_failure(exc, rpc=method)
             await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
         raise AssertionError("unreachable: abort() raises")  # pragma: no cover
 
@@ -296,8 +296,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 except PlugserveError as exc:
                     log_failure(exc, rpc="ModelStreamInfer")
                     await send(_failed(request, error_details(exc)))
-                except Exception:
-                    log.exception("internal_error", rpc="ModelStreamInfer")
+                except Exception as exc:
+                    log_failure(exc, rpc="ModelStreamInfer")
                     await send(_failed(request, "internal server error"))
             finally:
                 slots.release()

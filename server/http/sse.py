@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
-import structlog
 from aiohttp import web
 
 from plugserve.registry.errors import PlugserveError
@@ -30,8 +29,6 @@ HEADERS = {
     "X-Accel-Buffering": "no",  # nginx: pass each event on as it comes
 }
 _END = object()
-
-log = structlog.get_logger("plugserve.server")
 
 
 def event(payload: Any) -> bytes:
@@ -80,8 +77,8 @@ async def send(
         await answer.write(fail(exc))
     except ConnectionError:  # the client left: nothing more can reach it
         raise
-    except Exception:  # a fault of the server's once the answer began: the client is told
-        log.exception("stream_internal_error")
+    except Exception as exc:  # a fault of the server's once the answer began: the client is told
+        log_failure(exc, stream=True)
         served.status = 500
         await answer.write(fail(PlugserveError("internal server error")))
     await answer.write_eof()
