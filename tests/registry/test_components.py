@@ -68,7 +68,7 @@ async def test_a_runner_first_in_its_chain_checks_a_request_once(
 ) -> None:
     """Review of issue 12: a v2 request to a route whose first stage is its runner was
     checked against the runner's declared inputs twice (route, then runner)."""
-    from plugserve.registry import components
+    from plugserve.registry.components import base as components
     from plugserve.registry.registry import Registry
     from plugserve.registry.types import RequestContext
 
