@@ -38,6 +38,20 @@ class InvalidInput(PlugserveError):
     status = 400
 
 
+class StreamingOnly(InvalidInput):
+    """A route whose runner streams its responses, called for a single answer.
+
+    ``route`` names it; each front end words the refusal in its own protocol's terms
+    (which of its calls answer with a stream).
+    """
+
+    def __init__(self, route: str) -> None:
+        super().__init__(
+            f"route {route!r} streams its responses: it answers only a call that takes a stream"
+        )
+        self.route = route
+
+
 class UnreadableBody(InvalidInput):
     """The body cannot be read (a broken compressed body or chunk framing): the rest of
     it is never read, so the connection closes after the answer."""

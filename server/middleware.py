@@ -10,7 +10,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from plugserve.registry.errors import PluginError, PlugserveError
+from plugserve.registry.errors import InvalidInput, PluginError, PlugserveError, StreamingOnly
 from plugserve.server.bodies import release_slot, too_large
 from plugserve.server.connections import begin_request
 from plugserve.server.logs import REQUEST_CHAIN, REQUEST_ID
@@ -53,8 +53,27 @@ def identify(response: web.StreamResponse, request_id: str) -> None:
         response.headers[VARIANT_HEADER] = chain.variant
 
 
+DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
+"""Triton's words for an HTTP call to a decoupled model (a streaming route here) that asks
+for a single answer."""
+
+
+def in_http_terms(exc: PlugserveError) -> PlugserveError:
+    """``exc`` as an HTTP client reads it: a streaming route called for one answer names the
+    calls that stream (the core's :class:`StreamingOnly` names none)."""
+    if isinstance(exc, StreamingOnly):
+        return InvalidInput(
+            f"{DECOUPLED_HTTP}: route {exc.route!r} streams its responses; call "
+            ".../generate_stream, .../generate or gRPC ModelStreamInfer (or /v1 for an "
+            "OpenAI route)",
+            **exc.fields,
+        )
+    return exc
+
+
 def error_response(exc: PlugserveError, path: str = "") -> web.Response:
     """``{"error": message, ...}``, or OpenAI's shape under ``/v1/``."""
+    exc = in_http_terms(exc)
     payload = openai_errors.of(exc) if openai_errors.is_openai(path) else exc.to_json()
     return web.json_response(payload, status=exc.status, headers=exc.headers())
 

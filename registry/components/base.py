@@ -21,7 +21,13 @@ from plugserve.registry.backends.refusals import ort_refusal
 from plugserve.registry.batching import BatchPolicy, Scheduler
 from plugserve.registry.breaker import CircuitBreaker
 from plugserve.registry.calls import call_plugin
-from plugserve.registry.errors import InvalidInput, PluginError, PluginLoadError, PlugserveError
+from plugserve.registry.errors import (
+    InvalidInput,
+    PluginError,
+    PluginLoadError,
+    PlugserveError,
+    StreamingOnly,
+)
 from plugserve.registry.inputs import InputSpec, conform, input_specs
 from plugserve.registry.isolation.remote import RemoteRunner
 from plugserve.registry.manifest import Manifest, RunnerSection
@@ -312,11 +318,7 @@ class LoadedPlugin:
         an isolated runner's to its processes, where a scheduler batches it.
         """
         if self.streams is not None:
-            raise InvalidInput(
-                "HTTP end point doesn't support models with decoupled transaction policy: "
-                f"route {ctx.route!r} streams its responses; call .../generate_stream, "
-                ".../generate or gRPC ModelStreamInfer (or /v1 for an OpenAI route)"
-            )
+            raise StreamingOnly(ctx.route)
         remote = self.remote
         if remote is not None:
             inputs = self.runner_inputs(data)

@@ -255,3 +255,37 @@ async def test_a_cancelled_processor_call_on_its_thread_is_waited_for(
         assert nap.executing == 0
     finally:
         await registry.close()
+
+
+async def test_a_streaming_runner_called_for_one_answer_refuses_in_no_protocol_s_words(
+    plugins_dir: Path, models_dir: Path
+) -> None:
+    """The core names the route, not the front ends' calls that stream: each words it."""
+    import pytest
+
+    from plugserve.registry.errors import InvalidInput, StreamingOnly
+    from plugserve.registry.registry import Registry
+    from plugserve.registry.types import RequestContext
+    from tests.helpers import write_streaming_runner
+
+    write_streaming_runner(plugins_dir, "steps", "steps")
+    registry = Registry(plugins_dir, models_dir)
+    await registry.start()
+    try:
+        chain = registry.routes.resolve("steps", None)
+        ctx = RequestContext(request_id="r", route="steps", parameters={}, headers={},
+                             content_type="application/json")  # fmt: skip
+        chain.enter()
+        try:
+            with pytest.raises(StreamingOnly) as refused:
+                await chain.run({"n": np.array([2], np.int64)}, ctx)
+        finally:
+            chain.leave()
+        assert isinstance(refused.value, InvalidInput) and refused.value.status == 400
+        assert refused.value.route == "steps"
+        message = refused.value.message
+        assert "'steps'" in message
+        for word in ("HTTP", "gRPC", "generate", "/v1", "ModelStreamInfer", "decoupled"):
+            assert word not in message
+    finally:
+        await registry.close()
