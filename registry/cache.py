@@ -28,7 +28,7 @@ import orjson
 
 from plugserve.registry.batching import priority_level
 from plugserve.registry.chain import Chain
-from plugserve.registry.components import batch_policy
+from plugserve.registry.components.runner import batch_policy
 from plugserve.registry.registry import LifecycleEvent, Registry
 from plugserve.registry.types import RequestContext
 

@@ -20,7 +20,8 @@ from typing import Any, Literal
 import structlog
 
 from plugserve.registry.chain import Chain
-from plugserve.registry.components import LoadedPlugin
+from plugserve.registry.components.base import LoadedPlugin
+from plugserve.registry.components.streaming import StreamingRunner
 from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError
 from plugserve.registry.fingerprint import Fingerprinter
 from plugserve.registry.loader import Loader
@@ -331,8 +332,10 @@ class Registry:
         ended = 0
         for record in self.records.values():
             for loaded in [record.current, *record.draining]:
-                streams = None if loaded is None else loaded.streams
-                if streams is not None and (streams.running or streams.waiting):
+                if not isinstance(loaded, StreamingRunner):
+                    continue
+                streams = loaded.streams
+                if streams.running or streams.waiting:
                     streams.close(reason)
                     ended += 1
         return ended

@@ -23,7 +23,7 @@ from typing import Any
 
 from plugserve.registry import validation
 from plugserve.registry.chain import Chain
-from plugserve.registry.components import LoadedPlugin
+from plugserve.registry.components.base import LoadedPlugin
 from plugserve.registry.errors import (
     PlugserveError,
     RouteNotFound,

@@ -1,4 +1,5 @@
-"""A loaded plugin's calls: where its executions run (runners) and its calls (processors)."""
+"""Loaded plugins by kind: where a runner's executions and a processor's calls run, what a
+streaming runner refuses."""
 
 import contextlib
 import json
@@ -68,7 +69,7 @@ async def test_a_runner_first_in_its_chain_checks_a_request_once(
 ) -> None:
     """Review of issue 12: a v2 request to a route whose first stage is its runner was
     checked against the runner's declared inputs twice (route, then runner)."""
-    from plugserve.registry.components import base as components
+    from plugserve.registry.components import runner as components
     from plugserve.registry.registry import Registry
     from plugserve.registry.types import RequestContext
 
@@ -95,7 +96,7 @@ async def test_a_runner_first_in_its_chain_checks_a_request_once(
         assert out["y"].tolist() == [[1.0]]
         assert checks == ["route 'last'"]
         # What a preprocessor hands a runner is checked by the runner, as before.
-        assert components.LoadedPlugin.runner_inputs(chain.runner, {"x": np.ones((1, 3))})
+        assert components.Runner.runner_inputs(chain.runner, {"x": np.ones((1, 3))})
         assert checks == ["route 'last'", f"runner {chain.runner.label}"]
     finally:
         await registry.close()
