@@ -90,7 +90,8 @@ class RequestContext:
     body_bytes: int | None = None
     """The request's size in bytes: its body as read (inflated), with the tensors it
     brought in shared memory (or, over gRPC, its tensors' bytes); ``None`` where unknown.
-    A synchronous processor's cost is predicted from it (``LoadedPlugin``)."""
+    A synchronous processor's cost is predicted from it
+    (``registry/execution/components/inline.py``)."""
 
 
 BackendFactory = Callable[[PluginInfo, Mapping[str, Any], "Path | None"], Any]

@@ -171,9 +171,9 @@ class Settings:
     requests are answered 500 saying so, and it is started again. 0 turns the check off."""
     inline_runners: str = "auto"
     """Where a worker runs its in-worker runners' batches: ``on`` its event loop (within a
-    few ms a batch, ``registry/execution/components.py``), ``off`` on a thread each, or
-    ``auto``: on the loop when every usable core has a worker of its own (``workers`` > 1
-    and at least one per core), where a thread only adds hand-offs."""
+    few ms a batch, ``registry/execution/components/inline.py``), ``off`` on a thread each,
+    or ``auto``: on the loop when every usable core has a worker of its own (``workers``
+    > 1 and at least one per core), where a thread only adds hand-offs."""
 
     @property
     def worker_count(self) -> int:

@@ -187,7 +187,7 @@ class Scheduler:
         self.gather = False
         """Cut an idle runner's batch at the end of the loop's turn rather than at once, so
         that the requests decoded in the turn join it, while requests come in company: set
-        where the runner runs on the event loop (``LoadedPlugin.loop_budget``), where no
+        where the runner runs on the event loop (``BatchedRunner.run_on_loop``), where no
         batch can form while one runs. Company is two requests in one turn; it ends at a
         cut that gathered one request, and a lone request then runs at once again."""
         self._gathering = False

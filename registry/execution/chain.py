@@ -12,7 +12,8 @@ import numpy as np
 
 from plugserve.registry.errors import Unavailable
 from plugserve.registry.execution import tracing
-from plugserve.registry.execution.components import LoadedPlugin
+from plugserve.registry.execution.components.base import LoadedPlugin
+from plugserve.registry.execution.components.streaming import StreamingRunner
 from plugserve.registry.types import RequestContext
 
 StageCall = Callable[[LoadedPlugin, Any, RequestContext], Awaitable[Any]]
@@ -119,7 +120,7 @@ class Chain:
     @property
     def streaming(self) -> bool:
         """Whether the runner streams: several responses a request (``streaming.py``)."""
-        return self.runner.streams is not None
+        return isinstance(self.runner, StreamingRunner)
 
     async def stream(self, data: Any, ctx: RequestContext) -> AsyncGenerator[Any, None]:
         """Run the chain on a request answered by a stream of responses, in order.
@@ -130,7 +131,8 @@ class Chain:
         one response. Closing this generator (``aclose()``: the client left)
         closes the runner's stream before its next step.
         """
-        if not self.streaming:
+        runner = self.runner
+        if not isinstance(runner, StreamingRunner):
             yield await self.run(data, ctx)
             return
         started = time.perf_counter()
@@ -139,7 +141,7 @@ class Chain:
         usage = ctx.usage
         try:
             data = await self._preprocess(data, ctx, call, started)
-            responses = self.runner.open_stream(data, ctx)
+            responses = runner.open_stream(data, ctx)
             try:
                 async for response in responses:
                     usage["completion_tokens"] = usage.get("completion_tokens", 0) + 1

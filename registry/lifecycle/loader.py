@@ -23,10 +23,15 @@ from typing import Any
 import structlog
 
 from plugserve.registry.errors import PluginCallTimeout, PluginLoadError, PlugserveError
-from plugserve.registry.execution.components import LoadedPlugin
+from plugserve.registry.execution.components.base import LoadedPlugin
+from plugserve.registry.execution.components.batched import BatchedRunner
+from plugserve.registry.execution.components.isolated import IsolatedRunner
+from plugserve.registry.execution.components.stage import Stage
+from plugserve.registry.execution.components.streaming import StreamingRunner
 from plugserve.registry.execution.isolation.groups import Runners, RunnerSpec
 from plugserve.registry.execution.isolation.host import RunnerHost
 from plugserve.registry.execution.isolation.remote import RemoteRunner
+from plugserve.registry.execution.streaming import stream_kind
 from plugserve.registry.manifest import Manifest, check_runner_keys, load_manifest
 from plugserve.registry.models import MODELS_SCHEME, resolve_model
 from plugserve.registry.plugins.calls import call_plugin
@@ -41,7 +46,7 @@ log = structlog.get_logger("plugserve.registry")
 
 
 class Loader:
-    """Turns version folders into :class:`LoadedPlugin` instances and back.
+    """Turns version folders into loaded instances of their kind (:func:`kind_of`) and back.
 
     Plugin code runs under bounds: import, create and warmup together within
     ``load_timeout`` seconds, ``close()`` within ``close_timeout``. A load past
@@ -72,8 +77,9 @@ class Loader:
         """Where ``isolation = "process"`` runners run: a worker's supervisor, or a
         :class:`RunnerHost` of this process made at the first such load."""
         self.loop_budget = 0.0
-        """Seconds: the :attr:`LoadedPlugin.loop_budget` of the in-worker runners this loads
-        (a worker with a core of its own, ``inline_runners``); their schedulers ``gather``."""
+        """Seconds: the loop budget of the batched runners this loads in a worker
+        (:meth:`BatchedRunner.run_on_loop`: a worker with a core of its own,
+        ``inline_runners``); their schedulers ``gather``."""
         self._loads = itertools.count(1)
 
     def roots(self, folder: Path) -> Roots:
@@ -128,7 +134,7 @@ class Loader:
             abandoned.set()
             self._forget(package)
             raise
-        if self.loop_budget and not in_process:
+        if self.loop_budget and not in_process and isinstance(loaded, BatchedRunner):
             loaded.run_on_loop(self.loop_budget)
         try:
             await loaded.warmup(deadline - time.monotonic())
@@ -141,7 +147,7 @@ class Loader:
             ) from exc
         return loaded
 
-    async def _load_isolated(self, manifest: Manifest, content: str | None) -> LoadedPlugin:
+    async def _load_isolated(self, manifest: Manifest, content: str | None) -> IsolatedRunner:
         """Start the version's runner processes (loaded and warmed there) and stand for them."""
         runner = manifest.runner
         assert runner is not None
@@ -162,7 +168,7 @@ class Loader:
         group = await self.runners.acquire(f"{manifest.label}@{content}", spec)
         remote = RemoteRunner(self.runners, group)
         info = _info(manifest, self.models_dir, model_path)
-        loaded = LoadedPlugin(manifest, info, remote, model_path=model_path)
+        loaded = IsolatedRunner(manifest, info, remote, model_path=model_path)
         await loaded.warmup(self.load_timeout)  # reads the metadata the processes sent
         return loaded
 
@@ -183,7 +189,8 @@ class Loader:
             model_path = self.model_path(manifest)
             info = _info(manifest, self.models_dir, model_path)
             component = self._create(manifest, info, module, model_path)
-            loaded = LoadedPlugin(
+            kind = kind_of(manifest, component)
+            loaded = kind(
                 manifest, info, component, package=package, hook_name=package, model_path=model_path
             )
         except BaseException:
@@ -279,6 +286,17 @@ class Loader:
         if package is not None:
             self.host.unregister(package)
             forget(package)
+
+
+def kind_of(manifest: Manifest, component: Any) -> type[LoadedPlugin]:
+    """The kind of instance a version's component makes in this process: a processor's
+    stage, a streaming runner (its component streams: ``registry/streaming.py``), or a
+    batched runner."""
+    if manifest.runner is None:
+        return Stage
+    if stream_kind(component) is not None:
+        return StreamingRunner
+    return BatchedRunner
 
 
 def _info(manifest: Manifest, models_dir: Path, model: Path | None) -> PluginInfo:

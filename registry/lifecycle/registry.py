@@ -21,7 +21,8 @@ import structlog
 
 from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError
 from plugserve.registry.execution.chain import Chain
-from plugserve.registry.execution.components import LoadedPlugin
+from plugserve.registry.execution.components.base import LoadedPlugin
+from plugserve.registry.execution.components.streaming import StreamingRunner
 from plugserve.registry.lifecycle.loader import Loader
 from plugserve.registry.manifest import load_manifest
 from plugserve.registry.plugins.fingerprint import Fingerprinter
@@ -331,8 +332,10 @@ class Registry:
         ended = 0
         for record in self.records.values():
             for loaded in [record.current, *record.draining]:
-                streams = None if loaded is None else loaded.streams
-                if streams is not None and (streams.running or streams.waiting):
+                if not isinstance(loaded, StreamingRunner):
+                    continue
+                streams = loaded.streams
+                if streams.running or streams.waiting:
                     streams.close(reason)
                     ended += 1
         return ended

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from plugserve.registry.execution.components import LoadedPlugin
+from plugserve.registry.execution.components.base import LoadedPlugin
 from plugserve.registry.refs import PluginType
 from plugserve.registry.versions import Version
 
@@ -68,42 +68,13 @@ class VersionRecord:
             "backend": current.manifest.runner.backend
             if current and current.manifest.runner
             else None,
-            **_scheduler_stats(current),
+            **(current.describe() if current else {}),
             **_runtime(current),
         }
 
 
 def _iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
-
-
-def _scheduler_stats(current: LoadedPlugin | None) -> dict[str, Any]:
-    if current is not None and current.remote is not None:
-        return current.remote.describe()
-    scheduler = current.scheduler if current else None
-    if scheduler is None:
-        return _processor_stats(current)
-    return {
-        "queued": scheduler.queued,
-        "executions": scheduler.executions,
-        "batched_rows": scheduler.rows,
-        "inline_executions": current.inline_executions if current else 0,
-        **_breaker(current),
-    }
-
-
-def _processor_stats(current: LoadedPlugin | None) -> dict[str, Any]:
-    """A synchronous processor's calls that ran on the event loop, not on its thread."""
-    if current is None or current.manifest.runner is not None or not current.runs_on_thread:
-        return {}
-    return {"inline_executions": current.inline_executions}
-
-
-def _breaker(current: LoadedPlugin | None) -> dict[str, Any]:
-    breaker = current.breaker if current else None
-    if breaker is None or not breaker.enabled:
-        return {}
-    return {"circuit": breaker.state, "circuit_trips": breaker.trips}
 
 
 def _runtime(current: LoadedPlugin | None) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from plugserve.registry.errors import (
     VersionNotFound,
 )
 from plugserve.registry.execution.chain import Chain
-from plugserve.registry.execution.components import LoadedPlugin
+from plugserve.registry.execution.components.base import LoadedPlugin
 from plugserve.registry.ratelimit import RateLimit
 from plugserve.registry.refs import NAME_PATTERN, Ref, is_valid_name
 from plugserve.registry.routing.records import VersionRecord

@@ -38,7 +38,7 @@ from plugserve.registry.errors import (
     PlugserveError,
 )
 from plugserve.registry.execution import tracing
-from plugserve.registry.execution.components import LoadedPlugin
+from plugserve.registry.execution.components.batched import BatchedRunner
 from plugserve.registry.execution.isolation.shm import Allocator, Region
 from plugserve.registry.execution.isolation.wire import (
     NO_REQUEST,
@@ -78,7 +78,7 @@ class RunnerProcess:
         self.spec = spec
         self.answer_fd = answer_fd
         self.stop = asyncio.Event()
-        self.loaded: LoadedPlugin | None = None
+        self.loaded: BatchedRunner | None = None
         self.connections: set[Serving] = set()
         self.pumping = False
         """In :meth:`_pump`: answers wait for their connection's settle, not a step."""
@@ -104,16 +104,15 @@ class RunnerProcess:
             close_timeout=float(spec["close_timeout"]),
         )
         try:
-            self.loaded = loaded = await loader.load(Path(spec["folder"]), in_process=True)
-            loaded.always_inline = True  # one thread hop fewer on every batch
-            if loaded.scheduler is not None and loaded.runs_inline_sync:
-                loaded.scheduler.inline = loaded.execute_inline  # nor a task a batch
-            if loaded.streams is not None:
+            loaded = await loader.load(Path(spec["folder"]), in_process=True)
+            if not isinstance(loaded, BatchedRunner):  # a streaming runner
                 await loader.release(loaded)
                 raise PluginLoadError(
                     f"{loaded.label}: a streaming runner cannot run isolated (isolation = "
                     '"process") yet: its responses have no way back; serve it in the workers'
                 )
+            self.loaded = loaded
+            loaded.run_inline()  # one thread hop fewer on every batch, nor a task a batch
         except PlugserveError as exc:
             self._answer(ready=False, error=exc.message)
             return 1
@@ -156,7 +155,7 @@ class RunnerProcess:
         self._pump_at = None
         self.pumping = True
         try:
-            if self.loaded is not None and self.loaded.scheduler is not None:
+            if self.loaded is not None:
                 self.loaded.scheduler.pump()
         finally:
             try:
@@ -213,7 +212,7 @@ class RunnerProcess:
 class Serving(asyncio.Protocol):
     """One worker's connection: requests in, answers out, frames of one step written at once."""
 
-    def __init__(self, owner: RunnerProcess, loaded: LoadedPlugin, theirs: Region, ours: Region):
+    def __init__(self, owner: RunnerProcess, loaded: BatchedRunner, theirs: Region, ours: Region):
         self.owner = owner
         self.loaded = loaded
         self.theirs = theirs
@@ -286,8 +285,6 @@ class Serving(asyncio.Protocol):
         request_id = message["i"]
         loaded = self.loaded
         scheduler, breaker = loaded.scheduler, loaded.breaker
-        assert scheduler is not None
-        assert breaker is not None
         timings: dict[str, float] = {}
         try:
             inputs = get_tensors(message["x"], self.theirs, raw)

@@ -316,10 +316,9 @@ class _RegistryCollector(Collector):
                     stage.add_metric(
                         [*key, name], histogram.cumulative(), sum_value=histogram.total
                     )
-            if current.scheduler is not None:
-                queued.add_metric(key, current.scheduler.queued)
-            elif current.streams is not None:  # streams waiting for a place (max_streams)
-                queued.add_metric(key, current.streams.waiting)
+            waiting = current.queued  # requests, or streams waiting for a place (max_streams)
+            if waiting is not None:
+                queued.add_metric(key, waiting)
             if current.breaker is not None and current.breaker.enabled:
                 circuit.add_metric(key, 0 if current.breaker.state == "closed" else 1)
         yield from (in_flight, queued, circuit, batch, stage, executions, outcomes)

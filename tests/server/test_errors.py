@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import write_add_runner, write_plugin
+from tests.helpers import write_add_runner, write_plugin, write_streaming_runner
 
 X = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 1, 2, 3]}]}
 
@@ -307,3 +307,21 @@ async def test_a_route_over_its_rate_limit_answers_429(plugins_dir: Path, client
     routes = {r["name"]: r for r in (await (await cli.get("/admin/routes")).json())["routes"]}
     assert routes["add"]["rate_limit"] == {"rps": 1.0, "burst": 2}
     assert routes["strict"]["rate_limit"] == {"rps": 0.5, "burst": 1}
+
+
+async def test_a_streaming_route_called_for_one_answer_over_http_is_400_naming_the_streaming_calls(
+    plugins_dir: Path, client
+) -> None:  # type: ignore[no-untyped-def]
+    """The registry refuses in its own words (``StreamingOnly``); HTTP says which calls stream."""
+    write_streaming_runner(plugins_dir, "steps", "steps")
+    cli = await client()
+    expected = (
+        "HTTP end point doesn't support models with decoupled transaction policy: "
+        "route 'steps' streams its responses; call .../generate_stream, "
+        ".../generate or gRPC ModelStreamInfer (or /v1 for an OpenAI route)"
+    )
+    n = {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1], "data": [2]}]}
+    for path, body in [("/v2/models/steps/infer", n), ("/predict/steps", {"n": [2]})]:
+        resp = await cli.post(path, json=body)
+        assert resp.status == 400
+        assert await resp.json() == {"error": expected}

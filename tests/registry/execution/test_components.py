@@ -1,4 +1,5 @@
-"""A loaded plugin's calls: where its executions run (runners) and its calls (processors)."""
+"""Loaded plugins by kind: where a runner's executions and a processor's calls run, what a
+streaming runner refuses."""
 
 import contextlib
 import json
@@ -68,7 +69,7 @@ async def test_a_runner_first_in_its_chain_checks_a_request_once(
 ) -> None:
     """Review of issue 12: a v2 request to a route whose first stage is its runner was
     checked against the runner's declared inputs twice (route, then runner)."""
-    from plugserve.registry.execution import components
+    from plugserve.registry.execution.components import runner as components
     from plugserve.registry.lifecycle.registry import Registry
     from plugserve.registry.types import RequestContext
 
@@ -95,7 +96,7 @@ async def test_a_runner_first_in_its_chain_checks_a_request_once(
         assert out["y"].tolist() == [[1.0]]
         assert checks == ["route 'last'"]
         # What a preprocessor hands a runner is checked by the runner, as before.
-        assert components.LoadedPlugin.runner_inputs(chain.runner, {"x": np.ones((1, 3))})
+        assert components.Runner.runner_inputs(chain.runner, {"x": np.ones((1, 3))})
         assert checks == ["route 'last'", f"runner {chain.runner.label}"]
     finally:
         await registry.close()
@@ -253,5 +254,39 @@ async def test_a_cancelled_processor_call_on_its_thread_is_waited_for(
         assert not await nap.wait_idle(0.05)
         assert await nap.wait_idle(10)
         assert nap.executing == 0
+    finally:
+        await registry.close()
+
+
+async def test_a_streaming_runner_called_for_one_answer_refuses_in_no_protocol_s_words(
+    plugins_dir: Path, models_dir: Path
+) -> None:
+    """The core names the route, not the front ends' calls that stream: each words it."""
+    import pytest
+    from plugserve.registry.registry import Registry
+
+    from plugserve.registry.errors import InvalidInput, StreamingOnly
+    from plugserve.registry.types import RequestContext
+    from tests.helpers import write_streaming_runner
+
+    write_streaming_runner(plugins_dir, "steps", "steps")
+    registry = Registry(plugins_dir, models_dir)
+    await registry.start()
+    try:
+        chain = registry.routes.resolve("steps", None)
+        ctx = RequestContext(request_id="r", route="steps", parameters={}, headers={},
+                             content_type="application/json")  # fmt: skip
+        chain.enter()
+        try:
+            with pytest.raises(StreamingOnly) as refused:
+                await chain.run({"n": np.array([2], np.int64)}, ctx)
+        finally:
+            chain.leave()
+        assert isinstance(refused.value, InvalidInput) and refused.value.status == 400
+        assert refused.value.route == "steps"
+        message = refused.value.message
+        assert "'steps'" in message
+        for word in ("HTTP", "gRPC", "generate", "/v1", "ModelStreamInfer", "decoupled"):
+            assert word not in message
     finally:
         await registry.close()

@@ -24,7 +24,7 @@ LABEL = "runner/double@1.0.0"
 
 @dataclass
 class Loaded:
-    """What ``Serving`` uses of a ``LoadedPlugin``: a sync runner that doubles ``x``."""
+    """What ``Serving`` uses of a ``BatchedRunner``: a sync runner that doubles ``x``."""
 
     scheduler: Scheduler
     breaker: CircuitBreaker

@@ -1,0 +1,169 @@
+"""A runner that answers each request once: its requests queue, form batches and execute."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from plugserve.registry.errors import PluginError
+from plugserve.registry.execution.batching import Scheduler
+from plugserve.registry.execution.breaker import CircuitBreaker
+from plugserve.registry.execution.components.inline import ExecutionCosts, rows
+from plugserve.registry.execution.components.runner import Runner, batch_policy
+from plugserve.registry.execution.stats import RunnerStats
+from plugserve.registry.types import RequestContext
+
+
+@dataclass(eq=False)
+class BatchedRunner(Runner):
+    """A runner in this process whose requests go through its :class:`Scheduler` (batching,
+    queue, priorities) behind its circuit breaker.
+
+    A synchronous ``infer`` runs on the instance's own thread pool (ONNX Runtime
+    releases the GIL); small batches proven cheap run on the event loop
+    (:class:`~plugserve.registry.execution.components.inline.ExecutionCosts`).
+    """
+
+    scheduler: Scheduler = field(init=False, repr=False)
+    breaker: CircuitBreaker = field(init=False, repr=False)
+    stats: RunnerStats = field(init=False, repr=False)
+    always_inline: bool = field(init=False, default=False, repr=False)
+    """Run every execution on the event loop (:meth:`run_inline`)."""
+    _method: Callable[..., Any] = field(init=False, repr=False)
+    _is_async: bool = field(init=False, repr=False)
+    _costs: ExecutionCosts = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._method = self._method_named("infer")
+        self._is_async = inspect.iscoroutinefunction(self._method)
+        super().__post_init__()
+        runner = self.section
+        if not self._is_async:
+            self._executor = ThreadPoolExecutor(runner.instances, thread_name_prefix=self.label)
+        self._costs = ExecutionCosts(runner.inline_budget_us / 1e6)
+        self.stats = RunnerStats()
+        self.breaker = CircuitBreaker(self.label, runner.breaker_failures, runner.breaker_reset_s)
+        self.scheduler = Scheduler(
+            self._execute,
+            batch_policy(runner),
+            self.label,
+            on_execution=self.stats.record_execution,
+            busy=lambda: self.executing,
+            on_failure=self._counted,
+            stop=self.breaker.open_error,
+        )
+
+    @property
+    def queued(self) -> int:
+        return self.scheduler.queued
+
+    def describe(self) -> dict[str, Any]:
+        scheduler, breaker = self.scheduler, self.breaker
+        figures: dict[str, Any] = {
+            "queued": scheduler.queued,
+            "executions": scheduler.executions,
+            "batched_rows": scheduler.rows,
+            "inline_executions": self.inline_executions,
+        }
+        if breaker.enabled:
+            figures["circuit"], figures["circuit_trips"] = breaker.state, breaker.trips
+        return figures
+
+    async def call(self, data: Any, ctx: RequestContext) -> Any:
+        """The request's outputs, once the batch it joined executed."""
+        inputs = self.runner_inputs(data)
+        self.validate_request(inputs)
+        ctx.rows = rows(inputs)
+        self.breaker.allow()
+        started = time.perf_counter()
+        try:
+            return await self.scheduler.submit(
+                inputs, ctx.deadline, ctx.priority, ctx.tenant, ctx.timings
+            )
+        finally:
+            self.breaker.release()
+            ctx.timings["compute_infer"] = (
+                time.perf_counter() - started - ctx.timings.get("queue", 0.0)
+            )
+
+    async def close(self, within: float) -> None:
+        self.scheduler.close()
+        await super().close(within)
+
+    # -- where executions run ------------------------------------------------------------
+
+    def run_on_loop(self, budget: float) -> None:
+        """Let a synchronous runner's batches run on the event loop within ``budget``
+        seconds each (:attr:`ExecutionCosts.loop_budget`), its scheduler gathering each loop
+        turn's requests. A runner with several instances, or with ``inline_budget_us = 0``,
+        keeps its threads."""
+        runner = self.section
+        if (
+            self._is_async
+            or runner.instances > 1  # executions side by side: they need threads
+            or runner.inline_budget_us == 0  # the runner's own "never on the loop"
+        ):
+            return
+        self._costs.loop_budget = budget
+        self.scheduler.gather = True
+
+    def run_inline(self) -> None:
+        """Run every execution on the event loop (a runner process, whose loop has nothing
+        else to do: requests that arrive meanwhile wait in the socket and form the next
+        batch). A synchronous ``infer`` then runs in the loop step that cut its batch
+        (:meth:`execute_inline`), with no task of its own."""
+        self.always_inline = True
+        if not self._is_async:
+            self.scheduler.inline = self.execute_inline
+
+    async def _execute(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """One execution on a (batched) input; what the scheduler calls."""
+        try:
+            if self._is_async:
+                result = await self._method(inputs)
+            elif self.always_inline or self._costs.runs_inline(inputs):
+                self.inline_executions += 1
+                result = self._timed(inputs)
+            else:
+                result = await self._on_thread(self._timed, inputs)
+        except Exception as exc:
+            self._raise_fault(exc)
+        return self._result(result)
+
+    def execute_inline(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """:meth:`_execute` on the caller's thread, for a sync runner that always runs
+        inline (:meth:`run_inline`): a batch then runs in the loop step that cut it."""
+        self.inline_executions += 1
+        try:
+            result = self._timed(inputs)
+        except Exception as exc:
+            self._raise_fault(exc)
+        return self._result(result)
+
+    def _timed(self, inputs: Mapping[str, np.ndarray]) -> Any:
+        started = time.perf_counter()
+        result = self._method(inputs)
+        self._costs.record(inputs, time.perf_counter() - started)
+        return result
+
+    # -- outcomes ------------------------------------------------------------------------
+
+    def _counted(self, exc: Exception) -> None:
+        """An execution of one request failed with ``exc`` (the scheduler reports it once it
+        knows whose fault it is): counted against the runner unless it is the request's own
+        mistake (400) or the runner's own 503 or 504."""
+        if getattr(exc, "status", 500) == 500:
+            self.breaker.failure()
+
+    def _result(self, result: Any) -> Mapping[str, np.ndarray]:
+        if not isinstance(result, Mapping):
+            problem = TypeError(f"infer() returned {type(result).__name__}, not a dict of arrays")
+            raise PluginError(self.label, problem)
+        self.breaker.success()
+        return result
