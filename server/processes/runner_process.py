@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import os
 import signal
@@ -40,6 +39,7 @@ from plugserve.registry.errors import (
 from plugserve.registry.execution import tracing
 from plugserve.registry.execution.components.batched import BatchedRunner
 from plugserve.registry.execution.isolation.shm import Allocator, Region
+from plugserve.registry.execution.isolation.supervision import die_with_parent
 from plugserve.registry.execution.isolation.wire import (
     NO_REQUEST,
     SMALL_BYTES,
@@ -58,19 +58,6 @@ log = structlog.get_logger("plugserve.runner")
 
 Answer = asyncio.Future[Mapping[str, np.ndarray]]
 """A request's outputs, once its batch ran."""
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL when the process that started this one ends. Not SIGTERM: a runner
-    blocked in its plugin's code never gets to a handler, and nobody is left to answer."""
-    libc = ctypes.CDLL(None) if sys.platform == "linux" else None
-    prctl = getattr(libc, "prctl", None)
-    if prctl is not None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it ended before the signal was asked for
-        sys.exit(1)
 
 
 class RunnerProcess:
@@ -402,8 +389,9 @@ class Serving(asyncio.Protocol):
 
 
 def main() -> int:
-    parent = os.getppid()
-    _die_with_parent(parent)
+    # SIGKILL when the process that started this one ends. Not SIGTERM: a runner blocked in
+    # its plugin's code never gets to a handler, and nobody is left to answer.
+    die_with_parent(signal.SIGKILL, os.getppid())
     # Everything imported before the spec is read: a spare process, started ahead of the
     # next load, has paid for its interpreter and imports when its spec comes.
     from plugserve.server.cli import _event_loop

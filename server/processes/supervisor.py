@@ -30,6 +30,9 @@ No orphans: each worker holds the read end of a pipe whose write end only the
 supervisor holds; when the supervisor ends, however it ends, the kernel closes
 it and every worker drains and exits (and Linux's parent-death signal backs
 that up while a worker is still starting).
+
+The restart loop, its backoff, the stall check and the parent-death signal are
+:mod:`plugserve.registry.execution.isolation.supervision`'s, as the runner host's are.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import pickle
 import shutil
@@ -44,7 +48,6 @@ import signal
 import socket
 import sys
 import tempfile
-import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,7 @@ from aiohttp import web
 
 from plugserve.registry.errors import ConfigError
 from plugserve.registry.execution.isolation.host import RunnerHost
+from plugserve.registry.execution.isolation.supervision import Restarts, keep_running, watch_stalls
 from plugserve.registry.lifecycle.watcher import Watcher
 from plugserve.server.app import process_settings, route_store
 from plugserve.server.config import Settings
@@ -73,14 +77,8 @@ from plugserve.server.triton.shm_table import SharedTable
 
 log = structlog.get_logger("plugserve.supervisor")
 
-RESTART_MIN_S = 0.5
-RESTART_MAX_S = 30.0
 STARTING_CONNECTIONS = 256
 """Connections the supervisor answers at once while no worker serves yet."""
-STALL_CHECK_S = 2.0
-"""How often each worker's event loop is asked for a sign of life (``worker_stall_timeout_s``)."""
-STABLE_S = 60.0
-"""A worker that ran this long before it ended is restarted at once (its backoff reset)."""
 
 
 class Supervisor:
@@ -151,27 +149,26 @@ class Supervisor:
             _signal(proc, signal.SIGKILL)
 
     async def _watch_stalls(self) -> None:
-        """Replace a worker whose event loop stopped answering: a request's plugin code
-        stuck on the loop would otherwise hold its connections, and its share of new
-        ones, for good (no deadline can fire on a loop that does not turn)."""
+        """Replace a worker whose event loop stopped answering ``/_control/alive`` for
+        ``worker_stall_timeout_s``: a request's plugin code stuck on the loop would
+        otherwise hold its connections, and its share of new ones, for good (no deadline
+        can fire on a loop that does not turn). An ask that fails otherwise (the worker is
+        gone, or going) is its keeper's business."""
         limit = self.settings.worker_stall_timeout_s
-        if not limit:
-            return
-        while not self.stopping.is_set():
-            await asyncio.sleep(min(STALL_CHECK_S, limit))
-            workers = list(self.pool.workers.values())
-            await asyncio.gather(*(self._alive(worker, limit) for worker in workers))
 
-    async def _alive(self, worker: Worker, limit: float) -> None:
-        try:
-            await worker.client.call("GET", "/_control/alive", timeout_s=limit)
-        except TimeoutError:
+        def stalled(worker: Worker) -> None:
             proc = self.procs.get(worker.index)
-            if proc is not None and proc.pid == worker.pid and not self.stopping.is_set():
+            if proc is not None and proc.pid == worker.pid:
                 log.error("worker_stalled", worker=worker.index, pid=worker.pid, seconds=limit)
                 _signal(proc, signal.SIGKILL)
-        except Exception:  # gone, or going: its keeper sees to it
-            return
+
+        await watch_stalls(
+            targets=lambda: list(self.pool.workers.values()),
+            ask=lambda worker: worker.client.call("GET", "/_control/alive", timeout_s=limit),
+            stall_timeout_s=limit,
+            on_stall=stalled,
+            stopping=self.stopping.is_set,
+        )
 
     async def _all_loaded(self) -> None:
         """Every first worker has loaded: the supervisor stops answering, they listen.
@@ -269,39 +266,51 @@ class Supervisor:
         self.stopping.set()
 
     async def _keep(self, index: int) -> None:
-        """Run worker ``index`` until the supervisor stops; start it again when it ends."""
-        backoff = RESTART_MIN_S
-        while not self.stopping.is_set():
-            started = time.monotonic()
-            try:
-                proc = await self._spawn(index)
-            except OSError as exc:
-                log.error("worker_start_failed", worker=index, error=repr(exc))
-                code: int | None = None
-            else:
-                code = await proc.wait()
-                self.procs.pop(index, None)
-                if index in self._first:  # it never loaded: the others need not wait for it
-                    self._first.discard(index)
-                    if not self._first and self.pool.workers:
-                        self._background(self._all_loaded())
-                if self.stopping.is_set() and self._drained_workers >= set(self.procs):
-                    self._all_drained.set()
-                os.close(self.lifelines.pop(index))
-                await self.pool.remove(index, proc.pid)
-                await self.runners.release_holder(str(proc.pid))
-                self.app[SUPERVISOR_METRICS].workers.set(len(self.pool.workers))
-            if self.stopping.is_set():
-                break
-            self.restarts[index] += 1
-            self.app[SUPERVISOR_METRICS].restarts.labels(str(index)).inc()
-            if time.monotonic() - started > STABLE_S:
-                backoff = RESTART_MIN_S
-            log.error("worker_died", worker=index, exit=_ended(code),
-                      restarts=self.restarts[index], restart_in_s=backoff)  # fmt: skip
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), backoff)
-            backoff = min(backoff * 2, RESTART_MAX_S)
+        """Run worker ``index`` until the supervisor stops; start it again when it ends
+        (or fails to start), with backoff."""
+        await keep_running(
+            start=functools.partial(self._spawn, index),
+            wait_for_exit=functools.partial(self._reap, index),
+            stopping=self.stopping.is_set,
+            on_exit=lambda proc, code, delay: self._died(index, code, delay),
+            on_start_failure=functools.partial(self._start_failed, index),
+            start_errors=(OSError,),
+            restarts=Restarts(),
+            woken_by=self.stopping,
+        )
+
+    async def _reap(self, index: int, proc: asyncio.subprocess.Process) -> int:
+        """Wait for worker ``index`` to end, and let go of what it held; its exit code."""
+        code = await proc.wait()
+        self.procs.pop(index, None)
+        if index in self._first:  # it never loaded: the others need not wait for it
+            self._first.discard(index)
+            if not self._first and self.pool.workers:
+                self._background(self._all_loaded())
+        if self.stopping.is_set() and self._drained_workers >= set(self.procs):
+            self._all_drained.set()
+        os.close(self.lifelines.pop(index))
+        await self.pool.remove(index, proc.pid)
+        await self.runners.release_holder(str(proc.pid))
+        self.app[SUPERVISOR_METRICS].workers.set(len(self.pool.workers))
+        return code
+
+    def _died(self, index: int, code: int | None, delay: float) -> None:
+        """Count the restart of worker ``index``, which ended with ``code`` (``None``: it
+        did not start), due in ``delay`` seconds."""
+        self.restarts[index] += 1
+        self.app[SUPERVISOR_METRICS].restarts.labels(str(index)).inc()
+        log.error("worker_died", worker=index, exit=_ended(code),
+                  restarts=self.restarts[index], restart_in_s=delay)  # fmt: skip
+
+    def _start_failed(self, index: int, error: BaseException, failures: int, delay: float) -> bool:
+        """A worker that cannot be started is counted as one that died, and tried again
+        unless the supervisor is stopping."""
+        log.error("worker_start_failed", worker=index, error=repr(error))
+        if self.stopping.is_set():
+            return False
+        self._died(index, None, delay)
+        return True
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         listen = [] if self.admin is None else [self.admin.fileno()]

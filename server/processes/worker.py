@@ -7,7 +7,6 @@ on a control socket of its own. Not a command for people to run.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
@@ -16,23 +15,15 @@ import sys
 
 import structlog
 
+from plugserve.registry.execution.isolation.supervision import die_with_parent
 from plugserve.server.processes.link import WorkerLink, WorkerSpec
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_supervisor(supervisor_pid: int) -> None:
-    """Linux: SIGTERM when the supervisor ends, even before the lifeline is watched."""
-    with_prctl = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform == "linux" else None
-    if with_prctl is not None:
-        with_prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != supervisor_pid:  # it ended before the signal was asked for
-        sys.exit(1)
 
 
 def main() -> int:
     spec: WorkerSpec = pickle.load(sys.stdin.buffer)
-    _die_with_supervisor(spec.supervisor_pid)
+    # SIGTERM when the supervisor ends, even before the lifeline is watched: the worker
+    # drains as on any stop.
+    die_with_parent(signal.SIGTERM, spec.supervisor_pid)
     # Ours alone: a process a plugin starts must not hold the port or the lifeline.
     for fd in (
         spec.lifeline_fd,

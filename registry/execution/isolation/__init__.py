@@ -5,5 +5,7 @@
 - ``groups``: a version's group of runner processes;
 - ``remote``: a worker's side, the component that stands for the runner;
 - ``host``: starts, supervises and stops runner processes;
+- ``supervision``: restart backoff, the restart loop, the stall check and the
+  parent-death signal, for runner processes and the supervisor's workers alike;
 - ``server/processes/runner_process.py``: the runner process itself.
 """

@@ -85,6 +85,7 @@ class RunnerProcess:
     socket: Path
     pid: int | None = None
     started_at: float | None = None
+    """When the process serving now came up, loaded (:func:`time.monotonic`)."""
     restarts: int = 0
     ended: dict[int, str] = field(default_factory=dict)
     """How each process that served this instance ended, by pid."""

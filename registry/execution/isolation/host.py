@@ -10,13 +10,18 @@ its processes, so whatever they leaked goes back to the operating system.
 A process that ends unasked is started again with backoff (0.5 s doubling to
 30 s; back to 0.5 s after a minute up), counted in ``restarts``. One that
 cannot be started :data:`MAX_START_FAILURES` times in a row leaves its group
-``failed``: requests are refused with the reason instead of a restart loop.
+``failed``: requests are refused with the reason instead of a restart loop. One
+whose event loop leaves a sign-of-life request unanswered for
+``ProcessSettings.stall_timeout_s`` is killed, and started again as one that
+ended. The loop, the backoff and the stall check are
+:mod:`plugserve.registry.execution.isolation.supervision`'s, as the worker supervisor's are.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -38,15 +43,13 @@ from plugserve.registry.execution.isolation.groups import (
     describe_exit,
 )
 from plugserve.registry.execution.isolation.remote import Connection, ConnectionLost
+from plugserve.registry.execution.isolation.supervision import Restarts, keep_running, watch_stalls
 from plugserve.registry.execution.stats import RunnerStats
 
 log = structlog.get_logger("plugserve.registry")
 
 RUNNER_MODULE = "plugserve.server.processes.runner_process"
 MAX_START_FAILURES = 3
-FIRST_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 30.0
-STABLE_AFTER_S = 60.0
 START_SLACK_S = 10.0
 """Beyond ``load_timeout_s``: the time a new interpreter takes to import what it needs."""
 STOP_SLACK_S = 5.0
@@ -54,9 +57,6 @@ RESTART_WAIT_S = 5.0
 """How long a request waits for its runner process to be back (after a crash) before 503."""
 MONITOR_BYTES = 4096
 """The shared memory of a connection that only reads figures."""
-STALL_CHECK_S = 2.0
-"""How often each runner process's event loop is asked for a sign of life
-(``ProcessSettings.stall_timeout_s``)."""
 MONITOR_OPEN_S = 10.0
 """How long a new process's monitor connection may take to open (it is idle then)."""
 
@@ -149,8 +149,11 @@ class RunnerHost:
                 process.stall_watch = asyncio.create_task(self._watch_stalls(group, process))
         return group
 
-    async def _spawn(self, group: RunnerGroup, process: RunnerProcess) -> None:
-        """Start one process and wait for its answer: loaded (with its metadata) or not."""
+    async def _spawn(
+        self, group: RunnerGroup, process: RunnerProcess
+    ) -> asyncio.subprocess.Process:
+        """Start one process and wait for its answer: loaded (with its metadata) or not;
+        the process, serving."""
         spec, settings = group.spec, self.settings
         env = dict(os.environ)
         if process.device is not None:  # before any CUDA library loads in the child
@@ -199,13 +202,14 @@ class RunnerHost:
             raise PluginLoadError(
                 f"{spec.label}: its runner process ended while loading ({how})", exit=how
             )
-        process.proc, process.pid, process.started_at = proc, proc.pid, time.time()
+        process.proc, process.pid, process.started_at = proc, proc.pid, time.monotonic()
         process.ended.pop(proc.pid, None)  # a pid number used again: not how this one ends
         if settings.stall_timeout_s > 0:
             await self._open_monitor(group, process, proc.pid)
         group.metadata = answer.get("metadata")
         process.up.set()
         log.info("runner_process_started", plugin=spec.label, pid=proc.pid, instance=process.index)
+        return proc
 
     def _take_spare(self) -> asyncio.subprocess.Process | None:
         """The spare process, started ahead and waiting for a spec, if it is ready."""
@@ -224,92 +228,96 @@ class RunnerHost:
             self._spare = asyncio.create_task(_start(dict(os.environ), self._started))
 
     async def _watch(self, group: RunnerGroup, process: RunnerProcess) -> None:
-        """Wait for the process to end; unasked, start it again with backoff."""
-        backoff = FIRST_BACKOFF_S
-        while True:
-            proc = process.proc
-            assert proc is not None
-            assert process.pid is not None
-            returncode = await proc.wait()
-            if group.stopping:
-                return
-            # A stall check that killed it has said why already.
-            how = process.ended.setdefault(process.pid, describe_exit(returncode))
-            process.up.clear()
-            monitor = self._monitors.pop(process.pid, None)
-            if monitor is not None:
-                monitor.close()
-            process.restarts += 1
-            up_for = time.time() - (process.started_at or time.time())
-            if up_for > STABLE_AFTER_S:
-                backoff = FIRST_BACKOFF_S
-            log.error(
-                "runner_process_died",
-                plugin=group.spec.label,
-                pid=process.pid,
-                instance=process.index,
-                exit=how,
-                restart_in_s=backoff,
-            )
-            failures = 0
-            while True:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
-                if group.stopping:
-                    return
-                try:
-                    await self._spawn(group, process)
-                    break
-                except PluginLoadError as exc:
-                    failures += 1
-                    log.error(
-                        "runner_process_start_failed",
-                        plugin=group.spec.label,
-                        instance=process.index,
-                        error=exc.message,
-                        failures=failures,
-                    )
-                    if failures >= MAX_START_FAILURES:
-                        group.failed = (
-                            f"{group.spec.label}: its runner process failed to start "
-                            f"{failures} times in a row: {exc.message}"
-                        )
-                        process.pid = process.proc = None
-                        process.up.set()  # wake the waiters: they read ``failed``
-                        return
+        """Wait for the process to end; unasked, start it again with backoff, until its
+        group stops or :data:`MAX_START_FAILURES` starts in a row failed."""
+        await keep_running(
+            start=functools.partial(self._spawn, group, process),
+            wait_for_exit=lambda proc: proc.wait(),
+            stopping=lambda: group.stopping,
+            on_exit=functools.partial(self._died, group, process),
+            on_start_failure=functools.partial(self._start_failed, group, process),
+            start_errors=(PluginLoadError,),
+            restarts=Restarts(),
+            running=process.proc,
+            running_since=process.started_at,
+        )
+
+    def _died(
+        self,
+        group: RunnerGroup,
+        process: RunnerProcess,
+        proc: asyncio.subprocess.Process,
+        returncode: int,
+        delay: float,
+    ) -> None:
+        # A stall check that killed it has said why already.
+        how = process.ended.setdefault(proc.pid, describe_exit(returncode))
+        process.up.clear()
+        monitor = self._monitors.pop(proc.pid, None)
+        if monitor is not None:
+            monitor.close()
+        process.restarts += 1
+        log.error(
+            "runner_process_died",
+            plugin=group.spec.label,
+            pid=proc.pid,
+            instance=process.index,
+            exit=how,
+            restart_in_s=delay,
+        )
+
+    def _start_failed(
+        self,
+        group: RunnerGroup,
+        process: RunnerProcess,
+        error: BaseException,
+        failures: int,
+        delay: float,
+    ) -> bool:
+        """Whether to try again: not after :data:`MAX_START_FAILURES` in a row (the group
+        is ``failed`` then)."""
+        message = error.message if isinstance(error, PlugserveError) else repr(error)
+        log.error(
+            "runner_process_start_failed",
+            plugin=group.spec.label,
+            instance=process.index,
+            error=message,
+            failures=failures,
+        )
+        if failures < MAX_START_FAILURES:
+            return True
+        group.failed = (
+            f"{group.spec.label}: its runner process failed to start "
+            f"{failures} times in a row: {message}"
+        )
+        process.pid = process.proc = None
+        process.up.set()  # wake the waiters: they read ``failed``
+        return False
 
     async def _watch_stalls(self, group: RunnerGroup, process: RunnerProcess) -> None:
         """Kill the instance's process once its event loop has left a sign-of-life request
-        (its figures) unanswered for ``stall_timeout_s``: a batch stuck in the plugin's
-        code (a sync runner runs on that loop) would otherwise hold its requests forever.
-        :meth:`_watch` then answers them with the reason and starts it again.
+        (its figures) unanswered for ``stall_timeout_s``
+        (:func:`~plugserve.registry.execution.isolation.supervision.watch_stalls`): a batch stuck in
+        the plugin's code (a sync runner runs on that loop) would otherwise hold its
+        requests forever. :meth:`_watch` then answers them with the reason and starts it
+        again.
 
-        Each ask waits ``stall_timeout_s`` for its answer, so one ask that times out is a
-        whole timeout of silence. (Counting silence from the last answer instead, with the
-        first look as the start, missed a process stopped just before that look: its first
-        timed-out ask came out a hair under the timeout, and it answered again before the
-        next one.) The monitor connection is opened as the process starts, before any
-        request reaches it (:meth:`_spawn`): opening one later takes a handshake that the
-        same stuck loop would have to answer. An ask that fails otherwise (the connection
-        cannot be opened, this process is out of files) says nothing of the process's loop
-        and is not counted."""
+        The monitor connection is opened as the process starts, before any request
+        reaches it (:meth:`_spawn`): opening one later takes a handshake that the same
+        stuck loop would have to answer. An ask that fails otherwise (the connection
+        cannot be opened, this process is out of files) is not counted."""
         limit = self.settings.stall_timeout_s
-        while not group.stopping:
-            await asyncio.sleep(min(STALL_CHECK_S, limit))
+
+        def serving() -> list[tuple[asyncio.subprocess.Process, int]]:
             proc, pid = process.proc, process.pid
             if pid is None or proc is None or not process.up.is_set():
-                continue  # starting, or failed: nothing to ask
-            try:
-                await asyncio.wait_for(self._ask(process, pid), limit)
-            except TimeoutError:
-                pass  # a whole timeout without an answer
-            except Exception as exc:  # it ended (_watch's business), or cannot be asked
-                log.debug("runner_process_not_asked", pid=pid, error=repr(exc))
-                continue
-            else:
-                continue
-            if group.stopping or process.pid != pid or proc.returncode is not None:
-                continue
+                return []  # starting, or failed: nothing to ask
+            return [(proc, pid)]
+
+        def stalled(serving: tuple[asyncio.subprocess.Process, int]) -> None:
+            proc, pid = serving
+            if process.pid != pid or proc.returncode is not None:
+                return
             process.ended[pid] = (
                 f"killed by SIGKILL: stalled, its event loop did not answer for {limit:g} s"
             )
@@ -322,6 +330,19 @@ class RunnerHost:
             )
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
+
+        def unasked(serving: tuple[asyncio.subprocess.Process, int], exc: Exception) -> None:
+            # it ended (_watch's business), or cannot be asked
+            log.debug("runner_process_not_asked", pid=serving[1], error=repr(exc))
+
+        await watch_stalls(
+            targets=serving,
+            ask=lambda serving: self._ask(process, serving[1]),
+            stall_timeout_s=limit,
+            on_stall=stalled,
+            stopping=lambda: group.stopping,
+            on_unasked=unasked,
+        )
 
     async def _monitor(self, process: RunnerProcess, pid: int, within: float) -> Connection:
         """The connection that reads the figures of ``pid`` (the process serving now); one
