@@ -263,9 +263,9 @@ async def test_a_streaming_runner_called_for_one_answer_refuses_in_no_protocol_s
 ) -> None:
     """The core names the route, not the front ends' calls that stream: each words it."""
     import pytest
-    from plugserve.registry.registry import Registry
 
     from plugserve.registry.errors import InvalidInput, StreamingOnly
+    from plugserve.registry.lifecycle.registry import Registry
     from plugserve.registry.types import RequestContext
     from tests.helpers import write_streaming_runner
 
