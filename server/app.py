@@ -196,8 +196,8 @@ def create_app(
         through = worker.forward
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
     _isolated_runners(app[REGISTRY], settings, worker)
-    if settings.runners_on_loop:
-        app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S
+    if settings.runners_on_loop and (worker is not None or settings.inline_runners == "on"):
+        app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S  # auto: one of several workers only
     fleet = worker.fleet_health if worker is not None and worker.spec.fleet else None
     app[READINESS] = Readiness(app[REGISTRY], app[DRAIN], app[ROUTE_STORE], fleet)
     if worker is None:

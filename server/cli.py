@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from plugserve.registry.backends import cpu_share
+from plugserve.registry.backends.cpu_share import CpuShare
 from plugserve.registry.errors import ConfigError, PlugserveError
 from plugserve.registry.fleet.etcd_store import EtcdLocation
 from plugserve.server import __version__
@@ -35,6 +37,7 @@ from plugserve.server.http.connections import (
     refusing_budget,
     run_app,
 )
+from plugserve.server.runtime.cores import usable_cores
 from plugserve.server.runtime.logs import configure_logging, protocol_logger
 from plugserve.server.runtime.stdio import flush_std_streams, protect_std_streams
 from plugserve.server.state import DRAIN, METRICS
@@ -71,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--workers",
-        help="HTTP worker processes sharing the port: a number, or auto (one per core); default 1",
+        help="HTTP worker processes sharing the port: a number, or auto (one per usable core, "
+        "the default)",
     )
     serve.add_argument(
         "--inline-runners",
@@ -178,6 +182,8 @@ def _serve(args: argparse.Namespace) -> int:
         else None,
     )
     workers = settings.worker_count
+    # Backends size their thread pools from it: every worker runs an event loop.
+    cpu_share.assign(CpuShare(usable_cores(), workers))
     if workers > 1:
         from plugserve.server.processes.supervisor import supervise
 

@@ -158,9 +158,9 @@ class Settings:
     """Who may use Triton's system shared memory extension: ``loopback`` (clients on this
     host), ``any`` (every caller the data plane admits) or ``off``."""
     # -- processes (server/processes/) --
-    workers: int | str = 1
-    """HTTP worker processes sharing the port: a number, or ``auto`` (one per usable core).
-    With more than one, a supervisor process runs them (docs/operations.md)."""
+    workers: int | str = "auto"
+    """HTTP worker processes sharing the port: a number, or ``auto`` (the default: one per
+    usable core). With more than one, a supervisor process runs them (docs/operations.md)."""
 
     worker_stall_timeout_s: float = 30.0
     """With several workers: one whose event loop has not answered the supervisor for this

@@ -10,9 +10,10 @@ import subprocess
 import sys
 import textwrap
 import time
+import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -314,6 +315,21 @@ def wait_until_ok(
     raise TimeoutError(f"{url} not answering 200 within {timeout}s:\n{log()}")
 
 
+def chooses_workers(args: Sequence[str]) -> bool:
+    """Whether a ``serve`` command line sets ``workers``: by flag, or in its config file.
+
+    Servers in tests run one process unless the test asks for more; the default
+    (``auto``, one worker per usable core) would make the suite's processes depend on
+    the machine it runs on.
+    """
+    if "--workers" in args:
+        return True
+    if "--config" in args:
+        config = Path(args[list(args).index("--config") + 1])
+        return config.is_file() and "workers" in tomllib.loads(config.read_text())
+    return False
+
+
 class ServerProcess:
     """``plugserve serve`` as a real subprocess on a free loopback port."""
 
@@ -322,6 +338,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         command = [sys.executable, "-m", "plugserve", "serve", "--port", str(self.port), *args]
+        if not chooses_workers(args):
+            command += ["--workers", "1"]  # one process, whatever the machine's cores
         # Its own gRPC port too (the default, 8001, would be shared by the servers of a test).
         self.grpc_port = 0
         if "--grpc-port" not in args:

@@ -6,7 +6,7 @@ A declarative runner::
     backend = "onnxruntime"
     model = "models:iris"                 # or "model.onnx" beside the manifest
     providers = ["CPUExecutionProvider"]  # preference order; default CPU
-    intra_op_threads = 2                  # optional session options
+    intra_op_threads = 2                  # optional; default: the server's choice (cpu_share.py)
     inter_op_threads = 1
     session_config = { "session.intra_op.allow_spinning" = "0" }
 """
@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from plugserve.registry.backends import cpu_share
+from plugserve.registry.backends.cpu_share import ThreadChoice
 from plugserve.registry.backends.ort_gpu import (
     GPU_PROVIDERS,
     TENSORRT_LIBRARIES,
@@ -44,6 +46,9 @@ from plugserve.registry.hookspecs import hookimpl
 from plugserve.registry.tensors.datatypes import numpy_dtype
 from plugserve.registry.tensors.values import cast_exact
 from plugserve.registry.types import BackendFactory, PluginInfo
+
+SPINNING = "session.intra_op.allow_spinning"
+INTER_SPINNING = "session.inter_op.allow_spinning"
 
 # ONNX tensor element types as ONNX Runtime names them, and their v2 datatypes.
 ONNX_TO_V2 = {
@@ -274,11 +279,26 @@ def _fix(ort: Any, library: str | None) -> str:
     return gpu_fix(ort)
 
 
-def _session_options(ort: Any, options: OrtOptions, model_path: Path) -> tuple[Any, Path]:
+def thread_choice(options: OrtOptions, instances: int) -> ThreadChoice | None:
+    """The intra-op threads to use: the runner's, else chosen from the server's CPU share
+    (``registry/backends/cpu_share.py``); ``None``: ONNX Runtime's default (no server)."""
+    if options.intra_op_threads is not None:
+        spinning = options.session_config.get(SPINNING, "1") != "0"
+        return ThreadChoice(options.intra_op_threads, spinning, "runner.intra_op_threads")
+    share = cpu_share.current()
+    return None if share is None else cpu_share.choose(share, instances)
+
+
+def _session_options(
+    ort: Any, options: OrtOptions, model_path: Path, threads: ThreadChoice | None = None
+) -> tuple[Any, Path]:
     """SessionOptions, and the model file to load (an optimized copy when cached)."""
     session = ort.SessionOptions()
-    if options.intra_op_threads is not None:
-        session.intra_op_num_threads = options.intra_op_threads
+    if threads is not None:
+        session.intra_op_num_threads = threads.threads
+        if not threads.spinning and SPINNING not in options.session_config:
+            session.add_session_config_entry(SPINNING, "0")
+            session.add_session_config_entry(INTER_SPINNING, "0")
     if options.inter_op_threads is not None:
         session.inter_op_num_threads = options.inter_op_threads
     levels = ort.GraphOptimizationLevel
@@ -323,7 +343,8 @@ def create_runner(
         raise PluginLoadError(f"{plugin.label}: the onnxruntime backend needs [runner] model")
     options = parse_options(runner, plugin.label)
     providers = _choose_providers(ort, options, plugin)
-    session_options, source = _session_options(ort, options, model_path)
+    threads = thread_choice(options, _instances(runner))
+    session_options, source = _session_options(ort, options, model_path, threads)
     session = ort.InferenceSession(
         str(source),
         sess_options=session_options,
@@ -338,13 +359,21 @@ def create_runner(
         if used[0] in {p.name for p in providers}
         else Provider(used[0])
     )
-    runtime = {
+    runtime: dict[str, Any] = {
         "requested_providers": [p.name for p in options.providers],
         "providers": list(used),
         "device": options.device or serving.device,
     }
+    if threads is not None:
+        runtime["threads"] = threads.as_json()
     plugin.logger.info("onnx_session_created", model=str(source), **runtime)
     return OnnxRuntimeRunner(session, plugin, runtime, options)
+
+
+def _instances(runner: Mapping[str, Any]) -> int:
+    """The runner's concurrent executions (``instances``; the manifest checked it)."""
+    value = runner.get("instances", 1)
+    return value if isinstance(value, int) and value > 0 else 1
 
 
 create_runner.model_filename = "model.onnx"  # type: ignore[attr-defined]  # factories may carry it

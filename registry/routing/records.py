@@ -78,6 +78,7 @@ def _iso(timestamp: float) -> str:
 
 
 def _runtime(current: LoadedPlugin | None) -> dict[str, Any]:
-    """Where a runner executes (device, providers), as its backend reports it."""
+    """Where a runner executes (device, providers, threads), as its backend reports it."""
     metadata = (current.metadata() if current else None) or {}
-    return {k: metadata[k] for k in ("device", "providers", "requested_providers") if k in metadata}
+    keys = ("device", "providers", "requested_providers", "threads")
+    return {k: metadata[k] for k in keys if k in metadata}

@@ -22,13 +22,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from plugserve.registry.backends import cpu_share
+from plugserve.registry.backends.cpu_share import CpuShare
 from plugserve.registry.backends.ort_gpu import RUNTIMES, installed_runtimes
 from plugserve.registry.backends.ort_gpu import install_command as extra_command
 from plugserve.registry.errors import PlugserveError
 from plugserve.registry.fleet.etcd_store import EtcdLocation
 from plugserve.server import __version__
 from plugserve.server.config import Settings, load_settings
-from plugserve.server.runtime.cores import affinity_cores, bounded, cpu_quota
+from plugserve.server.runtime.cores import affinity_cores, bounded, cpu_quota, usable_cores
 
 ETCD_TIMEOUT_S = 2.0
 SYSTEM_LIBRARIES = (
@@ -99,6 +101,7 @@ def diagnose(config: Path | None) -> list[Check]:
     settings_check, settings = _settings(config)
     checks.append(settings_check)
     if settings is not None:
+        checks.append(_threads(settings))
         checks.append(_plugins_dir(settings))
         checks.append(_port(settings))
         if settings.registry != "local":
@@ -117,6 +120,21 @@ def _cores() -> Check:
     shown = "none" if quota is None else f"{quota:g} cores"
     detail = f"{usable} usable (affinity {affinity}, cgroup CPU quota {shown})"
     return Check("cpu", "ok", detail, data={"usable": usable, "affinity": affinity, "quota": quota})
+
+
+def _threads(settings: Settings) -> Check:
+    """The processes and backend threads ``plugserve serve`` would choose for these cores."""
+    usable, workers = usable_cores(), settings.worker_count
+    choice = cpu_share.choose(CpuShare(usable, workers))
+    why = "auto: one per usable core" if settings.workers == "auto" else "set"
+    detail = (
+        f"{workers} worker process{'es' if workers != 1 else ''} ({why}); ONNX Runtime "
+        f"sessions {choice.threads} intra-op thread{'s' if choice.threads != 1 else ''} each, "
+        f"spinning {'on' if choice.spinning else 'off'} ({choice.reason}), unless a runner "
+        "sets intra_op_threads"
+    )
+    data = {"workers": workers, "workers_chosen": settings.workers == "auto", **choice.as_json()}
+    return Check("threads", "ok", detail, data=data)
 
 
 def _onnxruntime() -> list[Check]:

@@ -1,9 +1,10 @@
 """The request path's floor: what an answer costs before plugserve's own work, and after.
 
     python -m tests.benchmarks.floor [--rounds 5] [--duration 4] [--connections 64]
-                                     [--baseline OTHER_CHECKOUT]
+                                     [--model mlp|identity] [--baseline OTHER_CHECKOUT]
 
-One plugserve (``--workers 1``, the serving benchmark's MLP, tests/benchmarks/serving.py)
+One plugserve (``--workers 1``, the serving benchmark's MLP, tests/benchmarks/serving.py,
+or with ``--model identity`` a model that returns its input: the server's cost alone)
 and one bare aiohttp server on uvloop, both up for the whole run, take turns under
 ``wrk`` round after round:
 
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from tests.benchmarks.serving import (
     BARE,
+    MODELS,
     Server,
     binary_body,
     cpu_tree,
@@ -51,10 +53,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", type=int, default=4, help="seconds per measurement")
     parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-floor-"))
-    plugins = write_mlp_runner(work)
+    plugins = write_mlp_runner(work, model=args.model)
     empty = work / "empty.lua"
     empty.write_text("")
     body, length = binary_body()
@@ -65,7 +68,8 @@ def main() -> None:
     port, bare_port = free_port(), free_port()
     command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(plugins),
                "--models-dir", str(work / "models"), "--port", str(port),
-               "--grpc-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
+               "--grpc-port", str(free_port()), "--log-level", "warning",
+               "--workers", "1"]  # fmt: skip
     servers = [
         Server([sys.executable, "-c", BARE_UVLOOP, str(bare_port)], bare_port, work / "bare.log"),
         Server(command, port, work / "plugserve.log"),
@@ -75,7 +79,8 @@ def main() -> None:
     if args.baseline is not None:
         other = free_port()
         baseline_command = [*command[:command.index("--port") + 1], str(other),
-                            "--grpc-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
+                            "--grpc-port", str(free_port()), "--log-level", "warning",
+                            "--workers", "1"]  # fmt: skip
         baseline = Server(baseline_command, other, work / "baseline.log",
                           checkout=args.baseline.resolve())  # fmt: skip
         servers.append(baseline)
@@ -142,6 +147,15 @@ def main() -> None:
         each = [a[1] - b[1] for a, b in zip(samples[top], samples[bottom], strict=True)]
         shown = ", ".join(f"{d:+.0f}" for d in each)
         print(f"  {label}: {statistics.median(each):+.1f} us ({top} - {bottom}; {shown})")
+    print("\nServer CPU per request over the bare aiohttp POST of the same body (per round):")
+    for label, case, target in (("binary", "plugserve infer binary", 2.0),
+                                ("JSON", "plugserve infer JSON", 2.5)):  # fmt: skip
+        each = [a[1] / b[1] for a, b in zip(samples[case], samples["bare POST"], strict=True)]
+        x = statistics.median(each)
+        shown = ", ".join(f"{r:.2f}" for r in each)
+        verdict = "PASS" if x <= target else "MISS"
+        note = "" if args.model == "identity" else " (the targets are stated with --model identity)"
+        print(f"  {label}: {x:.2f}x ({shown}; target <= {target}){note}  {verdict}")
     if any(errors.values()):
         raise SystemExit(f"errors: {errors}: a case that failed requests has no figure")
 

@@ -137,7 +137,8 @@ def test_runners_run_on_the_loop_when_asked_or_when_every_core_has_a_worker(
     import plugserve.server.config as config
 
     monkeypatch.setattr(config, "usable_cores", lambda: 4)
-    assert not Settings().runners_on_loop  # one worker: as before
+    assert not Settings(workers=1).runners_on_loop  # one worker: its runners on threads
+    assert Settings().runners_on_loop  # auto: a worker per core
     assert not Settings(workers=2).runners_on_loop  # cores to spare: threads use them
     assert Settings(workers=4).runners_on_loop
     assert Settings(workers="auto").runners_on_loop

@@ -34,7 +34,11 @@ def test_doctor_reports_the_runtime_and_the_gpu_libraries(tmp_path: Path) -> Non
     assert checks["settings"]["data"]["port"] == 8000
     cpu = checks["cpu"]["data"]  # what workers = "auto" counts, and from what
     assert 1 <= cpu["usable"] <= cpu["affinity"] == len(os.sched_getaffinity(0))
-    assert checks["settings"]["data"]["workers"] == 1
+    assert checks["settings"]["data"]["workers"] == cpu["usable"]  # auto, the default
+    threads = checks["threads"]["data"]
+    assert threads["workers"] == cpu["usable"] and threads["workers_chosen"]
+    assert threads["intra_op"] == 1
+    assert not threads["spinning"]  # a worker per core: threads beside every loop
     if checks["onnxruntime"]["data"]["cuda_version"] is None:  # a CPU-only onnxruntime
         assert checks["gpu"]["status"] == "warning"
         assert checks["gpu"]["fix"].startswith("pip uninstall -y onnxruntime && pip install")
@@ -53,6 +57,18 @@ def test_doctor_reports_the_runtime_and_the_gpu_libraries(tmp_path: Path) -> Non
     else:  # some only in the NVIDIA wheels' folders, which plugserve preloads from
         assert cuda["status"] == "ok" and "plugserve loads" in cuda["detail"]
     assert "libcudnn.so.9" in checks["cudnn"]["data"]["libraries"]
+
+
+def test_doctor_shows_the_threads_one_worker_leaves_to_onnx_runtime(tmp_path: Path) -> None:
+    config = tmp_path / "one.toml"
+    config.write_text("workers = 1\n")
+    code, checks = doctor(tmp_path, "--config", str(config))
+    assert code == 0, checks
+    usable = checks["cpu"]["data"]["usable"]
+    threads = checks["threads"]["data"]
+    assert threads["workers"] == 1 and not threads["workers_chosen"]
+    assert threads["intra_op"] == max(1, usable - 1)  # every core but the loop's
+    assert "1 event loop" in threads["reason"]
 
 
 def test_the_install_command_names_the_wheels_the_extras_lack() -> None:

@@ -116,7 +116,7 @@ async def test_routes_listing_shows_what_serves(plugins_dir: Path, client) -> No
 @pytest.mark.slow
 @pytest.mark.workers(1, 2)
 def test_a_real_server_answers_the_listings_and_token_rules_as_one(
-    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess], workers: int
 ) -> None:
     """The three tests above against a real server; with workers, whichever answers."""
     write_listed(plugins_dir)
@@ -131,6 +131,12 @@ def test_a_real_server_answers_the_listings_and_token_rules_as_one(
     for _ in range(4):  # each on a new connection, wherever the kernel hands it
         check_plugins(json.loads(srv.request("GET", "/admin/plugins", headers=auth)[2]))
         check_routes(json.loads(srv.request("GET", "/admin/routes", headers=auth)[2]))
+    # The ONNX Runtime threads the server chose for the runner, and from what.
+    doc = json.loads(srv.request("GET", "/admin/plugins", headers=auth)[2])
+    row = next(p for p in doc["plugins"] if (p["name"], p["version"]) == ("add", "1.0.0"))
+    loops = "1 event loop" if workers == 1 else f"{workers} event loops"
+    assert loops in row["threads"]["reason"], row
+    assert row["threads"]["intra_op"] >= 1
 
 
 SLOW_PREPROCESSOR = """

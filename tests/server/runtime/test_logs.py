@@ -158,7 +158,7 @@ def test_a_reader_that_goes_away_neither_breaks_serving_nor_holds_sigterm(
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "plugserve", "serve", "--port", str(port),
                "--grpc-port", str(free_port()), "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
-               "--config", str(config)]  # fmt: skip
+               "--config", str(config), "--workers", "1"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -198,7 +198,7 @@ def test_a_reader_that_stops_reading_does_not_stall_the_server(
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "plugserve", "serve", "--port", str(port),
                "--grpc-port", str(free_port()), "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
-               "--config", str(config)]  # fmt: skip
+               "--config", str(config), "--workers", "1"]  # fmt: skip
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_until_ok(proc, url + "/v2/health/ready", 30, lambda: "")
