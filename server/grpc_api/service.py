@@ -507,6 +507,12 @@ async def _write_whole(
         if tracked is None or tracked.ended is None:
             await asyncio.wait([write])
         raise
+    except Exception:
+        if context.done():
+            # The call ended under the write (its client cancelled it): gRPC's core fails
+            # the write (``ExecuteBatchError``). A hang-up, as over HTTP, not a fault.
+            raise asyncio.CancelledError from None
+        raise
     finally:
         if tracked is not None:
             tracked.write_ended()
