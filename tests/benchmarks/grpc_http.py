@@ -4,6 +4,7 @@
     python -m tests.benchmarks.grpc_http [--duration 10] [--concurrency 1 64] [--workers 1 2]
                                          [--rounds 3] [--streams 1] [--generator-threads 1]
                                          [--no-generator-check] [--no-mlserver] [--mlserver-json]
+                                         [--no-triton] [--no-auto]
 
 Issue 15's target, in one run on one machine: the serving benchmark's medium
 MLP (tests/benchmarks/serving.py: 256 -> 1024 -> 1024 -> 1024 -> 10, FP32,
@@ -16,6 +17,12 @@ batching 64 / 2 ms), one row per request, served by
   constant) and a bare grpc.aio server on uvloop (``ModelInfer`` answers a
   constant message): what any server on each stack costs here (``--no-bare``
   leaves them out);
+- plugserve as installed (``plugserve-auto``: no ``--workers``, no thread setting;
+  ``--no-auto`` leaves it out);
+- the real NVIDIA Triton 2.51 (its Python backend running ONNX Runtime, dynamic
+  batcher 64 / 2 ms, ../shared/peers/triton/serve.sh; ``--no-triton``): gRPC and
+  HTTP binary, the same messages; its successful inferences counted from its
+  statistics extension;
 - MLServer 1.7.1 (adaptive batching 64 / 2 ms, ../shared/peers/mlserver/serve.sh)
   over gRPC, the same message (and its HTTP JSON with ``--mlserver-json``: it
   has no binary extension).
@@ -55,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import re
 import resource
@@ -74,14 +82,17 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from plugserve.server.runtime.cores import usable_cores
 from tests.benchmarks.serving import (
     BARE,
     DIMS,
     PEER,
+    TRITON,
     Result,
     Server,
     Spread,
     _ms,
+    _two_free_ports,
     admin_workers,
     binary_body,
     cpu_tree,
@@ -286,6 +297,22 @@ class Counter:
         return last
 
 
+@dataclass(frozen=True)
+class TritonCounter(Counter):
+    """Triton's successful inferences of a model, from its statistics extension (its
+    Prometheus metrics are off in the peer): every protocol's, which in a gRPC run are
+    the gRPC calls."""
+
+    def read(self) -> float:
+        with urllib.request.urlopen(self.url, timeout=10) as r:
+            doc = json.load(r)
+        return float(sum(m["inference_stats"]["success"]["count"] for m in doc["model_stats"]))
+
+
+def triton_counter(port: int, model: str) -> Counter:
+    return TritonCounter(f"http://127.0.0.1:{port}/v2/models/{model}/stats", "", ())
+
+
 def plugserve_counter(port: int) -> Counter:
     labels = (("protocol", "grpc"), ("route", "mlp"), ("status", "200"))
     return Counter(f"http://127.0.0.1:{port}/metrics", "plugserve_requests_total", labels)
@@ -418,8 +445,8 @@ def start_plugserve(
     command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(plugins),
                "--models-dir", str(plugins.parent / "models"), "--port", str(port),
                "--grpc-port", str(grpc_port), "--log-level", "warning"]  # fmt: skip
-    command += ["--workers", str(workers)] if workers > 1 else []
-    name = f"plugserve-w{workers}"
+    command += ["--workers", str(workers)] if workers else []  # 0: as installed
+    name = f"plugserve-w{workers}" if workers else "plugserve-auto"
     server = Server(command, port, work / f"{name}.log")
     return server, grpc_port, [
         Case(name, "grpc", f"http://127.0.0.1:{grpc_port}{MODEL_INFER}", frame, server,
@@ -441,6 +468,7 @@ def start_all(args: argparse.Namespace, work: Path, run: Run) -> None:
     model = make_mlp(work / "mlp.onnx")
     expected = expected_answer(model)
     plugins = write_mlp_runner(work)
+    as_installed = write_mlp_runner(work / "auto", "")  # no thread setting: the server's
     body, header_len = binary_body()
     binary = lua_script(work, body, {"Content-Type": "application/octet-stream",
                                      "Inference-Header-Content-Length": str(header_len)})  # fmt: skip
@@ -459,15 +487,34 @@ def start_all(args: argparse.Namespace, work: Path, run: Run) -> None:
             Case("bare", "grpc", f"http://127.0.0.1:{grpc_port}{MODEL_INFER}", raw_frame,
                  bare_grpc),
         ]  # fmt: skip
-    for n in args.workers:
-        server, grpc_port, cases = start_plugserve(plugins, n, work, raw_frame, binary)
+    counts = [*args.workers, *([] if args.no_auto else [0])]
+    for n in counts:
+        folder = plugins if n else as_installed
+        server, grpc_port, cases = start_plugserve(folder, n, work, raw_frame, binary)
         run.servers.append(server)  # stopped in finally even if never ready
         server.wait("/v2/health/ready", 120)
-        if n > 1:
-            wait_workers(server, n)
+        if n == 0:  # as installed: a worker per usable core
+            for case in cases:
+                case.workers = usable_cores()
+        if (n or usable_cores()) > 1:
+            wait_workers(server, n or usable_cores())
         grpc_check(grpc_port, infer_request(), expected)
         run.contents[cases[0].name] = "raw_input_contents"
         run.cases += cases
+    if not args.no_triton:
+        port = _two_free_ports()  # serve.sh: HTTP on port, gRPC on port + 1
+        command = ["bash", str(TRITON), str(model), str(port), "64", "2000"]
+        server = Server(command, port, work / "triton.log")
+        run.servers.append(server)
+        server.wait(f"/v2/models/{model.stem}/ready", 900)
+        grpc_check(port + 1, infer_request(), expected)
+        run.contents["triton"] = "raw_input_contents"
+        url = f"http://127.0.0.1:{port + 1}{MODEL_INFER}"
+        run.cases += [
+            Case("triton", "grpc", url, raw_frame, server, triton_counter(port, model.stem)),
+            Case("triton", "binary", f"http://127.0.0.1:{port}/v2/models/{model.stem}/infer",
+                 binary, server),
+        ]  # fmt: skip
     if args.no_mlserver:
         return
     port = free_port()  # serve.sh: gRPC on port + 1, metrics on port + 2
@@ -608,6 +655,21 @@ def print_ratios(rows: list[Row], workers: list[int], threads: int) -> None:
         bad = [f"{r.name} c={r.c} t={r.threads}" for r in checked if r.checked != "ok"]
         _verdict("  every gRPC run: the server counted each call h2load completed as OK"
                  + (f" (not: {', '.join(bad)})" if bad else ""), not bad)  # fmt: skip
+    names = [f"plugserve-w{n}" for n in workers] + ["plugserve-auto"]
+    triton, bare = table.get(("triton", "grpc", 64)), table.get(("bare", "grpc", 64))
+    if triton or bare:
+        print("\nIssue 31 (gRPC ModelInfer at c=64, the same h2load for every server):")
+    for name in names:
+        g = table.get((name, "grpc", 64))
+        if g and bare:
+            x = g.result.rps / bare.result.rps
+            _verdict(f"  {name}: gRPC / bare grpc.aio throughput {x:.2f}x ({g.result.rps:.0f} vs "
+                     f"{bare.result.rps:.0f} req/s; target >= 0.7)", x >= 0.7)  # fmt: skip
+        if g and triton:
+            x = g.result.rps / triton.result.rps
+            _verdict(f"  {name}: gRPC / Triton's gRPC throughput {x:.2f}x ({g.result.rps:.0f} vs "
+                     f"{triton.result.rps:.0f} req/s, mean batch {g.batch or 0:.1f}; "
+                     "target >= 1)", x >= 1.0)  # fmt: skip
     for n, c in itertools.product(workers, cs):
         g, m = table.get((f"plugserve-w{n}", "grpc", c)), table.get(("mlserver", "grpc", c))
         if g and m:
@@ -629,6 +691,9 @@ def main() -> None:
     parser.add_argument("--no-generator-check", action="store_true",
                         help="skip the runs with twice the generator threads")  # fmt: skip
     parser.add_argument("--no-mlserver", action="store_true")
+    parser.add_argument("--no-triton", action="store_true")
+    parser.add_argument("--no-auto", action="store_true",
+                        help="skip plugserve as installed (no --workers, no thread setting)")  # fmt: skip
     parser.add_argument("--no-bare", action="store_true",
                         help="skip the bare aiohttp handler and the bare grpc.aio server")  # fmt: skip
     parser.add_argument("--mlserver-json", action="store_true", help="also MLServer's HTTP JSON")
