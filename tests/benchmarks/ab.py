@@ -60,7 +60,7 @@ def serve(
         "--grpc-port", str(free_port()),
         "--plugins-dir", str(plugins), "--models-dir", str(models), "--log-level", "warning",
     ]  # fmt: skip
-    command += ["--workers", str(workers)] if workers > 1 else []
+    command += ["--workers", str(workers)]
     command += extra
     out = log.open("wb")
     proc = subprocess.Popen(

@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--isolated", action="store_true")
     args = parser.parse_args()
     runner = '[runner]\nisolation = "process"\n' if args.isolated else ""
-    extra = ["--workers", str(args.workers)] if args.workers > 1 else []
+    extra = ["--workers", str(args.workers)]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         plugins, models = root / "plugins", root / "models"

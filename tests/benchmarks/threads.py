@@ -94,9 +94,7 @@ def main() -> None:
         port = free_port()
         command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(work / "plugins"),
                    "--models-dir", str(work / "models"), "--port", str(port), "--log-level", "warning",
-                   "--grpc-port", str(free_port())]  # fmt: skip
-        if workers > 1:
-            command += ["--workers", str(workers)]
+                   "--grpc-port", str(free_port()), "--workers", str(workers)]  # fmt: skip
         server = Server(command, port, work / f"server{workers}.log")
         try:
             server.wait("/v2/health/ready", 120)
