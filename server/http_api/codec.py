@@ -14,8 +14,10 @@ data itself is read and written by ``server/triton/shared_memory.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,13 +69,80 @@ def decode_request(
     else:
         size = json_header_size(header_length, len(body))
         header, binary = body[:size], memoryview(body)[size:]
+        key = (header, len(binary), limits)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan.request(binary)
     try:
         doc = orjson.loads(header)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"the request is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidInput("the request must be a JSON object")
-    return _request(doc, binary, limits, _BoolSearch(header))
+    request = _request(doc, binary, limits, _BoolSearch(header))
+    if header_length is not None and len(header) <= PLANNED_HEADER_BYTES:
+        _remember(key, doc, request)
+    return request
+
+
+PLANS_KEPT = 256
+PLANNED_HEADER_BYTES = 4096
+"""A binary request's JSON header is decoded once per distinct header (up to ``PLANS_KEPT``
+of them, each at most this long): clients send the same header with every request, only
+the tensors' bytes change, and every check of a header depends on nothing but its text
+and the length of the binary data after it. A repeat skips the JSON parse and the checks
+(:class:`_Plan`); its tensors are still read from its own bytes, BYTES elements and BOOL
+values checked as they are."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a binary request's header says, once checked: each input's name, datatype,
+    shape, element count and byte size, in body order, and the rest of the request."""
+
+    inputs: tuple[tuple[str, str, list[int], int, int], ...]
+    request_id: str | None
+    parameters: dict[str, Any]
+    outputs: tuple[RequestedOutput, ...] | None
+
+    def request(self, binary: memoryview) -> InferRequest:
+        inputs: dict[str, np.ndarray] = {}
+        offset = 0
+        for name, datatype, shape, count, size in self.inputs:
+            chunk = binary[offset : offset + size]
+            inputs[name] = from_binary(name, datatype, shape, count, chunk)
+            offset += size
+        outputs = None if self.outputs is None else list(self.outputs)
+        return InferRequest(inputs, self.request_id, dict(self.parameters), outputs)
+
+
+_PLANS: dict[tuple[bytes, int, Limits], _Plan] = {}
+_PLANS_LOCK = threading.Lock()  # large bodies are decoded on the body threads
+
+
+def _remember(key: tuple[bytes, int, Limits], doc: dict[str, Any], request: InferRequest) -> None:
+    """Keep the plan of a decoded binary request whose every input is binary data (a JSON
+    ``data`` list or a shared-memory input is read from the request itself) and whose
+    parameters are plain values (each request gets a copy of them)."""
+    if request.shared_inputs or not all(_plain(v) for v in request.parameters.values()):
+        return
+    inputs = []
+    for raw in doc["inputs"]:
+        name, datatype, shape = raw["name"], raw["datatype"], raw["shape"]
+        size = raw.get("parameters", {}).get("binary_data_size")
+        if size is None:
+            return
+        inputs.append((name, datatype, shape, request.inputs[name].size, size))
+    outputs = None if request.outputs is None else tuple(request.outputs)
+    plan = _Plan(tuple(inputs), request.id, dict(request.parameters), outputs)
+    with _PLANS_LOCK:
+        if len(_PLANS) >= PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]  # the oldest
+        _PLANS[key] = plan
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)
 
 
 class _BoolSearch:

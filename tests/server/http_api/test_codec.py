@@ -421,3 +421,87 @@ def test_a_tensor_name_over_1024_characters_is_400_without_echoing_it(
         decode_with_names(front, *names)
     assert caught.value.message == f"an {where} name of 1025 characters; at most 1024"
     assert list(decode_with_names(front, fits, fits).inputs) == [fits]
+
+
+def _body(header: dict[str, Any], *chunks: bytes) -> tuple[bytes, str]:
+    text = json.dumps(header).encode()
+    return text + b"".join(chunks), str(len(text))
+
+
+def test_a_repeated_binary_header_decodes_each_body_as_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second request with a header skips its parse (the plan), yet every request gets
+    its own tensors, parameters and outputs, read and checked from its own bytes."""
+    monkeypatch.setattr(codec, "_PLANS", {})
+    header = {
+        "id": "r",
+        "parameters": {"priority": 1},
+        "inputs": [
+            {
+                "name": "x",
+                "datatype": "FP32",
+                "shape": [1, 2],
+                "parameters": {"binary_data_size": 8},
+            },
+            {"name": "b", "datatype": "BOOL", "shape": [2], "parameters": {"binary_data_size": 2}},
+        ],
+        "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+    }
+    parses = 0
+    real_loads = codec.orjson.loads
+
+    def counted(text: bytes) -> Any:
+        nonlocal parses
+        parses += 1
+        return real_loads(text)
+
+    monkeypatch.setattr(codec.orjson, "loads", counted)
+    x1, x2 = np.float32([[1, 2]]), np.float32([[3, 4]])
+    first = decode_request(*_body(header, x1.tobytes(), b"\x01\x00"))
+    second = decode_request(*_body(header, x2.tobytes(), b"\x00\x01"))
+    assert parses == 1  # the repeat was planned
+    assert first.inputs["x"].tolist() == [[1, 2]] and second.inputs["x"].tolist() == [[3, 4]]
+    assert second.inputs["b"].tolist() == [False, True]
+    assert (second.id, second.parameters) == ("r", {"priority": 1})
+    assert second.outputs == first.outputs == [RequestedOutput("y", True)]
+    second.parameters["priority"] = 9  # a plugin's change stays in its own request
+    second.outputs.clear()  # type: ignore[union-attr]
+    third = decode_request(*_body(header, x1.tobytes(), b"\x01\x01"))
+    assert third.parameters == {"priority": 1} and third.outputs == [RequestedOutput("y", True)]
+    # What depends on the bytes is checked on every request, planned or not.
+    with pytest.raises(InvalidInput, match="BOOL elements must be the bytes 0 or 1"):
+        decode_request(*_body(header, x1.tobytes(), b"\x01\x02"))
+    with pytest.raises(InvalidInput, match="runs past the body|belong to no input"):
+        decode_request(*_body(header, x1.tobytes(), b"\x01"))  # another length: no plan
+    assert parses == 2  # the body of another length alone was parsed again
+
+
+def test_only_all_binary_headers_of_plain_parameters_are_planned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(codec, "_PLANS", {})
+    binary = {"name": "x", "datatype": "INT32", "shape": [1], "parameters": {"binary_data_size": 4}}
+    as_json = {"name": "j", "datatype": "INT32", "shape": [1], "data": [7]}
+    decode_request(*_body({"inputs": [binary, as_json]}, b"\x01\x00\x00\x00"))
+    decode_request(*_body({"inputs": [binary], "parameters": {"nested": {"a": 1}}},
+                          b"\x01\x00\x00\x00"))  # fmt: skip
+    assert codec._PLANS == {}
+    decode_request(*_body({"inputs": [binary], "parameters": {"tenant": "t"}}, b"\x01\x00\x00\x00"))
+    assert len(codec._PLANS) == 1
+
+
+def test_the_plans_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "_PLANS", {})
+    for i in range(codec.PLANS_KEPT + 20):
+        header = {"id": str(i), "inputs": [
+            {"name": "x", "datatype": "UINT8", "shape": [1], "parameters": {"binary_data_size": 1}}
+        ]}  # fmt: skip
+        assert decode_request(*_body(header, bytes([i % 256]))).id == str(i)
+    assert len(codec._PLANS) == codec.PLANS_KEPT
+    long_id = {"id": "x" * codec.PLANNED_HEADER_BYTES, "inputs": [
+        {"name": "x", "datatype": "UINT8", "shape": [1], "parameters": {"binary_data_size": 1}}
+    ]}  # fmt: skip
+    before = dict(codec._PLANS)
+    decode_request(*_body(long_id, b"\x00"))
+    assert before == codec._PLANS  # a header that long is parsed every time
