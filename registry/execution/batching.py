@@ -187,9 +187,9 @@ class Scheduler:
         self.gather = False
         """Cut an idle runner's batch at the end of the loop's turn rather than at once, so
         that the requests decoded in the turn join it, while requests come in company: set
-        where the runner runs on the event loop (``BatchedRunner.run_on_loop``), where no
-        batch can form while one runs. Company is two requests in one turn; it ends at a
-        cut that gathered one request, and a lone request then runs at once again."""
+        for synchronous runners (``BatchedRunner``), whose batches may run on the event loop,
+        where no batch can form while one runs. Company is two requests in one turn; it
+        ends at a cut that gathered one request, and a lone request then runs at once again."""
         self._gathering = False
         self._company = False
         self._this_turn = False  # a request ran at once in this turn of the loop

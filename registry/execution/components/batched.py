@@ -58,6 +58,10 @@ class BatchedRunner(Runner):
             on_failure=self._counted,
             stop=self.breaker.open_error,
         )
+        # A synchronous runner's small batches may run on the event loop once proven cheap
+        # (ExecutionCosts), where no batch forms while one runs: without gathering, a load
+        # that arrives while such batches are measured stays at one row a batch.
+        self.scheduler.gather = not self._is_async
 
     @property
     def queued(self) -> int:

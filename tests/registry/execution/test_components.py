@@ -1,6 +1,7 @@
 """Loaded plugins by kind: where a runner's executions and a processor's calls run, what a
 streaming runner refuses."""
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Callable
@@ -132,6 +133,29 @@ async def _post(cli: Any, route: str, array: np.ndarray) -> None:
     resp = await cli.post(f"/v2/models/{route}/infer", data=header + raw,
                           headers={"Inference-Header-Content-Length": str(len(header))})  # fmt: skip
     assert resp.status == 200, await resp.text()
+
+
+async def test_requests_that_come_together_batch_after_lone_ones_ran_on_the_loop(
+    plugins_dir: Path, client: Callable[..., Any]
+) -> None:
+    """One process, the runner on its thread: lone requests, cheap and small, come to run
+    on the event loop at once. A burst that follows must still batch: run at once each, on
+    the loop where no batch forms while one runs, they stayed batches of one row, a third
+    of the throughput (tests/benchmarks/serving.py after its c=1 runs)."""
+    write_plugin(plugins_dir, "runner", "last", "1.0.0", "[runner]\nmax_batch_size = 64\n",
+                 {"plugin.py": LAST_COLUMN})  # fmt: skip
+    cli = await client()
+    for _ in range(12):
+        await _post(cli, "last", np.ones((1, 4), np.float32))
+    assert await _inline_executions(cli) > 0  # lone requests run on the loop now
+
+    async def executions() -> int:
+        plugins = (await (await cli.get("/admin/plugins")).json())["plugins"]
+        return int(plugins[0]["executions"])
+
+    before = await executions()
+    await asyncio.gather(*(_post(cli, "last", np.ones((1, 4), np.float32)) for _ in range(32)))
+    assert await executions() - before < 16  # batches of more than two rows on average
 
 
 async def test_a_worker_with_a_core_of_its_own_runs_cheap_batches_on_its_loop_but_no_huge_one(
