@@ -69,9 +69,9 @@ def decode_request(
     else:
         size = json_header_size(header_length, len(body))
         header, binary = body[:size], memoryview(body)[size:]
-        key = (header, len(binary), limits)
+        key = (header, len(binary))
         plan = _PLANS.get(key)
-        if plan is not None:
+        if plan is not None and plan.limits is limits:
             return plan.request(binary)
     try:
         doc = orjson.loads(header)
@@ -81,7 +81,7 @@ def decode_request(
         raise InvalidInput("the request must be a JSON object")
     request = _request(doc, binary, limits, _BoolSearch(header))
     if header_length is not None and len(header) <= PLANNED_HEADER_BYTES:
-        _remember(key, doc, request)
+        _remember(key, doc, request, limits)
     return request
 
 
@@ -101,6 +101,8 @@ class _Plan:
     shape, element count and byte size, in body order, and the rest of the request."""
 
     inputs: tuple[tuple[str, str, list[int], int, int], ...]
+    limits: Limits
+    """The limits it was checked against (the server's own: one object a process)."""
     request_id: str | None
     parameters: dict[str, Any]
     outputs: tuple[RequestedOutput, ...] | None
@@ -116,11 +118,13 @@ class _Plan:
         return InferRequest(inputs, self.request_id, dict(self.parameters), outputs)
 
 
-_PLANS: dict[tuple[bytes, int, Limits], _Plan] = {}
+_PLANS: dict[tuple[bytes, int], _Plan] = {}
 _PLANS_LOCK = threading.Lock()  # large bodies are decoded on the body threads
 
 
-def _remember(key: tuple[bytes, int, Limits], doc: dict[str, Any], request: InferRequest) -> None:
+def _remember(
+    key: tuple[bytes, int], doc: dict[str, Any], request: InferRequest, limits: Limits
+) -> None:
     """Keep the plan of a decoded binary request whose every input is binary data (a JSON
     ``data`` list or a shared-memory input is read from the request itself) and whose
     parameters are plain values (each request gets a copy of them)."""
@@ -134,7 +138,7 @@ def _remember(key: tuple[bytes, int, Limits], doc: dict[str, Any], request: Infe
             return
         inputs.append((name, datatype, shape, request.inputs[name].size, size))
     outputs = None if request.outputs is None else tuple(request.outputs)
-    plan = _Plan(tuple(inputs), request.id, dict(request.parameters), outputs)
+    plan = _Plan(tuple(inputs), limits, request.id, dict(request.parameters), outputs)
     with _PLANS_LOCK:
         if len(_PLANS) >= PLANS_KEPT:
             del _PLANS[next(iter(_PLANS))]  # the oldest

@@ -58,7 +58,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from plugserve.server.runtime.cores import usable_cores
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, _save, free_port
 
 # shared/ lies beside the repository, or beside the folder of its worktrees.
 PEERS = next(
@@ -113,11 +113,7 @@ def make_identity(path: Path) -> Path:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", DIMS[0]])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", DIMS[0]])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return _save(graph, path)
 
 
 MODELS = {"mlp": make_mlp, "identity": make_identity}

@@ -104,9 +104,9 @@ class BatchedRunner(Runner):
 
     def run_on_loop(self, budget: float) -> None:
         """Let a synchronous runner's batches run on the event loop within ``budget``
-        seconds each (:attr:`ExecutionCosts.loop_budget`), its scheduler gathering each loop
-        turn's requests. A runner with several instances, or with ``inline_budget_us = 0``,
-        keeps its threads."""
+        seconds each (:attr:`ExecutionCosts.loop_budget`); its scheduler gathers each loop
+        turn's requests, as every synchronous runner's does. A runner with several
+        instances, or with ``inline_budget_us = 0``, keeps its threads."""
         runner = self.section
         if (
             self._is_async
@@ -115,7 +115,6 @@ class BatchedRunner(Runner):
         ):
             return
         self._costs.loop_budget = budget
-        self.scheduler.gather = True
 
     def run_inline(self) -> None:
         """Run every execution on the event loop (a runner process, whose loop has nothing
