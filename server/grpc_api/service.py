@@ -76,6 +76,9 @@ not read until one finishes (backpressure to the client through gRPC's flow cont
 STOP_WAIT_S = 5.0
 """How long a call the server ends waits for its requests to stop before its status goes."""
 
+WRITE_FAILED_GRACE_S = 1.0
+"""How long a stream's failed write waits for gRPC to report that its client hung up."""
+
 DECOUPLED_UNARY = "ModelInfer RPC doesn't support models with decoupled transaction policy"
 """Triton's words for a unary call to a decoupled model (a streaming route here)."""
 
@@ -508,10 +511,14 @@ async def _write_whole(
             await asyncio.wait([write])
         raise
     except Exception:
-        if context.done():
-            # The call ended under the write (its client cancelled it): gRPC's core fails
-            # the write (``ExecuteBatchError``). A hang-up, as over HTTP, not a fault.
+        if context.done():  # the server has sent the call's status: nothing more goes out
             raise asyncio.CancelledError from None
+        # gRPC's core fails a write to a call that its client cancelled, or whose deadline
+        # passed (``ExecuteBatchError``), and tells the handler a moment later, by
+        # cancelling its task (which cancels this request's). Waiting for that turns the
+        # hang-up into one (counted 499, no traceback); a write that fails on a call still
+        # live after the wait is a fault.
+        await asyncio.sleep(WRITE_FAILED_GRACE_S)
         raise
     finally:
         if tracked is not None:
