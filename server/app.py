@@ -22,8 +22,10 @@ from plugserve.server.config import Settings
 from plugserve.server.dataplane.cache import RESPONSE_CACHE, ResponseCache
 from plugserve.server.dataplane.plane import DATA_PLANE, DataPlane
 from plugserve.server.http import auth
-from plugserve.server.http.bodies import BODIES, Bodies
-from plugserve.server.http.middleware import request_middleware
+from plugserve.server.http.bodies import BODIES, LARGE_BODY_BYTES, Bodies
+from plugserve.server.http.connections import KEEPALIVE_TIMEOUT_S
+from plugserve.server.http.fastpath import FAST_PATH, FastPath
+from plugserve.server.http.middleware import ERROR_SHAPES, request_middleware
 from plugserve.server.http_api import admin, generate, openapi, predict, shm_http, v2
 from plugserve.server.openai_api import routes as openai_routes
 from plugserve.server.processes.link import WORKER
@@ -214,4 +216,12 @@ def create_app(
     admin.add_routes(app, through)
     app.router.add_get("/metrics", through or metrics)
     openapi.add_routes(app)
+    if settings.fast_path and not auth.middlewares(settings):  # a token: every call checked
+        fast = app[FAST_PATH] = FastPath(
+            min(settings.max_body_bytes, LARGE_BODY_BYTES),
+            KEEPALIVE_TIMEOUT_S,
+            app.get(ERROR_SHAPES),
+            settings.access_log,
+        )
+        v2.add_fast_routes(app, fast)
     return app

@@ -28,6 +28,7 @@ from plugserve.server.commands.validate import ERROR, Report, validate
 from plugserve.server.config import Settings, load_settings
 from plugserve.server.grpc_api.listener import grpc_lifetime
 from plugserve.server.http.connections import (
+    KEEPALIVE_TIMEOUT_S,
     MIN_REFUSING,
     ConnectionLimits,
     Listener,
@@ -37,6 +38,7 @@ from plugserve.server.http.connections import (
     refusing_budget,
     run_app,
 )
+from plugserve.server.http.fastpath import FAST_PATH
 from plugserve.server.runtime.cores import usable_cores
 from plugserve.server.runtime.logs import configure_logging, protocol_logger
 from plugserve.server.runtime.stdio import flush_std_streams, protect_std_streams
@@ -52,7 +54,6 @@ THREAD_GRACE_S = 0.5
 
 ADMIN_CONNECTIONS = 64
 """Open connections on the control plane's own listener (``admin_port``)."""
-KEEPALIVE_TIMEOUT_S = 75.0
 """An idle keep-alive connection is closed after this long (aiohttp's default)."""
 
 
@@ -206,6 +207,7 @@ def serve_sockets(
     app.on_startup.append(_install_signal_handlers)
     app.cleanup_ctx.append(grpc_lifetime(shared=worker is not None))
     listeners = _listeners(settings, len(sockets))
+    listeners[0].fast = app.get(FAST_PATH)  # the data plane's; the admin port's is aiohttp's
     app[METRICS].collect_connections(listeners)
     run_app(
         app,

@@ -113,6 +113,9 @@ class Settings:
     reload_debounce_ms: int = 200
     event_loop: str = "auto"
     access_log: bool = False
+    fast_path: bool = True
+    """Whether plain HTTP/1.1 v2 infer requests take the fast path (``server/http/fastpath.py``)
+    on the data port; off (or with an inference token set), every request is aiohttp's."""
     max_inputs: int = 64
     max_tensor_rank: int = 16
     max_tensor_elements: int = 1 << 26
@@ -426,6 +429,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "max_bytes_elements": int,
         "watch": bool,
         "access_log": bool,
+        "fast_path": bool,
         "drain_timeout_s": (int, float),
         "load_timeout_s": (int, float),
         "close_timeout_s": (int, float),

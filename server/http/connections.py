@@ -31,8 +31,10 @@ import orjson
 import structlog
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from plugserve.registry.errors import ConfigError
+from plugserve.server.http.framing import MAX_HEAD_BYTES, FastFront, FastRequest, Route, closes
 
 log = structlog.get_logger("plugserve.server")
 
@@ -48,6 +50,10 @@ IDLE_EVICTABLE_S = 1.0
 """At max_connections, a keep-alive connection idle this long may be closed for a new one."""
 EVICTION_SCAN = 32
 CANCEL_ON_HANGUP = web.RequestKey("cancel_on_hangup", bool)
+KEEPALIVE_TIMEOUT_S = 75.0
+"""An idle keep-alive connection is closed after this long (aiohttp's and the fast path's)."""
+PAUSE_BYTES = 1024 * 1024
+"""Fast path: past this much received ahead of its answer, a connection stops reading."""
 
 
 def _response(status: str, message: str, extra: str = "") -> bytes:
@@ -103,6 +109,8 @@ class Listener(Swept):
     def __init__(self, name: str, limits: ConnectionLimits) -> None:
         self.name = name
         self.limits = limits
+        self.fast: FastFront | None = None
+        """The app's fast path, where this listener's connections start."""
         self.open: set[Connection] = set()
         self.idle: set[Connection] = set()
         """Keep-alive connections between requests, no byte of the next one received."""
@@ -119,11 +127,12 @@ class Listener(Swept):
         )
 
     def factory(self, make: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
-        """The protocol factory for ``loop.create_server``, around aiohttp's ``make``."""
+        """The protocol factory for ``loop.create_server``, around aiohttp's ``make``; with
+        :attr:`fast`, each connection starts on the fast path (``server/http/fastpath.py``)."""
 
         def protocol() -> asyncio.Protocol:
             if len(self.open) < self.limits.max_connections or self._evict_idle():
-                return Connection(self, make())
+                return Connection(self, make, self.fast)
             self.refused += 1
             return Refusal(self, reset=len(self.refusing) >= self.limits.max_refusing)
 
@@ -149,7 +158,9 @@ class Listener(Swept):
         limits = self.limits
         for conn in list(self.open):
             phase = conn.overdue(now, limits)
-            if phase is not None:
+            if phase == "idle":  # a fast-path keep-alive past its timeout, as aiohttp's
+                conn.close()
+            elif phase is not None:
                 self.timed_out[phase] += 1
                 conn.time_out()
         for refusal in list(self.refusing):
@@ -177,12 +188,31 @@ class Listener(Swept):
             )
 
 
+@dataclass(slots=True)
+class Framed:
+    """A fast-path request whose head is in: where it goes and how long its body is."""
+
+    route: Route
+    path: str
+    segment: str
+    headers: CIMultiDict[str]
+    length: int
+    head_bytes: int
+
+
 class Connection(asyncio.Protocol):
-    """aiohttp's protocol for one connection, with when its current request began."""
+    """One client connection: on the fast path while its requests are ones the fast path
+    takes, else aiohttp's protocol (``inner``); with when its current request began."""
 
     __slots__ = (
+        "buffer",
+        "fast",
+        "framed",
         "inner",
         "listener",
+        "make",
+        "paused",
+        "remote",
         "request",
         "served",
         "since",
@@ -193,9 +223,23 @@ class Connection(asyncio.Protocol):
         "waiting_since",
     )
 
-    def __init__(self, listener: Listener, inner: asyncio.Protocol) -> None:
+    def __init__(
+        self,
+        listener: Listener,
+        make: Callable[[], asyncio.Protocol],
+        fast: FastFront | None = None,
+    ) -> None:
         self.listener = listener
-        self.inner = inner
+        self.make = make
+        self.fast = fast
+        self.inner: asyncio.Protocol | None = None if fast is not None else make()
+        """aiohttp's protocol; ``None`` while the connection is on the fast path."""
+        self.buffer = bytearray()
+        """Fast path: bytes received and not yet framed into a request."""
+        self.framed: Framed | None = None
+        """Fast path: the request whose head is in, until it is answered."""
+        self.paused = False
+        self.remote: str | None = None
         self.transport: asyncio.Transport | None = None
         self.waiting_since: float | None = None
         """Since when the next request's headers are awaited (``None``: idle keep-alive)."""
@@ -213,31 +257,49 @@ class Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         self.waiting_since = time.monotonic()
         self.listener.open.add(self)
-        self.inner.connection_made(transport)
+        if self.inner is not None:
+            self.inner.connection_made(transport)
+        else:
+            peer = transport.get_extra_info("peername")
+            self.remote = str(peer[0]) if isinstance(peer, tuple) and peer else None
 
     def data_received(self, data: bytes) -> None:
-        if self.waiting_since is None and self.request is None:
+        if self.waiting_since is None and self.request is None and self.framed is None:
             self.waiting_since = time.monotonic()  # the first byte of the next request
             self.listener.idle.discard(self)
-        self.inner.data_received(data)
+        if self.inner is not None:
+            self.inner.data_received(data)
+            return
+        self.buffer += data
+        if self.task is None:
+            self._frame()
+        elif len(self.buffer) > PAUSE_BYTES and not self.paused and self.transport is not None:
+            self.paused = True  # a client sending ahead of its answers: wait for them
+            self.transport.pause_reading()
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
+        return self.inner.eof_received() if self.inner is not None else None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.listener.open.discard(self)
         self.listener.idle.discard(self)
         self.transport = None  # gone: the end of a request it was serving keeps it out of idle
         request, task = self.request, self.task
+        if self.inner is None:
+            if task is not None:
+                task.cancel()  # a fast-path request: its client hung up
+            return
         if request is not None and task is not None and request.get(CANCEL_ON_HANGUP):
             task.cancel()
         self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if self.inner is not None:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if self.inner is not None:
+            self.inner.resume_writing()
 
     def begin(self, request: web.BaseRequest) -> None:
         self.request = request
@@ -253,12 +315,106 @@ class Connection(asyncio.Protocol):
             self.since = time.monotonic()  # idle since
             self.listener.idle.add(self)
 
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- the fast path -------------------------------------------------------------------
+
+    def _frame(self) -> None:
+        """Take the next request from the buffer: served on the fast path once whole, or
+        the connection handed to aiohttp when it is not one the fast path takes."""
+        fast, buffer = self.fast, self.buffer
+        assert fast is not None
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        framed = self.framed
+        if framed is None:
+            end = buffer.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
+            if end < 0:
+                if len(buffer) > MAX_HEAD_BYTES:
+                    self._hand_over()
+                return
+            taken = fast.take(bytes(buffer[:end]))
+            if taken is None:
+                self._hand_over()
+                return
+            self.framed = framed = Framed(*taken, end + 4)
+            self.since = time.monotonic()
+            self.waiting_since = None
+        whole = framed.head_bytes + framed.length
+        if len(buffer) < whole:
+            return  # the body is on its way (body_timeout_s bounds it)
+        message = bytes(buffer[:whole])
+        del buffer[:whole]
+        request = FastRequest(
+            framed.path, framed.segment, CIMultiDictProxy(framed.headers),
+            message[framed.head_bytes :], self.remote,
+        )  # fmt: skip
+        self.task = asyncio.get_running_loop().create_task(self._serve(framed, request, message))
+
+    async def _serve(self, framed: Framed, request: FastRequest, message: bytes) -> None:
+        assert self.fast is not None
+        try:
+            answer = await self.fast.serve(framed.route, request)
+        except Exception:  # the fast path's own fault: the connection cannot go on
+            log.exception("fast_path_failed", path=request.path)
+            self.close()
+            return
+        transport = self.transport
+        if transport is None:
+            return  # the client hung up
+        if answer is None:  # the handler declined it: aiohttp's, from its first byte on
+            self.buffer[:0] = message
+            self._hand_over()
+            return
+        transport.write(answer)
+        self.framed = None
+        self.task = None
+        self.served += 1
+        if closes(answer):
+            transport.close()
+            return
+        self.since = time.monotonic()
+        if self.buffer:
+            self.waiting_since = self.since  # the next request came meanwhile
+            self._frame()
+        else:
+            self.listener.idle.add(self)
+
+    def _hand_over(self) -> None:
+        """aiohttp's protocol takes the connection from here on, with what came of it."""
+        inner = self.inner = self.make()
+        data = bytes(self.buffer)
+        self.buffer.clear()
+        self.framed = None
+        self.task = None
+        self.waiting_since = self.waiting_since or time.monotonic()
+        transport = self.transport
+        if transport is None:
+            return
+        if self.paused:
+            self.paused = False
+            transport.resume_reading()
+        inner.connection_made(transport)
+        if data:
+            inner.data_received(data)
+
     def overdue(self, now: float, limits: ConnectionLimits) -> str | None:
         """``"headers"`` or ``"body"`` when that part has taken too long, ``"send"`` when
-        the client has read nothing of its answer for ``body_timeout_s``, else ``None``."""
+        the client has read nothing of its answer for ``body_timeout_s``, ``"idle"`` for a
+        fast-path keep-alive connection idle past its timeout, else ``None``."""
         if self._stalled_send(now, limits.body_timeout_s):
             return "send"
         request = self.request
+        if self.inner is None:  # the fast path: it frames requests itself
+            if self.framed is not None:
+                late = self.task is None and now - self.since > limits.body_timeout_s
+                return "body" if late else None
+            if self.waiting_since is None:
+                assert self.fast is not None
+                return "idle" if now - self.since > self.fast.keepalive_timeout_s else None
         if request is None:
             since = self.waiting_since
             late = since is not None and now - since > limits.header_timeout_s
@@ -288,12 +444,14 @@ class Connection(asyncio.Protocol):
         if transport.is_closing():
             return
         request = self.request
-        if request is None:
+        body = f"body within body_timeout_s = {self.listener.limits.body_timeout_s:g} s"
+        if self.inner is None and self.framed is not None:
+            fresh, phase = True, body  # a fast-path answer is written whole, at its end
+        elif request is None:
             fresh = self.served == 0
             phase = f"headers within header_timeout_s = {self.listener.limits.header_timeout_s:g} s"
         else:
-            fresh = request.writer.output_size == 0
-            phase = f"body within body_timeout_s = {self.listener.limits.body_timeout_s:g} s"
+            fresh, phase = request.writer.output_size == 0, body
         if fresh:
             message = f"the request's {phase} did not arrive"
             transport.write(_response("408 Request Timeout", message))

@@ -141,13 +141,21 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
             release_slot(request)
 
 
+def failure(exc: Exception, path: str) -> PlugserveError:
+    """The error answered for an exception a handler raised, logged at its level: a
+    :class:`PlugserveError` as it is, anything else a 500 whose details go to the log only."""
+    if not isinstance(exc, PlugserveError):
+        log_failure(exc, path=path)
+        error = PlugserveError("internal server error")
+        error.status = 500
+        return error
+    log_failure(exc)
+    return exc
+
+
 def _failure(request: web.Request, exc: Exception) -> web.Response:
     """The answer to an exception raised by a handler, logged at its level."""
-    if not isinstance(exc, PlugserveError):
-        log_failure(exc, path=request.path)
-        return _plain_error(request, 500, "internal server error")
-    log_failure(exc)
-    return error_response(exc, request.path, request.app.get(ERROR_SHAPES))
+    return error_response(failure(exc, request.path), request.path, request.app.get(ERROR_SHAPES))
 
 
 def _refusal(request: web.Request, exc: web.HTTPException) -> web.Response:

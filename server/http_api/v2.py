@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
@@ -14,6 +15,8 @@ from plugserve.server.http import compression
 from plugserve.server.http.auth import admin_only
 from plugserve.server.http.bodies import BODIES, LARGE_BODY_BYTES, Bodies
 from plugserve.server.http.connections import cancel_on_hangup
+from plugserve.server.http.fastpath import FastPath
+from plugserve.server.http.framing import FastAnswer, FastRequest
 from plugserve.server.http_api import shm_http
 from plugserve.server.http_api.codec import (
     HEADER_LENGTH,
@@ -114,22 +117,61 @@ async def infer(request: web.Request) -> web.Response:
             outputs = classification.classify_outputs(chain, outputs, classes)
         if shared is not None:
             await shm_http.place(request, shared, outputs)
-        route, version = chain.route, chain.runner_version
-        if sum(a.nbytes for a in outputs.values()) <= LARGE_BODY_BYTES:
-            payload, headers = encode_response(decoded, route, version, outputs)
-        else:  # a large response is encoded off the event loop
-            payload, headers = await bodies.run(
-                lambda: encode_response(decoded, route, version, outputs)
-            )
+        payload, headers = await encoded(bodies, decoded, chain, outputs)
         accept = request.headers.get(hdrs.ACCEPT_ENCODING)
         coding = compression.accepted(accept) if accept else None
         if coding is not None and len(payload) >= compression.MIN_BYTES:
-            return await _compressed(payload, headers, coding, bodies)
+            body = await compressed(payload, coding, bodies)
+            return web.Response(body=body, headers=compression_headers(headers, coding))
         if len(headers) == 1:  # JSON: no header dict to build
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, headers=headers)
 
     return await plane.infer(request, "v2", read, answer, match["route"], match.get("version"))
+
+
+def add_fast_routes(app: web.Application, fast: FastPath) -> None:
+    """``POST /v2/models/{route}/infer`` on the fast path (``server/http/fastpath.py``): a
+    request decoded here and run through the data plane as :func:`infer` runs it. Declined,
+    for :func:`infer` to answer as it answers everything: a body the decoder refuses or
+    the JSON limit refuses (the request's 400 or 413 comes, as always, after its route's
+    admission), tensors in shared memory, classification outputs."""
+    plane, bodies, settings = app[DATA_PLANE], app[BODIES], app[SETTINGS]
+
+    async def serve(request: FastRequest) -> FastAnswer | None:
+        body, headers = request.body, request.headers
+        header_length = headers.get(HEADER_LENGTH)
+        try:
+            json_size = len(body)
+            if header_length is not None:
+                json_size = json_header_size(header_length, len(body))
+            if json_size > bodies.max_json_bytes:
+                return None
+            decoded = decode_request(body, header_length, settings.limits)
+        except InvalidInput:
+            return None
+        if decoded.uses_shared_memory or (decoded.outputs and decoded.classifications()):
+            return None
+        inference = Inference(request.route, decoded.inputs, decoded.parameters, len(body))
+
+        async def read(served: Served) -> Inference:
+            return inference
+
+        async def answer(served: Served) -> tuple[bytes, dict[str, str]]:
+            chain = served.chain
+            refuse_streaming(chain)
+            outputs = answers.named_outputs(chain, await served.result())
+            return await encoded(bodies, decoded, chain, outputs)
+
+        payload, out = await plane.infer(request, "v2", read, answer, request.route)
+        accept = headers.get(hdrs.ACCEPT_ENCODING)
+        coding = compression.accepted(accept) if accept else None
+        if coding is not None and len(payload) >= compression.MIN_BYTES:
+            payload = await compressed(payload, coding, bodies)
+            out = compression_headers(out, coding)
+        return FastAnswer(200, out, payload)
+
+    fast.add_post("/v2/models/", "/infer", serve)
 
 
 async def repository_index(request: web.Request) -> web.Response:
@@ -163,18 +205,25 @@ def add_repository_routes(app: web.Application, guard: Callable[[Handler], Handl
         app.router.add_post(path, guard(handler))
 
 
-async def _compressed(
-    payload: bytes, headers: dict[str, str], coding: str, bodies: Bodies
-) -> web.Response:
-    """The response in ``coding``; a large one compressed off the event loop."""
+async def encoded(
+    bodies: Bodies, decoded: InferRequest, chain: Chain, outputs: dict[str, np.ndarray]
+) -> tuple[bytes, dict[str, str]]:
+    """The v2 response body and headers; a large response encoded off the event loop."""
+    route, version = chain.route, chain.runner_version
+    if sum(a.nbytes for a in outputs.values()) <= LARGE_BODY_BYTES:
+        return encode_response(decoded, route, version, outputs)
+    return await bodies.run(lambda: encode_response(decoded, route, version, outputs))
+
+
+async def compressed(payload: bytes, coding: str, bodies: Bodies) -> bytes:
+    """``payload`` in ``coding``; a large one compressed off the event loop."""
     if len(payload) <= compression.OFF_LOOP_BYTES:
-        body = compression.compress(payload, coding)
-    else:
-        body = await bodies.run(lambda: compression.compress(payload, coding))
-    return web.Response(
-        body=body,
-        headers={**headers, hdrs.CONTENT_ENCODING: coding, hdrs.VARY: hdrs.ACCEPT_ENCODING},
-    )
+        return compression.compress(payload, coding)
+    return await bodies.run(lambda: compression.compress(payload, coding))
+
+
+def compression_headers(headers: dict[str, str], coding: str) -> dict[str, str]:
+    return {**headers, hdrs.CONTENT_ENCODING: coding, hdrs.VARY: hdrs.ACCEPT_ENCODING}
 
 
 async def statistics(request: web.Request) -> web.Response:
