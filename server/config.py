@@ -203,12 +203,10 @@ class Settings:
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, str) and self.workers != "auto":
-            try:
-                object.__setattr__(self, "workers", int(self.workers))  # from the command line
-            except ValueError:
-                raise ConfigError(
-                    f"workers must be a number or 'auto', not {self.workers!r}"
-                ) from None
+            text = self.workers  # from the command line: ASCII digits, as a number is written
+            if not (text.isascii() and text.isdigit() and len(text) <= 9):
+                raise ConfigError(f"workers must be a number or 'auto', not {text!r}")
+            object.__setattr__(self, "workers", int(text))
         self._check_tokens()
         _check_numbers(self)  # every number setting against its bounds in _BOUNDS
         if self.log_format not in ("console", "json"):

@@ -19,6 +19,9 @@ import os
 from dataclasses import dataclass
 
 ENV = "PLUGSERVE_CPU_SHARE"
+MAX_CORES = 4096
+"""A share naming more cores than this is not one the server wrote: it is ignored (a
+session of that many threads would take the machine's memory)."""
 
 
 @dataclass(frozen=True)
@@ -38,11 +41,14 @@ class CpuShare:
 
     @classmethod
     def parse(cls, text: str) -> CpuShare | None:
-        """``cores/loops`` as :attr:`shown` writes it; ``None`` for anything else."""
+        """``cores/loops`` as :attr:`shown` writes it (ASCII digits, at most ``MAX_CORES``
+        cores); ``None`` for anything else."""
         cores, sep, loops = text.partition("/")
+        if not (sep and _digits(cores) and _digits(loops)) or int(cores) > MAX_CORES:
+            return None
         try:
-            return cls(int(cores), int(loops)) if sep else None
-        except ValueError:
+            return cls(int(cores), int(loops))
+        except ValueError:  # zero cores or loops
             return None
 
 
@@ -56,6 +62,10 @@ class ThreadChoice:
 
     def as_json(self) -> dict[str, object]:
         return {"intra_op": self.threads, "spinning": self.spinning, "reason": self.reason}
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) <= 9
 
 
 def assign(share: CpuShare | None) -> None:
@@ -88,8 +98,9 @@ def choose(share: CpuShare, sessions: int = 1) -> ThreadChoice:
     spinning = threads > 1 and own_cores
     loops = "1 event loop" if share.loops == 1 else f"{share.loops} event loops"
     shared = threads > 1 and not own_cores
+    cores = "1 usable core" if share.cores == 1 else f"{share.cores} usable cores"
     reason = (
-        f"{share.cores} usable cores, {loops}, {sessions} concurrent "
+        f"{cores}, {loops}, {sessions} concurrent "
         f"execution{'s' if sessions != 1 else ''} per loop"
         + ("; no spinning: threads share cores with a loop" if shared else "")
     )

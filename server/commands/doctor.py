@@ -134,6 +134,9 @@ def _threads(settings: Settings) -> Check:
         "sets intra_op_threads"
     )
     data = {"workers": workers, "workers_chosen": settings.workers == "auto", **choice.as_json()}
+    if workers > 2 * usable:  # each worker holds every in-worker model, and takes turns
+        fix = f'workers = {usable} (or "auto"); isolation = "process" for large models'
+        return Check("threads", "warning", f"{detail}: more than twice the cores", fix, data)
     return Check("threads", "ok", detail, data=data)
 
 

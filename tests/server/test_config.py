@@ -170,3 +170,11 @@ def test_max_json_bytes_bounds(tmp_path: Path, value: int, ok: bool) -> None:
     config.write_text('max_json_bytes = "big"\n')
     with pytest.raises(ConfigError, match="max_json_bytes"):
         load_settings(config, environ={})
+
+
+@pytest.mark.parametrize("text", ["1_0", "\u0662", " 2 ", "+2", "2.0", "0x2"])
+def test_workers_from_the_command_line_are_ascii_digits(text: str) -> None:
+    """int() takes "1_0" (10 workers) and other scripts' digits; a count is written plainly."""
+    with pytest.raises(ConfigError, match="workers must be a number or 'auto'"):
+        Settings(workers=text)
+    assert Settings(workers="3").workers == 3

@@ -45,7 +45,7 @@ def test_threads_divide_the_cores_the_loops_leave(
 ) -> None:
     choice = cpu_share.choose(CpuShare(cores, loops), sessions)
     assert (choice.threads, choice.spinning) == (threads, spinning)
-    assert f"{cores} usable cores" in choice.reason
+    assert choice.reason.startswith(f"{cores} usable core{'s' if cores > 1 else ''}, ")
 
 
 def test_spinning_stays_off_where_threads_would_share_a_loops_core() -> None:
@@ -67,6 +67,14 @@ def test_the_share_reaches_child_processes_through_the_environment() -> None:
     assert out.strip() == "CpuShare(cores=4, loops=2)"
     assert CpuShare.parse("nonsense") is None
     assert CpuShare.parse("0/1") is None  # no cores: not a share
+    assert CpuShare.parse("4/2") == CpuShare(4, 2)
+
+
+@pytest.mark.parametrize("text", ["1_000/1", "٢/1", " 2/1", "2/1/1", "-1/2", "2/", "99999/1"])
+def test_a_share_the_server_did_not_write_is_ignored(text: str) -> None:
+    """Only ``cores/loops`` in ASCII digits, up to MAX_CORES cores: a hand-set 99999 would
+    give a session 99,998 threads."""
+    assert CpuShare.parse(text) is None
     with pytest.raises(ValueError):
         CpuShare(2, 0)
 

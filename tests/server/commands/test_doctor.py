@@ -71,6 +71,20 @@ def test_doctor_shows_the_threads_one_worker_leaves_to_onnx_runtime(tmp_path: Pa
     assert "1 event loop" in threads["reason"]
 
 
+def test_doctor_warns_of_far_more_workers_than_cores(tmp_path: Path) -> None:
+    """Each worker holds every in-worker model: 1,024 on a small machine would take its
+    memory. A warning with the way out; serving would still start (exit 0)."""
+    config = tmp_path / "many.toml"
+    config.write_text("workers = 1024\n")
+    code, checks = doctor(tmp_path, "--config", str(config))
+    assert code == 0, checks
+    usable = checks["cpu"]["data"]["usable"]
+    assert usable < 512  # not a machine where 1,024 workers is the norm
+    threads = checks["threads"]
+    assert threads["status"] == "warning" and "more than twice the cores" in threads["detail"]
+    assert f"workers = {usable}" in threads["fix"]
+
+
 def test_the_install_command_names_the_wheels_the_extras_lack() -> None:
     """plugserve[gpu] is onnxruntime-gpu[cuda,cudnn], whose [cuda] names no cuBLAS (cuDNN's
     wheel brings it): the command adds nvidia-cublas anyway, by name."""
