@@ -51,6 +51,10 @@ from plugserve.server.runtime.logs import (
 
 log = structlog.get_logger("plugserve.server")
 
+HEADS_KEPT = 256
+HEAD_KEPT_BYTES = 2048
+"""Request heads (up to this long, ``HEADS_KEPT`` of them) whose parse is kept."""
+
 
 @dataclass
 class FastPath:
@@ -63,6 +67,7 @@ class FastPath:
     access_log: bool = False
     routes: list[Route] = field(default_factory=list)
     _date: tuple[int, str] = (0, "")
+    _heads: dict[bytes, Taken] = field(default_factory=dict)
 
     def add_post(self, prefix: str, suffix: str, handler: FastHandler) -> None:
         """Serve ``POST {prefix}{segment}{suffix}`` (one path segment, no query) with
@@ -71,8 +76,18 @@ class FastPath:
 
     def take(self, head: bytes) -> Taken | None:
         """What :func:`~plugserve.server.http.framing.take` makes of a request head, within
-        this app's routes and body limit."""
-        return take(self.routes, head, self.max_body_bytes)
+        this app's routes and body limit; a head seen before (clients send the same head
+        with every request) is looked up, not parsed again. Its headers are shared by
+        the requests that sent it: handlers see them read-only."""
+        heads = self._heads
+        taken = heads.get(head)
+        if taken is None:
+            taken = take(self.routes, head, self.max_body_bytes)
+            if taken is not None and len(head) <= HEAD_KEPT_BYTES:
+                if len(heads) >= HEADS_KEPT:
+                    del heads[next(iter(heads))]  # the oldest
+                heads[head] = taken
+        return taken
 
     async def serve(self, route: Route, request: FastRequest) -> bytes | None:
         """The response's bytes, or ``None`` when the handler declined the request.

@@ -359,11 +359,14 @@ def encode_response(
 
 def _finite(array: np.ndarray, values: list[float]) -> bool:
     """Whether every element is finite: a small output's values checked as Python floats
-    (a numpy reduction costs more), a large one in one numpy pass without a temporary:
-    the sum, in float64, is finite when every element is (or it overflowed, and then
-    the slower encoder is merely unneeded)."""
+    (a numpy reduction costs more), a middling one with ``isfinite`` (no warning to
+    silence), a large one in one numpy pass without a temporary: the sum, in float64, is
+    finite when every element is (or it overflowed, and then the slower encoder is
+    merely unneeded)."""
     if array.size <= 64:
         return all(map(math.isfinite, values))
+    if array.size <= 4096:
+        return bool(np.isfinite(array).all())
     with np.errstate(over="ignore", invalid="ignore"):
         return math.isfinite(array.sum(dtype=np.float64))
 
