@@ -54,7 +54,6 @@ THREAD_GRACE_S = 0.5
 
 ADMIN_CONNECTIONS = 64
 """Open connections on the control plane's own listener (``admin_port``)."""
-"""An idle keep-alive connection is closed after this long (aiohttp's default)."""
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import resource
 import signal
@@ -35,6 +36,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from plugserve.registry.errors import ConfigError
 from plugserve.server.http.framing import MAX_HEAD_BYTES, FastFront, FastRequest, Route, closes
+from plugserve.server.runtime.logs import REQUEST_CHAIN, REQUEST_ID
 
 log = structlog.get_logger("plugserve.server")
 
@@ -51,7 +53,8 @@ IDLE_EVICTABLE_S = 1.0
 EVICTION_SCAN = 32
 CANCEL_ON_HANGUP = web.RequestKey("cancel_on_hangup", bool)
 KEEPALIVE_TIMEOUT_S = 75.0
-"""An idle keep-alive connection is closed after this long (aiohttp's and the fast path's)."""
+"""An idle keep-alive connection is closed after this long (aiohttp's, as the server sets
+it, and the fast path's)."""
 PAUSE_BYTES = 1024 * 1024
 """Fast path: past this much received ahead of its answer, a connection stops reading."""
 
@@ -111,6 +114,8 @@ class Listener(Swept):
         self.limits = limits
         self.fast: FastFront | None = None
         """The app's fast path, where this listener's connections start."""
+        self.closing = False
+        """The server stops: connections on the fast path close, none is handed over."""
         self.open: set[Connection] = set()
         self.idle: set[Connection] = set()
         """Keep-alive connections between requests, no byte of the next one received."""
@@ -137,6 +142,14 @@ class Listener(Swept):
             return Refusal(self, reset=len(self.refusing) >= self.limits.max_refusing)
 
         return protocol
+
+    def close_fast(self) -> None:
+        """Close the connections still on the fast path, as the server stops (its drain has
+        waited for their requests): aiohttp's cleanup closes only its own."""
+        self.closing = True
+        for conn in list(self.open):
+            if conn.inner is None:
+                conn.close()
 
     def _evict_idle(self) -> bool:
         """Close a keep-alive connection idle for a second or more, its answer all sent,
@@ -221,6 +234,7 @@ class Connection(asyncio.Protocol):
         "unsent",
         "unsent_since",
         "waiting_since",
+        "write_paused",
     )
 
     def __init__(
@@ -239,6 +253,8 @@ class Connection(asyncio.Protocol):
         self.framed: Framed | None = None
         """Fast path: the request whose head is in, until it is answered."""
         self.paused = False
+        self.write_paused = False
+        """Fast path: the transport asked for no more writes until its buffer drains."""
         self.remote: str | None = None
         self.transport: asyncio.Transport | None = None
         self.waiting_since: float | None = None
@@ -271,7 +287,7 @@ class Connection(asyncio.Protocol):
             self.inner.data_received(data)
             return
         self.buffer += data
-        if self.task is None:
+        if self.task is None and not self.write_paused:
             self._frame()
         elif len(self.buffer) > PAUSE_BYTES and not self.paused and self.transport is not None:
             self.paused = True  # a client sending ahead of its answers: wait for them
@@ -296,10 +312,16 @@ class Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.inner is not None:
             self.inner.pause_writing()
+        else:  # no next request is framed until the client has taken its answers
+            self.write_paused = True
 
     def resume_writing(self) -> None:
         if self.inner is not None:
             self.inner.resume_writing()
+            return
+        self.write_paused = False
+        if self.task is None and self.buffer and self.transport is not None:
+            self._frame()
 
     def begin(self, request: web.BaseRequest) -> None:
         self.request = request
@@ -369,35 +391,53 @@ class Connection(asyncio.Protocol):
             self.buffer[:0] = message
             self._hand_over()
             return
-        transport.write(answer)
         self.framed = None
         self.task = None
         self.served += 1
-        if closes(answer):
-            transport.close()
-            return
-        self.since = time.monotonic()
-        if self.buffer:
-            self.waiting_since = self.since  # the next request came meanwhile
-            self._frame()
-        else:
-            self.listener.idle.add(self)
+        try:
+            transport.write(answer)  # may pause writing: the next request then waits
+            if closes(answer):
+                transport.close()
+                return
+            self.since = time.monotonic()
+            if self.buffer:
+                self.waiting_since = self.since  # the next request came meanwhile
+                if not self.write_paused:
+                    self._frame()
+            else:
+                self.listener.idle.add(self)
+        except Exception:
+            log.exception("fast_path_failed", path=request.path)
+            self.close()
 
     def _hand_over(self) -> None:
-        """aiohttp's protocol takes the connection from here on, with what came of it."""
+        """aiohttp's protocol takes the connection from here on, with what came of it.
+        Its request task starts without the fast-path request's id and chain (which its
+        log lines would otherwise carry). Once the server stops, nothing is
+        handed over: the connection closes."""
+        transport = self.transport
+        if transport is None or self.listener.closing:
+            self.close()
+            return
         inner = self.inner = self.make()
         data = bytes(self.buffer)
         self.buffer.clear()
         self.framed = None
         self.task = None
         self.waiting_since = self.waiting_since or time.monotonic()
-        transport = self.transport
-        if transport is None:
-            return
         if self.paused:
             self.paused = False
             transport.resume_reading()
+        contextvars.copy_context().run(self._start_inner, inner, transport, data)
+
+    def _start_inner(
+        self, inner: asyncio.Protocol, transport: asyncio.Transport, data: bytes
+    ) -> None:
+        REQUEST_ID.set(None)  # a fast-path request's, when handed over from its task
+        REQUEST_CHAIN.set(None)
         inner.connection_made(transport)
+        if self.write_paused:
+            inner.pause_writing()
         if data:
             inner.data_received(data)
 
@@ -673,6 +713,7 @@ async def serve_app(
             server.close()
         for listener in listeners:
             await listener.stop()
+            listener.close_fast()
         await runner.cleanup()
 
 

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from aiohttp.helpers import parse_content_type
 from multidict import CIMultiDict, CIMultiDictProxy
 
 MAX_HEAD_BYTES = 8190
@@ -28,6 +29,14 @@ _DECLINED_HEADERS = frozenset(
     {"transfer-encoding", "expect", "content-encoding", "upgrade", "te", "trailer"}
 )
 """A request carrying one of these asks for more than a body: aiohttp's to serve."""
+_SINGLETONS = frozenset(
+    {"host", "content-type", "content-location", "content-range", "etag", "max-forwards",
+     "server", "user-agent"}
+)  # fmt: skip
+"""Headers a request may carry once: aiohttp's parser answers 400 to a second one (RFC 9110
+singletons; ``Content-Length`` and ``Transfer-Encoding`` are checked apart)."""
+MAX_HEADERS = 100
+"""More header lines than this are aiohttp's to answer."""
 
 
 @dataclass(slots=True)
@@ -44,8 +53,8 @@ class FastRequest:
 
     @property
     def content_type(self) -> str:
-        value = self.headers.get("Content-Type", "application/octet-stream")
-        return value.partition(";")[0].strip().lower()
+        """As aiohttp reads it: the media type, ``application/octet-stream`` without one."""
+        return parse_content_type(self.headers.get("Content-Type", ""))[0]
 
 
 @dataclass(slots=True)
@@ -101,6 +110,8 @@ def take(routes: list[Route], head: bytes, max_body_bytes: int) -> Taken | None:
     segment = target[len(route.prefix) : len(target) - len(route.suffix)]
     if _SEGMENT.match(segment) is None:  # nothing aiohttp would decode or refuse
         return None
+    if len(lines) > MAX_HEADERS:
+        return None
     headers: CIMultiDict[str] = CIMultiDict()
     length = None
     for line in lines[1:]:
@@ -119,6 +130,8 @@ def take(routes: list[Route], head: bytes, max_body_bytes: int) -> Taken | None:
             length = int(value)
         elif key == "connection" and value.lower() != b"keep-alive":
             return None
+        elif key in _SINGLETONS and key in headers:
+            return None  # aiohttp refuses a second one: its 400
         headers.add(name.decode("ascii"), value.decode("ascii"))
     if length is None or length > max_body_bytes:
         return None

@@ -148,7 +148,7 @@ def add_fast_routes(app: web.Application, fast: FastPath) -> None:
             if json_size > bodies.max_json_bytes:
                 return None
             decoded = decode_request(body, header_length, settings.limits)
-        except InvalidInput:
+        except Exception:  # 400, 413 or worse: answered by infer, after admission, as ever
             return None
         if decoded.uses_shared_memory or (decoded.outputs and decoded.classifications()):
             return None
@@ -161,14 +161,14 @@ def add_fast_routes(app: web.Application, fast: FastPath) -> None:
             chain = served.chain
             refuse_streaming(chain)
             outputs = answers.named_outputs(chain, await served.result())
-            return await encoded(bodies, decoded, chain, outputs)
+            payload, out = await encoded(bodies, decoded, chain, outputs)
+            coding = compression.accepted(accept) if accept else None
+            if coding is not None and len(payload) >= compression.MIN_BYTES:
+                return await compressed(payload, coding, bodies), compression_headers(out, coding)
+            return payload, out
 
-        payload, out = await plane.infer(request, "v2", read, answer, request.route)
         accept = headers.get(hdrs.ACCEPT_ENCODING)
-        coding = compression.accepted(accept) if accept else None
-        if coding is not None and len(payload) >= compression.MIN_BYTES:
-            payload = await compressed(payload, coding, bodies)
-            out = compression_headers(out, coding)
+        payload, out = await plane.infer(request, "v2", read, answer, request.route)
         return FastAnswer(200, out, payload)
 
     fast.add_post("/v2/models/", "/infer", serve)

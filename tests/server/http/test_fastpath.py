@@ -8,8 +8,10 @@ without (``fast_path = false``) take the same bytes. aiohttp's answers carry its
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -145,6 +147,15 @@ DECLINED = [
     ),
     pytest.param(post("/v2/models/add/infer", JSON_BODY, "X-Note: caf\xe9"), id="non-ascii-value"),
     pytest.param(post("/v2/models/add/predict", JSON_BODY), id="another-path"),
+    pytest.param(
+        post(
+            "/v2/models/missing/infer",
+            json.dumps(
+                {"inputs": [{"name": "x", "datatype": "FP32", "shape": [10**11], "data": [1]}]}
+            ).encode(),
+        ),
+        id="too-large-tensor-for-an-unknown-route",  # 404 (admission) before 413 (decode)
+    ),
 ]
 
 
@@ -236,3 +247,48 @@ def test_a_client_that_hangs_up_leaves_no_trace_but_its_count(
     status, _, body = fast.request("POST", "/v2/models/add/infer", json.loads(JSON_BODY))
     assert status == 200, body
     assert "Traceback" not in fast.log()
+
+
+def test_answers_a_client_does_not_read_wait_and_then_all_arrive_in_order(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    """2,000 pipelined requests whose answers the client leaves unread for a second: the
+    connection stops framing while its answers wait (the transport's write buffer is
+    full), then goes on; every answer arrives, in order."""
+    fast, _ = servers
+    count = 2000
+    bodies = [
+        json.dumps({"id": str(i), "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                                               "data": [i, i, i, i]}]}).encode()
+        for i in range(count)
+    ]  # fmt: skip
+    with connect(fast) as sock:
+        sock.settimeout(30)
+        sender = threading.Thread(
+            target=sock.sendall,
+            args=(b"".join(post("/v2/models/add/infer", b) for b in bodies),),
+        )
+        sender.start()
+        time.sleep(1.0)  # nothing read meanwhile
+        buffer = bytearray()
+        answers = [read_response(sock, buffer) for _ in range(count)]
+        sender.join(30)
+    for i, (status, _, body) in enumerate(answers):
+        assert status == 200
+        assert json.loads(body)["id"] == str(i)
+
+
+def test_a_stopping_server_closes_its_idle_fast_path_connections(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    srv = start(server, tmp_path, plugins_dir)
+    with connect(srv) as sock:
+        sock.sendall(post("/v2/models/add/infer", JSON_BODY))
+        status, headers, _ = read_response(sock, bytearray())
+        assert status == 200 and "server" not in headers  # on the fast path, now idle
+        srv.proc.send_signal(signal.SIGTERM)
+        sock.settimeout(20)
+        assert sock.recv(65536) == b""  # closed by the server as it stops
+    assert srv.proc.wait(30) == 0
+    assert "Traceback" not in srv.log()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from plugserve.server.http import fastpath
 from plugserve.server.http.fastpath import FastPath
@@ -57,6 +58,8 @@ def test_a_plain_inference_head_is_taken() -> None:
         head("Content-Length: 12", "X: a\x01b"),
         head("Content-Length: 12", " folded"),
         head("Content-Length: 12", "no colon"),
+        head("Content-Length: 12", "Host: y"),  # a second Host: aiohttp's 400
+        head("Content-Length: 12", *(f"X-{i}: v" for i in range(100))),
         "POST /v2/models/add/infer HTTP/1.1\r\nX: caf\u00e9\r\nContent-Length: 1".encode(),
     ],
 )
@@ -76,3 +79,13 @@ def test_a_head_seen_before_is_looked_up_and_the_kept_heads_are_bounded(
         assert fast.take(head(f"Content-Length: {length}")) is not None
     assert len(fast._heads) == 4  # the oldest went first
     assert fast.take(head("Content-Length: 12")) is not first  # parsed anew
+
+
+def test_the_content_type_is_read_as_aiohttp_reads_it() -> None:
+    def request(*value: str) -> FastRequest:
+        headers = CIMultiDict({"Content-Type": value[0]} if value else {})
+        return FastRequest("/v2/models/a/infer", "a", CIMultiDictProxy(headers), b"")
+
+    assert request("Application/JSON; charset=utf-8").content_type == "application/json"
+    assert request("json").content_type == "application/octet-stream"
+    assert request().content_type == "application/octet-stream"
