@@ -29,14 +29,18 @@ class Undecodable:
 
 
 def register(server: Any, service: ServiceDescriptor, servicer: Any) -> None:
-    """Serve every method of ``service`` with the servicer's method of the same name."""
+    """Serve every method of ``service`` with the servicer's method of the same name.
+
+    Through a generic handler only, not also as registered methods (as protoc's code does):
+    grpc.aio's server keeps a pending call future per registered method and waits on all
+    of them for every call: with Triton's 23 methods, 4 % of a ``ModelInfer``'s CPU
+    (docs/performance.md, "Where the time goes")."""
     handlers = {
         method.name: _handler(method, getattr(servicer, method.name)) for method in service.methods
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
-    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 def _handler(method: MethodDescriptor, behaviour: Callable[..., Any]) -> Any:
