@@ -372,6 +372,9 @@ def _read_config(path: Path) -> dict[str, Any]:
                 checks.text(value, key)
             except checks.ValueProblem as exc:
                 raise ConfigError(f"{path}: {exc}") from None
+            hidden = next((c for c in value if not c.isprintable()), None)
+            if hidden is not None:  # a format, unassigned or private-use character
+                raise ConfigError(f"{path}: {key} must be printable text, not hold {hidden!r}")
         elif key in _PATHS:
             raise ConfigError(f"{path}: {key} must be a path (a string), not {_described(value)}")
     for key in _PATHS & raw.keys():

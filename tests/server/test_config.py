@@ -92,6 +92,8 @@ def test_the_etcd_password_comes_from_the_environment_and_is_never_shown() -> No
         (b"plugins_dir = 5\n", "plugins_dir must be a path"),
         (b'plugins_dir = "a\\u0000b"\n', "control characters"),
         (b'host = "127.0.0.1\\n"\n', "host: must not hold control characters"),
+        (b'host = "\\ud7fc"\n', "host must be printable text"),  # unassigned
+        (b'replica_id = "a\\u202eb"\n', "replica_id must be printable text"),  # bidi override
         (b"port = " + b"[" * 500 + b"]" * 500 + b"\n", "deeper than"),
         (b'host = "\xff"\n', "not UTF-8"),
     ],
