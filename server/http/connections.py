@@ -32,10 +32,10 @@ import orjson
 import structlog
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDictProxy
 
 from plugserve.registry.errors import ConfigError
-from plugserve.server.http.framing import MAX_HEAD_BYTES, FastFront, FastRequest, Route, closes
+from plugserve.server.http.framing import MAX_HEAD_BYTES, FastFront, FastRequest, Route
 from plugserve.server.runtime.logs import REQUEST_CHAIN, REQUEST_ID
 
 log = structlog.get_logger("plugserve.server")
@@ -208,9 +208,10 @@ class Framed:
     route: Route
     path: str
     segment: str
-    headers: CIMultiDict[str]
+    headers: CIMultiDictProxy[str]
     length: int
-    head_bytes: int
+    head: bytes
+    """The head as it came, up to its blank line (put back if the request is declined)."""
 
 
 class Connection(asyncio.Protocol):
@@ -358,25 +359,24 @@ class Connection(asyncio.Protocol):
                 if len(buffer) > MAX_HEAD_BYTES:
                     self._hand_over()
                 return
-            taken = fast.take(bytes(buffer[:end]))
+            head = bytes(buffer[: end + 4])
+            taken = fast.take(head[:end])
             if taken is None:
                 self._hand_over()
                 return
-            self.framed = framed = Framed(*taken, end + 4)
+            del buffer[: end + 4]
+            self.framed = framed = Framed(*taken, head)
             self.since = time.monotonic()
             self.waiting_since = None
-        whole = framed.head_bytes + framed.length
-        if len(buffer) < whole:
+        length = framed.length
+        if len(buffer) < length:
             return  # the body is on its way (body_timeout_s bounds it)
-        message = bytes(buffer[:whole])
-        del buffer[:whole]
-        request = FastRequest(
-            framed.path, framed.segment, CIMultiDictProxy(framed.headers),
-            message[framed.head_bytes :], self.remote,
-        )  # fmt: skip
-        self.task = asyncio.get_running_loop().create_task(self._serve(framed, request, message))
+        body = bytes(buffer[:length])
+        del buffer[:length]
+        request = FastRequest(framed.path, framed.segment, framed.headers, body, self.remote)
+        self.task = asyncio.get_running_loop().create_task(self._serve(framed, request))
 
-    async def _serve(self, framed: Framed, request: FastRequest, message: bytes) -> None:
+    async def _serve(self, framed: Framed, request: FastRequest) -> None:
         assert self.fast is not None
         try:
             answer = await self.fast.serve(framed.route, request)
@@ -388,15 +388,17 @@ class Connection(asyncio.Protocol):
         if transport is None:
             return  # the client hung up
         if answer is None:  # the handler declined it: aiohttp's, from its first byte on
-            self.buffer[:0] = message
+            self.buffer[:0] = framed.head + request.body
+            self.framed = None
             self._hand_over()
             return
+        response, closes = answer
         self.framed = None
         self.task = None
         self.served += 1
         try:
-            transport.write(answer)  # may pause writing: the next request then waits
-            if closes(answer):
+            transport.write(response)  # may pause writing: the next request then waits
+            if closes:
                 transport.close()
                 return
             self.since = time.monotonic()
@@ -420,7 +422,8 @@ class Connection(asyncio.Protocol):
             self.close()
             return
         inner = self.inner = self.make()
-        data = bytes(self.buffer)
+        framed = self.framed  # a head taken, its body still coming: aiohttp's from the head
+        data = bytes(self.buffer) if framed is None else framed.head + self.buffer
         self.buffer.clear()
         self.framed = None
         self.task = None

@@ -40,7 +40,7 @@ from plugserve.server.http.framing import (
     Taken,
     take,
 )
-from plugserve.server.http.middleware import VARIANT_HEADER, ErrorShapes, failure
+from plugserve.server.http.middleware import VARIANT_HEADER, ErrorShapes, error_payload, failure
 from plugserve.server.runtime.logs import (
     REQUEST_CHAIN,
     REQUEST_ID,
@@ -89,8 +89,9 @@ class FastPath:
                 heads[head] = taken
         return taken
 
-    async def serve(self, route: Route, request: FastRequest) -> bytes | None:
-        """The response's bytes, or ``None`` when the handler declined the request.
+    async def serve(self, route: Route, request: FastRequest) -> tuple[bytes, bool] | None:
+        """The response's bytes and whether the connection closes after them (an error
+        that says ``Connection: close``); ``None`` when the handler declined the request.
 
         Runs as the request's own task, as aiohttp's handler would: its request id and chain
         are bound for the log lines of the request (:mod:`plugserve.server.runtime.logs`).
@@ -105,12 +106,10 @@ class FastPath:
             answer = await route.handler(request)
         except Exception as exc:
             error = failure(exc, request.path)
-            shapes = self.shapes
-            shaped = error.to_json() if shapes is None else shapes.body(error, request.path)
             answer = FastAnswer(
                 error.status,
                 {"Content-Type": "application/json; charset=utf-8", **error.headers()},
-                json.dumps(shaped).encode(),
+                json.dumps(error_payload(error, request.path, self.shapes)).encode(),
             )
         if answer is None:
             return None
@@ -123,13 +122,14 @@ class FastPath:
                 ms=round((time.perf_counter() - started) * 1000, 3),
                 remote=request.remote,
             )
-        return self.response(answer, request_id)
+        closes = answer.headers.get("Connection") == "close"
+        return self.response(answer, request_id), closes
 
     def response(self, answer: FastAnswer, request_id: str) -> bytes:
         """The answer as HTTP/1.1 bytes: status line, headers, body."""
         status = answer.status
         head = [
-            f"HTTP/1.1 {status} {_reason(status)}\r\n"
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
             f"Content-Length: {len(answer.body)}\r\n"
             f"Date: {self.date()}\r\n"
             f"{REQUEST_ID_HEADER}: {request_id}\r\n"
@@ -152,11 +152,7 @@ class FastPath:
         return text
 
 
-def _reason(status: int) -> str:
-    try:
-        return http.HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
+_REASONS = {status.value: status.phrase for status in http.HTTPStatus}
 
 
 FAST_PATH = web.AppKey("fast_path", FastPath)

@@ -66,7 +66,7 @@ class FastAnswer:
     body: bytes
 
 
-Taken = tuple["Route", str, str, CIMultiDict[str], int]
+Taken = tuple["Route", str, str, CIMultiDictProxy[str], int]
 """A head the fast path takes: its route, path, path segment, headers and body length."""
 
 FastHandler = Callable[[FastRequest], Awaitable[FastAnswer | None]]
@@ -90,7 +90,7 @@ class FastFront(Protocol):
 
     def take(self, head: bytes) -> Taken | None: ...
 
-    async def serve(self, route: Route, request: FastRequest) -> bytes | None: ...
+    async def serve(self, route: Route, request: FastRequest) -> tuple[bytes, bool] | None: ...
 
 
 def take(routes: list[Route], head: bytes, max_body_bytes: int) -> Taken | None:
@@ -135,11 +135,4 @@ def take(routes: list[Route], head: bytes, max_body_bytes: int) -> Taken | None:
         headers.add(name.decode("ascii"), value.decode("ascii"))
     if length is None or length > max_body_bytes:
         return None
-    return route, target.decode("ascii"), segment.decode("ascii"), headers, length
-
-
-def closes(answer: bytes) -> bool:
-    """Whether a written answer says ``Connection: close`` (an error that ends the
-    connection)."""
-    head = answer[: answer.find(b"\r\n\r\n")]
-    return b"\r\nConnection: close" in head
+    return route, target.decode("ascii"), segment.decode("ascii"), CIMultiDictProxy(headers), length

@@ -78,8 +78,15 @@ def error_response(
 ) -> web.Response:
     """``exc`` as its status and JSON: ``{"error": message, ...}``, or the shape ``shapes``
     hold for ``path``."""
-    payload = exc.to_json() if shapes is None else shapes.body(exc, path)
-    return web.json_response(payload, status=exc.status, headers=exc.headers())
+    return web.json_response(
+        error_payload(exc, path, shapes), status=exc.status, headers=exc.headers()
+    )
+
+
+def error_payload(exc: PlugserveError, path: str = "", shapes: ErrorShapes | None = None) -> Any:
+    """``exc``'s JSON body: ``{"error": message, ...}``, or the shape ``shapes`` hold for
+    ``path``."""
+    return exc.to_json() if shapes is None else shapes.body(exc, path)
 
 
 def _plain_error(request: web.Request, status: int, message: str) -> web.Response:

@@ -117,12 +117,8 @@ async def infer(request: web.Request) -> web.Response:
             outputs = classification.classify_outputs(chain, outputs, classes)
         if shared is not None:
             await shm_http.place(request, shared, outputs)
-        payload, headers = await encoded(bodies, decoded, chain, outputs)
         accept = request.headers.get(hdrs.ACCEPT_ENCODING)
-        coding = compression.accepted(accept) if accept else None
-        if coding is not None and len(payload) >= compression.MIN_BYTES:
-            body = await compressed(payload, coding, bodies)
-            return web.Response(body=body, headers=compression_headers(headers, coding))
+        payload, headers = await encoded(bodies, decoded, chain, outputs, accept)
         if len(headers) == 1:  # JSON: no header dict to build
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, headers=headers)
@@ -161,11 +157,7 @@ def add_fast_routes(app: web.Application, fast: FastPath) -> None:
             chain = served.chain
             refuse_streaming(chain)
             outputs = answers.named_outputs(chain, await served.result())
-            payload, out = await encoded(bodies, decoded, chain, outputs)
-            coding = compression.accepted(accept) if accept else None
-            if coding is not None and len(payload) >= compression.MIN_BYTES:
-                return await compressed(payload, coding, bodies), compression_headers(out, coding)
-            return payload, out
+            return await encoded(bodies, decoded, chain, outputs, accept)
 
         accept = headers.get(hdrs.ACCEPT_ENCODING)
         payload, out = await plane.infer(request, "v2", read, answer, request.route)
@@ -206,24 +198,29 @@ def add_repository_routes(app: web.Application, guard: Callable[[Handler], Handl
 
 
 async def encoded(
-    bodies: Bodies, decoded: InferRequest, chain: Chain, outputs: dict[str, np.ndarray]
+    bodies: Bodies,
+    decoded: InferRequest,
+    chain: Chain,
+    outputs: dict[str, np.ndarray],
+    accept: str | None,
 ) -> tuple[bytes, dict[str, str]]:
-    """The v2 response body and headers; a large response encoded off the event loop."""
+    """The v2 response body and headers, compressed when ``accept`` (the request's
+    ``Accept-Encoding``) asks for it; a large response encoded or compressed off the loop."""
     route, version = chain.route, chain.runner_version
     if sum(a.nbytes for a in outputs.values()) <= LARGE_BODY_BYTES:
-        return encode_response(decoded, route, version, outputs)
-    return await bodies.run(lambda: encode_response(decoded, route, version, outputs))
-
-
-async def compressed(payload: bytes, coding: str, bodies: Bodies) -> bytes:
-    """``payload`` in ``coding``; a large one compressed off the event loop."""
+        payload, headers = encode_response(decoded, route, version, outputs)
+    else:
+        payload, headers = await bodies.run(
+            lambda: encode_response(decoded, route, version, outputs)
+        )
+    coding = compression.accepted(accept) if accept else None
+    if coding is None or len(payload) < compression.MIN_BYTES:
+        return payload, headers
     if len(payload) <= compression.OFF_LOOP_BYTES:
-        return compression.compress(payload, coding)
-    return await bodies.run(lambda: compression.compress(payload, coding))
-
-
-def compression_headers(headers: dict[str, str], coding: str) -> dict[str, str]:
-    return {**headers, hdrs.CONTENT_ENCODING: coding, hdrs.VARY: hdrs.ACCEPT_ENCODING}
+        payload = compression.compress(payload, coding)
+    else:
+        payload = await bodies.run(lambda: compression.compress(payload, coding))
+    return payload, {**headers, hdrs.CONTENT_ENCODING: coding, hdrs.VARY: hdrs.ACCEPT_ENCODING}
 
 
 async def statistics(request: web.Request) -> web.Response:

@@ -189,7 +189,8 @@ def test_connections_that_never_finish_their_headers_are_closed_after_the_timeou
 def test_a_body_that_does_not_arrive_in_time_is_408(
     server: Server, tmp_path: Path, plugins_dir: Path
 ) -> None:
-    """issue 12, finding 12 (the class): a body must arrive within body_timeout_s."""
+    """issue 12, finding 12 (the class): a body must arrive within body_timeout_s. A plain
+    infer request: the fast path frames it, so this is its body timeout too."""
     write_add_runner(plugins_dir, "add", "1.0.0")
     srv = start(server, tmp_path, plugins_dir, body_timeout_s=1)
     with connect(srv) as sock:
