@@ -341,38 +341,45 @@ def encode_response(
             chunks.append(raw)
         else:
             data = entry["data"] = _to_json(name, array, datatype)
-            if array.dtype.kind == "f" and not _finite(array, data):
+            if isinstance(data, np.ndarray) and not _finite(data):
                 finite = False
         header_outputs.append(entry)
     doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request.id is not None:
         doc["id"] = request.id
     doc["outputs"] = header_outputs
-    # JSON has no Infinity or NaN: orjson would write null. Python's json writes
-    # Infinity/NaN, which Python clients (tritonclient among them) read back.
-    header = orjson.dumps(doc) if finite else json.dumps(doc, separators=(",", ":")).encode()
+    if finite:
+        header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    else:
+        # JSON has no Infinity or NaN: orjson would write null. Python's json writes
+        # Infinity/NaN, which Python clients (tritonclient among them) read back.
+        for entry in header_outputs:
+            if isinstance(entry.get("data"), np.ndarray):
+                entry["data"] = entry["data"].tolist()
+        header = json.dumps(doc, separators=(",", ":")).encode()
     if not chunks:
         return header, {"Content-Type": "application/json"}
     headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
     return b"".join([header, *chunks]), headers
 
 
-def _finite(array: np.ndarray, values: list[float]) -> bool:
-    """Whether every element is finite: a small output's values checked as Python floats
-    (a numpy reduction costs more), a middling one with ``isfinite`` (no warning to
-    silence), a large one in one numpy pass without a temporary: the sum, in float64, is
-    finite when every element is (or it overflowed, and then the slower encoder is
-    merely unneeded)."""
-    if array.size <= 64:
-        return all(map(math.isfinite, values))
-    if array.size <= 4096:
-        return bool(np.isfinite(array).all())
+def _finite(values: np.ndarray) -> bool:
+    """Whether every element of a float64 array is finite: a small or middling one with
+    ``isfinite``, a large one in one numpy pass without a temporary: the sum is finite when
+    every element is (or it overflowed, and then the slower encoder is merely unneeded)."""
+    if values.size <= 4096:
+        return bool(np.isfinite(values).all())
     with np.errstate(over="ignore", invalid="ignore"):
-        return math.isfinite(array.sum(dtype=np.float64))
+        return math.isfinite(values.sum())
 
 
-def _to_json(name: str, array: np.ndarray, datatype: str) -> list[Any]:
+def _to_json(name: str, array: np.ndarray, datatype: str) -> list[Any] | np.ndarray:
+    """An output's values as JSON writes them: floats as float64 (orjson writes each as the
+    shortest text of that double, as it writes a Python float, with no Python float made),
+    other numbers and booleans as Python values, BYTES as strings."""
     flat = array.reshape(-1)
+    if array.dtype.kind == "f":
+        return flat.astype(np.float64)
     if datatype != "BYTES":
         return list(flat.tolist())
     try:
