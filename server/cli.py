@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the KServe v2 gRPC service's port; 0 turns it off; default: 8001",
     )
     serve.add_argument(
+        "--grpc-engine",
+        choices=["grpcio", "native"],
+        help="what serves gRPC: grpcio (grpc.aio, the default) or native (HTTP/2 on the "
+        "event loop)",
+    )
+    serve.add_argument(
         "--workers",
         help="HTTP worker processes sharing the port: a number, or auto (one per usable core, "
         "the default)",
@@ -156,6 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "grpc_port": args.grpc_port,
+        "grpc_engine": args.grpc_engine,
         "log_format": args.log_format,
         "log_level": args.log_level,
         "registry": args.registry,

@@ -116,6 +116,9 @@ class Settings:
     fast_path: bool = True
     """Whether plain HTTP/1.1 v2 infer requests take the fast path (``server/http/fastpath.py``)
     on the data port; off (or with an inference token set), every request is aiohttp's."""
+    grpc_engine: str = "grpcio"
+    """What serves gRPC: ``grpcio`` (grpc.aio, gRPC's C core) or ``native`` (HTTP/2 read on
+    the event loop's thread, ``server/grpc_api/front.py``)."""
     max_inputs: int = 64
     max_tensor_rank: int = 16
     max_tensor_elements: int = 1 << 26
@@ -211,6 +214,8 @@ class Settings:
         _check_numbers(self)  # every number setting against its bounds in _BOUNDS
         if self.log_format not in ("console", "json"):
             raise ConfigError(f"log_format must be 'console' or 'json', not {self.log_format!r}")
+        if self.grpc_engine not in ("grpcio", "native"):
+            raise ConfigError(f"grpc_engine must be grpcio or native, not {self.grpc_engine!r}")
         if self.event_loop not in ("auto", "asyncio", "uvloop"):
             raise ConfigError(f"event_loop must be auto, asyncio or uvloop: {self.event_loop!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -431,6 +436,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "watch": bool,
         "access_log": bool,
         "fast_path": bool,
+        "grpc_engine": str,
         "drain_timeout_s": (int, float),
         "load_timeout_s": (int, float),
         "close_timeout_s": (int, float),

@@ -330,6 +330,11 @@ def chooses_workers(args: Sequence[str]) -> bool:
     return False
 
 
+GRPC_ENGINE_VARIABLE = "PLUGSERVE_TEST_GRPC_ENGINE"
+"""Set (``native``), the servers of the tests serve gRPC with that engine: CI runs the gRPC
+tests once with each."""
+
+
 class ServerProcess:
     """``plugserve serve`` as a real subprocess on a free loopback port."""
 
@@ -348,6 +353,9 @@ class ServerProcess:
                 self.grpc_port = free_port()
             command += ["--grpc-port", str(self.grpc_port)]
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
+        engine = os.environ.get(GRPC_ENGINE_VARIABLE)
+        if engine and "--grpc-engine" not in args:
+            command += ["--grpc-engine", engine]
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log = log.open("wb")
         self.proc = subprocess.Popen(

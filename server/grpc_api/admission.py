@@ -31,7 +31,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -77,6 +77,12 @@ class CallLimits:
     """The same for a health or readiness call."""
 
 
+class Cancellable(Protocol):
+    """What ends a call: its task, or the native server's stream (``front.py``)."""
+
+    def cancel(self, msg: Any = None) -> Any: ...
+
+
 class Ended(Exception):
     """Why the server ended a call: the status its client is sent."""
 
@@ -102,7 +108,7 @@ class TrackedCall:
         "writing_since",
     )
 
-    def __init__(self, pool: set[TrackedCall], task: asyncio.Task[Any], streaming: bool) -> None:
+    def __init__(self, pool: set[TrackedCall], task: Cancellable, streaming: bool) -> None:
         self.pool = pool
         self.task = task
         self.streaming = streaming
@@ -194,20 +200,31 @@ class Admission(Swept, grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return None
         task = asyncio.current_task()
         assert task is not None  # grpc.aio runs each call in a task of its own
-        exempt = details.method in EXEMPT
+        streaming = bool(handler.request_streaming)
+        call = self.admit(details.method, task, streaming, bool(handler.response_streaming))
+        if isinstance(call, str):
+            return _refusal(handler, call)
+        task.add_done_callback(lambda _: call.release())
+        CURRENT_CALL.set(call)
+        if call.awaiting_since is None:
+            return handler
+        return _arrival_bounded(handler, call)
+
+    def admit(
+        self, method: str, task: Cancellable, streaming: bool, answers_stream: bool
+    ) -> TrackedCall | str:
+        """A call of ``method`` counted (``task`` is cancelled to end it; a unary call waits
+        for its request message from now), or why it is refused (``RESOURCE_EXHAUSTED``)."""
+        exempt = method in EXEMPT
         pool, limit = (self.health, HEALTH_CALLS) if exempt else (self.calls, self.limits.max_calls)
         if len(pool) >= limit and not self._make_room(pool, exempt):
             self.refused += 1
-            return _refusal(handler, _refusal_message(exempt, limit))
-        streaming = bool(handler.request_streaming)
+            return _refusal_message(exempt, limit)
         call = TrackedCall(pool, task, streaming)
         pool.add(call)
-        task.add_done_callback(lambda _: call.release())
-        CURRENT_CALL.set(call)
-        if streaming or handler.response_streaming:
-            return handler
-        call.awaiting_since = call.since
-        return _arrival_bounded(handler, call)
+        if not (streaming or answers_stream):
+            call.awaiting_since = call.since
+        return call
 
     def _make_room(self, pool: set[TrackedCall], exempt: bool) -> bool:
         """End one call of a full ``pool`` to make room for a new one: the unary call that has

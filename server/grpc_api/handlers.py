@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
@@ -28,6 +29,44 @@ class Undecodable:
         self.error = error
 
 
+@dataclass(frozen=True)
+class Method:
+    """One method of a service as a server serves it: its path, how its messages are read and
+    written (a request that does not parse is :class:`Undecodable`), and the servicer's
+    behaviour."""
+
+    path: str
+    what: str
+    """The request message's name, for the error of one that does not parse."""
+    parse: Callable[[bytes], Any]
+    serialize: Callable[[Any], bytes]
+    behaviour: Callable[..., Any]
+    client_streaming: bool
+    server_streaming: bool
+
+
+def methods(service: ServiceDescriptor, servicer: Any) -> list[Method]:
+    """Every method of ``service``, served by the servicer's method of the same name (one
+    protoc's base class leaves as is answers ``UNIMPLEMENTED``)."""
+    served = []
+    for method in service.methods:
+        behaviour = getattr(servicer, method.name)
+        if not inspect.iscoroutinefunction(behaviour):  # protoc's base class: not served here
+            behaviour = _unimplemented(method.full_name)
+        served.append(
+            Method(
+                f"/{service.full_name}/{method.name}",
+                method.input_type.name,
+                _lenient(GetMessageClass(method.input_type).FromString),
+                GetMessageClass(method.output_type).SerializeToString,
+                behaviour,
+                method.client_streaming,
+                method.server_streaming,
+            )
+        )
+    return served
+
+
 def register(server: Any, service: ServiceDescriptor, servicer: Any) -> None:
     """Serve every method of ``service`` with the servicer's method of the same name.
 
@@ -36,32 +75,27 @@ def register(server: Any, service: ServiceDescriptor, servicer: Any) -> None:
     of them for every call: with Triton's 23 methods, 4 % of a ``ModelInfer``'s CPU
     (docs/performance.md, "Where the time goes")."""
     handlers = {
-        method.name: _handler(method, getattr(servicer, method.name)) for method in service.methods
+        method.path.rsplit("/", 1)[1]: _handler(method) for method in methods(service, servicer)
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
 
 
-def _handler(method: MethodDescriptor, behaviour: Callable[..., Any]) -> Any:
-    parse = _lenient(GetMessageClass(method.input_type).FromString)
-    serialize = GetMessageClass(method.output_type).SerializeToString
-    what = method.input_type.name
-    if not inspect.iscoroutinefunction(behaviour):  # protoc's base class: not served here
-        behaviour = _unimplemented(method.full_name)
+def _handler(method: Method) -> Any:
     if method.client_streaming:
         make = (
             grpc.stream_stream_rpc_method_handler
             if method.server_streaming
             else grpc.stream_unary_rpc_method_handler
         )
-        return make(_checked_stream(behaviour, what), parse, serialize)
+        return make(_checked_stream(method.behaviour, method.what), method.parse, method.serialize)
     make = (
         grpc.unary_stream_rpc_method_handler
         if method.server_streaming
         else grpc.unary_unary_rpc_method_handler
     )
-    return make(_checked(behaviour, what), parse, serialize)
+    return make(_checked(method.behaviour, method.what), method.parse, method.serialize)
 
 
 def _unimplemented(name: str) -> Callable[..., Any]:
@@ -81,14 +115,14 @@ def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return parse_or_keep
 
 
-def _refusal(what: str, request: Undecodable) -> str:
+def refusal(what: str, request: Undecodable) -> str:
     return f"the request is not a valid {what} message: {request.error}"
 
 
 def _checked(behaviour: Callable[..., Any], what: str) -> Callable[..., Any]:
     async def call(request: Any, context: Any) -> Any:
         if isinstance(request, Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(what, request))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(what, request))
         return await behaviour(request, context)
 
     return call
@@ -99,7 +133,7 @@ def _checked_stream(behaviour: Callable[..., Any], what: str) -> Callable[..., A
         async def parsed() -> AsyncIterator[Any]:
             async for request in requests:
                 if isinstance(request, Undecodable):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(what, request))
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(what, request))
                 yield request
 
         return await behaviour(parsed(), context)

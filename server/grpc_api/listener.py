@@ -14,7 +14,7 @@ open for ``grpc_idle_timeout_s``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import structlog
@@ -23,7 +23,8 @@ from aiohttp import web
 from plugserve.registry.errors import ConfigError
 from plugserve.server.config import Settings
 from plugserve.server.grpc_api.admission import Admission, CallLimits
-from plugserve.server.grpc_api.service import add_to_server
+from plugserve.server.grpc_api.front import NativeServer
+from plugserve.server.grpc_api.service import add_to_server, served_methods
 from plugserve.server.http.connections import DEFAULT_MAX_CONNECTIONS
 from plugserve.server.state import SETTINGS
 
@@ -54,21 +55,41 @@ async def _serve(app: web.Application, shared: bool) -> AsyncIterator[None]:
         yield
         return
     admission = Admission(call_limits(settings))
-    server = grpc.aio.server(options=server_options(settings, shared), interceptors=[admission])
-    add_to_server(server, app, settings.grpc_port)
     where = address(settings.host, settings.grpc_port)
-    try:
-        server.add_insecure_port(where)
-    except RuntimeError as exc:
-        raise ConfigError(f"cannot listen for gRPC on {where}: {exc}") from None
-    await server.start()
+    if settings.grpc_engine == "native":
+        native = NativeServer(
+            served_methods(app, settings.grpc_port),
+            admission,
+            settings.max_body_bytes,
+            settings.header_timeout_s,
+            settings.grpc_idle_timeout_s,
+        )
+        try:
+            await native.start(settings.host, settings.grpc_port, shared)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen for gRPC on {where}: {exc}") from None
+        stop: Callable[[float], Awaitable[None]] = native.stop
+    else:
+        server = grpc.aio.server(options=server_options(settings, shared), interceptors=[admission])
+        add_to_server(server, app, settings.grpc_port)
+        try:
+            server.add_insecure_port(where)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen for gRPC on {where}: {exc}") from None
+        await server.start()
+        stop = server.stop
     admission.start()
-    log.info("grpc_serving", address=where, max_calls=admission.limits.max_calls)
+    log.info(
+        "grpc_serving",
+        address=where,
+        engine=settings.grpc_engine,
+        max_calls=admission.limits.max_calls,
+    )
     try:
         yield
     finally:
         await admission.stop()
-        await server.stop(STOP_GRACE_S)
+        await stop(STOP_GRACE_S)
 
 
 def call_limits(settings: Settings) -> CallLimits:

@@ -575,6 +575,15 @@ def _expired(context: Any) -> bool:
     return remaining is not None and remaining < DEADLINE_SLACK_S
 
 
+def served_methods(app: web.Application, port: int | None = None) -> list[handlers.Method]:
+    """Every method of the inference and health services of ``app`` (the native server's)."""
+    service = InferenceService(app, port)
+    return [
+        *handlers.methods(pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], service),
+        *handlers.methods(health_pb2.DESCRIPTOR.services_by_name["Health"], HealthService(service)),
+    ]
+
+
 def add_to_server(server: Any, app: web.Application, port: int | None = None) -> InferenceService:
     """Register the inference and health services of ``app`` on a ``grpc.aio`` server that
     listens on ``port``."""

@@ -5,12 +5,14 @@
                                          [--rounds 3] [--streams 1] [--generator-threads 1]
                                          [--no-generator-check] [--no-mlserver] [--mlserver-json]
                                          [--no-triton] [--no-auto]
+                                         [--grpc-engine grpcio native]
 
 Issue 15's target, in one run on one machine: the serving benchmark's medium
 MLP (tests/benchmarks/serving.py: 256 -> 1024 -> 1024 -> 1024 -> 10, FP32,
 batching 64 / 2 ms), one row per request, served by
 
-- plugserve, one server per ``--workers`` count, each with ``--grpc-port``:
+- plugserve, one server per ``--workers`` count and ``--grpc-engine`` (grpcio, the
+  default, and native, named ``-native``), each with ``--grpc-port``:
   Triton's ``ModelInfer`` over gRPC (the row in ``raw_input_contents``) and
   HTTP with binary tensors (Triton's binary extension, as serving.py sends it);
 - the floors: serving.py's bare aiohttp handler (reads the body, answers a
@@ -438,15 +440,17 @@ def measure(cases: list[Case], args: argparse.Namespace, work: Path) -> dict[Key
 
 
 def start_plugserve(
-    plugins: Path, workers: int, work: Path, frame: Path, script: Path
+    plugins: Path, workers: int, work: Path, frame: Path, script: Path, engine: str = "grpcio"
 ) -> tuple[Server, int, list[Case]]:
-    """A plugserve with ``--workers``, its gRPC port, and its two cases."""
+    """A plugserve with ``--workers`` and ``--grpc-engine``, its gRPC port, and its two
+    cases."""
     port, grpc_port = free_port(), free_port()
     command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(plugins),
                "--models-dir", str(plugins.parent / "models"), "--port", str(port),
                "--grpc-port", str(grpc_port), "--log-level", "warning"]  # fmt: skip
     command += ["--workers", str(workers)] if workers else []  # 0: as installed
-    name = f"plugserve-w{workers}" if workers else "plugserve-auto"
+    command += ["--grpc-engine", engine]
+    name = (f"plugserve-w{workers}" if workers else "plugserve-auto") + _suffix(engine)
     server = Server(command, port, work / f"{name}.log")
     return server, grpc_port, [
         Case(name, "grpc", f"http://127.0.0.1:{grpc_port}{MODEL_INFER}", frame, server,
@@ -454,6 +458,10 @@ def start_plugserve(
         Case(name, "binary", f"http://127.0.0.1:{port}/v2/models/mlp/infer", script, server,
              None, port, workers),
     ]  # fmt: skip
+
+
+def _suffix(engine: str) -> str:
+    return "" if engine == "grpcio" else f"-{engine}"
 
 
 @dataclass
@@ -488,9 +496,9 @@ def start_all(args: argparse.Namespace, work: Path, run: Run) -> None:
                  bare_grpc),
         ]  # fmt: skip
     counts = [*args.workers, *([] if args.no_auto else [0])]
-    for n in counts:
+    for engine, n in itertools.product(args.grpc_engine, counts):
         folder = plugins if n else as_installed
-        server, grpc_port, cases = start_plugserve(folder, n, work, raw_frame, binary)
+        server, grpc_port, cases = start_plugserve(folder, n, work, raw_frame, binary, engine)
         run.servers.append(server)  # stopped in finally even if never ready
         server.wait("/v2/health/ready", 120)
         if n == 0:  # as installed: a worker per usable core
@@ -628,7 +636,9 @@ def print_generator_check(rows: list[Row], threads: int) -> None:
               f"({two.gen_cores:.2f} cores): {gain:.2f}x; generator {verdict}")  # fmt: skip
 
 
-def print_ratios(rows: list[Row], workers: list[int], threads: int) -> None:
+def print_ratios(
+    rows: list[Row], workers: list[int], threads: int, engines: tuple[str, ...] = ("grpcio",)
+) -> None:
     table = {(r.name, r.protocol, r.c): r for r in rows if r.threads == threads}
     cs = sorted({r.c for r in rows})
     print("\nIssue 15 (gRPC against HTTP binary, same server, same load shape):")
@@ -655,7 +665,11 @@ def print_ratios(rows: list[Row], workers: list[int], threads: int) -> None:
         bad = [f"{r.name} c={r.c} t={r.threads}" for r in checked if r.checked != "ok"]
         _verdict("  every gRPC run: the server counted each call h2load completed as OK"
                  + (f" (not: {', '.join(bad)})" if bad else ""), not bad)  # fmt: skip
-    names = [f"plugserve-w{n}" for n in workers] + ["plugserve-auto"]
+    names = [
+        name + _suffix(engine)
+        for engine in engines
+        for name in [*(f"plugserve-w{n}" for n in workers), "plugserve-auto"]
+    ]
     triton, bare = table.get(("triton", "grpc", 64)), table.get(("bare", "grpc", 64))
     if triton or bare:
         print("\nIssue 31 (gRPC ModelInfer at c=64, the same h2load for every server):")
@@ -697,6 +711,8 @@ def main() -> None:
     parser.add_argument("--no-bare", action="store_true",
                         help="skip the bare aiohttp handler and the bare grpc.aio server")  # fmt: skip
     parser.add_argument("--mlserver-json", action="store_true", help="also MLServer's HTTP JSON")
+    parser.add_argument("--grpc-engine", nargs="+", default=["grpcio"],
+                        choices=["grpcio", "native"], help="one plugserve per engine and count")  # fmt: skip
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-grpc-bench-"))
     run = Run()
@@ -712,7 +728,7 @@ def main() -> None:
     rows = rows_of(samples)
     print_table(rows)
     print_generator_check(rows, args.generator_threads)
-    print_ratios(rows, args.workers, args.generator_threads)
+    print_ratios(rows, args.workers, args.generator_threads, tuple(args.grpc_engine))
 
 
 if __name__ == "__main__":

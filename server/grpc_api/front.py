@@ -1,0 +1,963 @@
+"""The native gRPC server: HTTP/2 on the event loop's own thread, for ``grpc_engine = "native"``.
+
+grpc.aio runs each call through gRPC's C core, its poller thread and several
+Cython coroutines: about 200 µs of CPU a call here before any of plugserve's
+code (docs/performance.md). This server reads the HTTP/2 frames of its
+connections itself (an :class:`asyncio.Protocol`, as the HTTP fast path does) and
+calls the same servicer methods (``service.py``) with a context that offers what
+they use of grpc.aio's (:class:`Context`), under the same call admission
+(:class:`plugserve.server.grpc_api.admission.Admission`): a unary call runs as one
+task once its message is in, and its answer leaves in one write.
+
+What it keeps of the protocol (RFC 9113, gRPC over HTTP/2): the preface and
+settings within ``header_timeout_s``; flow control both ways (a stream's window
+is given back as its messages are taken, so a client that floods a stream waits);
+``grpc-timeout`` as the call's deadline; gzip and deflate request messages; HPACK
+with its dynamic table (the ``hpack`` package; a header block seen before under the
+same table is looked up, not decoded again); ``PING``, ``GOAWAY`` and
+``RST_STREAM`` both ways; ``GOAWAY`` to a connection with no call for
+``grpc_idle_timeout_s``. Floods of pings, settings or resets, and frames that
+break the protocol, end the connection with ``GOAWAY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import socket
+import time
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import grpc
+import hpack
+import structlog
+
+from plugserve.server.grpc_api import wire
+from plugserve.server.grpc_api.admission import CURRENT_CALL, Admission, TrackedCall
+from plugserve.server.grpc_api.calls import MAX_DETAILS
+from plugserve.server.grpc_api.handlers import Method, Undecodable, refusal
+from plugserve.server.grpc_api.wire import END_HEADERS, END_STREAM, Error, Frame, Setting
+
+log = structlog.get_logger("plugserve.grpc")
+
+STREAM_WINDOW = 1 << 20
+"""Each stream's receive window (``INITIAL_WINDOW_SIZE``)."""
+CONNECTION_WINDOW = 16 << 20
+"""The connection's receive window, at least: a message of ``max_body_bytes`` fits it."""
+MAX_STREAMS = 4096
+"""``MAX_CONCURRENT_STREAMS``; admission refuses calls past ``max_connections`` first."""
+MAX_HEADER_LIST = 16 << 10
+"""``MAX_HEADER_LIST_SIZE``, as gRPC's core: larger metadata is refused."""
+BLOCKS_KEPT = 64
+BLOCK_KEPT_BYTES = 1024
+"""Header blocks remembered per connection, and the largest remembered."""
+FLOOD_PER_S = 1000
+"""Pings, settings or stream resets a connection may send in a second before it is ended
+with ``ENHANCE_YOUR_CALM`` (a reset flood is the "rapid reset" attack)."""
+RESERVED = frozenset(
+    {b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
+)
+"""Headers gRPC reads itself: not part of a call's metadata."""
+UNAVAILABLE_STOPPING = "the server is stopping"
+DEADLINE_SLACK_S = 0.002
+"""How near its deadline a call whose handler stopped counts as ended by it (as grpc.aio's,
+``service.DEADLINE_SLACK_S``)."""
+
+
+class Aborted(grpc.aio.AbortError):  # type: ignore[misc]
+    """A call's status, set by :meth:`Context.abort`."""
+
+
+class Context:
+    """What the servicer methods use of grpc.aio's ``ServicerContext``, for one stream."""
+
+    __slots__ = ("code", "details", "stream", "trailing")
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.trailing: tuple[tuple[str, str], ...] = ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return self.stream.metadata
+
+    def peer(self) -> str:
+        return self.stream.connection.peer
+
+    def time_remaining(self) -> float | None:
+        deadline = self.stream.deadline
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        self.trailing = tuple((str(k), str(v)) for k, v in metadata)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        if self.stream.status_sent:
+            raise Aborted("the call's status was already sent")
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+    async def write(self, message: Any) -> None:
+        stream = self.stream
+        if stream.status_sent or stream.reset:
+            raise ConnectionResetError("the call is over")
+        await stream.connection.send_message(stream, stream.method.serialize(message))
+
+    def done(self) -> bool:
+        return self.stream.status_sent or self.stream.reset
+
+
+class Stream:
+    """One call: its request bytes, its task, its windows and its status."""
+
+    __slots__ = (
+        "connection",
+        "context",
+        "data",
+        "deadline",
+        "deadline_timer",
+        "encoding",
+        "headers_sent",
+        "id",
+        "messages",
+        "metadata",
+        "method",
+        "remote_closed",
+        "reset",
+        "send_window",
+        "status_sent",
+        "task",
+        "tracked",
+        "unconsumed",
+    )
+
+    def __init__(self, connection: Connection, stream_id: int, method: Method) -> None:
+        self.connection = connection
+        self.id = stream_id
+        self.method = method
+        self.metadata: tuple[tuple[str, str | bytes], ...] = ()
+        self.deadline: float | None = None
+        self.deadline_timer: asyncio.TimerHandle | None = None
+        self.encoding = "identity"
+        self.data = bytearray()
+        self.messages: asyncio.Queue[Any] | None = None
+        self.unconsumed = 0
+        """Bytes received on a streaming call whose messages its handler has not taken."""
+        self.send_window = connection.peer_initial_window
+        self.remote_closed = False
+        self.reset = False
+        self.status_sent = False
+        self.headers_sent = False
+        self.task: asyncio.Task[None] | None = None
+        self.tracked: TrackedCall | None = None
+        self.context = Context(self)
+
+    def cancel(self, msg: Any = None) -> bool:
+        """End the call (admission's sweep or eviction, with ``tracked.ended`` set): its task
+        is cancelled and sends the status; a call whose message has not come sends it now."""
+        if self.task is not None:
+            return self.task.cancel(msg)
+        ended = self.tracked.ended if self.tracked is not None else None
+        if ended is not None:
+            self.connection.finish(self, ended.code, ended.message)
+        return True
+
+
+class Connection(asyncio.Protocol):
+    """One client's HTTP/2 connection to the native gRPC server."""
+
+    def __init__(self, server: NativeServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.buffer = bytearray()
+        self.preface = False
+        self.settled = False
+        self.streams: dict[int, Stream] = {}
+        self.last_stream = 0
+        self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
+        self.blocks: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        self.continuing: tuple[int, int, bytearray] | None = None  # stream, flags, block
+        self.peer_initial_window = wire.DEFAULT_WINDOW
+        self.peer_max_frame = wire.DEFAULT_FRAME_SIZE
+        self.send_window = wire.DEFAULT_WINDOW
+        self.receive_window = server.connection_window
+        self.receive_owed = 0
+        self.window_waiters: list[asyncio.Future[None]] = []
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.going_away = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.flood = (0.0, 0)
+        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        """Done once the connection is closed."""
+
+    # -- the connection ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        peer = self.transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            host, port = peer[0], peer[1]
+            self.peer = f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+        else:
+            self.peer = "unix:"
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server.connections.add(self)
+        self.transport.write(
+            wire.settings(
+                {
+                    Setting.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
+                    Setting.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+                    Setting.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
+                    Setting.ENABLE_PUSH: 0,
+                }
+            )
+            + wire.window_update(0, self.receive_window - wire.DEFAULT_WINDOW)
+        )
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(self.server.handshake_timeout_s, self._handshake_late)
+
+    def _handshake_late(self) -> None:
+        if not self.settled:
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        for stream in list(self.streams.values()):
+            stream.reset = True
+            self._release(stream)
+            if stream.task is not None:
+                stream.task.cancel()
+        self.streams.clear()
+        self.writable.set()
+        self._wake_windows()
+        if not self.finished.done():
+            self.finished.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def go_away(self, code: Error = Error.NO_ERROR, reason: str = "") -> None:
+        """Take no new calls: ``GOAWAY``, and the connection closes once its calls are done
+        (at once for an error)."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        if not self.going_away or code != Error.NO_ERROR:
+            self.transport.write(wire.goaway(self.last_stream, code, reason))
+        self.going_away = True
+        if code != Error.NO_ERROR or not self.streams:
+            self.close()
+
+    def _idle(self) -> None:
+        """No call open: the idle timeout starts (``grpc_idle_timeout_s``)."""
+        if self.going_away:
+            self.close()
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        idle = self.server.idle_timeout_s
+        if idle > 0:
+            self.timer = asyncio.get_running_loop().call_later(idle, self.go_away)
+
+    # -- frames in --------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        try:
+            if not self.preface:
+                if len(buffer) < len(wire.PREFACE):
+                    if not wire.PREFACE.startswith(bytes(buffer)):
+                        raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "not HTTP/2")
+                    return
+                if not buffer.startswith(wire.PREFACE):
+                    raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "not HTTP/2")
+                del buffer[: len(wire.PREFACE)]
+                self.preface = True
+            self._frames()
+        except wire.ConnectionError_ as exc:
+            log.debug(
+                "grpc_connection_error", peer=self.peer, code=exc.code.name, reason=exc.reason
+            )
+            self.buffer.clear()
+            self.go_away(exc.code, exc.reason)
+            self.close()
+
+    def _frames(self) -> None:
+        buffer = self.buffer
+        position, size = 0, len(buffer)
+        limit = wire.DEFAULT_FRAME_SIZE
+        try:
+            while size - position >= wire.FRAME_HEADER and not self.closed():
+                length = int.from_bytes(buffer[position : position + 3], "big")
+                if length > limit:
+                    raise wire.ConnectionError_(Error.FRAME_SIZE_ERROR, "frame too large")
+                end = position + wire.FRAME_HEADER + length
+                if end > size:
+                    break
+                kind, flags = buffer[position + 3], buffer[position + 4]
+                stream_id = int.from_bytes(buffer[position + 5 : position + 9], "big") & 0x7FFFFFFF
+                payload = bytes(buffer[position + wire.FRAME_HEADER : end])
+                position = end
+                self._frame(kind, flags, stream_id, payload)
+        finally:
+            del buffer[:position]
+
+    def closed(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self.continuing is not None and kind != Frame.CONTINUATION:
+            raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "headers interrupted")
+        if not self.settled:
+            if kind != Frame.SETTINGS or flags & wire.ACK:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "SETTINGS must come first")
+            self.settled = True
+            self._idle()
+        if kind == Frame.DATA:
+            self._data(flags, stream_id, payload)
+        elif kind == Frame.HEADERS:
+            self._headers(flags, stream_id, payload)
+        elif kind == Frame.CONTINUATION:
+            self._continuation(flags, stream_id, payload)
+        elif kind == Frame.SETTINGS:
+            self._settings(flags, stream_id, payload)
+        elif kind == Frame.WINDOW_UPDATE:
+            self._window_update(stream_id, payload)
+        elif kind == Frame.PING:
+            if stream_id or len(payload) != 8:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad PING")
+            if not flags & wire.ACK:
+                self._flooding()
+                self._write(wire.frame(Frame.PING, wire.ACK, 0, payload))
+        elif kind == Frame.RST_STREAM:
+            if not stream_id or len(payload) != 4:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad RST_STREAM")
+            self._flooding()
+            stream = self.streams.get(stream_id)
+            if stream is not None:
+                self._client_reset(stream)
+            elif stream_id > self.last_stream:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
+        elif kind == Frame.GOAWAY:
+            self.going_away = True
+            if not self.streams:
+                self.close()
+        elif kind == Frame.PRIORITY:
+            if len(payload) != 5 or not stream_id:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad PRIORITY")
+        elif kind == Frame.PUSH_PROMISE:
+            raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "a client may not push")
+        # Other frame types are ignored, as HTTP/2 says.
+
+    def _flooding(self) -> None:
+        now = time.monotonic()
+        since, count = self.flood
+        if now - since > 1.0:
+            self.flood = (now, 1)
+            return
+        self.flood = (since, count + 1)
+        if count + 1 > FLOOD_PER_S:
+            raise wire.ConnectionError_(Error.ENHANCE_YOUR_CALM, "too many control frames")
+
+    def _settings(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & wire.ACK:
+            if payload:
+                raise wire.ConnectionError_(Error.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        if len(payload) % 6:
+            raise wire.ConnectionError_(Error.FRAME_SIZE_ERROR, "bad SETTINGS")
+        self._flooding()
+        for offset in range(0, len(payload), 6):
+            key = int.from_bytes(payload[offset : offset + 2], "big")
+            value = int.from_bytes(payload[offset + 2 : offset + 6], "big")
+            if key == Setting.INITIAL_WINDOW_SIZE:
+                if value > wire.MAX_WINDOW:
+                    raise wire.ConnectionError_(Error.FLOW_CONTROL_ERROR, "window too large")
+                delta = value - self.peer_initial_window
+                self.peer_initial_window = value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+                self._wake_windows()
+            elif key == Setting.MAX_FRAME_SIZE:
+                if not wire.DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
+                    raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
+                self.peer_max_frame = value
+            elif key == Setting.ENABLE_PUSH and value > 1:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad ENABLE_PUSH")
+        self._write(wire.frame(Frame.SETTINGS, wire.ACK, 0))
+
+    def _window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise wire.ConnectionError_(Error.FRAME_SIZE_ERROR, "bad WINDOW_UPDATE")
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if not stream_id:
+            if not increment:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "a window update of 0")
+            self.send_window += increment
+            if self.send_window > wire.MAX_WINDOW:
+                raise wire.ConnectionError_(Error.FLOW_CONTROL_ERROR, "window past 2^31-1")
+        else:
+            stream = self.streams.get(stream_id)
+            if stream is None:
+                return
+            if not increment or stream.send_window + increment > wire.MAX_WINDOW:
+                self._reset(
+                    stream, Error.PROTOCOL_ERROR if not increment else Error.FLOW_CONTROL_ERROR
+                )
+                return
+            stream.send_window += increment
+        self._wake_windows()
+
+    def _wake_windows(self) -> None:
+        waiters, self.window_waiters = self.window_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if not stream_id % 2:
+            raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "HEADERS on an even stream")
+        block = _unpadded(flags, payload)
+        if flags & wire.PRIORITY:
+            if len(block) < 5:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad HEADERS priority")
+            block = block[5:]
+        if not flags & END_HEADERS:
+            self.continuing = (stream_id, flags, bytearray(block))
+            return
+        self._header_block(stream_id, flags, block)
+
+    def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if self.continuing is None or self.continuing[0] != stream_id:
+            raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "CONTINUATION out of place")
+        _, first_flags, block = self.continuing
+        block += payload
+        if len(block) > 2 * MAX_HEADER_LIST:
+            raise wire.ConnectionError_(Error.ENHANCE_YOUR_CALM, "header block too large")
+        if flags & END_HEADERS:
+            self.continuing = None
+            self._header_block(stream_id, first_flags, bytes(block))
+
+    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """The block's headers: looked up when the same bytes came under the same table."""
+        known = self.blocks.get(block)
+        if known is not None:
+            return known
+        table = self.decoder.header_table
+        before = (table.maxsize, tuple(table.dynamic_entries))
+        try:
+            headers = [(bytes(n), bytes(v)) for n, v in self.decoder.decode(block, raw=True)]
+        except hpack.OversizedHeaderListError:
+            raise wire.ConnectionError_(Error.ENHANCE_YOUR_CALM, "header list too large") from None
+        except hpack.HPACKError as exc:
+            raise wire.ConnectionError_(Error.COMPRESSION_ERROR, str(exc)) from None
+        if (table.maxsize, tuple(table.dynamic_entries)) != before:
+            self.blocks.clear()  # entries kept meant what they meant under the old table
+        elif len(block) <= BLOCK_KEPT_BYTES:
+            if len(self.blocks) >= BLOCKS_KEPT:
+                del self.blocks[next(iter(self.blocks))]
+            self.blocks[block] = headers
+        return headers
+
+    def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
+        headers = self._decode(block)
+        stream = self.streams.get(stream_id)
+        if stream is not None:  # the client's trailers: they end its side
+            if not flags & END_STREAM:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "trailers must end the stream")
+            self._remote_end(stream)
+            return
+        if stream_id <= self.last_stream:
+            raise wire.ConnectionError_(Error.STREAM_CLOSED, "HEADERS on a closed stream")
+        self.last_stream = stream_id
+        if self.going_away:
+            self._write(wire.rst_stream(stream_id, Error.REFUSED_STREAM))
+            return
+        if len(self.streams) >= MAX_STREAMS:
+            self._write(wire.rst_stream(stream_id, Error.REFUSED_STREAM))
+            return
+        self._open(stream_id, flags, headers)
+
+    def _open(self, stream_id: int, flags: int, headers: list[tuple[bytes, bytes]]) -> None:
+        method = path = content_type = None
+        metadata: list[tuple[str, str | bytes]] = []
+        timeout = encoding = None
+        for name, value in headers:
+            if name[:1] == b":":
+                if name == b":path":
+                    path = value
+                elif name == b":method":
+                    method = value
+                continue
+            if name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                timeout = value
+            elif name == b"grpc-encoding":
+                encoding = value
+            if name in RESERVED:
+                continue
+            key = name.decode("latin-1")
+            if key.endswith("-bin"):
+                try:
+                    metadata.append((key, base64.b64decode(value + b"==")))
+                except ValueError:
+                    continue
+            else:
+                metadata.append((key, value.decode("latin-1")))
+        if method != b"POST":
+            self._write_headers(stream_id, b"\x08\x03405", True)  # :status 405 (indexed name)
+            return
+        if path is None:
+            self._write_headers(stream_id, b"\x8c", True)  # :status 400 (static entry 12)
+            return
+        if content_type is None or not content_type.startswith(b"application/grpc"):
+            self._write_headers(stream_id, b"\x08\x03415", True)  # :status 415, indexed name
+            return
+        served = self.server.methods.get(path.decode("latin-1"))
+        if served is None:
+            served = self.server.unknown
+        stream = Stream(self, stream_id, served)
+        stream.metadata = tuple(metadata)
+        self.streams[stream_id] = stream
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if timeout is not None:
+            seconds = wire.timeout_seconds(timeout.decode("latin-1"))
+            if seconds is None:
+                self.finish(stream, grpc.StatusCode.INTERNAL, "malformed grpc-timeout")
+                return
+            stream.deadline = time.monotonic() + seconds
+            stream.deadline_timer = asyncio.get_running_loop().call_later(
+                seconds, self._deadline, stream
+            )
+        if encoding is not None and encoding != b"identity":
+            if encoding not in (b"gzip", b"deflate"):
+                self.finish(
+                    stream,
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"grpc-encoding {encoding.decode('latin-1')!r} is not supported",
+                )
+                return
+            stream.encoding = encoding.decode("latin-1")
+        if served is self.server.unknown:
+            self.finish(stream, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+            return
+        tracked = self.server.admission.admit(
+            served.path, stream, served.client_streaming, served.server_streaming
+        )
+        if isinstance(tracked, str):
+            stream.context.trailing = (("retry-after", "1"),)
+            self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, tracked)
+            return
+        stream.tracked = tracked
+        if served.client_streaming:
+            stream.messages = asyncio.Queue()
+            self._start(stream, _requests(stream))
+        if flags & END_STREAM:
+            self._remote_end(stream)
+
+    def _deadline(self, stream: Stream) -> None:
+        stream.deadline_timer = None
+        if stream.id in self.streams and not stream.status_sent:
+            self.finish(stream, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if not stream_id:
+            raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "DATA on stream 0")
+        size = len(payload)
+        self.receive_window -= size
+        if self.receive_window < 0:
+            raise wire.ConnectionError_(Error.FLOW_CONTROL_ERROR, "the client overran its window")
+        data = _unpadded(flags, payload)
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.remote_closed:
+            self._give_back(size)
+            if stream_id > self.last_stream:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "DATA on an idle stream")
+            if stream is not None:
+                self._reset(stream, Error.STREAM_CLOSED)
+            return
+        stream.data += data
+        if stream.messages is None:  # unary: the message is bounded by max_body_bytes
+            if len(stream.data) > self.server.max_message + 5:
+                self._give_back(size)
+                self._too_large(stream, len(stream.data) - 5)
+                return
+            self._give_back(size)
+            stream.unconsumed += size  # the stream's window, given back for a large message
+            if stream.unconsumed >= STREAM_WINDOW // 2:
+                self._write(wire.window_update(stream.id, stream.unconsumed))
+                stream.unconsumed = 0
+        else:
+            stream.unconsumed += size
+            self._parse_messages(stream)
+        if flags & END_STREAM:
+            self._remote_end(stream)
+
+    def _give_back(self, size: int, stream: Stream | None = None) -> None:
+        """Window taken by ``size`` bytes that are read: given back to the client in halves."""
+        self.receive_owed += size
+        writes = []
+        if self.receive_owed >= self.server.connection_window // 2:
+            writes.append(wire.window_update(0, self.receive_owed))
+            self.receive_window += self.receive_owed
+            self.receive_owed = 0
+        if stream is not None and size:
+            writes.append(wire.window_update(stream.id, size))
+        if writes:
+            self._write(b"".join(writes))
+
+    def _too_large(self, stream: Stream, size: int) -> None:
+        limit = self.server.max_message
+        self.finish(
+            stream,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"Received message larger than max ({size} vs. {limit})",
+        )
+
+    def _parse_messages(self, stream: Stream) -> None:
+        """Each whole message of a streaming call, to its handler's queue."""
+        data = stream.data
+        queue = stream.messages
+        assert queue is not None
+        while len(data) >= 5:
+            size = int.from_bytes(data[1:5], "big")
+            if size > self.server.max_message:
+                self._too_large(stream, size)
+                return
+            if len(data) < 5 + size:
+                return
+            message = self._message(stream, data[0], bytes(data[5 : 5 + size]))
+            del data[: 5 + size]
+            if message is None:
+                return
+            queue.put_nowait((message, 5 + size))
+
+    def _message(self, stream: Stream, compressed: int, body: bytes) -> Any:
+        """The request message of ``body`` (``None``, with the call ended, if it cannot be)."""
+        if compressed:
+            if stream.encoding == "identity":
+                self.finish(
+                    stream, grpc.StatusCode.INTERNAL, "a compressed message without grpc-encoding"
+                )
+                return None
+            inflater = zlib.decompressobj(31 if stream.encoding == "gzip" else 15)
+            try:
+                body = inflater.decompress(body, self.server.max_message + 1)
+            except zlib.error as exc:
+                self.finish(
+                    stream, grpc.StatusCode.INTERNAL, f"the message does not decompress: {exc}"
+                )
+                return None
+            if len(body) > self.server.max_message or inflater.unconsumed_tail:
+                self._too_large(stream, len(body))
+                return None
+        return stream.method.parse(body)
+
+    def _remote_end(self, stream: Stream) -> None:
+        """The client has sent all of the call."""
+        stream.remote_closed = True
+        if stream.messages is not None:
+            stream.messages.put_nowait(None)
+            return
+        if stream.status_sent or stream.task is not None:
+            return
+        data = stream.data
+        if not data:
+            self.finish(stream, grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+            return
+        if len(data) < 5 or int.from_bytes(data[1:5], "big") != len(data) - 5:
+            self.finish(stream, grpc.StatusCode.INTERNAL, "the request is not one whole message")
+            return
+        request = self._message(stream, data[0], bytes(data[5:]))
+        stream.data = bytearray()
+        if request is None:
+            return
+        if stream.tracked is not None:
+            stream.tracked.request_arrived()
+        self._start(stream, request)
+
+    def _start(self, stream: Stream, request: Any) -> None:
+        stream.task = asyncio.get_running_loop().create_task(self._serve(stream, request))
+
+    async def _serve(self, stream: Stream, request: Any) -> None:
+        """Run the call's behaviour; send its answer, or its status."""
+        CURRENT_CALL.set(stream.tracked)
+        method, context = stream.method, stream.context
+        code, details = grpc.StatusCode.OK, ""
+        answer = None
+        try:
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(method.what, request))
+            answer = await method.behaviour(request, context)
+        except Aborted:
+            code, details = context.code or grpc.StatusCode.UNKNOWN, context.details
+        except asyncio.CancelledError:
+            if stream.reset or stream.status_sent:
+                return
+            ended = stream.tracked.ended if stream.tracked is not None else None
+            if ended is not None:
+                code, details = ended.code, ended.message
+            elif (
+                remaining := context.time_remaining()
+            ) is not None and remaining < DEADLINE_SLACK_S:
+                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+            else:
+                code, details = grpc.StatusCode.UNAVAILABLE, UNAVAILABLE_STOPPING
+        except Exception as exc:
+            log.exception("grpc_handler_failed", method=method.path, error=type(exc).__name__)
+            code, details = grpc.StatusCode.UNKNOWN, f"Unexpected error: {type(exc).__name__}"
+        if stream.reset or stream.status_sent:
+            return
+        if code is grpc.StatusCode.OK and not method.server_streaming:
+            try:
+                message = method.serialize(answer)
+            except Exception as exc:
+                log.exception("grpc_answer_not_serialized", method=method.path)
+                self.finish(stream, grpc.StatusCode.INTERNAL, f"the answer: {type(exc).__name__}")
+                return
+            with contextlib.suppress(ConnectionResetError):  # the call ended meanwhile
+                await self.send_message(stream, message, last=True)
+            return
+        self.finish(stream, code, details)
+
+    # -- frames out -------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    def _write_headers(self, stream_id: int, block: bytes, end: bool) -> None:
+        flags = END_HEADERS | (END_STREAM if end else 0)
+        limit = self.peer_max_frame
+        if len(block) <= limit:
+            self._write(wire.frame(Frame.HEADERS, flags, stream_id, block))
+            return
+        parts = [block[i : i + limit] for i in range(0, len(block), limit)]
+        out = [wire.frame(Frame.HEADERS, flags & ~END_HEADERS, stream_id, parts[0])]
+        for part in parts[1:-1]:
+            out.append(wire.frame(Frame.CONTINUATION, 0, stream_id, part))
+        out.append(wire.frame(Frame.CONTINUATION, END_HEADERS, stream_id, parts[-1]))
+        self._write(b"".join(out))
+
+    async def send_message(self, stream: Stream, message: bytes, last: bool = False) -> None:
+        """One message on the stream (its headers first, if not yet sent); with ``last``, the
+        OK status after it. Waits for the client's windows, and for the transport."""
+        data = wire.message_frame(message)
+        head = b""
+        if not stream.headers_sent:
+            head = wire.frame(Frame.HEADERS, END_HEADERS, stream.id, wire.RESPONSE_START)
+            stream.headers_sent = True
+        view = memoryview(data)
+        while True:
+            if stream.reset or stream.status_sent or self.closed():
+                raise ConnectionResetError("the call is over")
+            allowed = min(stream.send_window, self.send_window, self.peer_max_frame)
+            if len(view) <= allowed:
+                break
+            if allowed > 0:
+                chunk = bytes(view[:allowed])
+                view = view[allowed:]
+                stream.send_window -= allowed
+                self.send_window -= allowed
+                self._write(head + wire.frame(Frame.DATA, 0, stream.id, chunk))
+                head = b""
+                continue
+            if head:
+                self._write(head)
+                head = b""
+            waiter = asyncio.get_running_loop().create_future()
+            self.window_waiters.append(waiter)
+            await waiter
+        size = len(view)
+        stream.send_window -= size
+        self.send_window -= size
+        out = head + wire.frame(Frame.DATA, 0, stream.id, bytes(view))
+        if last:
+            out += wire.frame(
+                Frame.HEADERS,
+                END_HEADERS | END_STREAM,
+                stream.id,
+                self._status_block(stream, 0, ""),
+            )
+            self._write(out)
+            self._done(stream)
+            return
+        self._write(out)
+        if not self.writable.is_set():
+            await self.writable.wait()
+
+    def _status_block(self, stream: Stream, code: int, details: str) -> bytes:
+        trailing = stream.context.trailing
+        if code == 0 and not trailing:
+            return wire.STATUS_OK
+        if len(details) > MAX_DETAILS:
+            details = details[: MAX_DETAILS - 3] + "..."
+        return wire.trailers(code, details, trailing)
+
+    def finish(self, stream: Stream, code: grpc.StatusCode, details: str) -> None:
+        """Send the call's status (in a trailers-only answer if nothing was sent) and end it."""
+        if stream.status_sent or stream.reset:
+            return
+        block = self._status_block(stream, code.value[0], details)
+        if not stream.headers_sent:
+            block = wire.RESPONSE_START + block
+            stream.headers_sent = True
+        self._write_headers(stream.id, block, True)
+        self._done(stream)
+        if stream.task is not None and stream.task is not asyncio.current_task():
+            stream.task.cancel()
+
+    def _done(self, stream: Stream) -> None:
+        stream.status_sent = True
+        if not stream.remote_closed:
+            self._write(wire.rst_stream(stream.id, Error.NO_ERROR))
+        self._forget(stream)
+
+    def _reset(self, stream: Stream, code: Error) -> None:
+        self._write(wire.rst_stream(stream.id, code))
+        stream.reset = True
+        if stream.task is not None:
+            stream.task.cancel()
+        self._forget(stream)
+
+    def _client_reset(self, stream: Stream) -> None:
+        stream.reset = True
+        if stream.task is not None:
+            stream.task.cancel()
+        self._forget(stream)
+
+    def _forget(self, stream: Stream) -> None:
+        if self.streams.pop(stream.id, None) is None:
+            return
+        if stream.deadline_timer is not None:
+            stream.deadline_timer.cancel()
+        if stream.messages is not None and stream.unconsumed:
+            self._give_back(stream.unconsumed)
+        self._release(stream)
+        if not self.streams:
+            self._idle()
+
+    def _release(self, stream: Stream) -> None:
+        if stream.tracked is not None:
+            stream.tracked.release()
+
+    def consumed(self, stream: Stream, size: int) -> None:
+        """A streaming call's handler took a message of ``size`` bytes: its window back."""
+        stream.unconsumed -= size
+        if stream.id in self.streams and not stream.remote_closed:
+            self._give_back(size)
+            stream.unconsumed += size  # the stream's window, given back for a large message
+            if stream.unconsumed >= STREAM_WINDOW // 2:
+                self._write(wire.window_update(stream.id, stream.unconsumed))
+                stream.unconsumed = 0
+        else:
+            self._give_back(size)
+
+
+async def _requests(stream: Stream) -> AsyncIterator[Any]:
+    """A streaming call's request messages as they come; ``INVALID_ARGUMENT`` for one that
+    does not parse."""
+    queue = stream.messages
+    assert queue is not None
+    while True:
+        item = await queue.get()
+        if item is None:
+            return
+        message, size = item
+        stream.connection.consumed(stream, size)
+        if isinstance(message, Undecodable):
+            await stream.context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, refusal(stream.method.what, message)
+            )
+        yield message
+
+
+def _unpadded(flags: int, payload: bytes) -> bytes:
+    if not flags & wire.PADDED:
+        return payload
+    if not payload or payload[0] >= len(payload):
+        raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad padding")
+    return payload[1 : len(payload) - payload[0]]
+
+
+async def _unknown(request: Any, context: Any) -> None:  # pragma: no cover - never called
+    raise AssertionError("unreachable")
+
+
+class NativeServer:
+    """The native gRPC server of one process: its listening socket and its connections."""
+
+    def __init__(
+        self,
+        methods: list[Method],
+        admission: Admission,
+        max_message: int,
+        handshake_timeout_s: float,
+        idle_timeout_s: float,
+    ) -> None:
+        self.methods = {m.path: m for m in methods}
+        self.unknown = Method("", "", lambda b: b, lambda m: b"", _unknown, False, False)
+        self.admission = admission
+        self.max_message = max_message
+        self.connection_window = max(CONNECTION_WINDOW, 2 * (max_message + 5))
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.connections: set[Connection] = set()
+        self.listener: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int, shared: bool) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if shared:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        loop = asyncio.get_running_loop()
+        self.listener = await loop.create_server(lambda: Connection(self), sock=sock)
+
+    async def stop(self, grace_s: float) -> None:
+        """No new connection; ``GOAWAY`` to each; calls still open after ``grace_s`` are
+        ended ``UNAVAILABLE``, and the connections closed."""
+        if self.listener is not None:
+            self.listener.close()
+        for connection in list(self.connections):
+            connection.go_away()
+        open_ = [c.finished for c in self.connections]
+        if open_:
+            await asyncio.wait(open_, timeout=grace_s)
+        for connection in list(self.connections):
+            for stream in list(connection.streams.values()):
+                connection.finish(stream, grpc.StatusCode.UNAVAILABLE, UNAVAILABLE_STOPPING)
+            connection.close()
+        if self.listener is not None:
+            await self.listener.wait_closed()
