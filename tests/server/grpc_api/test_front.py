@@ -1,0 +1,250 @@
+"""The native gRPC engine's HTTP/2, byte by byte: a raw socket client (frames written here,
+header blocks by the ``hpack`` package's encoder) against a real server with
+``--grpc-engine native``: what a client may do (split and padded frames, compression, a
+small window), and what ends a connection (a wrong preface, silence, floods)."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import hpack
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2
+
+from plugserve.server.grpc_api import wire
+from plugserve.server.grpc_api.wire import END_HEADERS, END_STREAM, Frame
+from tests.helpers import ServerProcess, write_add_runner
+
+pytestmark = pytest.mark.slow
+
+Server = Callable[..., ServerProcess]
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def start(server: Server, tmp_path: Path, plugins_dir: Path, **settings: object) -> ServerProcess:
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    path = tmp_path / "plugserve.toml"
+    settings = {"grpc_engine": "native", **settings}
+    path.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items()))
+    (tmp_path / "models").mkdir(exist_ok=True)
+    return server("--plugins-dir", str(plugins_dir), "--models-dir", str(tmp_path / "models"),
+                  "--config", str(path))  # fmt: skip
+
+
+def add_message(rows: int = 1) -> bytes:
+    message = service_pb2.ModelInferRequest(model_name="add")
+    message.inputs.add(name="x", datatype="FP32", shape=[rows, 4])
+    message.raw_input_contents.append(np.ones((rows, 4), np.float32).tobytes())
+    return message.SerializeToString()
+
+
+class Client:
+    """One HTTP/2 connection, spoken frame by frame."""
+
+    def __init__(self, port: int, window: int | None = None) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        self.buffer = b""
+        self.next_stream = 1
+        settings = {} if window is None else {wire.Setting.INITIAL_WINDOW_SIZE: window}
+        self.sock.sendall(wire.PREFACE + wire.settings(settings))
+
+    def headers(self, path: str = MODEL_INFER, extra: tuple[tuple[str, str], ...] = ()) -> bytes:
+        return self.encoder.encode(
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", path),
+                (":authority", "localhost"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                *extra,
+            ]
+        )
+
+    def call(self, message: bytes, extra: tuple[tuple[str, str], ...] = ()) -> int:
+        """A unary call in one HEADERS and one DATA frame; its stream id."""
+        stream = self.open()
+        self.send(wire.frame(Frame.HEADERS, END_HEADERS, stream, self.headers(extra=extra)))
+        self.send(wire.frame(Frame.DATA, END_STREAM, stream, wire.message_frame(message)))
+        return stream
+
+    def open(self) -> int:
+        stream, self.next_stream = self.next_stream, self.next_stream + 2
+        return stream
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def frames(self) -> Iterator[tuple[int, int, int, bytes]]:
+        """Frames as they come (kind, flags, stream, payload) until the server closes."""
+        while True:
+            while len(self.buffer) >= 9:
+                length = int.from_bytes(self.buffer[:3], "big")
+                if len(self.buffer) < 9 + length:
+                    break
+                kind, flags = self.buffer[3], self.buffer[4]
+                stream = int.from_bytes(self.buffer[5:9], "big")
+                payload, self.buffer = self.buffer[9 : 9 + length], self.buffer[9 + length :]
+                yield kind, flags, stream, payload
+            data = self.sock.recv(65536)
+            if not data:
+                return
+            self.buffer += data
+
+    def answer(self, stream: int) -> tuple[dict[str, str], bytes, dict[str, str]]:
+        """The stream's headers, body and trailers (or, for trailers only, its one block)."""
+        blocks: list[dict[str, str]] = []
+        body = b""
+        for kind, flags, sid, payload in self.frames():
+            if kind == Frame.SETTINGS and not flags & wire.ACK:
+                self.send(wire.frame(Frame.SETTINGS, wire.ACK, 0))
+            if sid != stream:
+                continue
+            if kind == Frame.HEADERS:
+                blocks.append(dict(self.decoder.decode(payload)))
+            elif kind == Frame.DATA:
+                body += payload
+                self.send(
+                    wire.window_update(0, len(payload)) + wire.window_update(sid, len(payload))
+                )
+            if flags & END_STREAM:
+                break
+        return blocks[0], body, blocks[-1]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def goaway_of(client: Client) -> int | None:
+    """The error code of the GOAWAY the server sends before it closes (``None``: none)."""
+    for kind, _, _, payload in client.frames():
+        if kind == Frame.GOAWAY:
+            return int.from_bytes(payload[4:8], "big")
+    return None
+
+
+@pytest.fixture
+def native(server: Server, tmp_path: Path, plugins_dir: Path) -> ServerProcess:
+    return start(server, tmp_path, plugins_dir, header_timeout_s=1, grpc_idle_timeout_s=3)
+
+
+def test_split_padded_frames_answer_as_one(native: ServerProcess) -> None:
+    """HEADERS split over CONTINUATION frames, the message over padded DATA frames of a few
+    bytes each: the answer is x + 1, headers, message and ``grpc-status: 0``."""
+    client = Client(native.grpc_port)
+    stream = client.open()
+    block = client.headers(extra=(("x-request-id", "split-1"),))
+    client.send(wire.frame(Frame.HEADERS, 0, stream, block[:5]))
+    client.send(wire.frame(Frame.CONTINUATION, 0, stream, block[5:9]))
+    client.send(wire.frame(Frame.CONTINUATION, END_HEADERS, stream, block[9:]))
+    data = wire.message_frame(add_message())
+    for i in range(0, len(data), 7):
+        end = END_STREAM if i + 7 >= len(data) else 0
+        client.send(
+            wire.frame(Frame.DATA, wire.PADDED | end, stream, b"\x03" + data[i : i + 7] + b"pad")
+        )
+    headers, body, trailers = client.answer(stream)
+    assert headers[":status"] == "200" and headers["content-type"] == "application/grpc"
+    assert trailers["grpc-status"] == "0", trailers
+    answer = service_pb2.ModelInferResponse.FromString(body[5:])
+    assert np.frombuffer(answer.raw_output_contents[0], np.float32).tolist() == [2.0] * 4
+    client.close()
+
+
+def test_a_gzip_message_is_read(native: ServerProcess) -> None:
+    client = Client(native.grpc_port)
+    stream = client.open()
+    client.send(wire.frame(Frame.HEADERS, END_HEADERS, stream,
+                           client.headers(extra=(("grpc-encoding", "gzip"),))))  # fmt: skip
+    packed = gzip.compress(add_message())
+    client.send(wire.frame(Frame.DATA, END_STREAM, stream,
+                           b"\x01" + len(packed).to_bytes(4, "big") + packed))  # fmt: skip
+    _, body, trailers = client.answer(stream)
+    assert trailers["grpc-status"] == "0" and body
+    client.close()
+
+
+def test_an_answer_larger_than_the_window_waits_for_it(native: ServerProcess) -> None:
+    """A client whose streams' window is 64 bytes: the answer comes in pieces, each sent as
+    the client gives window back, and whole."""
+    client = Client(native.grpc_port, window=64)
+    stream = client.call(add_message(rows=64))
+    _, body, trailers = client.answer(stream)
+    assert trailers["grpc-status"] == "0"
+    answer = service_pb2.ModelInferResponse.FromString(body[5:])
+    assert len(answer.raw_output_contents[0]) == 64 * 4 * 4
+    client.close()
+
+
+def test_errors_are_statuses(native: ServerProcess) -> None:
+    client = Client(native.grpc_port)
+    unknown = client.call(b"\x0a\x04nope")  # model_name "nope"
+    assert client.answer(unknown)[2]["grpc-status"] == "5"  # NOT_FOUND
+    garbage = client.call(b"\xff\xff\xff")
+    _, _, trailers = client.answer(garbage)
+    assert trailers["grpc-status"] == "3" and "ModelInferRequest" in trailers["grpc-message"]
+    missing = client.open()
+    client.send(wire.frame(Frame.HEADERS, END_HEADERS, missing, client.headers("/no.Such/Method")))
+    client.send(wire.frame(Frame.DATA, END_STREAM, missing, wire.message_frame(b"")))
+    assert client.answer(missing)[2]["grpc-status"] == "12"  # UNIMPLEMENTED
+    client.close()
+
+
+def test_ping_is_answered(native: ServerProcess) -> None:
+    client = Client(native.grpc_port)
+    client.send(wire.frame(Frame.PING, 0, 0, b"plugserv"))
+    for kind, flags, _, payload in client.frames():
+        if kind == Frame.PING:
+            assert flags & wire.ACK and payload == b"plugserv"
+            break
+    client.close()
+
+
+def test_a_wrong_preface_is_refused(native: ServerProcess) -> None:
+    sock = socket.create_connection(("127.0.0.1", native.grpc_port), timeout=10)
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    client = Client.__new__(Client)
+    client.sock, client.buffer = sock, b""
+    assert goaway_of(client) == wire.Error.PROTOCOL_ERROR
+
+
+def test_silence_and_idleness_close_the_connection(native: ServerProcess) -> None:
+    """No preface within header_timeout_s (1 s): closed. An idle connection: GOAWAY after
+    grpc_idle_timeout_s (3 s), as gRPC's max_connection_idle."""
+    sock = socket.create_connection(("127.0.0.1", native.grpc_port), timeout=10)
+    started = time.monotonic()
+    while sock.recv(65536):
+        pass
+    assert time.monotonic() - started < 5
+    client = Client(native.grpc_port)
+    assert client.answer(client.call(add_message()))[2]["grpc-status"] == "0"
+    started = time.monotonic()
+    assert goaway_of(client) == wire.Error.NO_ERROR
+    assert 2 < time.monotonic() - started < 8
+
+
+def test_a_reset_flood_ends_the_connection_not_the_server(native: ServerProcess) -> None:
+    """HEADERS then RST_STREAM, over and over (the "rapid reset" attack): GOAWAY
+    ENHANCE_YOUR_CALM, and other clients are served."""
+    client = Client(native.grpc_port)
+    burst = b"".join(
+        wire.frame(Frame.HEADERS, END_HEADERS, s, client.headers())
+        + wire.rst_stream(s, wire.Error.CANCEL)
+        for s in range(1, 2 * 1500, 2)
+    )
+    with contextlib.suppress(OSError):  # closed while the burst was written
+        client.send(burst)
+    assert goaway_of(client) == wire.Error.ENHANCE_YOUR_CALM
+    other = Client(native.grpc_port)
+    assert other.answer(other.call(add_message()))[2]["grpc-status"] == "0"
+    other.close()
+    assert "Traceback" not in native.log()
