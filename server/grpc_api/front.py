@@ -738,8 +738,17 @@ class Connection(asyncio.Protocol):
                 log.exception("grpc_answer_not_serialized", method=method.path)
                 self.finish(stream, grpc.StatusCode.INTERNAL, f"the answer: {type(exc).__name__}")
                 return
-            with contextlib.suppress(ConnectionResetError):  # the call ended meanwhile
+            try:
                 await self.send_message(stream, message, last=True)
+            except ConnectionResetError:
+                pass  # the call ended meanwhile
+            except asyncio.CancelledError:
+                # Ended by admission's sweep: its client read none of the answer for
+                # body_timeout_s. The status is not flow-controlled: it goes at once.
+                ended = stream.tracked.ended if stream.tracked is not None else None
+                if ended is None or stream.reset or stream.status_sent:
+                    raise
+                self.finish(stream, ended.code, ended.message)
             return
         self.finish(stream, code, details)
 
@@ -791,7 +800,15 @@ class Connection(asyncio.Protocol):
                 head = b""
             waiter = asyncio.get_running_loop().create_future()
             self.window_waiters.append(waiter)
-            await waiter
+            tracked = stream.tracked
+            began = tracked if tracked is not None and tracked.writing_since is None else None
+            if began is not None:
+                began.write_began()  # bounded by body_timeout_s, as a stream's write
+            try:
+                await waiter
+            finally:
+                if began is not None:
+                    began.write_ended()
         size = len(view)
         stream.send_window -= size
         self.send_window -= size

@@ -248,3 +248,28 @@ def test_a_reset_flood_ends_the_connection_not_the_server(native: ServerProcess)
     assert other.answer(other.call(add_message()))[2]["grpc-status"] == "0"
     other.close()
     assert "Traceback" not in native.log()
+
+
+def test_an_answer_never_read_ends_after_body_timeout(
+    server: Server, tmp_path: Path, plugins_dir: Path
+) -> None:
+    """A client that gives none of its 16-byte window back: the unary call's answer waits,
+    and after body_timeout_s (2 s) the call ends DEADLINE_EXCEEDED (its status is not held
+    by flow control) and frees its place."""
+    srv = start(server, tmp_path, plugins_dir, body_timeout_s=2, max_connections=1)
+    client = Client(srv.grpc_port, window=16)
+    stream = client.call(add_message(rows=64))
+    started = time.monotonic()
+    status = None
+    for kind, flags, sid, payload in client.frames():
+        if kind == Frame.HEADERS and sid == stream and flags & END_STREAM:
+            status = dict(client.decoder.decode(payload))
+            break
+        if kind == Frame.HEADERS and sid == stream:
+            client.decoder.decode(payload)
+    assert status is not None and status["grpc-status"] == "4", status
+    assert 1.5 < time.monotonic() - started < 6
+    other = Client(srv.grpc_port)
+    assert other.answer(other.call(add_message()))[2]["grpc-status"] == "0"
+    client.close()
+    other.close()
