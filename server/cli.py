@@ -75,8 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--grpc-engine",
         choices=["grpcio", "native"],
-        help="what serves gRPC: grpcio (grpc.aio, the default) or native (HTTP/2 on the "
-        "event loop)",
+        help="what serves gRPC: native (HTTP/2 on each worker's event loop, the default) or "
+        "grpcio (grpc.aio)",
     )
     serve.add_argument(
         "--workers",

@@ -116,9 +116,9 @@ class Settings:
     fast_path: bool = True
     """Whether plain HTTP/1.1 v2 infer requests take the fast path (``server/http/fastpath.py``)
     on the data port; off (or with an inference token set), every request is aiohttp's."""
-    grpc_engine: str = "grpcio"
-    """What serves gRPC: ``grpcio`` (grpc.aio, gRPC's C core) or ``native`` (HTTP/2 read on
-    the event loop's thread, ``server/grpc_api/front.py``)."""
+    grpc_engine: str = "native"
+    """What serves gRPC: ``native`` (HTTP/2 read on the event loop's thread,
+    ``server/grpc_api/front.py``) or ``grpcio`` (grpc.aio, gRPC's C core)."""
     max_inputs: int = 64
     max_tensor_rank: int = 16
     max_tensor_elements: int = 1 << 26

@@ -21,6 +21,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from plugserve.server.config import Settings
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -331,8 +333,13 @@ def chooses_workers(args: Sequence[str]) -> bool:
 
 
 GRPC_ENGINE_VARIABLE = "PLUGSERVE_TEST_GRPC_ENGINE"
-"""Set (``native``), the servers of the tests serve gRPC with that engine: CI runs the gRPC
+"""Set (``grpcio``), the servers of the tests serve gRPC with that engine: CI runs the gRPC
 tests once with each."""
+
+
+def grpc_engine() -> str:
+    """The gRPC engine the tests' servers run: the variable's, else the default."""
+    return os.environ.get(GRPC_ENGINE_VARIABLE) or Settings().grpc_engine
 
 
 class ServerProcess:

@@ -1,4 +1,5 @@
-"""The native gRPC server: HTTP/2 on the event loop's own thread, for ``grpc_engine = "native"``.
+"""The native gRPC engine (``grpc_engine = "native"``, the default): HTTP/2 on the event loop's
+own thread.
 
 grpc.aio runs each call through gRPC's C core, its poller thread and several
 Cython coroutines: about 200 µs of CPU a call here before any of plugserve's

@@ -1,15 +1,16 @@
 """The gRPC listener's lifetime: bound once the plugins are loaded, stopped after the drain.
 
-``grpc.aio`` runs on the server's own event loop. With several workers, each
-binds the port with ``SO_REUSEPORT`` (the supervisor holds it meanwhile, as it
-holds the HTTP port, so that no other process takes it); a single process binds
-it alone, so that a port in use is an error at start, not a shared port.
+The engine (``grpc_engine``) runs on the server's own event loop: the native one
+(``front.py``), or ``grpc.aio``. With several workers, each binds the port with
+``SO_REUSEPORT`` (the supervisor holds it meanwhile, as it holds the HTTP port, so that no
+other process takes it); a single process binds it alone, so that a port in use is an
+error at start, not a shared port.
 
 Its calls are counted and swept by :class:`plugserve.server.grpc_api.admission.Admission`
-(``max_connections`` data calls, health apart; idle and unread streams ended);
-its connections by gRPC's own options: the HTTP/2 handshake within
-``header_timeout_s`` (else closed), and ``GOAWAY`` to a connection with no call
-open for ``grpc_idle_timeout_s``.
+(``max_connections`` data calls, health apart; idle and unread streams ended); its
+connections by the engine: the HTTP/2 handshake within ``header_timeout_s`` (else
+closed), and ``GOAWAY`` to a connection with no call open for ``grpc_idle_timeout_s``
+(gRPC's own options, for grpc.aio).
 """
 
 from __future__ import annotations

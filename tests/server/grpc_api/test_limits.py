@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import queue
 import socket
 import threading
@@ -22,8 +21,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from plugserve.server.grpc_api.admission import Ended, end_with
 from plugserve.server.grpc_api.generated import health_pb2, health_pb2_grpc
 from tests.helpers import (
-    GRPC_ENGINE_VARIABLE,
     ServerProcess,
+    grpc_engine,
     write_add_runner,
     write_plugin,
     write_streaming_runner,
@@ -480,7 +479,7 @@ def test_a_call_ended_for_unread_answers_stays_counted_until_it_ends(
             for _ in range(2):
                 with pytest.raises(grpc.RpcError) as refused:
                     stub.ModelInfer(count_request("tokens", 1), timeout=10)
-                if os.environ.get(GRPC_ENGINE_VARIABLE) == "native":
+                if grpc_engine() == "native":
                     # It sends nothing past the client's window: the ended call holds
                     # nothing, its status goes at once, and its place is free.
                     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
