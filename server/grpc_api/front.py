@@ -41,6 +41,7 @@ from plugserve.server.grpc_api.admission import CURRENT_CALL, Admission, Tracked
 from plugserve.server.grpc_api.calls import MAX_DETAILS
 from plugserve.server.grpc_api.handlers import Method, Undecodable, refusal
 from plugserve.server.grpc_api.wire import END_HEADERS, END_STREAM, Error, Frame, Setting
+from plugserve.server.http.connections import bind
 
 log = structlog.get_logger("plugserve.grpc")
 
@@ -948,18 +949,10 @@ class NativeServer:
         self.listener: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int, shared: bool) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if shared:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
-            sock.listen(1024)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
+        """Listen on ``host:port``, the port ``shared`` with the other workers or not
+        (:class:`ConfigError` if it cannot be had)."""
+        sock = bind(host, port, reuse_port=shared)
+        sock.listen(1024)
         loop = asyncio.get_running_loop()
         self.listener = await loop.create_server(lambda: Connection(self), sock=sock)
 

@@ -65,10 +65,7 @@ async def _serve(app: web.Application, shared: bool) -> AsyncIterator[None]:
             settings.header_timeout_s,
             settings.grpc_idle_timeout_s,
         )
-        try:
-            await native.start(settings.host, settings.grpc_port, shared)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen for gRPC on {where}: {exc}") from None
+        await native.start(settings.host, settings.grpc_port, shared)
         stop: Callable[[float], Awaitable[None]] = native.stop
     else:
         server = grpc.aio.server(options=server_options(settings, shared), interceptors=[admission])
