@@ -128,13 +128,14 @@ class Stream:
         "messages",
         "metadata",
         "method",
+        "owed",
+        "queued",
         "remote_closed",
         "reset",
         "send_window",
         "status_sent",
         "task",
         "tracked",
-        "unconsumed",
     )
 
     def __init__(self, connection: Connection, stream_id: int, method: Method) -> None:
@@ -147,8 +148,10 @@ class Stream:
         self.encoding = "identity"
         self.data = bytearray()
         self.messages: asyncio.Queue[Any] | None = None
-        self.unconsumed = 0
-        """Bytes received on a streaming call whose messages its handler has not taken."""
+        self.queued = 0
+        """Bytes of a streaming call's messages that its handler has not taken yet."""
+        self.owed = 0
+        """Bytes received on the stream whose window is not given back yet."""
         self.send_window = connection.peer_initial_window
         self.remote_closed = False
         self.reset = False
@@ -237,6 +240,8 @@ class Connection(asyncio.Protocol):
             self.timer.cancel()
         for stream in list(self.streams.values()):
             stream.reset = True
+            if stream.deadline_timer is not None:
+                stream.deadline_timer.cancel()
             self._release(stream)
             if stream.task is not None:
                 stream.task.cancel()
@@ -608,13 +613,14 @@ class Connection(asyncio.Protocol):
                 self._too_large(stream, len(stream.data) - 5)
                 return
             self._give_back(size)
-            stream.unconsumed += size  # the stream's window, given back for a large message
-            if stream.unconsumed >= STREAM_WINDOW // 2:
-                self._write(wire.window_update(stream.id, stream.unconsumed))
-                stream.unconsumed = 0
+            stream.owed += size  # the stream's window, given back for a large message
+            if stream.owed >= STREAM_WINDOW // 2:
+                self._write(wire.window_update(stream.id, stream.owed))
+                stream.owed = 0
         else:
-            stream.unconsumed += size
+            stream.owed += size
             self._parse_messages(stream)
+            self._settle(stream)
         if flags & END_STREAM:
             self._remote_end(stream)
 
@@ -656,6 +662,7 @@ class Connection(asyncio.Protocol):
             if message is None:
                 return
             queue.put_nowait((message, 5 + size))
+            stream.queued += 5 + size
 
     def _message(self, stream: Stream, compressed: int, body: bytes) -> Any:
         """The request message of ``body`` (``None``, with the call ended, if it cannot be)."""
@@ -874,8 +881,8 @@ class Connection(asyncio.Protocol):
             return
         if stream.deadline_timer is not None:
             stream.deadline_timer.cancel()
-        if stream.messages is not None and stream.unconsumed:
-            self._give_back(stream.unconsumed)
+        if stream.messages is not None and stream.owed:
+            self._give_back(stream.owed)  # the connection's share; the stream is gone
         self._release(stream)
         if not self.streams:
             self._idle()
@@ -885,16 +892,22 @@ class Connection(asyncio.Protocol):
             stream.tracked.release()
 
     def consumed(self, stream: Stream, size: int) -> None:
-        """A streaming call's handler took a message of ``size`` bytes: its window back."""
-        stream.unconsumed -= size
-        if stream.id in self.streams and not stream.remote_closed:
-            self._give_back(size)
-            stream.unconsumed += size  # the stream's window, given back for a large message
-            if stream.unconsumed >= STREAM_WINDOW // 2:
-                self._write(wire.window_update(stream.id, stream.unconsumed))
-                stream.unconsumed = 0
-        else:
-            self._give_back(size)
+        """A streaming call's handler took a message of ``size`` bytes."""
+        stream.queued -= size
+        self._settle(stream)
+
+    def _settle(self, stream: Stream) -> None:
+        """A streaming call's window back to its client while its handler keeps up (at most
+        a stream window of messages waiting for it); held back while it does not, so that
+        a client that floods a stream waits. A message in pieces always gets its window:
+        its size is bounded by ``max_body_bytes``."""
+        if (
+            stream.owed >= STREAM_WINDOW // 4
+            and stream.queued <= STREAM_WINDOW
+            and stream.id in self.streams
+        ):
+            owed, stream.owed = stream.owed, 0
+            self._give_back(owed, None if stream.remote_closed else stream)
 
 
 async def _requests(stream: Stream) -> AsyncIterator[Any]:

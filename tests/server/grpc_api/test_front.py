@@ -273,3 +273,46 @@ def test_an_answer_never_read_ends_after_body_timeout(
     assert other.answer(other.call(add_message()))[2]["grpc-status"] == "0"
     client.close()
     other.close()
+
+
+def test_a_streamed_message_larger_than_the_stream_window_arrives(native: ServerProcess) -> None:
+    """ModelStreamInfer with one 4 MiB message (the stream's window is 1 MiB): the window is
+    given back as its pieces come, and the answer is x + 1 for every row."""
+    client = Client(native.grpc_port)
+    stream = client.open()
+    path = "/inference.GRPCInferenceService/ModelStreamInfer"
+    client.send(wire.frame(Frame.HEADERS, END_HEADERS, stream, client.headers(path)))
+    data = wire.message_frame(add_message(rows=1 << 18))
+    frames = client.frames()
+    window = wire.DEFAULT_WINDOW  # until the server's settings say otherwise
+    for kind, _, _, payload in frames:
+        if kind == Frame.SETTINGS:
+            settings = {payload[i + 1]: int.from_bytes(payload[i + 2 : i + 6], "big")
+                        for i in range(0, len(payload), 6)}  # fmt: skip
+            window = settings.get(wire.Setting.INITIAL_WINDOW_SIZE, window)
+            break
+    sent = 0
+    while sent < len(data):
+        while window <= 0:
+            kind, _, sid, payload = next(frames)
+            if kind == Frame.WINDOW_UPDATE and sid == stream:
+                window += int.from_bytes(payload, "big")
+        piece = data[sent : sent + min(16_384, window)]
+        client.send(wire.frame(Frame.DATA, 0, stream, piece))
+        sent += len(piece)
+        window -= len(piece)
+    client.send(wire.frame(Frame.DATA, END_STREAM, stream, b""))
+    body = b""
+    for kind, flags, sid, payload in frames:
+        if sid != stream:
+            continue
+        if kind == Frame.DATA:
+            body += payload
+            client.send(wire.window_update(0, len(payload)) + wire.window_update(sid, len(payload)))
+        if flags & END_STREAM:
+            break
+    answer = service_pb2.ModelStreamInferResponse.FromString(body[5:])
+    assert not answer.error_message
+    rows = np.frombuffer(answer.infer_response.raw_output_contents[0], np.float32)
+    assert rows.size == 4 << 18 and (rows == 2.0).all()
+    client.close()
