@@ -57,8 +57,11 @@ BLOCKS_KEPT = 64
 BLOCK_KEPT_BYTES = 1024
 """Header blocks remembered per connection, and the largest remembered."""
 FLOOD_PER_S = 1000
-"""Pings, settings or stream resets a connection may send in a second before it is ended
+"""Frames that ask work but carry no call (pings, settings, stream resets, priorities,
+empty DATA, frames of unknown types) a connection may send in a second before it is ended
 with ``ENHANCE_YOUR_CALM`` (a reset flood is the "rapid reset" attack)."""
+CLOSE_WAIT_S = 10.0
+"""How long a closing connection's last bytes may wait for its client to read them."""
 RESERVED = frozenset(
     {b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
 )
@@ -252,14 +255,25 @@ class Connection(asyncio.Protocol):
             self.finished.set_result(None)
 
     def pause_writing(self) -> None:
+        """The client reads slower than answers come: nothing more is read from it (what
+        is not flow-controlled, statuses and acknowledgements, cannot pile up) until it
+        catches up."""
         self.writable.clear()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.writable.set()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        """Close once what is written is sent; a client that reads none of it for
+        ``CLOSE_WAIT_S`` is cut off."""
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.close()
+            asyncio.get_running_loop().call_later(CLOSE_WAIT_S, transport.abort)
 
     def go_away(self, code: Error = Error.NO_ERROR, reason: str = "") -> None:
         """Take no new calls: ``GOAWAY``, and the connection closes once its calls are done
@@ -370,9 +384,11 @@ class Connection(asyncio.Protocol):
         elif kind == Frame.PRIORITY:
             if len(payload) != 5 or not stream_id:
                 raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad PRIORITY")
+            self._flooding()
         elif kind == Frame.PUSH_PROMISE:
             raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "a client may not push")
-        # Other frame types are ignored, as HTTP/2 says.
+        else:  # other frame types are ignored, as HTTP/2 says, but not without end
+            self._flooding()
 
     def _flooding(self) -> None:
         now = time.monotonic()
@@ -594,6 +610,8 @@ class Connection(asyncio.Protocol):
         if not stream_id:
             raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)
+        if not size and not flags & END_STREAM:
+            self._flooding()  # an empty DATA frame carries nothing
         self.receive_window -= size
         if self.receive_window < 0:
             raise wire.ConnectionError_(Error.FLOW_CONTROL_ERROR, "the client overran its window")
