@@ -29,7 +29,7 @@ import contextlib
 import socket
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 import grpc
@@ -175,6 +175,41 @@ class Stream:
         return True
 
 
+class Compressed:
+    """A request message still compressed (``grpc-encoding``)."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+
+class Refused(Exception):
+    """A message that cannot be read: the call's status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def inflate(encoding: str, body: bytes, limit: int) -> bytes:
+    """A gzip or deflate message, at most ``limit`` bytes once inflated."""
+    inflater = zlib.decompressobj(31 if encoding == "gzip" else 15)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise Refused(grpc.StatusCode.INTERNAL, f"the message does not decompress: {exc}") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise Refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"Received message larger than max (more than {limit} bytes inflated)",
+        )
+    if not inflater.eof or inflater.unused_data:
+        raise Refused(grpc.StatusCode.INTERNAL, f"the message is not one whole {encoding} stream")
+    return out
+
+
 class Connection(asyncio.Protocol):
     """One client's HTTP/2 connection to the native gRPC server."""
 
@@ -201,6 +236,10 @@ class Connection(asyncio.Protocol):
         self.going_away = False
         self.timer: asyncio.TimerHandle | None = None
         self.flood = (0.0, 0)
+        self.earned = 0
+        self.table_update = b""
+        """A table size update for the next header block written (:meth:`_block`)."""
+        """Window updates the client may send for DATA frames sent to it, uncounted."""
         self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         """Done once the connection is closed."""
 
@@ -245,6 +284,7 @@ class Connection(asyncio.Protocol):
             stream.reset = True
             if stream.deadline_timer is not None:
                 stream.deadline_timer.cancel()
+            _drop_buffers(stream)
             self._release(stream)
             if stream.task is not None:
                 stream.task.cancel()
@@ -421,6 +461,8 @@ class Connection(asyncio.Protocol):
                 for stream in self.streams.values():
                     stream.send_window += delta
                 self._wake_windows()
+            elif key == Setting.HEADER_TABLE_SIZE:
+                self.table_update = b"\x20"  # dynamic table size update: 0
             elif key == Setting.MAX_FRAME_SIZE:
                 if not wire.DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
                     raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
@@ -433,6 +475,10 @@ class Connection(asyncio.Protocol):
         if len(payload) != 4:
             raise wire.ConnectionError_(Error.FRAME_SIZE_ERROR, "bad WINDOW_UPDATE")
         increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if self.earned:
+            self.earned -= 1  # an update for an answer sent
+        else:
+            self._flooding()
         if not stream_id:
             if not increment:
                 raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "a window update of 0")
@@ -474,6 +520,7 @@ class Connection(asyncio.Protocol):
         if self.continuing is None or self.continuing[0] != stream_id:
             raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "CONTINUATION out of place")
         _, first_flags, block = self.continuing
+        self._flooding()  # an empty CONTINUATION carries nothing: counted, as any such frame
         block += payload
         if len(block) > 2 * MAX_HEADER_LIST:
             raise wire.ConnectionError_(Error.ENHANCE_YOUR_CALM, "header block too large")
@@ -493,7 +540,7 @@ class Connection(asyncio.Protocol):
         except hpack.OversizedHeaderListError:
             raise wire.ConnectionError_(Error.ENHANCE_YOUR_CALM, "header list too large") from None
         except hpack.HPACKError as exc:
-            raise wire.ConnectionError_(Error.COMPRESSION_ERROR, str(exc)) from None
+            raise wire.ConnectionError_(Error.COMPRESSION_ERROR, type(exc).__name__) from None
         if (table.maxsize, tuple(table.dynamic_entries)) != before:
             self.blocks.clear()  # entries kept meant what they meant under the old table
         elif len(block) <= BLOCK_KEPT_BYTES:
@@ -626,9 +673,11 @@ class Connection(asyncio.Protocol):
             return
         stream.data += data
         if stream.messages is None:  # unary: the message is bounded by max_body_bytes
-            if len(stream.data) > self.server.max_message + 5:
+            received = len(stream.data)
+            declared = int.from_bytes(stream.data[1:5], "big") if received >= 5 else 0
+            if declared > self.server.max_message or received > self.server.max_message + 5:
                 self._give_back(size)
-                self._too_large(stream, len(stream.data) - 5)
+                self._too_large(stream, max(declared, received - 5))
                 return
             self._give_back(size)
             stream.owed += size  # the stream's window, given back for a large message
@@ -683,24 +732,25 @@ class Connection(asyncio.Protocol):
             stream.queued += 5 + size
 
     def _message(self, stream: Stream, compressed: int, body: bytes) -> Any:
-        """The request message of ``body`` (``None``, with the call ended, if it cannot be)."""
-        if compressed:
-            if stream.encoding == "identity":
-                self.finish(
-                    stream, grpc.StatusCode.INTERNAL, "a compressed message without grpc-encoding"
-                )
-                return None
-            inflater = zlib.decompressobj(31 if stream.encoding == "gzip" else 15)
-            try:
-                body = inflater.decompress(body, self.server.max_message + 1)
-            except zlib.error as exc:
-                self.finish(
-                    stream, grpc.StatusCode.INTERNAL, f"the message does not decompress: {exc}"
-                )
-                return None
-            if len(body) > self.server.max_message or inflater.unconsumed_tail:
-                self._too_large(stream, len(body))
-                return None
+        """The request message of ``body``; a compressed one as :class:`Compressed`, to be
+        inflated off the event loop (``None``, with the call ended, if it cannot be)."""
+        if not compressed:
+            return stream.method.parse(body)
+        if stream.encoding == "identity":
+            self.finish(
+                stream, grpc.StatusCode.INTERNAL, "a compressed message without grpc-encoding"
+            )
+            return None
+        return Compressed(body)
+
+    async def _inflated(self, stream: Stream, message: Compressed) -> Any:
+        """A compressed message, inflated on the body threads (a bomb holds no event loop)
+        and parsed; :class:`Aborted` with the call's status if it cannot be."""
+        limit = self.server.max_message
+        try:
+            body = await self.server.offload(lambda: inflate(stream.encoding, message.body, limit))
+        except Refused as exc:
+            await stream.context.abort(exc.code, exc.message)
         return stream.method.parse(body)
 
     def _remote_end(self, stream: Stream) -> None:
@@ -736,6 +786,8 @@ class Connection(asyncio.Protocol):
         code, details = grpc.StatusCode.OK, ""
         answer = None
         try:
+            if isinstance(request, Compressed):
+                request = await self._inflated(stream, request)
             if isinstance(request, Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(method.what, request))
             answer = await method.behaviour(request, context)
@@ -786,7 +838,16 @@ class Connection(asyncio.Protocol):
         if transport is not None and not transport.is_closing():
             transport.write(data)
 
+    def _block(self, block: bytes) -> bytes:
+        """A header block as the next one written: after the client lowered
+        ``HEADER_TABLE_SIZE``, the first starts with a table size update (RFC 7541 §4.2; to 0:
+        no block written here uses the table)."""
+        if self.table_update:
+            block, self.table_update = self.table_update + block, b""
+        return block
+
     def _write_headers(self, stream_id: int, block: bytes, end: bool) -> None:
+        block = self._block(block)
         flags = END_HEADERS | (END_STREAM if end else 0)
         limit = self.peer_max_frame
         if len(block) <= limit:
@@ -805,7 +866,9 @@ class Connection(asyncio.Protocol):
         data = wire.message_frame(message)
         head = b""
         if not stream.headers_sent:
-            head = wire.frame(Frame.HEADERS, END_HEADERS, stream.id, wire.RESPONSE_START)
+            head = wire.frame(
+                Frame.HEADERS, END_HEADERS, stream.id, self._block(wire.RESPONSE_START)
+            )
             stream.headers_sent = True
         view = memoryview(data)
         while True:
@@ -820,6 +883,7 @@ class Connection(asyncio.Protocol):
                 stream.send_window -= allowed
                 self.send_window -= allowed
                 self._write(head + wire.frame(Frame.DATA, 0, stream.id, chunk))
+                self.earned += 2
                 head = b""
                 continue
             if head:
@@ -840,12 +904,13 @@ class Connection(asyncio.Protocol):
         stream.send_window -= size
         self.send_window -= size
         out = head + wire.frame(Frame.DATA, 0, stream.id, bytes(view))
+        self.earned += 2
         if last:
             out += wire.frame(
                 Frame.HEADERS,
                 END_HEADERS | END_STREAM,
                 stream.id,
-                self._status_block(stream, 0, ""),
+                self._block(self._status_block(stream, 0, "")),
             )
             self._write(out)
             self._done(stream)
@@ -897,6 +962,7 @@ class Connection(asyncio.Protocol):
     def _forget(self, stream: Stream) -> None:
         if self.streams.pop(stream.id, None) is None:
             return
+        _drop_buffers(stream)
         if stream.deadline_timer is not None:
             stream.deadline_timer.cancel()
         if stream.messages is not None and stream.owed:
@@ -939,11 +1005,24 @@ async def _requests(stream: Stream) -> AsyncIterator[Any]:
             return
         message, size = item
         stream.connection.consumed(stream, size)
+        if isinstance(message, Compressed):
+            message = await stream.connection._inflated(stream, message)
         if isinstance(message, Undecodable):
             await stream.context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, refusal(stream.method.what, message)
             )
         yield message
+
+
+def _drop_buffers(stream: Stream) -> None:
+    """What an ended stream received and nobody will read: freed now, not when the cyclic
+    collector next finds the stream (its context refers back to it)."""
+    stream.data = bytearray()
+    queue = stream.messages
+    if queue is not None:
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(None)  # a handler still reading finds the end
 
 
 def _unpadded(flags: int, payload: bytes) -> bytes:
@@ -968,8 +1047,11 @@ class NativeServer:
         max_message: int,
         handshake_timeout_s: float,
         idle_timeout_s: float,
+        offload: Callable[[Callable[[], bytes]], Awaitable[bytes]],
     ) -> None:
         self.methods = {m.path: m for m in methods}
+        self.offload = offload
+        """Runs work off the event loop (the body threads): inflating a message."""
         self.unknown = Method("", "", lambda b: b, lambda m: b"", _unknown, False, False)
         self.admission = admission
         self.max_message = max_message

@@ -77,6 +77,13 @@ class Client:
         self.send(wire.frame(Frame.DATA, END_STREAM, stream, wire.message_frame(message)))
         return stream
 
+    def data(self, stream: int, payload: bytes, end: bool = True) -> None:
+        """``payload`` in DATA frames of at most 16 KiB (the default frame size)."""
+        pieces = [payload[i : i + 16_384] for i in range(0, len(payload), 16_384)] or [b""]
+        for i, piece in enumerate(pieces):
+            last = end and i == len(pieces) - 1
+            self.send(wire.frame(Frame.DATA, END_STREAM if last else 0, stream, piece))
+
     def open(self) -> int:
         stream, self.next_stream = self.next_stream, self.next_stream + 2
         return stream
@@ -316,3 +323,42 @@ def test_a_streamed_message_larger_than_the_stream_window_arrives(native: Server
     rows = np.frombuffer(answer.infer_response.raw_output_contents[0], np.float32)
     assert rows.size == 4 << 18 and (rows == 2.0).all()
     client.close()
+
+
+def test_a_client_without_a_dynamic_table_reads_every_answer(native: ServerProcess) -> None:
+    """A client that sets HEADER_TABLE_SIZE to 0 (as h2load --header-table-size=0): the
+    first header block after it starts with a table size update, as RFC 7541 §4.2 asks."""
+    client = Client(native.grpc_port)
+    client.send(wire.settings({wire.Setting.HEADER_TABLE_SIZE: 0}))
+    stream = client.call(add_message())
+    for kind, _, sid, payload in client.frames():
+        if kind == Frame.HEADERS and sid == stream:
+            assert payload[:1] == b"\x20"
+            break
+    client.close()
+
+
+def test_compressed_messages_that_cannot_be_read(native: ServerProcess) -> None:
+    """A bomb past max_body_bytes: RESOURCE_EXHAUSTED; a cut gzip stream: INTERNAL; a
+    message that declares more than max_body_bytes: RESOURCE_EXHAUSTED before it comes."""
+    client = Client(native.grpc_port)
+    gz = (("grpc-encoding", "gzip"),)
+    bomb = gzip.compress(bytes(80 << 20))  # 80 MiB inflated, 80 KiB sent
+    for body, code in ((bomb, "8"), (gzip.compress(add_message())[:-6], "13")):
+        stream = client.open()
+        client.send(wire.frame(Frame.HEADERS, END_HEADERS, stream, client.headers(extra=gz)))
+        client.data(stream, b"\x01" + len(body).to_bytes(4, "big") + body)
+        assert client.answer(stream)[2]["grpc-status"] == code
+    stream = client.open()
+    client.send(wire.frame(Frame.HEADERS, END_HEADERS, stream, client.headers()))
+    client.send(wire.frame(Frame.DATA, 0, stream, b"\x00" + (2**31).to_bytes(4, "big")))
+    assert client.answer(stream)[2]["grpc-status"] == "8"
+    client.close()
+
+
+def test_an_empty_continuation_flood_ends_the_connection(native: ServerProcess) -> None:
+    client = Client(native.grpc_port)
+    client.send(wire.frame(Frame.HEADERS, 0, 1, client.headers()[:3]))
+    with contextlib.suppress(OSError):
+        client.send(wire.frame(Frame.CONTINUATION, 0, 1) * 5000)
+    assert goaway_of(client) == wire.Error.ENHANCE_YOUR_CALM
