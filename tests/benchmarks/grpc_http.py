@@ -5,14 +5,14 @@
                                          [--rounds 3] [--streams 1] [--generator-threads 1]
                                          [--no-generator-check] [--no-mlserver] [--mlserver-json]
                                          [--no-triton] [--no-auto]
-                                         [--grpc-engine grpcio native]
+                                         [--grpc-engine native grpcio]
 
 Issue 15's target, in one run on one machine: the serving benchmark's medium
 MLP (tests/benchmarks/serving.py: 256 -> 1024 -> 1024 -> 1024 -> 10, FP32,
 batching 64 / 2 ms), one row per request, served by
 
-- plugserve, one server per ``--workers`` count and ``--grpc-engine`` (grpcio, the
-  default, and native, named ``-native``), each with ``--grpc-port``:
+- plugserve, one server per ``--workers`` count and ``--grpc-engine`` (native, the
+  default, and grpcio, named ``-grpcio``), each with ``--grpc-port``:
   Triton's ``ModelInfer`` over gRPC (the row in ``raw_input_contents``) and
   HTTP with binary tensors (Triton's binary extension, as serving.py sends it);
 - the floors: serving.py's bare aiohttp handler (reads the body, answers a
@@ -461,7 +461,8 @@ def start_plugserve(
 
 
 def _suffix(engine: str) -> str:
-    return "" if engine == "grpcio" else f"-{engine}"
+    """Servers of the default engine go by plain names; the others' say which."""
+    return "" if engine == "native" else f"-{engine}"
 
 
 @dataclass
@@ -637,7 +638,7 @@ def print_generator_check(rows: list[Row], threads: int) -> None:
 
 
 def print_ratios(
-    rows: list[Row], workers: list[int], threads: int, engines: tuple[str, ...] = ("grpcio",)
+    rows: list[Row], workers: list[int], threads: int, engines: tuple[str, ...] = ("native",)
 ) -> None:
     table = {(r.name, r.protocol, r.c): r for r in rows if r.threads == threads}
     cs = sorted({r.c for r in rows})
@@ -711,7 +712,7 @@ def main() -> None:
     parser.add_argument("--no-bare", action="store_true",
                         help="skip the bare aiohttp handler and the bare grpc.aio server")  # fmt: skip
     parser.add_argument("--mlserver-json", action="store_true", help="also MLServer's HTTP JSON")
-    parser.add_argument("--grpc-engine", nargs="+", default=["grpcio"],
+    parser.add_argument("--grpc-engine", nargs="+", default=["native"],
                         choices=["grpcio", "native"], help="one plugserve per engine and count")  # fmt: skip
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-grpc-bench-"))
