@@ -31,11 +31,10 @@ MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 def start(server: Server, tmp_path: Path, plugins_dir: Path, **settings: object) -> ServerProcess:
     write_add_runner(plugins_dir, "add", "1.0.0")
     path = tmp_path / "plugserve.toml"
-    settings = {"grpc_engine": "native", **settings}
     path.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items()))
     (tmp_path / "models").mkdir(exist_ok=True)
     return server("--plugins-dir", str(plugins_dir), "--models-dir", str(tmp_path / "models"),
-                  "--config", str(path))  # fmt: skip
+                  "--config", str(path), "--grpc-engine", "native")  # fmt: skip
 
 
 def add_message(rows: int = 1) -> bytes:
