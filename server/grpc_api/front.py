@@ -558,7 +558,7 @@ class Connection(asyncio.Protocol):
             self._remote_end(stream)
             return
         if stream_id <= self.last_stream:
-            raise wire.ConnectionError_(Error.STREAM_CLOSED, "HEADERS on a closed stream")
+            return  # a stream ended here already (answered or reset): its late frames are ignored
         self.last_stream = stream_id
         if self.going_away:
             self._write(wire.rst_stream(stream_id, Error.REFUSED_STREAM))

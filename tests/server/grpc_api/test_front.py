@@ -361,3 +361,18 @@ def test_an_empty_continuation_flood_ends_the_connection(native: ServerProcess) 
     with contextlib.suppress(OSError):
         client.send(wire.frame(Frame.CONTINUATION, 0, 1) * 5000)
     assert goaway_of(client) == wire.Error.ENHANCE_YOUR_CALM
+
+
+def test_late_frames_of_an_ended_call_are_ignored(native: ServerProcess) -> None:
+    """A call refused before its message came (an unknown method: answered at once) whose
+    client then sends its message and trailers: those frames are ignored, and the
+    connection serves the next call."""
+    client = Client(native.grpc_port)
+    stream = client.open()
+    client.send(wire.frame(Frame.HEADERS, END_HEADERS, stream, client.headers("/no.Such/Method")))
+    assert client.answer(stream)[2]["grpc-status"] == "12"
+    client.data(stream, wire.message_frame(add_message()), end=False)
+    trailers = client.encoder.encode([("x-trailer", "1")])
+    client.send(wire.frame(Frame.HEADERS, END_HEADERS | END_STREAM, stream, trailers))
+    assert client.answer(client.call(add_message()))[2]["grpc-status"] == "0"
+    client.close()
