@@ -37,7 +37,7 @@ import hpack
 import structlog
 
 from plugserve.server.grpc_api import wire
-from plugserve.server.grpc_api.admission import CURRENT_CALL, Admission, TrackedCall
+from plugserve.server.grpc_api.admission import CURRENT_CALL, Admission, Ended, TrackedCall
 from plugserve.server.grpc_api.calls import MAX_DETAILS
 from plugserve.server.grpc_api.handlers import Method, Undecodable, refusal
 from plugserve.server.grpc_api.wire import END_HEADERS, END_STREAM, Error, Frame, Setting
@@ -184,29 +184,21 @@ class Compressed:
         self.body = body
 
 
-class Refused(Exception):
-    """A message that cannot be read: the call's status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def inflate(encoding: str, body: bytes, limit: int) -> bytes:
-    """A gzip or deflate message, at most ``limit`` bytes once inflated."""
+    """A gzip or deflate message, at most ``limit`` bytes once inflated; :class:`Ended`
+    with the call's status if it cannot be read."""
     inflater = zlib.decompressobj(31 if encoding == "gzip" else 15)
     try:
         out = inflater.decompress(body, limit + 1)
     except zlib.error as exc:
-        raise Refused(grpc.StatusCode.INTERNAL, f"the message does not decompress: {exc}") from None
+        raise Ended(grpc.StatusCode.INTERNAL, f"the message does not decompress: {exc}") from None
     if len(out) > limit or inflater.unconsumed_tail:
-        raise Refused(
+        raise Ended(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"Received message larger than max (more than {limit} bytes inflated)",
         )
     if not inflater.eof or inflater.unused_data:
-        raise Refused(grpc.StatusCode.INTERNAL, f"the message is not one whole {encoding} stream")
+        raise Ended(grpc.StatusCode.INTERNAL, f"the message is not one whole {encoding} stream")
     return out
 
 
@@ -749,7 +741,7 @@ class Connection(asyncio.Protocol):
         limit = self.server.max_message
         try:
             body = await self.server.offload(lambda: inflate(stream.encoding, message.body, limit))
-        except Refused as exc:
+        except Ended as exc:
             await stream.context.abort(exc.code, exc.message)
         return stream.method.parse(body)
 
@@ -769,7 +761,7 @@ class Connection(asyncio.Protocol):
             self.finish(stream, grpc.StatusCode.INTERNAL, "the request is not one whole message")
             return
         request = self._message(stream, data[0], bytes(data[5:]))
-        stream.data = bytearray()
+        data.clear()
         if request is None:
             return
         if stream.tracked is not None:
@@ -1017,7 +1009,7 @@ async def _requests(stream: Stream) -> AsyncIterator[Any]:
 def _drop_buffers(stream: Stream) -> None:
     """What an ended stream received and nobody will read: freed now, not when the cyclic
     collector next finds the stream (its context refers back to it)."""
-    stream.data = bytearray()
+    stream.data.clear()
     queue = stream.messages
     if queue is not None:
         while not queue.empty():

@@ -67,18 +67,19 @@ def methods(service: ServiceDescriptor, servicer: Any) -> list[Method]:
     return served
 
 
-def register(server: Any, service: ServiceDescriptor, servicer: Any) -> None:
-    """Serve every method of ``service`` with the servicer's method of the same name.
+def register(server: Any, served: list[Method]) -> None:
+    """Serve ``served`` (:func:`methods`) on a grpc.aio server, a generic handler per service.
 
-    Through a generic handler only, not also as registered methods (as protoc's code does):
+    Through generic handlers only, not also as registered methods (as protoc's code does):
     grpc.aio's server keeps a pending call future per registered method and waits on all
     of them for every call: with Triton's 23 methods, 4 % of a ``ModelInfer``'s CPU
     (docs/performance.md, "Where the time goes")."""
-    handlers = {
-        method.path.rsplit("/", 1)[1]: _handler(method) for method in methods(service, servicer)
-    }
+    by_service: dict[str, dict[str, Any]] = {}
+    for method in served:
+        _, service, name = method.path.split("/")
+        by_service.setdefault(service, {})[name] = _handler(method)
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+        tuple(grpc.method_handlers_generic_handler(s, h) for s, h in by_service.items())
     )
 
 

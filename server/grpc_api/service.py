@@ -577,7 +577,10 @@ def _expired(context: Any) -> bool:
 
 def served_methods(app: web.Application, port: int | None = None) -> list[handlers.Method]:
     """Every method of the inference and health services of ``app`` (the native server's)."""
-    service = InferenceService(app, port)
+    return _methods(InferenceService(app, port))
+
+
+def _methods(service: InferenceService) -> list[handlers.Method]:
     return [
         *handlers.methods(pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], service),
         *handlers.methods(health_pb2.DESCRIPTOR.services_by_name["Health"], HealthService(service)),
@@ -588,7 +591,5 @@ def add_to_server(server: Any, app: web.Application, port: int | None = None) ->
     """Register the inference and health services of ``app`` on a ``grpc.aio`` server that
     listens on ``port``."""
     service = InferenceService(app, port)
-    handlers.register(server, pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], service)
-    health = health_pb2.DESCRIPTOR.services_by_name["Health"]
-    handlers.register(server, health, HealthService(service))
+    handlers.register(server, _methods(service))
     return service
