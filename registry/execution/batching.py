@@ -173,6 +173,7 @@ class Scheduler:
         self.label = label
         self.clock = clock
         self._timer = timer
+        self._bound: asyncio.AbstractEventLoop | None = None
         self._queue: list[Pending] = []
         self._running = 0
         self._armed: Any = None
@@ -199,6 +200,14 @@ class Scheduler:
         return len(self._queue)
 
     # -- submitting ------------------------------------------------------------------
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, asked of asyncio once per loop it runs on (on Python 3.11 each
+        ``asyncio.get_running_loop`` is a ``getpid`` system call, a request's worth)."""
+        loop = self._bound
+        if loop is None or not loop.is_running():
+            loop = self._bound = asyncio.get_running_loop()
+        return loop
 
     async def submit(
         self,
@@ -248,7 +257,7 @@ class Scheduler:
                     self.pump()
                 if self.gather and not self._this_turn:
                     self._this_turn = True  # a second request in this turn is company
-                    asyncio.get_running_loop().call_soon(self._turn_over)
+                    self._loop().call_soon(self._turn_over)
         if self.gather and self._this_turn and not self._queue:
             self._company = True
         future = self.enqueue(inputs, deadline, level, tenant, timings)
@@ -286,7 +295,7 @@ class Scheduler:
         name = tenant or ""
         start = max(self._vtime, self._tenant_finish.get(name, 0.0))
         self._tenant_finish[name] = start + max(rows, 1) / policy.tenant_weights.get(name, 1.0)
-        future: asyncio.Future[Arrays] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Arrays] = self._loop().create_future()
         request = Pending(
             inputs, rows, sig, now, deadline, level, start, next(self._seq), future, timings
         )
@@ -297,7 +306,7 @@ class Scheduler:
         if pump and not self._gathering:  # gathering: cut with the rest of this turn
             if self.gather and self._company and self._running == 0:
                 self._gathering = True
-                asyncio.get_running_loop().call_soon(self._gathered)
+                self._loop().call_soon(self._gathered)
             else:
                 self.pump()
         return future
@@ -352,7 +361,7 @@ class Scheduler:
 
     def _resume_soon(self) -> None:
         if self._resume_at is None:
-            self._resume_at = asyncio.get_running_loop().call_soon(self._resume)
+            self._resume_at = self._loop().call_soon(self._resume)
 
     def _resume(self) -> None:
         self._resume_at = None
@@ -415,7 +424,7 @@ class Scheduler:
         if self._armed is not None:
             self._armed.cancel()
         delay = max(0.0, wake_at - self.clock())
-        timer = self._timer or asyncio.get_running_loop().call_later
+        timer = self._timer or self._loop().call_later
         self._armed_at = wake_at
         self._armed = timer(delay, self._wake)
 
@@ -448,7 +457,7 @@ class Scheduler:
         self._spawn(self._run(batch))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
+        task = self._loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

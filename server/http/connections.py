@@ -224,6 +224,7 @@ class Connection(asyncio.Protocol):
         "framed",
         "inner",
         "listener",
+        "loop",
         "make",
         "paused",
         "remote",
@@ -258,6 +259,7 @@ class Connection(asyncio.Protocol):
         """Fast path: the transport asked for no more writes until its buffer drains."""
         self.remote: str | None = None
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.waiting_since: float | None = None
         """Since when the next request's headers are awaited (``None``: idle keep-alive)."""
         self.request: web.BaseRequest | None = None
@@ -272,6 +274,7 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        self.loop = asyncio.get_running_loop()
         self.waiting_since = time.monotonic()
         self.listener.open.add(self)
         if self.inner is not None:
@@ -374,7 +377,8 @@ class Connection(asyncio.Protocol):
         body = bytes(buffer[:length])
         del buffer[:length]
         request = FastRequest(framed.path, framed.segment, framed.headers, body, self.remote)
-        self.task = asyncio.get_running_loop().create_task(self._serve(framed, request))
+        assert self.loop is not None
+        self.task = self.loop.create_task(self._serve(framed, request))
 
     async def _serve(self, framed: Framed, request: FastRequest) -> None:
         assert self.fast is not None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -328,6 +327,7 @@ def encode_response(
     shared = {o.name for o in request.outputs or () if o.shared is not None}
     header_outputs = []
     chunks: list[bytes] = []
+    floats: list[tuple[dict[str, Any], np.ndarray]] = []
     finite = True
     for name, binary in selected:
         array = outputs[name]
@@ -340,37 +340,31 @@ def encode_response(
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
-            data = entry["data"] = _to_json(name, array, datatype)
-            if isinstance(data, np.ndarray) and not _finite(data):
-                finite = False
+            data = _to_json(name, array, datatype)
+            if isinstance(data, np.ndarray):
+                floats.append((entry, data))
+                text = orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY)
+                finite = finite and b"n" not in text  # orjson writes inf and nan as null
+                entry["data"] = orjson.Fragment(text)
+            else:
+                entry["data"] = data
         header_outputs.append(entry)
     doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request.id is not None:
         doc["id"] = request.id
     doc["outputs"] = header_outputs
     if finite:
-        header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+        header = orjson.dumps(doc)
     else:
-        # JSON has no Infinity or NaN: orjson would write null. Python's json writes
-        # Infinity/NaN, which Python clients (tritonclient among them) read back.
-        for entry in header_outputs:
-            if isinstance(entry.get("data"), np.ndarray):
-                entry["data"] = entry["data"].tolist()
+        # JSON has no Infinity or NaN. Python's json writes them, and Python clients
+        # (tritonclient among them) read them back.
+        for entry, values in floats:
+            entry["data"] = values.tolist()
         header = json.dumps(doc, separators=(",", ":")).encode()
     if not chunks:
         return header, {"Content-Type": "application/json"}
     headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
     return b"".join([header, *chunks]), headers
-
-
-def _finite(values: np.ndarray) -> bool:
-    """Whether every element of a float64 array is finite: a small or middling one with
-    ``isfinite``, a large one in one numpy pass without a temporary: the sum is finite when
-    every element is (or it overflowed, and then the slower encoder is merely unneeded)."""
-    if values.size <= 4096:
-        return bool(np.isfinite(values).all())
-    with np.errstate(over="ignore", invalid="ignore"):
-        return math.isfinite(values.sum())
 
 
 def _to_json(name: str, array: np.ndarray, datatype: str) -> list[Any] | np.ndarray:

@@ -108,10 +108,11 @@ def test_a_gzip_bomb_is_404_at_once_for_an_unknown_route_and_never_stalls_health
     bomb_status, seconds = answers
     assert bomb_status == 400  # decoded in full: 16 M elements do not fit the model's [-1, 4]
     assert len(waits) >= 5, waits  # the probes ran while the bomb was processed
-    # The loop was blocked for the whole decode (a probe waited ~90% of the bomb's time).
-    # Now it waits at most for one C call of the parser in the other thread (it holds the
-    # GIL: ~0.3 s of a 3 s decode on an idle machine), relative so a loaded one passes too.
-    assert max(waits) < max(0.5, 0.35 * seconds), (seconds, sorted(waits)[-5:])
+    # Blocked for the whole decode, a probe would wait ~90% of the bomb's time. A probe
+    # waits at most for one C call of the parser in the other thread (it holds the GIL:
+    # ~0.3 s of a 3 s decode on an idle machine, 1.5 s of 3.4 s beside another test run on
+    # the other core), relative so a loaded machine passes too.
+    assert max(waits) < max(0.5, 0.5 * seconds), (seconds, sorted(waits)[-5:])
 
 
 def test_a_refusal_before_the_body_closes_the_connection_instead_of_reading_on(
