@@ -374,8 +374,13 @@ class Connection(asyncio.Protocol):
         length = framed.length
         if len(buffer) < length:
             return  # the body is on its way (body_timeout_s bounds it)
-        body = bytes(buffer[:length])
-        del buffer[:length]
+        if len(buffer) == length:  # nothing of a next request behind it: one copy
+            body = bytes(buffer)
+            buffer.clear()
+        else:
+            with memoryview(buffer) as view:
+                body = bytes(view[:length])
+            del buffer[:length]
         request = FastRequest(framed.path, framed.segment, framed.headers, body, self.remote)
         assert self.loop is not None
         self.task = self.loop.create_task(self._serve(framed, request))

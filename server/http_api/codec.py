@@ -323,6 +323,10 @@ def encode_response(
     outputs: Mapping[str, np.ndarray],
 ) -> tuple[bytes, dict[str, str]]:
     """Build the response body and headers; binary where the request asked for it."""
+    if request.outputs is None and request.id is None and not request.binary_output:
+        body = _float_answer(model_name, model_version, outputs)
+        if body is not None:
+            return body, {"Content-Type": "application/json"}
     selected = select_outputs(request, outputs)
     shared = {o.name for o in request.outputs or () if o.shared is not None}
     header_outputs = []
@@ -365,6 +369,57 @@ def encode_response(
         return header, {"Content-Type": "application/json"}
     headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
     return b"".join([header, *chunks]), headers
+
+
+ANSWERS_KEPT = 256
+"""The JSON answers of float outputs are written around a skeleton kept per model, version
+and outputs' names, types and shapes (up to this many): only the values are encoded."""
+
+_ANSWERS: dict[tuple[Any, ...], tuple[bytes, ...] | None] = {}
+_ANSWERS_LOCK = threading.Lock()  # large answers are encoded on the body threads
+
+
+def _float_answer(
+    model_name: str, model_version: str, outputs: Mapping[str, np.ndarray]
+) -> bytes | None:
+    """The JSON answer of a request that asked for every output as JSON, when each is a
+    float tensor with finite values: the kept skeleton (the same bytes as
+    :func:`encode_response`'s general path writes) with each output's values in place.
+    ``None``: any other answer, for the general path."""
+    key = (model_name, model_version, *[(n, a.dtype, a.shape) for n, a in outputs.items()])
+    try:
+        parts = _ANSWERS[key]
+    except KeyError:
+        parts = _skeleton(model_name, model_version, outputs)
+        with _ANSWERS_LOCK:
+            if len(_ANSWERS) >= ANSWERS_KEPT:
+                del _ANSWERS[next(iter(_ANSWERS))]  # the oldest
+            _ANSWERS[key] = parts
+    if parts is None:
+        return None
+    pieces = [parts[0]]
+    for array, after in zip(outputs.values(), parts[1:], strict=True):
+        text = orjson.dumps(array.reshape(-1).astype(np.float64), option=orjson.OPT_SERIALIZE_NUMPY)
+        if b"n" in text:  # orjson writes inf and nan as null: the general path writes them
+            return None
+        pieces += (text, after)
+    return b"".join(pieces)
+
+
+def _skeleton(
+    model_name: str, model_version: str, outputs: Mapping[str, np.ndarray]
+) -> tuple[bytes, ...] | None:
+    """The answer's bytes around each output's values, or ``None`` unless every output is
+    a float tensor. A NUL byte marks each place: orjson escapes any in a string."""
+    if not outputs or any(a.dtype.kind != "f" for a in outputs.values()):
+        return None
+    hole = orjson.Fragment(b"\x00")
+    entries = [
+        {"name": name, "datatype": v2_datatype(a.dtype), "shape": list(a.shape), "data": hole}
+        for name, a in outputs.items()
+    ]
+    doc = {"model_name": model_name, "model_version": model_version, "outputs": entries}
+    return tuple(orjson.dumps(doc).split(b"\x00"))
 
 
 def _to_json(name: str, array: np.ndarray, datatype: str) -> list[Any] | np.ndarray:

@@ -27,8 +27,11 @@ NUMERIC = {name: dtype for name, dtype in V2_TO_NUMPY.items() if name != "BYTES"
         ("FP32", ["1.5"], "FP32 takes JSON numbers; the data holds strings"),
         ("FP16", [1e10], "10000000000.0 (element 0) does not fit FP16: outside its range"),
         ("FP32", [1e300], "does not fit FP32: outside its range"),
-        # floats only: the fast path converts straight to FP32, and the overflow is named
+        # floats only: the fast path leaves a value out of range to the general one, which
+        # names it; past 4,096 values the range is checked by the largest magnitude
         ("FP32", [0.5, -2.5, 1e39, 0.25], "(element 2) does not fit FP32: outside its range"),
+        ("FP32", [0.5] * 5000 + [-1e39], "(element 5000) does not fit FP32: outside its range"),
+        ("FP16", [0.5, 65520.0], "(element 1) does not fit FP16: outside its range"),
         ("FP32", [[1, 2], [3]], "not a rectangular array"),
     ],
 )
@@ -49,6 +52,8 @@ def test_json_values_must_fit_their_datatype_exactly(
         ("INT64", [-(2**63), 2**63 - 1]),
         ("BOOL", [True, False]),
         ("FP16", [65504.0, 0.1]),  # rounding to the nearest FP16 is not a loss
+        ("FP16", [65519.0, -65519.0]),  # past the largest, yet rounding to it
+        ("FP32", [0.25] * 5000 + [3.4028234663852886e38]),
         ("FP32", [3.4028234663852886e38, -1.5, 1e-46]),  # FP32's largest; a subnormal's 0
         ("FP64", [1e300, -1e-300]),
         ("FP32", []),

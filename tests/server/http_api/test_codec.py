@@ -505,3 +505,52 @@ def test_the_plans_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     before = dict(codec._PLANS)
     decode_request(*_body(long_id, b"\x00"))
     assert before == codec._PLANS  # a header that long is parsed every time
+
+
+def _general(model: str, version: str, outputs: dict[str, np.ndarray]) -> bytes:
+    """The answer through encode_response's general path (each output named, as JSON)."""
+    asked = [RequestedOutput(name, False) for name in outputs]
+    return encode_response(InferRequest({}, outputs=asked), model, version, outputs)[0]
+
+
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        {"y": np.array([[1.5, 1e-7, -3.0]], dtype=np.float32)},
+        {"y": np.linspace(-1e30, 1e30, 7).astype(np.float64), "z": np.ones((2, 0), np.float16)},
+        {'a "quoted"\x00 name\n': np.array(0.1, dtype=np.float32), "é": np.zeros(3, ">f4")},
+    ],
+)
+def test_a_kept_json_answer_is_the_bytes_the_general_path_writes(
+    monkeypatch: pytest.MonkeyPatch, outputs: dict[str, np.ndarray]
+) -> None:
+    monkeypatch.setattr(codec, "_ANSWERS", {})
+    plain = InferRequest({})
+    for _ in range(2):  # the skeleton made, then kept
+        body, headers = encode_response(plain, "m\x00\"'", "1", outputs)
+        assert body == _general("m\x00\"'", "1", outputs)
+        assert headers == {"Content-Type": "application/json"}
+    assert len(codec._ANSWERS) == 1
+    assert json.loads(body)["outputs"][0]["data"] == next(iter(outputs.values())).ravel().tolist()
+
+
+def test_a_kept_json_answer_leaves_inf_nan_and_other_types_to_the_general_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(codec, "_ANSWERS", {})
+    plain = InferRequest({})
+    for _ in range(2):
+        body, _ = encode_response(plain, "m", "1", {"y": np.array([1.0, np.inf, np.nan])})
+        assert b"[1.0,Infinity,NaN]" in body  # as Python's json writes them, not null
+        mixed = {"y": np.ones(2, np.float32), "n": np.arange(2)}
+        assert encode_response(plain, "m", "1", mixed)[0] == _general("m", "1", mixed)
+    key = ("m", "1", ("y", np.dtype(np.float32), (2,)), ("n", np.dtype(np.int64), (2,)))
+    assert codec._ANSWERS[key] is None  # known not to fit: not tried again
+
+
+def test_the_kept_json_answers_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "_ANSWERS", {})
+    for i in range(codec.ANSWERS_KEPT + 20):
+        encode_response(InferRequest({}), "m", str(i), {"y": np.zeros(1, np.float32)})
+    assert len(codec._ANSWERS) == codec.ANSWERS_KEPT
+    assert ("m", "0", ("y", np.dtype(np.float32), (1,))) not in codec._ANSWERS  # the oldest
