@@ -9,6 +9,7 @@ range, or a number other than 0 and 1 cast to ``BOOL`` is.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from operator import countOf
@@ -77,7 +78,7 @@ def _float_list(values: Any, dtype: np.dtype[Any]) -> np.ndarray | None:
         return None
     if countOf(map(type, values), float) != len(values):  # a bool, int, string or list
         return None
-    array = np.fromiter(values, dtype=_FLOAT64, count=len(values))
+    array = _doubles(values)
     if dtype.itemsize == 8:
         return array if dtype == _FLOAT64 else array.astype(dtype)
     limit = _LIMITS.get(dtype.itemsize)
@@ -87,6 +88,25 @@ def _float_list(values: Any, dtype: np.dtype[Any]) -> np.ndarray | None:
 
 
 _FLOAT64 = np.dtype(np.float64)
+
+
+def _doubles(values: list[float]) -> np.ndarray:
+    """A list of Python floats as a new float64 array. ``struct`` packs a few thousand at
+    C speed, straight into the array (half the cost of numpy's conversion, which looks at
+    each element's type); a longer list through numpy, without a tuple of its values."""
+    count = len(values)
+    if count > 4096:
+        return np.fromiter(values, dtype=_FLOAT64, count=count)
+    array = np.empty(count, dtype=_FLOAT64)
+    _packer(count)(array, 0, *values)
+    return array
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(count: int) -> Callable[..., None]:
+    return struct.Struct(f"={count}d").pack_into
+
+
 _LIMITS = {2: float(np.finfo(np.float16).max), 4: float(np.finfo(np.float32).max)}
 """The largest magnitude of the narrower float types, by item size."""
 

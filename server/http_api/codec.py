@@ -230,9 +230,12 @@ def _input(
     ):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
     count = element_count(name, datatype, shape, limits)
-    parameters = _parameters(raw, f"input {name!r}")
-    size = parameters.get("binary_data_size")
-    ref = shared_memory_ref(parameters, f"input {name!r}")
+    if "parameters" not in raw:  # the usual input of a JSON request: its data, no more
+        size = ref = None
+    else:
+        parameters = _parameters(raw, f"input {name!r}")
+        size = parameters.get("binary_data_size")
+        ref = shared_memory_ref(parameters, f"input {name!r}")
     if ref is not None:
         if size is not None or "data" in raw:
             raise InvalidInput(
