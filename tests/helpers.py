@@ -97,9 +97,16 @@ STREAMING_RUNNERS = """
             self.step_s = config.get("step_s", 0.0)
             self.log = config.get("log")
             self.fail_at = config.get("fail_at", 0)
+            self.declare_outputs = config.get("declare_outputs", False)
 
         def metadata(self):
-            return {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1]}]}
+            spec = {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1]}]}
+            if self.declare_outputs:
+                spec["outputs"] = [
+                    {"name": "i", "datatype": "INT64", "shape": [1]},
+                    {"name": "text_output", "datatype": "BYTES", "shape": [1]},
+                ]
+            return spec
 
         def infer(self, inputs):
             for i in range(1, int(inputs["n"][0]) + 1):

@@ -43,8 +43,10 @@ async def send(
     encode: Callable[[Any], bytes],
     fail: Callable[[PlugserveError], bytes],
     last: bytes = b"",
+    nothing: bytes = b"",
 ) -> web.StreamResponse:
-    """Send ``encode(response)`` for each of ``responses`` as it comes, then ``last``.
+    """Send ``encode(response)`` for each of ``responses`` as it comes (``nothing`` when
+    there was none), then ``last``.
 
     The request's deadline bounds the whole stream. The caller closes ``responses``.
     An error once the stream began is its last event, and what ``served`` counts.
@@ -66,6 +68,8 @@ async def send(
                 await answer.write(encode(first))
                 async for response in responses:
                     await answer.write(encode(response))
+            elif nothing:
+                await answer.write(nothing)
         await answer.write(last)
     except TimeoutError:
         passed = late(deadline_s)

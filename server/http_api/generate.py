@@ -10,7 +10,9 @@ longer one as a list) beside ``model_name`` and ``model_version``.
 Event (``data: {...}``); an error after the stream began is its last event,
 ``data: {"error": "..."}``, as Triton sends it. ``generate`` answers once: a
 streaming route's responses merged (text concatenated, arrays joined on their
-first axis), any other route's one response.
+first axis), any other route's one response. A stream that sends no response (a
+generation of no token) still answers its outputs, empty (:func:`none_sent`): one
+event, or ``generate``'s one answer.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ async def _generate(request: web.Request, stream: bool) -> web.StreamResponse:
         head = {"model_name": chain.route, "model_version": chain.runner_version}
         async with contextlib.aclosing(served.responses()) as responses:
             if not stream:
-                merged = merge([r async for r in responses])
+                collected = [r async for r in responses]
+                merged = merge(collected) if collected else none_sent(chain)
                 body = _encoded(chain, _dumps, {**head, **fields(merged)})
                 return web.Response(body=body, content_type="application/json")
             return await sse.send(
@@ -71,6 +74,7 @@ async def _generate(request: web.Request, stream: bool) -> web.StreamResponse:
                 responses,
                 lambda response: _encoded(chain, sse.event, {**head, **fields(response)}),
                 _error_event,
+                nothing=_encoded(chain, sse.event, {**head, **none_sent(chain)}),
             )
 
     match = request.match_info
@@ -85,9 +89,19 @@ def fields(result: Any) -> dict[str, Any]:
     return {str(name): json_value(value) for name, value in result.items()}
 
 
+def none_sent(chain: Chain) -> dict[str, Any]:
+    """The answer of a stream that sent no response (a generation of no token): each
+    output the route's last stage declares, empty (text for ``BYTES``, else a list), or
+    ``text_output`` when it declares none, as Triton's generation backends answer."""
+    declared = [o for o in chain.metadata()["outputs"] if isinstance(o, dict) and "name" in o]
+    if not declared:
+        return {"text_output": ""}
+    return {str(o["name"]): "" if o.get("datatype") == "BYTES" else [] for o in declared}
+
+
 def merge(responses: list[Any]) -> Any:
     """A stream's responses as one: strings concatenated, arrays and lists joined, the rest
-    the last value (``None`` for a stream that sent nothing)."""
+    the last value (``{}`` for a stream that sent nothing)."""
     if len(responses) <= 1:
         return responses[0] if responses else {}
     if not all(isinstance(r, dict) for r in responses):

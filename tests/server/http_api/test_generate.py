@@ -30,6 +30,7 @@ def streams(plugins_dir: Path, server: Callable[..., ServerProcess]) -> ServerPr
     write_streaming_runner(plugins_dir, "agen", "async")
     write_streaming_runner(plugins_dir, "failing", "generator", config="fail_at = 3\n")
     write_streaming_runner(plugins_dir, "slow", "generator", config="step_s = 0.2\n")
+    write_streaming_runner(plugins_dir, "declared", "generator", config="declare_outputs = true\n")
     write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
     return server("--plugins-dir", str(plugins_dir))
 
@@ -57,6 +58,29 @@ def test_every_kind_of_streaming_runner_streams_and_generates(streams: ServerPro
     assert sse(body)[0]["y"] == [[2.0, 3.0, 4.0, 5.0]]
     status, _, body = streams.request("POST", "/v2/models/add/versions/1/generate", request)
     assert json.loads(body)["y"] == [[2.0, 3.0, 4.0, 5.0]], body
+
+
+def test_a_generation_of_no_response_answers_its_outputs_empty(streams: ServerProcess) -> None:
+    """A stream that sends nothing (a generation of no token) still answers each output
+    field: ``generate`` once, ``generate_stream`` as one event. Without declared outputs,
+    ``text_output``, as Triton's generation backends answer."""
+    empty = {"declared": {"i": [], "text_output": ""}}
+    for route in ("steps", "gen", "agen", "declared"):
+        expected = {"model_name": route, "model_version": "1.0.0"}
+        expected |= empty.get(route, {"text_output": ""})
+        status, headers, body = streams.request(
+            "POST", f"/v2/models/{route}/generate_stream", {"n": [0]}
+        )
+        assert status == 200, body
+        assert headers["Content-Type"].startswith("text/event-stream")
+        assert sse(body) == [expected]
+        status, _, body = streams.request("POST", f"/v2/models/{route}/generate", {"n": [0]})
+        assert status == 200, body
+        assert json.loads(body) == expected
+    # One response or more: only what the stream sent.
+    status, _, body = streams.request("POST", "/v2/models/declared/generate", {"n": [1]})
+    assert json.loads(body) == {"model_name": "declared", "model_version": "1.0.0",
+                                "i": 1, "text_output": "t1 "}  # fmt: skip
 
 
 def test_streaming_routes_refuse_single_answer_calls_and_bad_requests(
