@@ -49,6 +49,7 @@ RUNNER_KEYS = frozenset(
         "response_cache",
         "formats",
         "labels",
+        "sequence",
     }
 )
 """The ``[runner]`` keys plugserve reads itself; a backend declares its own (``runner_keys``)."""
@@ -65,6 +66,38 @@ FORMATS = ("FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW")
 MAX_LABELS_BYTES = 16 * 1024 * 1024
 OPENAI_KINDS = ("embeddings", "chat", "completions")
 """``[route] openai``: the OpenAI-compatible routes (``/v1/...``) a route is served at."""
+
+
+SEQUENCE_KEYS = frozenset({"idle_timeout_s", "max_sequences", "state"})
+STATE_KEYS = frozenset({"input", "output", "datatype", "shape", "initial"})
+MAX_SEQUENCES = 1_000_000
+MAX_IDLE_S = 7 * 86_400.0
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One ``[[runner.sequence.state]]``: a tensor the server keeps for each sequence,
+    fed to the runner as ``input`` and replaced by its ``output`` after each request."""
+
+    input: str
+    output: str
+    datatype: str
+    shape: tuple[int, ...]
+    """One sequence's state without the batch axis (axis 0, the rows of a batch)."""
+    initial: float = 0.0
+    """Every element's value at the sequence's start."""
+
+
+@dataclass(frozen=True)
+class SequenceSection:
+    """The ``[runner.sequence]`` table: the runner serves sequences (correlated requests,
+    as Triton's sequence batcher), each with its state kept in the server."""
+
+    idle_timeout_s: float = 60.0
+    """A sequence with no request for this long ends, and its state is dropped."""
+    max_sequences: int = 1024
+    """Sequences alive at once; a start beyond them is refused (429)."""
+    states: tuple[StateSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,6 +132,8 @@ class RunnerSection:
     """Output name: its labels file, relative to the plugin folder."""
     labels: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
     """Output name: its labels, one per class index (read from ``label_files`` at load)."""
+    sequence: SequenceSection | None = None
+    """``[runner.sequence]``: the runner serves sequences (``None``: independent requests)."""
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
@@ -295,8 +330,65 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         labels=MappingProxyType(
             {output: _read_labels(p, folder, f) for output, f in files.items()}
         ),
+        sequence=_sequence(p, table),
         table=MappingProxyType(dict(table)),
     )
+
+
+def _sequence(p: _Fields, runner: Mapping[str, Any]) -> SequenceSection | None:
+    if "sequence" not in runner:
+        return None
+    if _isolation(p, runner) != "none":
+        raise ManifestError(p.path, 'sequences keep their state in the worker: isolation = "none"',
+                            "runner.sequence")  # fmt: skip
+    if p.boolean(runner, "runner.response_cache", False):
+        raise ManifestError(p.path, "a sequence's answers depend on its state: no response_cache",
+                            "runner.sequence")  # fmt: skip
+    table = p.table(runner, "runner.sequence")
+    p.no_unknown_keys(table, "runner.sequence", SEQUENCE_KEYS)
+    raw_states = table.get("state", [])
+    if not isinstance(raw_states, list) or len(raw_states) > checks.MAX_ITEMS:
+        raise ManifestError(p.path, "must be a list of [[runner.sequence.state]] tables",
+                            "runner.sequence.state")  # fmt: skip
+    states = [_state(p, raw, f"runner.sequence.state[{i}]") for i, raw in enumerate(raw_states)]
+    inputs, outputs = [s.input for s in states], [s.output for s in states]
+    if len(set(inputs)) != len(inputs) or len(set(outputs)) != len(outputs):
+        raise ManifestError(p.path, "each state needs an input and an output of its own",
+                            "runner.sequence.state")  # fmt: skip
+    return SequenceSection(
+        idle_timeout_s=checks.number(
+            table.get("idle_timeout_s", 60.0), "runner.sequence.idle_timeout_s",
+            low=0.0, high=MAX_IDLE_S, above=True,
+        ),
+        max_sequences=p.integer(table, "runner.sequence.max_sequences", 1024, 1, MAX_SEQUENCES),
+        states=tuple(states),
+    )  # fmt: skip
+
+
+def _state(p: _Fields, raw: Any, where: str) -> StateSpec:
+    table = checks.table(raw, where)
+    p.no_unknown_keys(table, where, STATE_KEYS)
+    datatype = p.required_string(table, f"{where}.datatype")
+    if datatype not in STATE_DATATYPES:
+        raise ManifestError(p.path, f"must be one of {', '.join(STATE_DATATYPES)}",
+                            f"{where}.datatype")  # fmt: skip
+    shape = table.get("shape")
+    if not isinstance(shape, list) or len(shape) > 16:
+        raise ManifestError(p.path, "must be a list of at most 16 dimensions", f"{where}.shape")
+    dims = tuple(checks.integer(d, f"{where}.shape", low=1, high=1 << 24) for d in shape)
+    initial = table.get("initial", 0.0)
+    return StateSpec(
+        input=p.required_string(table, f"{where}.input"),
+        output=p.required_string(table, f"{where}.output"),
+        datatype=datatype,
+        shape=dims,
+        initial=checks.number(initial, f"{where}.initial", low=-checks.MAX_NUMBER),
+    )
+
+
+STATE_DATATYPES = ("BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32",
+                   "UINT64", "FP16", "FP32", "FP64")  # fmt: skip
+"""What a state may hold: any numeric v2 datatype."""
 
 
 def _formats(p: _Fields, table: Mapping[str, Any]) -> Mapping[str, str]:

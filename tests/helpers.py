@@ -227,6 +227,50 @@ def add_model(path: Path, amount: float = 1.0, features: int = 4) -> Path:
     return _save(graph, path)
 
 
+def accumulator_model(path: Path, features: int = 4) -> Path:
+    """An ONNX model with a recurrent state: ``y = state_out = state_in + x``, FP32
+    ``[N, features]``: over a sequence, ``y`` is the running sum of its ``x``."""
+    dims = ["N", features]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)
+    state_in = helper.make_tensor_value_info("state_in", TensorProto.FLOAT, dims)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)
+    state_out = helper.make_tensor_value_info("state_out", TensorProto.FLOAT, dims)
+    nodes = [
+        helper.make_node("Add", ["x", "state_in"], ["y"]),
+        helper.make_node("Identity", ["y"], ["state_out"]),
+    ]
+    graph = helper.make_graph(nodes, "accumulator", [x, state_in], [y, state_out])
+    return _save(graph, path)
+
+
+SEQUENCE_RUNNER = """
+[runner]
+backend = "onnxruntime"
+model = "model.onnx"
+max_batch_size = 16
+max_queue_delay_ms = 2
+{runner}
+[runner.sequence]
+{sequence}
+[[runner.sequence.state]]
+input = "state_in"
+output = "state_out"
+datatype = "FP32"
+shape = [4]
+"""
+
+
+def write_sequence_runner(
+    plugins_dir: Path, name: str, version: str = "1.0.0", runner: str = "", sequence: str = ""
+) -> Path:
+    """A runner serving sequences over :func:`accumulator_model`, its state kept by the
+    server: each answer is the running sum of the sequence's inputs."""
+    manifest = SEQUENCE_RUNNER.format(runner=runner, sequence=sequence)
+    folder = write_plugin(plugins_dir, "runner", name, version, manifest, module=None)
+    accumulator_model(folder / "model.onnx")
+    return folder
+
+
 # Every ONNX element type v2 can carry, by a short key the tests name tensors with.
 ONNX_TYPES = {
     "bool": TensorProto.BOOL, "u8": TensorProto.UINT8, "u16": TensorProto.UINT16,

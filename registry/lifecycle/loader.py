@@ -295,6 +295,11 @@ def kind_of(manifest: Manifest, component: Any) -> type[LoadedPlugin]:
     if manifest.runner is None:
         return Stage
     if stream_kind(component) is not None:
+        if manifest.runner.sequence is not None:
+            raise PluginLoadError(
+                f"{manifest.label}: [runner.sequence] takes a runner that answers each request "
+                "once; this one streams"
+            )
         return StreamingRunner
     return BatchedRunner
 

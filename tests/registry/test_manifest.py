@@ -93,6 +93,23 @@ RUNNER = HEAD + "[runner]\nbackend='onnxruntime'\n"
         (RUNNER + "isolation='process'\ndevice='cuda:\u0661'\n", "runner.device", "such as"),
         (RUNNER + "isolation='process'\ndevices=['cuda:0', 'cuda:1']\n", "runner.devices",
          "2 devices for 1 instance"),
+        (RUNNER + "[runner.sequence]\nidle_timeout=1\n", "runner.sequence", "unknown key"),
+        (RUNNER + "[runner.sequence]\nidle_timeout_s=0\n", "runner.sequence.idle_timeout_s",
+         "> 0"),
+        (RUNNER + "[runner.sequence]\nmax_sequences=0\n", "runner.sequence.max_sequences",
+         "integer >= 1"),
+        (RUNNER + "isolation='process'\n[runner.sequence]\n", "runner.sequence", "in the worker"),
+        (RUNNER + "response_cache=true\n[runner.sequence]\n", "runner.sequence",
+         "no response_cache"),
+        (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='BYTES'\nshape=[1]\n",
+         "runner.sequence.state[0].datatype", "one of BOOL"),
+        (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='FP32'\nshape=[0]\n",
+         "runner.sequence.state[0].shape", "integer >= 1"),
+        (RUNNER + "[[runner.sequence.state]]\noutput='t'\ndatatype='FP32'\nshape=[1]\n",
+         "runner.sequence.state[0].input", "is required"),
+        (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='FP32'\nshape=[1]\n"
+         "[[runner.sequence.state]]\ninput='s'\noutput='u'\ndatatype='FP32'\nshape=[1]\n",
+         "runner.sequence.state", "of its own"),
     ],
 )  # fmt: skip
 def test_manifest_errors_name_file_and_field(
@@ -248,3 +265,25 @@ def test_formats_and_labels_are_read_and_checked(plugins_dir: Path) -> None:
         with pytest.raises(ManifestError) as info:
             load_manifest(folder)
         assert info.value.fields["field"] == field, info.value.message
+
+
+def test_a_sequence_table_is_read_with_its_states(plugins_dir: Path) -> None:
+    folder = _folder(plugins_dir, RUNNER + """
+[runner.sequence]
+idle_timeout_s = 2.5
+max_sequences = 8
+[[runner.sequence.state]]
+input = "h_in"
+output = "h_out"
+datatype = "FP16"
+shape = [2, 64]
+initial = -1
+""")  # fmt: skip
+    runner = load_manifest(folder).runner
+    assert runner is not None and runner.sequence is not None
+    assert (runner.sequence.idle_timeout_s, runner.sequence.max_sequences) == (2.5, 8)
+    (state,) = runner.sequence.states
+    assert (state.input, state.output, state.datatype) == ("h_in", "h_out", "FP16")
+    assert (state.shape, state.initial) == ((2, 64), -1.0)
+    plain = load_manifest(_folder(plugins_dir, RUNNER.replace("1.0.0", "2.0.0"), version="2.0.0"))
+    assert plain.runner is not None and plain.runner.sequence is None

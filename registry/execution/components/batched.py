@@ -16,6 +16,7 @@ from plugserve.registry.execution.batching import Scheduler
 from plugserve.registry.execution.breaker import CircuitBreaker
 from plugserve.registry.execution.components.inline import ExecutionCosts, rows
 from plugserve.registry.execution.components.runner import Runner, batch_policy
+from plugserve.registry.execution.sequences import Sequences
 from plugserve.registry.execution.stats import RunnerStats
 from plugserve.registry.types import RequestContext
 
@@ -38,6 +39,8 @@ class BatchedRunner(Runner):
     _method: Callable[..., Any] = field(init=False, repr=False)
     _is_async: bool = field(init=False, repr=False)
     _costs: ExecutionCosts = field(init=False, repr=False)
+    sequences: Sequences | None = field(init=False, default=None, repr=False)
+    """The live sequences of a runner that declares ``[runner.sequence]``."""
 
     def __post_init__(self) -> None:
         self._method = self._method_named("infer")
@@ -62,6 +65,8 @@ class BatchedRunner(Runner):
         # (ExecutionCosts), where no batch forms while one runs: without gathering, a load
         # that arrives while such batches are measured stays at one row a batch.
         self.scheduler.gather = not self._is_async
+        sequence = runner.sequence
+        self.sequences = None if sequence is None else Sequences(sequence, self.label)
 
     @property
     def queued(self) -> int:
@@ -77,18 +82,31 @@ class BatchedRunner(Runner):
         }
         if breaker.enabled:
             figures["circuit"], figures["circuit_trips"] = breaker.state, breaker.trips
+        if self.sequences is not None:
+            figures["sequences"] = self.sequences.describe()
         return figures
 
     async def call(self, data: Any, ctx: RequestContext) -> Any:
-        """The request's outputs, once the batch it joined executed."""
+        """The request's outputs, once the batch it joined executed (a sequence's request
+        in its sequence's turn, with its state: ``registry/execution/sequences.py``)."""
         inputs = self.runner_inputs(data)
         self.validate_request(inputs)
         ctx.rows = rows(inputs)
         self.breaker.allow()
         started = time.perf_counter()
+
+        scheduler = self.scheduler
         try:
-            return await self.scheduler.submit(
-                inputs, ctx.deadline, ctx.priority, ctx.tenant, ctx.timings
+            if self.sequences is None:
+                return await scheduler.submit(
+                    inputs, ctx.deadline, ctx.priority, ctx.tenant, ctx.timings
+                )
+            return await self.sequences.run(
+                inputs,
+                ctx.parameters,
+                lambda fed: scheduler.submit(
+                    fed, ctx.deadline, ctx.priority, ctx.tenant, ctx.timings
+                ),
             )
         finally:
             self.breaker.release()
@@ -98,6 +116,8 @@ class BatchedRunner(Runner):
 
     async def close(self, within: float) -> None:
         self.scheduler.close()
+        if self.sequences is not None:
+            self.sequences.clear()
         await super().close(within)
 
     # -- where executions run ------------------------------------------------------------

@@ -39,6 +39,25 @@ class Runner(LoadedPlugin):
         validate = getattr(self.component, "validate", None)
         self._validate = validate if callable(validate) else None
 
+    async def warmup(self, within: float) -> None:
+        """Warm up and read the metadata; a sequence runner's state tensors are the
+        server's to feed and keep: neither shown nor asked of clients."""
+        await super().warmup(within)
+        sequence = self.section.sequence
+        if sequence is None or not sequence.states or self._metadata is None:
+            return
+        hidden = {s.input for s in sequence.states} | {s.output for s in sequence.states}
+        self._metadata = {
+            **self._metadata,
+            **{
+                kind: [t for t in self._metadata[kind] if t.get("name") not in hidden]
+                for kind in ("inputs", "outputs")
+                if isinstance(self._metadata.get(kind), list)
+            },
+        }
+        self._inputs = tuple(spec for spec in self._inputs if spec.name not in hidden)
+        self._input_dtypes = {spec.name: spec.dtype for spec in self._inputs}
+
     @property
     def section(self) -> RunnerSection:
         """The manifest's ``[runner]`` table."""

@@ -1,0 +1,216 @@
+"""Sequences: correlated requests of one stream, with the stream's state kept in the server.
+
+A runner that declares ``[runner.sequence]`` serves sequences as Triton's sequence
+batcher does. Each request names its sequence with the request parameters Triton's
+clients send: ``sequence_id`` (a non-zero integer or a non-empty string),
+``sequence_start`` on its first request and ``sequence_end`` on its last. The state
+each ``[[runner.sequence.state]]`` declares starts at its ``initial`` value, reaches
+the runner as an input with each request, and is replaced by the runner's matching
+output, which the client never sees: it sends only its data.
+
+A sequence's requests run one at a time, in the order they arrive; requests of
+different sequences batch together (each state is one row of its batch). A sequence
+ends with its ``sequence_end`` request or after ``idle_timeout_s`` without one, and
+its state is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from plugserve.registry.errors import InvalidInput, PluginError, TooManyRequests
+from plugserve.registry.manifest import SequenceSection, StateSpec
+from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
+
+Arrays = Mapping[str, np.ndarray]
+SequenceId = int | str
+
+MAX_ID_CHARS = 256
+
+
+def sequence_of(parameters: Mapping[str, Any]) -> tuple[SequenceId | None, bool, bool]:
+    """A request's ``sequence_id`` (``None`` when absent or 0, as Triton reads it),
+    ``sequence_start`` and ``sequence_end``; a 400 for values of the wrong type."""
+    raw = parameters.get("sequence_id")
+    start, end = parameters.get("sequence_start", False), parameters.get("sequence_end", False)
+    if not isinstance(start, bool) or not isinstance(end, bool):
+        raise InvalidInput("sequence_start and sequence_end must be true or false")
+    if raw is None or raw == 0 or raw == "":
+        return None, start, end
+    if isinstance(raw, bool) or not isinstance(raw, int | str):
+        raise InvalidInput("sequence_id must be an integer or a string")
+    if isinstance(raw, str) and len(raw) > MAX_ID_CHARS:
+        raise InvalidInput(f"a sequence_id of at most {MAX_ID_CHARS} characters")
+    if isinstance(raw, int) and not 0 < raw < 2**64:
+        raise InvalidInput("sequence_id must be an integer in 1..2**64-1 or a string")
+    return raw, start, end
+
+
+class Sequence:
+    """One live sequence: its state, when it was last used, and its turn."""
+
+    __slots__ = ("ended", "last", "state", "turn", "users")
+
+    def __init__(self, state: dict[str, np.ndarray], now: float) -> None:
+        self.state = state
+        self.last = now
+        self.turn = asyncio.Lock()  # waiters are woken in the order they came
+        self.users = 0
+        """Requests running or waiting for their turn: the sequence is not idle."""
+        self.ended = False
+
+
+class Sequences:
+    """The live sequences of one runner version, and how a request of one runs."""
+
+    def __init__(
+        self, section: SequenceSection, label: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.section = section
+        self.label = label
+        self.clock = clock
+        self._live: dict[SequenceId, Sequence] = {}
+        self._swept = clock()
+        self._timer: asyncio.TimerHandle | None = None
+        self.started = 0
+        self.ended = 0
+        self.expired = 0
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "live": len(self._live),
+            "max_sequences": self.section.max_sequences,
+            "started": self.started,
+            "ended": self.ended,
+            "expired": self.expired,
+        }
+
+    def initial(self) -> dict[str, np.ndarray]:
+        """Each state at a sequence's start: one row of its declared shape."""
+        return {spec.input: _initial(spec) for spec in self.section.states}
+
+    async def run(
+        self,
+        inputs: Arrays,
+        parameters: Mapping[str, Any],
+        execute: Callable[[Arrays], Awaitable[Arrays]],
+    ) -> Arrays:
+        """Run one request of its sequence: in its turn, with the sequence's state as
+        inputs; the state outputs are kept, the rest answered."""
+        sequence_id, start, end = sequence_of(parameters)
+        if sequence_id is None:
+            raise InvalidInput(
+                f"runner {self.label} serves sequences: each request names its sequence "
+                "(the sequence_id parameter, a non-zero integer or a non-empty string)"
+            )
+        if _rows(inputs) != 1:
+            raise InvalidInput(f"a request of a sequence holds one row (runner {self.label})")
+        self.sweep()
+        sequence = self._live.get(sequence_id)
+        fresh = sequence is None
+        if sequence is None:
+            if not start:
+                raise InvalidInput(
+                    f"sequence {sequence_id!r} of runner {self.label} is not running: its "
+                    "first request sets sequence_start (or it ended, or it was idle for "
+                    f"over {self.section.idle_timeout_s:g} s)"
+                )
+            if len(self._live) >= self.section.max_sequences:
+                raise TooManyRequests(
+                    f"runner {self.label} has {len(self._live)} sequences running, its "
+                    "max_sequences: end one first",
+                    retry_after_s=1,
+                )
+            sequence = self._live[sequence_id] = Sequence(self.initial(), self.clock())
+            self.started += 1
+        sequence.users += 1
+        try:
+            async with sequence.turn:
+                if sequence.ended:  # ended while this request waited for its turn
+                    raise InvalidInput(f"sequence {sequence_id!r} of runner {self.label} ended")
+                if start and not fresh:  # started again, as Triton does: from the initial state
+                    sequence.state = self.initial()
+                outputs = await execute({**inputs, **sequence.state})
+                sequence.state, answer = self._kept(outputs)
+                if end:
+                    self._end(sequence_id, sequence)
+                    self.ended += 1
+        finally:
+            sequence.users -= 1
+            sequence.last = self.clock()
+            self._arm()
+        return answer
+
+    def _arm(self) -> None:
+        """Sweep again once the idle timeout has passed, while sequences are alive, so that
+        an idle runner frees their state without a request to trigger it."""
+        if self._timer is None and self._live:
+            self._timer = asyncio.get_running_loop().call_later(
+                self.section.idle_timeout_s, self._on_timer
+            )
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._swept = float("-inf")
+        self.sweep()
+        self._arm()
+
+    def _kept(self, outputs: Arrays) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The runner's outputs split into the next state and the answer."""
+        state, answer = {}, dict(outputs)
+        for spec in self.section.states:
+            value = answer.pop(spec.output, None)
+            want = (1, *spec.shape)
+            if not isinstance(value, np.ndarray) or value.shape != want:
+                shape = getattr(value, "shape", type(value).__name__)
+                raise PluginError(
+                    self.label,
+                    ValueError(f"state output {spec.output!r} is {shape}; the state is {want}"),
+                )
+            state[spec.input] = np.ascontiguousarray(value, dtype=V2_TO_NUMPY[spec.datatype])
+        return state, answer
+
+    def _end(self, sequence_id: SequenceId, sequence: Sequence) -> None:
+        sequence.ended = True
+        if self._live.get(sequence_id) is sequence:
+            del self._live[sequence_id]
+
+    def sweep(self) -> None:
+        """End the sequences idle for over ``idle_timeout_s`` (at most once a second)."""
+        now = self.clock()
+        if now - self._swept < min(1.0, self.section.idle_timeout_s):
+            return
+        self._swept = now
+        limit = now - self.section.idle_timeout_s
+        for sequence_id, sequence in list(self._live.items()):
+            if sequence.last < limit and not sequence.users:
+                self._end(sequence_id, sequence)
+                self.expired += 1
+
+    def clear(self) -> None:
+        """Drop every sequence (the runner is released)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for sequence in self._live.values():
+            sequence.ended = True
+        self._live.clear()
+
+
+def _initial(spec: StateSpec) -> np.ndarray:
+    return np.full((1, *spec.shape), spec.initial, dtype=V2_TO_NUMPY[spec.datatype])
+
+
+def _rows(inputs: Arrays) -> int:
+    for array in inputs.values():
+        return int(array.shape[0]) if array.ndim else 1
+    return 1

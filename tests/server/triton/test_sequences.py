@@ -1,0 +1,148 @@
+"""Sequences through Triton's own clients: each request sends only its data, the server
+keeps every sequence's state (``registry/execution/sequences.py``)."""
+
+import concurrent.futures
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from tests.helpers import ServerProcess, write_sequence_runner
+
+STEPS = 6
+
+
+def chunks(seed: int, count: int = STEPS) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((1, 4)).astype(np.float32) for _ in range(count)]
+
+
+def http_sequence(url: str, route: str, sequence_id: int | str, xs: list[np.ndarray]) -> list:
+    client = httpclient.InferenceServerClient(url=url)
+    try:
+        answers = []
+        for i, x in enumerate(xs):
+            data = httpclient.InferInput("x", [1, 4], "FP32")
+            data.set_data_from_numpy(x, binary_data=True)
+            result = client.infer(route, [data], sequence_id=sequence_id,
+                                  sequence_start=i == 0, sequence_end=i == len(xs) - 1)  # fmt: skip
+            answers.append(result.as_numpy("y"))
+        return answers
+    finally:
+        client.close()
+
+
+def grpc_sequence(url: str, route: str, sequence_id: int | str, xs: list[np.ndarray]) -> list:
+    client = grpcclient.InferenceServerClient(url=url)
+    try:
+        answers = []
+        for i, x in enumerate(xs):
+            data = grpcclient.InferInput("x", [1, 4], "FP32")
+            data.set_data_from_numpy(x)
+            result = client.infer(route, [data], sequence_id=sequence_id,
+                                  sequence_start=i == 0, sequence_end=i == len(xs) - 1)  # fmt: skip
+            answers.append(result.as_numpy("y"))
+        return answers
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def sequences(plugins_dir: Path, models_dir: Path, server: Callable[..., Any]) -> ServerProcess:
+    write_sequence_runner(plugins_dir, "acc", sequence="idle_timeout_s = 1.0\nmax_sequences = 24")
+    return server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+
+
+def plugin_figures(srv: ServerProcess) -> dict[str, Any]:
+    status, _, body = srv.request("GET", "/admin/plugins")
+    assert status == 200, body
+    (record,) = [p for p in json.loads(body)["plugins"] if p["name"] == "acc"]
+    return record
+
+
+def test_sixteen_concurrent_sequences_answer_as_each_alone_over_http_and_grpc(
+    sequences: ServerProcess,
+) -> None:
+    """The state lives in the server: each answer is the running sum of the sequence's
+    inputs, the same bytes whether the sequence ran alone or beside 15 others, which
+    batch together."""
+    http_url = f"127.0.0.1:{sequences.port}"
+    inputs = {i: chunks(i) for i in range(16)}
+    alone = {i: http_sequence(http_url, "acc", 1000 + i, xs) for i, xs in inputs.items()}
+    for i, xs in inputs.items():
+        expected = np.cumsum(np.concatenate(xs), axis=0, dtype=np.float32)
+        np.testing.assert_allclose(np.concatenate(alone[i]), expected, rtol=1e-6)
+    for send, url in ((http_sequence, http_url), (grpc_sequence, sequences.grpc_url)):
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            # Integer ids and string ids, as tritonclient sends both.
+            ids = {i: (i + 1 if i % 2 else f"stream-{i}") for i in inputs}
+            futures = {i: pool.submit(send, url, "acc", ids[i], xs) for i, xs in inputs.items()}
+            together = {i: f.result() for i, f in futures.items()}
+        for i in inputs:
+            for got, want in zip(together[i], alone[i], strict=True):
+                assert got.tobytes() == want.tobytes(), (send.__name__, i)
+    stats = json.loads(sequences.request("GET", "/v2/models/acc/stats")[2])
+    model = stats["model_stats"][0]
+    assert model["inference_count"] == 3 * 16 * STEPS
+    mean_batch = model["inference_count"] / model["execution_count"]
+    print(f"mean batch {mean_batch:.2f} rows over {model['execution_count']} executions")
+    assert mean_batch > 1.0, model  # sequences batched together
+    figures = plugin_figures(sequences)["sequences"]
+    assert figures["live"] == 0 and figures["ended"] == 3 * 16, figures
+
+
+def test_the_state_is_the_servers_to_keep(sequences: ServerProcess) -> None:
+    """The model's state tensors are neither shown to clients nor asked of them."""
+    status, _, body = sequences.request("GET", "/v2/models/acc")
+    assert status == 200, body
+    metadata = json.loads(body)
+    assert [t["name"] for t in metadata["inputs"]] == ["x"]
+    assert [t["name"] for t in metadata["outputs"]] == ["y"]
+
+
+def infer(srv: ServerProcess, parameters: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}],
+            "parameters": parameters}  # fmt: skip
+    status, _, raw = srv.request("POST", "/v2/models/acc/infer", body)
+    return status, json.loads(raw)
+
+
+def test_requests_outside_a_running_sequence_are_refused_clearly(sequences: ServerProcess) -> None:
+    status, answer = infer(sequences, {})
+    assert status == 400 and "sequence_id" in answer["error"], answer
+    status, answer = infer(sequences, {"sequence_id": 7})
+    assert status == 400 and "not running" in answer["error"], answer
+    for bad in ({"sequence_id": 1.5}, {"sequence_id": 7, "sequence_start": "yes"}):
+        status, answer = infer(sequences, bad)
+        assert status == 400, answer
+    # A start, a step, an end; then the sequence is gone.
+    assert infer(sequences, {"sequence_id": 7, "sequence_start": True})[1]["outputs"][0][
+        "data"] == [1, 2, 3, 4]  # fmt: skip
+    assert infer(sequences, {"sequence_id": 7})[1]["outputs"][0]["data"] == [2, 4, 6, 8]
+    # A second start begins again from the initial state, as Triton does.
+    assert infer(sequences, {"sequence_id": 7, "sequence_start": True})[1]["outputs"][0][
+        "data"] == [1, 2, 3, 4]  # fmt: skip
+    status, answer = infer(sequences, {"sequence_id": 7, "sequence_end": True})
+    assert status == 200 and answer["outputs"][0]["data"] == [2, 4, 6, 8]
+    status, answer = infer(sequences, {"sequence_id": 7})
+    assert status == 400 and "not running" in answer["error"], answer
+
+
+def test_max_sequences_is_a_429_and_idle_sequences_expire(sequences: ServerProcess) -> None:
+    for i in range(24):
+        assert infer(sequences, {"sequence_id": f"s{i}", "sequence_start": True})[0] == 200
+    status, answer = infer(sequences, {"sequence_id": "s24", "sequence_start": True})
+    assert status == 429 and "max_sequences" in answer["error"], answer
+    assert plugin_figures(sequences)["sequences"]["live"] == 24
+    time.sleep(2.5)  # idle_timeout_s = 1: every one expires, no request needed
+    figures = plugin_figures(sequences)["sequences"]
+    assert figures["live"] == 0 and figures["expired"] == 24, figures
+    status, answer = infer(sequences, {"sequence_id": "s0"})
+    assert status == 400 and "idle" in answer["error"], answer
+    assert infer(sequences, {"sequence_id": "s24", "sequence_start": True})[0] == 200
