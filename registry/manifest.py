@@ -338,9 +338,6 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
 def _sequence(p: _Fields, runner: Mapping[str, Any]) -> SequenceSection | None:
     if "sequence" not in runner:
         return None
-    if _isolation(p, runner) != "none":
-        raise ManifestError(p.path, 'sequences keep their state in the worker: isolation = "none"',
-                            "runner.sequence")  # fmt: skip
     if p.boolean(runner, "runner.response_cache", False):
         raise ManifestError(p.path, "a sequence's answers depend on its state: no response_cache",
                             "runner.sequence")  # fmt: skip

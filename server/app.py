@@ -197,6 +197,7 @@ def create_app(
         app[DRAIN].before_stop = worker.drained
         through = worker.forward
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
+        app[REGISTRY].loader.workers = settings.worker_count
     _isolated_runners(app[REGISTRY], settings, worker)
     if settings.runners_on_loop and (worker is not None or settings.inline_runners == "on"):
         app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S  # auto: one of several workers only

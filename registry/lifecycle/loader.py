@@ -76,6 +76,8 @@ class Loader:
         self.runners: Runners | None = None
         """Where ``isolation = "process"`` runners run: a worker's supervisor, or a
         :class:`RunnerHost` of this process made at the first such load."""
+        self.workers = 1
+        """The server's workers: sequences kept in one worker cannot serve several."""
         self.loop_budget = 0.0
         """Seconds: the loop budget of the batched runners this loads in a worker
         (:meth:`BatchedRunner.run_on_loop`: a worker with a core of its own,
@@ -116,6 +118,14 @@ class Loader:
                 return await self._load_isolated(manifest, content)
             manifest = dataclasses.replace(
                 manifest, runner=dataclasses.replace(manifest.runner, instances=1)
+            )
+        sequences = manifest.runner is not None and manifest.runner.sequence is not None
+        if sequences and self.workers > 1 and not in_process:
+            raise PluginLoadError(
+                f"{manifest.label}: its sequences would live in one worker of "
+                f"{self.workers}, and another worker's requests would miss their state: "
+                'declare isolation = "process" (every worker reaches the same runner '
+                "processes) or serve with --workers 1"
             )
         deadline = time.monotonic() + self.load_timeout
         package = None

@@ -287,9 +287,13 @@ class Serving(asyncio.Protocol):
         if tracing.TRACER is not None and "tp" in message:  # the worker's trace goes on here
             token = tracing.attach(message["tp"])
         try:
-            future = scheduler.enqueue(
-                inputs, message.get("d"), message.get("p"), message.get("t"), timings, pump=False
-            )
+            if loaded.sequences is not None:  # in its sequence's turn, with its state
+                future = self._in_sequence(message, inputs, timings)
+            else:
+                future = scheduler.enqueue(
+                    inputs, message.get("d"), message.get("p"), message.get("t"), timings,
+                    pump=False,
+                )  # fmt: skip
         except PlugserveError as exc:
             breaker.release()
             self._send(frame(error_message(request_id, exc)))
@@ -302,6 +306,27 @@ class Serving(asyncio.Protocol):
                 tracing.detach(token)
         self.requests[request_id] = future
         self._fresh.append((request_id, future, timings, time.perf_counter()))
+
+    def _in_sequence(
+        self, message: dict[str, Any], inputs: Mapping[str, np.ndarray], timings: dict[str, float]
+    ) -> asyncio.Future[Mapping[str, np.ndarray]]:
+        """A request of a runner that keeps sequences: a task that waits for its sequence's
+        turn (``registry/execution/sequences.py``), then joins a batch."""
+        loaded = self.loaded
+        assert loaded.sequences is not None
+        parameters = message.get("q") or {}
+        if not isinstance(parameters, dict):
+            raise InvalidInput("malformed sequence parameters")
+        scheduler, deadline, priority, tenant = (
+            loaded.scheduler, message.get("d"), message.get("p"), message.get("t")
+        )  # fmt: skip
+        return asyncio.ensure_future(
+            loaded.sequences.run(
+                inputs,
+                parameters,
+                lambda fed: scheduler.submit(fed, deadline, priority, tenant, timings),
+            )
+        )
 
     def settle(self) -> None:
         """After the pump that followed this step's reads: answer the requests its batches

@@ -98,7 +98,6 @@ RUNNER = HEAD + "[runner]\nbackend='onnxruntime'\n"
          "> 0"),
         (RUNNER + "[runner.sequence]\nmax_sequences=0\n", "runner.sequence.max_sequences",
          "integer >= 1"),
-        (RUNNER + "isolation='process'\n[runner.sequence]\n", "runner.sequence", "in the worker"),
         (RUNNER + "response_cache=true\n[runner.sequence]\n", "runner.sequence",
          "no response_cache"),
         (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='BYTES'\nshape=[1]\n",

@@ -15,6 +15,7 @@ import itertools
 import socket
 import threading
 import weakref
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -82,7 +83,8 @@ class RemoteRunner:
         return self._metadata
 
     async def infer(self, inputs: Mapping[str, np.ndarray], ctx: RequestContext) -> Any:
-        index = self._pick()
+        sequence = ctx.parameters.get("sequence_id") if ctx.parameters else None
+        index = self._pick() if sequence is None else self._owner(sequence)
         connection = await self._connection(index)
         try:
             return await connection.request(inputs, ctx)
@@ -103,6 +105,11 @@ class RemoteRunner:
                 pid=lost.pid,
                 exit=how,
             ) from None
+
+    def _owner(self, sequence_id: Any) -> int:
+        """The process that keeps a sequence's state: the same one from every worker (a
+        hash of the id that does not vary between processes, unlike ``hash``)."""
+        return zlib.crc32(repr(sequence_id).encode("utf-8", "replace")) % len(self._connections)
 
     def _pick(self) -> int:
         best, least = 0, None
@@ -261,6 +268,9 @@ class Connection(asyncio.Protocol):
             message["t"] = ctx.tenant
         if ctx.request_id:
             message["r"] = ctx.request_id
+        sequence = _sequence_fields(ctx.parameters)
+        if sequence:
+            message["q"] = sequence
         if tracing.TRACER is not None:  # the runner process's spans join this trace
             message["tp"] = tracing.inject()
         try:
@@ -397,3 +407,13 @@ def _handshake(path: Path, region: Region) -> tuple[socket.socket, Region]:
     except BaseException:
         sock.close()
         raise
+
+
+SEQUENCE_FIELDS = ("sequence_id", "sequence_start", "sequence_end")
+
+
+def _sequence_fields(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The request's sequence parameters, for a runner process that keeps sequences."""
+    if not parameters:
+        return {}
+    return {key: parameters[key] for key in SEQUENCE_FIELDS if key in parameters}

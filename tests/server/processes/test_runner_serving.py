@@ -30,6 +30,7 @@ class Loaded:
     breaker: CircuitBreaker
     label: str = LABEL
     stats: Any = None
+    sequences: Any = None  # no [runner.sequence]
     batches: list[int] = field(default_factory=list)
 
     def validate_request(self, inputs: Any) -> None:

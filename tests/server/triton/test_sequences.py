@@ -53,10 +53,20 @@ def grpc_sequence(url: str, route: str, sequence_id: int | str, xs: list[np.ndar
         client.close()
 
 
-@pytest.fixture
-def sequences(plugins_dir: Path, models_dir: Path, server: Callable[..., Any]) -> ServerProcess:
-    write_sequence_runner(plugins_dir, "acc", sequence="idle_timeout_s = 1.0\nmax_sequences = 24")
-    return server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+@pytest.fixture(params=["in-worker", "isolated"])
+def sequences(
+    request: pytest.FixtureRequest, plugins_dir: Path, models_dir: Path,
+    server: Callable[..., Any],
+) -> ServerProcess:  # fmt: skip
+    """One worker keeping the sequences, or two workers reaching one runner process that
+    keeps them (every request of a sequence reaches its state, whichever worker took it)."""
+    isolated = request.param == "isolated"
+    write_sequence_runner(
+        plugins_dir, "acc", runner='isolation = "process"' if isolated else "",
+        sequence="idle_timeout_s = 1.0\nmax_sequences = 24",
+    )  # fmt: skip
+    workers = ("--workers", "2") if isolated else ()
+    return server(*workers, "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
 
 
 def plugin_figures(srv: ServerProcess) -> dict[str, Any]:
@@ -64,6 +74,11 @@ def plugin_figures(srv: ServerProcess) -> dict[str, Any]:
     assert status == 200, body
     (record,) = [p for p in json.loads(body)["plugins"] if p["name"] == "acc"]
     return record
+
+
+def sequence_figures(srv: ServerProcess) -> dict[str, Any] | None:
+    """The runner's sequence figures; ``None`` for an isolated runner (kept in its process)."""
+    return plugin_figures(srv).get("sequences")
 
 
 def test_sixteen_concurrent_sequences_answer_as_each_alone_over_http_and_grpc(
@@ -93,8 +108,8 @@ def test_sixteen_concurrent_sequences_answer_as_each_alone_over_http_and_grpc(
     mean_batch = model["inference_count"] / model["execution_count"]
     print(f"mean batch {mean_batch:.2f} rows over {model['execution_count']} executions")
     assert mean_batch > 1.0, model  # sequences batched together
-    figures = plugin_figures(sequences)["sequences"]
-    assert figures["live"] == 0 and figures["ended"] == 3 * 16, figures
+    figures = sequence_figures(sequences)
+    assert figures is None or (figures["live"] == 0 and figures["ended"] == 3 * 16), figures
 
 
 def test_the_state_is_the_servers_to_keep(sequences: ServerProcess) -> None:
@@ -139,10 +154,34 @@ def test_max_sequences_is_a_429_and_idle_sequences_expire(sequences: ServerProce
         assert infer(sequences, {"sequence_id": f"s{i}", "sequence_start": True})[0] == 200
     status, answer = infer(sequences, {"sequence_id": "s24", "sequence_start": True})
     assert status == 429 and "max_sequences" in answer["error"], answer
-    assert plugin_figures(sequences)["sequences"]["live"] == 24
+    figures = sequence_figures(sequences)
+    assert figures is None or figures["live"] == 24, figures
     time.sleep(2.5)  # idle_timeout_s = 1: every one expires, no request needed
-    figures = plugin_figures(sequences)["sequences"]
-    assert figures["live"] == 0 and figures["expired"] == 24, figures
+    figures = sequence_figures(sequences)
+    assert figures is None or (figures["live"] == 0 and figures["expired"] == 24), figures
     status, answer = infer(sequences, {"sequence_id": "s0"})
     assert status == 400 and "idle" in answer["error"], answer
     assert infer(sequences, {"sequence_id": "s24", "sequence_start": True})[0] == 200
+
+
+def test_sequences_kept_in_one_of_several_workers_are_refused_at_load(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """Another worker's requests would miss their state: the version fails to load, with
+    the way out, and the server goes on."""
+    write_sequence_runner(plugins_dir, "acc")
+    srv = server("--workers", "2", "--plugins-dir", str(plugins_dir), "--models-dir",
+                 str(models_dir), ready=False)  # fmt: skip
+    deadline = time.monotonic() + 60
+    record: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            record = plugin_figures(srv)
+        except (OSError, ValueError, AssertionError):
+            record = {}
+        if record.get("state") == "failed":
+            break
+        time.sleep(0.2)
+    assert record.get("state") == "failed", record
+    assert 'isolation = "process"' in record["last_error"] and "--workers 1" in record["last_error"]
+    assert srv.request("GET", "/v2/health/live")[0] == 200
