@@ -85,6 +85,24 @@ class Sequences:
     def live(self) -> int:
         return len(self._live)
 
+    def holds(self, sequence_id: Any) -> bool:
+        """Whether ``sequence_id`` is running here (an unhashable id never is)."""
+        try:
+            return sequence_id in self._live
+        except TypeError:
+            return False
+
+    async def wait_ended(self, within: float) -> bool:
+        """Wait until no sequence runs here (each ends, or expires after its idle timeout);
+        ``False`` if ``within`` seconds pass first."""
+        deadline = self.clock() + within
+        while self._live:
+            if self.clock() >= deadline:
+                return False
+            await asyncio.sleep(min(0.05, self.section.idle_timeout_s))
+            self.sweep()
+        return True
+
     def describe(self) -> dict[str, Any]:
         return {
             "live": len(self._live),

@@ -48,6 +48,7 @@ from plugserve.server.dataplane.context import (
     request_context,
 )
 from plugserve.server.dataplane.outcomes import status_of
+from plugserve.server.dataplane.pins import SequencePins
 from plugserve.server.runtime.logs import REQUEST_CHAIN
 from plugserve.server.runtime.metrics import Metrics
 from plugserve.server.runtime.shutdown import Drain
@@ -131,6 +132,8 @@ class DataPlane:
         self.metrics = metrics
         self.drain = drain
         self.cache = cache
+        self.pins = SequencePins()
+        """The chain each running sequence started on (``pins.py``)."""
 
     async def infer(
         self,
@@ -202,7 +205,14 @@ class DataPlane:
         # well under 1 µs), and entered in the same step: a reload never releases an
         # instance a request is about to use. Counted in for the shutdown drain only now
         # that its body is in: a client still uploading never holds a shutdown up.
-        chain = served.chain = self.registry.routes.resolve(route, version, call.headers)
+        routes = self.registry.routes
+        if version is None and inference.parameters and "sequence_id" in inference.parameters:
+            chain = self.pins.chain(
+                route, inference.parameters, lambda: routes.resolve(route, None, call.headers)
+            )
+        else:
+            chain = routes.resolve(route, version, call.headers)
+        served.chain = chain
         drain = self.drain
         drain.enter()
         chain.enter()

@@ -25,6 +25,7 @@ from plugserve.registry.types import PluginInfo, RequestContext
 if TYPE_CHECKING:
     from plugserve.registry.execution.breaker import CircuitBreaker
     from plugserve.registry.execution.isolation.remote import RemoteRunner
+    from plugserve.registry.execution.sequences import Sequences
     from plugserve.registry.execution.stats import RunnerStats
 
 _LOADS = itertools.count(1)
@@ -155,6 +156,10 @@ class LoadedPlugin(ABC):
     def metadata(self) -> dict[str, Any] | None:
         """The component's ``metadata()`` as read at warmup: tensor specs, or ``None``."""
         return self._metadata
+
+    def live_sequences(self) -> Sequences | None:
+        """The sequences this instance keeps in this process (``[runner.sequence]``)."""
+        return None
 
     # -- in-flight accounting (no await between resolving a chain and entering it) ------
 

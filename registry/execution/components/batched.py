@@ -114,6 +114,20 @@ class BatchedRunner(Runner):
                 time.perf_counter() - started - ctx.timings.get("queue", 0.0)
             )
 
+    def live_sequences(self) -> Sequences | None:
+        return self.sequences
+
+    async def wait_idle(self, within: float) -> bool:
+        """Idle (:meth:`LoadedPlugin.wait_idle`), and, for a runner keeping sequences,
+        every sequence ended: a reload leaves a running sequence its version until it ends
+        or expires (within its idle timeout, however short ``within``)."""
+        idle = await super().wait_idle(within)
+        if not idle or self.sequences is None:
+            return idle
+        return await self.sequences.wait_ended(
+            max(within, self.sequences.section.idle_timeout_s + 1.0)
+        )
+
     async def close(self, within: float) -> None:
         self.scheduler.close()
         if self.sequences is not None:

@@ -185,3 +185,53 @@ def test_sequences_kept_in_one_of_several_workers_are_refused_at_load(
     assert record.get("state") == "failed", record
     assert 'isolation = "process"' in record["last_error"] and "--workers 1" in record["last_error"]
     assert srv.request("GET", "/v2/health/live")[0] == 200
+
+
+def step(srv: ServerProcess, parameters: dict[str, Any], x: float) -> tuple[str, list[float]]:
+    """One request of a sequence: the version that served it, and its answer."""
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [x] * 4}],
+            "parameters": parameters}  # fmt: skip
+    status, headers, raw = srv.request("POST", "/v2/models/acc/infer", body)
+    assert status == 200, raw
+    return headers["X-Plugserve-Variant"], json.loads(raw)["outputs"][0]["data"]
+
+
+def test_a_new_version_or_a_reload_mid_sequence_moves_new_sequences_only(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """A running sequence keeps the instance it started on, its state intact: past a new
+    version taking the route, and past a reload of its own version's files (the old
+    instance drains until its sequence ends). New sequences start on what serves now."""
+    folder = write_sequence_runner(plugins_dir, "acc", "1.0.0", sequence="idle_timeout_s = 30")
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    assert step(srv, {"sequence_id": "a", "sequence_start": True}, 1.0) == ("acc@1.0.0", [1.0] * 4)
+    assert step(srv, {"sequence_id": "a"}, 1.0) == ("acc@1.0.0", [2.0] * 4)
+    write_sequence_runner(plugins_dir, "acc", "2.0.0", sequence="idle_timeout_s = 30")
+    deadline = time.monotonic() + 30
+    while step(srv, {"sequence_id": "b", "sequence_start": True}, 5.0)[0] != "acc@2.0.0":
+        assert time.monotonic() < deadline, "2.0.0 never took the route"
+        time.sleep(0.1)
+    assert step(srv, {"sequence_id": "a"}, 1.0) == ("acc@1.0.0", [3.0] * 4)
+    assert step(srv, {"sequence_id": "b"}, 5.0) == ("acc@2.0.0", [10.0] * 4)
+    # A reload of 2.0.0's files: "b" goes on in the instance it started on.
+    loaded_at = plugin_record(srv, "2.0.0")["loaded_at"]
+    manifest = folder.parent / "2.0.0" / "plugin.toml"
+    manifest.write_text(manifest.read_text() + "\n# edited\n")
+    deadline = time.monotonic() + 30
+    while plugin_record(srv, "2.0.0")["loaded_at"] == loaded_at:
+        assert time.monotonic() < deadline, "2.0.0 was never reloaded"
+        time.sleep(0.1)
+    assert step(srv, {"sequence_id": "b"}, 5.0) == ("acc@2.0.0", [15.0] * 4)
+    assert step(srv, {"sequence_id": "a"}, 1.0) == ("acc@1.0.0", [4.0] * 4)
+    assert step(srv, {"sequence_id": "b", "sequence_end": True}, 5.0) == ("acc@2.0.0", [20.0] * 4)
+    assert step(srv, {"sequence_id": "a", "sequence_end": True}, 1.0) == ("acc@1.0.0", [5.0] * 4)
+    # Started anew, each takes the route's version now, in its new instance.
+    assert step(srv, {"sequence_id": "a", "sequence_start": True}, 1.0) == ("acc@2.0.0", [1.0] * 4)
+    assert step(srv, {"sequence_id": "a"}, 1.0) == ("acc@2.0.0", [2.0] * 4)
+
+
+def plugin_record(srv: ServerProcess, version: str) -> dict[str, Any]:
+    status, _, body = srv.request("GET", "/admin/plugins")
+    assert status == 200, body
+    (record,) = [p for p in json.loads(body)["plugins"] if p["version"] == version]
+    return record
