@@ -12,7 +12,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,6 +123,17 @@ def _parser() -> argparse.ArgumentParser:
     new.add_argument("name", help="[a-z0-9][a-z0-9_-]{0,63}")
     new.add_argument("--version", default="1.0.0", dest="package_version")
     new.add_argument("--dir", type=Path, default=Path("plugins"), help="default: ./plugins")
+    new.add_argument(
+        "--backend",
+        choices=["python", "onnxruntime"],
+        default="python",
+        help="a runner's: a Python module (default), or a manifest-only ONNX Runtime runner",
+    )
+    new.add_argument(
+        "--model",
+        help="with --backend onnxruntime: the model, models:NAME[/VERSION[/FILE]]",
+    )
+    new.add_argument("--models-dir", type=Path, default=Path("models"), help="default: ./models")
 
     doctor = commands.add_parser(
         "doctor",
@@ -314,10 +325,15 @@ def _event_loop(choice: str) -> asyncio.AbstractEventLoop:
 
 def _new(args: argparse.Namespace) -> int:
     """``plugserve new``: 0 with the package written, 1 when its folder exists already."""
-    from plugserve.server.commands.scaffold import write_package
+    from plugserve.server.commands.scaffold import onnx_runner_files, write_package
 
+    files = None
+    if args.backend == "onnxruntime":
+        files = _onnx_files(args, onnx_runner_files)
+    elif args.model is not None:
+        raise ConfigError("--model takes --backend onnxruntime")
     try:
-        folder = write_package(args.type, args.name, args.package_version, args.dir)
+        folder = write_package(args.type, args.name, args.package_version, args.dir, files)
     except FileExistsError as exc:
         print(f"plugserve: {exc}: not overwritten", file=sys.stderr)
         return 1
@@ -325,9 +341,34 @@ def _new(args: argparse.Namespace) -> int:
         print(f"plugserve: cannot write the package under {args.dir}: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {folder}")
-    print(f"  check it:  plugserve validate {folder}")
-    print(f"  test it:   pytest {folder / 'test_plugin.py'}")
+    print(f"  check it:  plugserve validate {folder} --models-dir {args.models_dir}")
+    if files is None:
+        print(f"  test it:   pytest {folder / 'test_plugin.py'}")
     return 0
+
+
+def _onnx_files(
+    args: argparse.Namespace, make: Callable[[str, str, str, Path], dict[str, str]]
+) -> dict[str, str]:
+    """The files of a manifest-only ONNX runner: its model resolved where the server will
+    resolve it (``models:`` in ``--models-dir``; a plain path in the package)."""
+    from plugserve.registry.models import MODELS_SCHEME, resolve_model
+
+    if args.type != "runner":
+        raise ConfigError("--backend takes a runner")
+    if args.model is None:
+        raise ConfigError("--backend onnxruntime needs --model (models:NAME[/VERSION[/FILE]])")
+    if not args.model.startswith(MODELS_SCHEME):
+        raise ConfigError(
+            f"--model {args.model!r}: name a model in the models folder, models:NAME[/VERSION"
+            "[/FILE]] (a file inside the package: write the package, copy the file in, set "
+            "[runner] model)"
+        )
+    try:
+        path = resolve_model(args.model, Path("."), args.models_dir, "model.onnx")
+    except PlugserveError as exc:
+        raise ConfigError(f"--model: {exc.message}") from None
+    return make(args.name, args.package_version, args.model, path)
 
 
 def _validate(args: argparse.Namespace) -> int:

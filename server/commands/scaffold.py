@@ -212,8 +212,74 @@ def package_files(kind: str, name: str, version: str) -> dict[str, str]:
     }
 
 
-def write_package(kind: str, name: str, version: str, plugins_dir: Path) -> Path:
-    """Write ``<plugins_dir>/<kind>/<name>/<version>/``; the folder it wrote.
+ONNX_RUNNER_MANIFEST = """\
+[plugin]
+name = "{name}"
+version = "{version}"
+type = "runner"
+description = "TODO: say what {name} computes"
+
+[runner]                    # no module: the onnxruntime backend serves the model as it is
+backend = "onnxruntime"
+model = "{model}"
+max_batch_size = {max_batch_size}          # {batching}
+max_queue_delay_ms = 1.0    # how long a batch waits to fill
+
+# The model's tensors, as read from {model_file} (the server reads them itself at
+# load, checks requests against them and shows them as the route's metadata):
+{tensors}
+[route]                     # served at /predict/{name} and /v2/models/{name}/infer
+name = "{name}"
+# preprocess = ["scale"]    # stages from <plugins>/preprocessor, in order (name or name@1.2.3)
+# postprocess = ["label"]   # stages from <plugins>/postprocessor
+"""
+
+
+def onnx_runner_files(name: str, version: str, model: str, model_file: Path) -> dict[str, str]:
+    """The manifest of a runner served by the onnxruntime backend from ``model`` (as the
+    manifest names it: ``models:...`` or a path in the package), its tensors read from
+    ``model_file``. Batching is on when every tensor's first axis is dynamic."""
+    from plugserve.registry.backends.onnxruntime import ONNX_TO_V2
+
+    try:
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(str(model_file), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # the model's or the install's fault, said as is
+        raise ConfigError(f"{model_file}: ONNX Runtime cannot load it: {exc}") from None
+    lines, batchable = [], True
+    for kind, tensors in (("input", session.get_inputs()), ("output", session.get_outputs())):
+        for tensor in tensors:
+            dims = [d if isinstance(d, int) and d >= 0 else -1 for d in tensor.shape]
+            datatype = ONNX_TO_V2.get(tensor.type, tensor.type)
+            lines.append(f"#   {kind:<6} {tensor.name} {datatype} {dims}")
+            batchable = batchable and bool(dims) and dims[0] == -1
+    batching = (
+        "rows batched into one run (the first axis is dynamic)"
+        if batchable
+        else "0: a fixed first axis cannot batch"
+    )
+    manifest = ONNX_RUNNER_MANIFEST.format(
+        name=name,
+        version=version,
+        model=model,
+        model_file=model_file.name,
+        max_batch_size=8 if batchable else 0,
+        batching=batching,
+        tensors="\n".join(lines) + "\n",
+    )
+    return {"plugin.toml": manifest}
+
+
+def write_package(
+    kind: str,
+    name: str,
+    version: str,
+    plugins_dir: Path,
+    files: dict[str, str] | None = None,
+) -> Path:
+    """Write ``<plugins_dir>/<kind>/<name>/<version>/``; the folder it wrote. ``files``:
+    the package's files (by default :func:`package_files`').
 
     Written under a hidden name first and then renamed, so a server watching
     ``plugins_dir`` sees the whole package at once. Raises
@@ -233,7 +299,8 @@ def write_package(kind: str, name: str, version: str, plugins_dir: Path) -> Path
     staging = parent / f".{version}.tmp"
     staging.mkdir(parents=True, exist_ok=False)
     try:
-        for relative, text in package_files(kind, name, version).items():
+        chosen = files if files is not None else package_files(kind, name, version)
+        for relative, text in chosen.items():
             (staging / relative).write_text(text, encoding="utf-8")
         staging.rename(folder)
     except BaseException:

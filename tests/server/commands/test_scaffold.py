@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, add_model
 from tests.server.test_cli import plugserve
 
 pytestmark = pytest.mark.slow
@@ -76,3 +76,45 @@ def test_new_never_overwrites_and_refuses_bad_names(tmp_path: Path) -> None:
     result = plugserve("new", "runner", "ok", "--dir", "afile", cwd=tmp_path)
     assert result.returncode == 2 and "cannot write the package" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_new_onnx_runner_is_a_manifest_with_the_models_tensors_that_serves(
+    tmp_path: Path, server: Callable[..., ServerProcess]
+) -> None:
+    add_model(tmp_path / "models/adder/2/model.onnx", amount=1.0)
+    runner = new(tmp_path, "runner", "adder", "--backend", "onnxruntime", "--model", "models:adder")
+    assert sorted(p.name for p in runner.iterdir()) == ["plugin.toml"]  # no module
+    text = (runner / "plugin.toml").read_text()
+    assert 'backend = "onnxruntime"' in text and 'model = "models:adder"' in text
+    assert "#   input  x FP32 [-1, 4]" in text and "#   output y FP32 [-1, 4]" in text
+    assert "max_batch_size = 8" in text  # the first axis is dynamic: it batches
+    result = plugserve("validate", str(runner), "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout
+    srv = server("--plugins-dir", str(tmp_path / "plugins"), "--models-dir",
+                 str(tmp_path / "models"))  # fmt: skip
+    v2 = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    status, _, body = srv.request("POST", "/v2/models/adder/infer", v2)
+    assert status == 200, body
+    assert json.loads(body)["outputs"][0]["data"] == [2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--backend", "onnxruntime"), "needs --model"),
+        (("--backend", "onnxruntime", "--model", "models:nope"), "no versions of model 'nope'"),
+        (("--backend", "onnxruntime", "--model", "model.onnx"), "name a model in the models"),
+        (("--model", "models:adder"), "--model takes --backend onnxruntime"),
+        (("--backend", "onnxruntime", "--model", "models:broken"), "ONNX Runtime cannot load it"),
+    ],
+)
+def test_new_onnx_runner_refuses_what_it_cannot_read(
+    tmp_path: Path, args: tuple[str, ...], message: str
+) -> None:
+    add_model(tmp_path / "models/adder/1/model.onnx")
+    (tmp_path / "models/broken/1").mkdir(parents=True)
+    (tmp_path / "models/broken/1/model.onnx").write_bytes(b"not a model")
+    result = plugserve("new", "runner", "r", *args, cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "plugins").exists()
