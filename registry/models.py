@@ -97,3 +97,20 @@ def _model_file(spec: str, folder: Path, name: str | None) -> Path:
     if len(files) != 1:
         raise PluginLoadError(f"{spec}: name the file, {folder} holds {len(files)} files")
     return files[0]
+
+
+def onnx_metadata(path: Path) -> dict[str, str]:
+    """The custom metadata an ONNX model file carries (its ``metadata_props``: a character
+    list, labels, a preprocessing recipe), read with ONNX Runtime on the CPU, its graph
+    not optimized. Raises :class:`PluginLoadError` for a file it cannot read."""
+    try:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        session = ort.InferenceSession(
+            str(path), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+        return dict(session.get_modelmeta().custom_metadata_map)
+    except Exception as exc:  # the file's fault (or the install's), said as is
+        raise PluginLoadError(f"{path}: ONNX Runtime cannot read its metadata: {exc}") from None

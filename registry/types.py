@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from structlog.typing import FilteringBoundLogger
 
-from plugserve.registry.errors import InvalidInput
+from plugserve.registry.errors import InvalidInput, PluginLoadError
 from plugserve.registry.refs import PluginType
 
 
@@ -54,6 +54,24 @@ class PluginInfo:
         from plugserve.registry.models import resolve_model
 
         return resolve_model(spec, self.path, self.models_dir or self.path, None)
+
+    def model_metadata(self, spec: str | None = None) -> dict[str, str]:
+        """The custom metadata of an ONNX model (its ``metadata_props``: an OCR model's
+        character list, labels, a preprocessing recipe): the model ``spec`` names, as
+        :meth:`resolve` names a file, else this runner's own ``[runner] model``. Each call
+        loads the model once with ONNX Runtime on the CPU: read it when the component is
+        created, not per request. Raises :class:`PluginLoadError` when there is no such
+        model or it cannot be read."""
+        from plugserve.registry.models import onnx_metadata
+
+        if spec is not None:
+            return onnx_metadata(self.resolve(spec))
+        if self.model is None:
+            raise PluginLoadError(
+                f"{self.label}: no [runner] model of its own: name the model "
+                "(plugin.model_metadata('models:<name>/<version>/<file>'))"
+            )
+        return onnx_metadata(self.model)
 
 
 @dataclass

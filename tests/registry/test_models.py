@@ -63,3 +63,32 @@ def test_model_ref_parse() -> None:
     assert ModelRef.parse("models:m/3/f.onnx") == ModelRef("m", "3", "f.onnx")
     with pytest.raises(ValueError):
         ModelRef.parse("m")
+
+
+def test_a_plugin_reads_the_custom_metadata_of_a_model(models_dir: Path, tmp_path: Path) -> None:
+    """An OCR recognizer's character list lives in its model: a processor reads it by
+    the model's name, a runner of its own ``[runner] model``."""
+    import onnx
+    import structlog
+
+    from plugserve.registry.types import PluginInfo
+    from tests.helpers import add_model
+
+    path = add_model(models_dir / "rec" / "1" / "model.onnx")
+    model = onnx.load(str(path))
+    onnx.helper.set_model_props(model, {"character": "abc\ndé", "mean": "0.5"})
+    onnx.save(model, str(path))
+    plugin = PluginInfo("post", "1.0.0", "postprocessor", tmp_path, structlog.get_logger(),
+                        models_dir=models_dir)  # fmt: skip
+    assert plugin.model_metadata("models:rec") == {"character": "abc\ndé", "mean": "0.5"}
+    runner = PluginInfo("rec", "1.0.0", "runner", tmp_path, structlog.get_logger(), model=path)
+    assert runner.model_metadata() == {"character": "abc\ndé", "mean": "0.5"}
+    plain = add_model(models_dir / "plain" / "1" / "model.onnx")
+    assert plugin.model_metadata("models:plain/1/model.onnx") == {}
+    with pytest.raises(PluginLoadError, match="no \\[runner\\] model of its own"):
+        plugin.model_metadata()
+    with pytest.raises(PluginLoadError, match="no versions of model 'nope'"):
+        plugin.model_metadata("models:nope")
+    plain.write_bytes(b"not a model")
+    with pytest.raises(PluginLoadError, match="cannot read its metadata"):
+        plugin.model_metadata("models:plain")
