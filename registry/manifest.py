@@ -22,7 +22,7 @@ from plugserve.registry.versions import Version
 
 MANIFEST_NAME = "plugin.toml"
 
-_PLUGIN_KEYS = {"name", "version", "type", "module", "description"}
+_PLUGIN_KEYS = {"name", "version", "type", "module", "description", "requires"}
 _ROUTE_KEYS = {"name", "preprocess", "postprocess", "rate_limit", "openai"}
 _TABLES = {"plugin", "config", "runner", "route"}
 RUNNER_KEYS = frozenset(
@@ -164,6 +164,9 @@ class Manifest:
     module: str | None = None
     description: str = ""
     config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    requires: tuple[str, ...] = ()
+    """``[plugin] requires``: the Python packages the plugin needs (PEP 508 requirements),
+    checked against the server's environment at load."""
     runner: RunnerSection | None = None
     route: RouteSection = field(default_factory=RouteSection)
 
@@ -273,6 +276,7 @@ def _parse(raw: Mapping[str, Any], folder: Path, p: _Fields, check_layout: bool)
         version=version,
         module=module,
         description=p.string(plugin, "plugin.description", multiline=True) or "",
+        requires=_requires(p, plugin),
         config=MappingProxyType(dict(p.table(raw, "config"))),
         runner=runner,
         route=_route_section(p, raw) if kind == "runner" else RouteSection(),
@@ -333,6 +337,19 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         sequence=_sequence(p, table),
         table=MappingProxyType(dict(table)),
     )
+
+
+def _requires(p: _Fields, plugin: Mapping[str, Any]) -> tuple[str, ...]:
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    texts = p.string_list(plugin, "plugin.requires")
+    for text in texts:
+        try:
+            Requirement(text)
+        except InvalidRequirement as exc:
+            raise ManifestError(p.path, f"{text!r} is not a requirement: {exc}",
+                                "plugin.requires") from None  # fmt: skip
+    return tuple(texts)
 
 
 def _sequence(p: _Fields, runner: Mapping[str, Any]) -> SequenceSection | None:

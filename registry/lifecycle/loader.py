@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import importlib.metadata
 import inspect
 import itertools
+import shlex
 import threading
 import time
 from collections.abc import Mapping
@@ -108,6 +110,7 @@ class Loader:
         """
         await asyncio.to_thread(self.roots(folder).check_tree, folder)
         manifest = load_manifest(folder, overrides, self.check_layout)
+        check_requirements(manifest)
         await asyncio.to_thread(verify_checksums, folder, self.fingerprinter, manifest.label)
         if manifest.runner is not None and manifest.runner.isolated:
             if overrides:
@@ -296,6 +299,35 @@ class Loader:
         if package is not None:
             self.host.unregister(package)
             forget(package)
+
+
+def check_requirements(manifest: Manifest) -> None:
+    """:class:`PluginLoadError` listing every ``[plugin] requires`` entry the server's
+    environment lacks (not installed, or another version), with the pip command that
+    installs them; an entry whose marker does not apply here is skipped."""
+    if not manifest.requires:
+        return
+    from packaging.requirements import Requirement
+
+    missing = []
+    for text in manifest.requires:
+        wanted = Requirement(text)
+        if wanted.marker is not None and not wanted.marker.evaluate():
+            continue
+        try:
+            have = importlib.metadata.version(wanted.name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append((text, "not installed"))
+            continue
+        if wanted.specifier and not wanted.specifier.contains(have, prereleases=True):
+            missing.append((text, f"{have} installed"))
+    if missing:
+        listed = "; ".join(f"{text} ({why})" for text, why in missing)
+        command = " ".join(shlex.quote(text) for text, _ in missing)
+        raise PluginLoadError(
+            f"{manifest.label} requires what the server's environment lacks: {listed}. "
+            f"Install it where plugserve runs: pip install {command}"
+        )
 
 
 def kind_of(manifest: Manifest, component: Any) -> type[LoadedPlugin]:

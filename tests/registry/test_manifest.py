@@ -93,6 +93,10 @@ RUNNER = HEAD + "[runner]\nbackend='onnxruntime'\n"
         (RUNNER + "isolation='process'\ndevice='cuda:\u0661'\n", "runner.device", "such as"),
         (RUNNER + "isolation='process'\ndevices=['cuda:0', 'cuda:1']\n", "runner.devices",
          "2 devices for 1 instance"),
+        ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\nrequires=['numpy >>> 1']\n"
+         "[runner]\nbackend='onnxruntime'\n", "plugin.requires", "is not a requirement"),
+        ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\nrequires='numpy'\n"
+         "[runner]\nbackend='onnxruntime'\n", "plugin.requires", "must be a list"),
         (RUNNER + "[runner.sequence]\nidle_timeout=1\n", "runner.sequence", "unknown key"),
         (RUNNER + "[runner.sequence]\nidle_timeout_s=0\n", "runner.sequence.idle_timeout_s",
          "> 0"),

@@ -152,3 +152,31 @@ def test_what_a_package_prints_leaves_the_json_report_whole(tmp_path: Path) -> N
     report = json.loads(result.stdout)  # one object, whatever the package printed
     assert report["outcome"] == "valid", report
     assert "HELLO" in result.stderr
+
+
+def test_requirements_the_environment_lacks_are_listed_with_their_pip_command(
+    tmp_path: Path,
+) -> None:
+    """``[plugin] requires``: what is not installed, or not in the version asked for, is
+    named at load (and so by validate and the server's last_error), with the command."""
+    folder = staged_iris(tmp_path)
+    manifest = folder / "plugin.toml"
+    requires = ('requires = ["numpy>=1", "numpy<1", "plugserve-no-such-package>=2", '
+                "\"pywin32; sys_platform == 'win32'\"]\n")  # fmt: skip
+    manifest.write_text(manifest.read_text().replace("[runner]", requires + "\n[runner]", 1))
+    result = plugserve("validate", "build/iris-2.0.0", "--models-dir", str(ROOT / "models"),
+                       "--json", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    (problem,) = json.loads(result.stdout)["problems"]
+    assert "numpy<1 (" in problem and "installed)" in problem
+    assert "plugserve-no-such-package>=2 (not installed)" in problem
+    assert "pywin32" not in problem and "numpy>=1" not in problem  # met, or not for here
+    assert "pip install 'numpy<1' 'plugserve-no-such-package>=2'" in problem
+    manifest.write_text(manifest.read_text().replace('"numpy<1", ', "").replace(
+        '"plugserve-no-such-package>=2", ', ""))  # fmt: skip
+    result = plugserve("validate", "build/iris-2.0.0", "--models-dir", str(ROOT / "models"),
+                       "--json", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout
+    manifest.write_text(manifest.read_text().replace('"numpy>=1"', '"numpy >>> 1"'))
+    result = plugserve("validate", "build/iris-2.0.0", "--json", cwd=tmp_path)
+    assert result.returncode == 1 and "is not a requirement" in result.stdout, result.stdout
