@@ -194,7 +194,8 @@ class Sequences:
                     self.label,
                     ValueError(f"state output {spec.output!r} is {shape}; the state is {want}"),
                 )
-            state[spec.input] = np.ascontiguousarray(value, dtype=V2_TO_NUMPY[spec.datatype])
+            # A copy: the output is a view of its whole batch's, which it would keep alive.
+            state[spec.input] = np.array(value, dtype=V2_TO_NUMPY[spec.datatype], copy=True)
         return state, answer
 
     def _end(self, sequence_id: SequenceId, sequence: Sequence) -> None:
