@@ -43,9 +43,9 @@ async def send(
     encode: Callable[[Any], bytes],
     fail: Callable[[PlugserveError], bytes],
     last: bytes = b"",
-    nothing: bytes = b"",
+    nothing: Callable[[], bytes] | None = None,
 ) -> web.StreamResponse:
-    """Send ``encode(response)`` for each of ``responses`` as it comes (``nothing`` when
+    """Send ``encode(response)`` for each of ``responses`` as it comes (``nothing()`` when
     there was none), then ``last``.
 
     The request's deadline bounds the whole stream. The caller closes ``responses``.
@@ -68,8 +68,8 @@ async def send(
                 await answer.write(encode(first))
                 async for response in responses:
                     await answer.write(encode(response))
-            elif nothing:
-                await answer.write(nothing)
+            elif nothing is not None:
+                await answer.write(nothing())
         await answer.write(last)
     except TimeoutError:
         passed = late(deadline_s)

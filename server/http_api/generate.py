@@ -74,7 +74,7 @@ async def _generate(request: web.Request, stream: bool) -> web.StreamResponse:
                 responses,
                 lambda response: _encoded(chain, sse.event, {**head, **fields(response)}),
                 _error_event,
-                nothing=_encoded(chain, sse.event, {**head, **none_sent(chain)}),
+                nothing=lambda: _encoded(chain, sse.event, {**head, **none_sent(chain)}),
             )
 
     match = request.match_info
