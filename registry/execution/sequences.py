@@ -33,6 +33,10 @@ SequenceId = int | str
 MAX_ID_CHARS = 256
 
 
+SEQUENCE_FIELDS = ("sequence_id", "sequence_start", "sequence_end")
+"""The request parameters that place a request in its sequence."""
+
+
 def sequence_of(parameters: Mapping[str, Any]) -> tuple[SequenceId | None, bool, bool]:
     """A request's ``sequence_id`` (``None`` when absent or 0, as Triton reads it),
     ``sequence_start`` and ``sequence_end``; a 400 for values of the wrong type."""
@@ -75,7 +79,6 @@ class Sequences:
         self.label = label
         self.clock = clock
         self._live: dict[SequenceId, Sequence] = {}
-        self._swept = clock()
         self._timer: asyncio.TimerHandle | None = None
         self.started = 0
         self.ended = 0
@@ -100,7 +103,7 @@ class Sequences:
             if self.clock() >= deadline:
                 return False
             await asyncio.sleep(min(0.05, self.section.idle_timeout_s))
-            self.sweep()
+            self.sweep()  # an expiry here need not wait for the timer's next round
         return True
 
     def describe(self) -> dict[str, Any]:
@@ -132,8 +135,11 @@ class Sequences:
             )
         if _rows(inputs) != 1:
             raise InvalidInput(f"a request of a sequence holds one row (runner {self.label})")
-        self.sweep()
         sequence = self._live.get(sequence_id)
+        if sequence is not None and self._idle(sequence, self.clock()):
+            self._end(sequence_id, sequence)  # expired, and not yet swept
+            self.expired += 1
+            sequence = None
         fresh = sequence is None
         if sequence is None:
             if not start:
@@ -142,6 +148,8 @@ class Sequences:
                     "first request sets sequence_start (or it ended, or it was idle for "
                     f"over {self.section.idle_timeout_s:g} s)"
                 )
+            if len(self._live) >= self.section.max_sequences:
+                self.sweep()  # room held by sequences that have expired meanwhile
             if len(self._live) >= self.section.max_sequences:
                 raise TooManyRequests(
                     f"runner {self.label} has {len(self._live)} sequences running, its "
@@ -178,7 +186,6 @@ class Sequences:
 
     def _on_timer(self) -> None:
         self._timer = None
-        self._swept = float("-inf")
         self.sweep()
         self._arm()
 
@@ -203,15 +210,16 @@ class Sequences:
         if self._live.get(sequence_id) is sequence:
             del self._live[sequence_id]
 
+    def _idle(self, sequence: Sequence, now: float) -> bool:
+        return not sequence.users and now - sequence.last > self.section.idle_timeout_s
+
     def sweep(self) -> None:
-        """End the sequences idle for over ``idle_timeout_s`` (at most once a second)."""
+        """End the sequences idle for over ``idle_timeout_s``: on a timer while sequences
+        run (:meth:`_arm`), and when a start finds no room; a request finds its own
+        sequence expired without a sweep."""
         now = self.clock()
-        if now - self._swept < min(1.0, self.section.idle_timeout_s):
-            return
-        self._swept = now
-        limit = now - self.section.idle_timeout_s
         for sequence_id, sequence in list(self._live.items()):
-            if sequence.last < limit and not sequence.users:
+            if self._idle(sequence, now):
                 self._end(sequence_id, sequence)
                 self.expired += 1
 

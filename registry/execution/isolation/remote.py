@@ -35,6 +35,7 @@ from plugserve.registry.execution.isolation.wire import (
     get_tensors,
     put_tensors,
 )
+from plugserve.registry.execution.sequences import SEQUENCE_FIELDS
 from plugserve.registry.execution.stats import RunnerStats
 
 if TYPE_CHECKING:
@@ -407,9 +408,6 @@ def _handshake(path: Path, region: Region) -> tuple[socket.socket, Region]:
     except BaseException:
         sock.close()
         raise
-
-
-SEQUENCE_FIELDS = ("sequence_id", "sequence_start", "sequence_end")
 
 
 def _sequence_fields(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
