@@ -6,6 +6,7 @@ API or the log knows what to fix.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+import numpy as np
 
 from plugserve.registry import checks
 from plugserve.registry.errors import ManifestError
@@ -72,6 +75,8 @@ SEQUENCE_KEYS = frozenset({"idle_timeout_s", "max_sequences", "state"})
 STATE_KEYS = frozenset({"input", "output", "datatype", "shape", "initial"})
 MAX_SEQUENCES = 1_000_000
 MAX_IDLE_S = 7 * 86_400.0
+MAX_STATE_ELEMENTS = 1 << 24
+"""Elements of one sequence's state tensor at most (64 MiB of FP32)."""
 
 
 @dataclass(frozen=True)
@@ -389,15 +394,31 @@ def _state(p: _Fields, raw: Any, where: str) -> StateSpec:
     shape = table.get("shape")
     if not isinstance(shape, list) or len(shape) > 16:
         raise ManifestError(p.path, "must be a list of at most 16 dimensions", f"{where}.shape")
-    dims = tuple(checks.integer(d, f"{where}.shape", low=1, high=1 << 24) for d in shape)
-    initial = table.get("initial", 0.0)
+    dims = tuple(checks.integer(d, f"{where}.shape", low=1, high=MAX_STATE_ELEMENTS) for d in shape)
+    if math.prod(dims) > MAX_STATE_ELEMENTS:
+        raise ManifestError(p.path, f"holds {math.prod(dims)} elements a sequence; at most "
+                            f"{MAX_STATE_ELEMENTS}", f"{where}.shape")  # fmt: skip
+    initial = checks.number(table.get("initial", 0.0), f"{where}.initial", low=-checks.MAX_NUMBER)
+    if not _holds(datatype, initial):
+        raise ManifestError(p.path, f"{initial:g} is not a {datatype} value", f"{where}.initial")
     return StateSpec(
         input=p.required_string(table, f"{where}.input"),
         output=p.required_string(table, f"{where}.output"),
         datatype=datatype,
         shape=dims,
-        initial=checks.number(initial, f"{where}.initial", low=-checks.MAX_NUMBER),
+        initial=initial,
     )
+
+
+def _holds(datatype: str, value: float) -> bool:
+    """Whether ``value`` is one of ``datatype``'s: exactly for integers and booleans,
+    within range for floats (which round to their nearest)."""
+    dtype = np.dtype("bool" if datatype == "BOOL" else datatype.lower().replace("fp", "float"))
+    with np.errstate(all="ignore"):
+        cast = np.array(value).astype(dtype)
+    if dtype.kind == "f":
+        return bool(np.isfinite(cast))
+    return float(cast) == value
 
 
 STATE_DATATYPES = ("BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32",

@@ -108,6 +108,16 @@ RUNNER = HEAD + "[runner]\nbackend='onnxruntime'\n"
          "runner.sequence.state[0].datatype", "one of BOOL"),
         (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='FP32'\nshape=[0]\n",
          "runner.sequence.state[0].shape", "integer >= 1"),
+        (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='FP32'\n"
+         "shape=[16777216, 16777216]\n", "runner.sequence.state[0].shape", "at most 16777216"),
+        (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='UINT8'\n"
+         "shape=[4]\ninitial=-1\n", "runner.sequence.state[0].initial", "not a UINT8 value"),
+        (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='INT32'\n"
+         "shape=[4]\ninitial=1.5\n", "runner.sequence.state[0].initial", "not a INT32 value"),
+        (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='FP16'\n"
+         "shape=[4]\ninitial=1e10\n", "runner.sequence.state[0].initial", "not a FP16 value"),
+        (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='BOOL'\n"
+         "shape=[4]\ninitial=2\n", "runner.sequence.state[0].initial", "not a BOOL value"),
         (RUNNER + "[[runner.sequence.state]]\noutput='t'\ndatatype='FP32'\nshape=[1]\n",
          "runner.sequence.state[0].input", "is required"),
         (RUNNER + "[[runner.sequence.state]]\ninput='s'\noutput='t'\ndatatype='FP32'\nshape=[1]\n"
