@@ -23,34 +23,22 @@ def chunks(seed: int, count: int = STEPS) -> list[np.ndarray]:
     return [rng.standard_normal((1, 4)).astype(np.float32) for _ in range(count)]
 
 
-def http_sequence(url: str, route: str, sequence_id: int | str, xs: list[np.ndarray]) -> list:
-    client = httpclient.InferenceServerClient(url=url)
+def send_sequence(
+    client: Any, url: str, route: str, sequence_id: int | str, xs: list[np.ndarray]
+) -> list:
+    """``xs`` as one sequence through ``client`` (tritonclient's ``http`` or ``grpc``)."""
+    connection = client.InferenceServerClient(url=url)
     try:
         answers = []
         for i, x in enumerate(xs):
-            data = httpclient.InferInput("x", [1, 4], "FP32")
-            data.set_data_from_numpy(x, binary_data=True)
-            result = client.infer(route, [data], sequence_id=sequence_id,
-                                  sequence_start=i == 0, sequence_end=i == len(xs) - 1)  # fmt: skip
-            answers.append(result.as_numpy("y"))
-        return answers
-    finally:
-        client.close()
-
-
-def grpc_sequence(url: str, route: str, sequence_id: int | str, xs: list[np.ndarray]) -> list:
-    client = grpcclient.InferenceServerClient(url=url)
-    try:
-        answers = []
-        for i, x in enumerate(xs):
-            data = grpcclient.InferInput("x", [1, 4], "FP32")
+            data = client.InferInput("x", [1, 4], "FP32")
             data.set_data_from_numpy(x)
-            result = client.infer(route, [data], sequence_id=sequence_id,
-                                  sequence_start=i == 0, sequence_end=i == len(xs) - 1)  # fmt: skip
+            result = connection.infer(route, [data], sequence_id=sequence_id,
+                                      sequence_start=i == 0, sequence_end=i == len(xs) - 1)  # fmt: skip
             answers.append(result.as_numpy("y"))
         return answers
     finally:
-        client.close()
+        connection.close()
 
 
 @pytest.fixture(params=["in-worker", "isolated"])
@@ -89,19 +77,21 @@ def test_sixteen_concurrent_sequences_answer_as_each_alone_over_http_and_grpc(
     batch together."""
     http_url = f"127.0.0.1:{sequences.port}"
     inputs = {i: chunks(i) for i in range(16)}
-    alone = {i: http_sequence(http_url, "acc", 1000 + i, xs) for i, xs in inputs.items()}
+    alone = {i: send_sequence(httpclient, http_url, "acc", 1000 + i, xs)
+             for i, xs in inputs.items()}  # fmt: skip
     for i, xs in inputs.items():
         expected = np.cumsum(np.concatenate(xs), axis=0, dtype=np.float32)
         np.testing.assert_allclose(np.concatenate(alone[i]), expected, rtol=1e-6)
-    for send, url in ((http_sequence, http_url), (grpc_sequence, sequences.grpc_url)):
+    for client, url in ((httpclient, http_url), (grpcclient, sequences.grpc_url)):
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             # Integer ids and string ids, as tritonclient sends both.
             ids = {i: (i + 1 if i % 2 else f"stream-{i}") for i in inputs}
-            futures = {i: pool.submit(send, url, "acc", ids[i], xs) for i, xs in inputs.items()}
+            futures = {i: pool.submit(send_sequence, client, url, "acc", ids[i], xs)
+                       for i, xs in inputs.items()}  # fmt: skip
             together = {i: f.result() for i, f in futures.items()}
         for i in inputs:
             for got, want in zip(together[i], alone[i], strict=True):
-                assert got.tobytes() == want.tobytes(), (send.__name__, i)
+                assert got.tobytes() == want.tobytes(), (client.__name__, i)
     stats = json.loads(sequences.request("GET", "/v2/models/acc/stats")[2])
     model = stats["model_stats"][0]
     assert model["inference_count"] == 3 * 16 * STEPS
