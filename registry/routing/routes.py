@@ -274,13 +274,19 @@ class RouteEntry:
             return self.default.runner.manifest.route.rate_limit
         return None
 
-    def chain(self, version: str | None, headers: Mapping[str, str] | None = None) -> Chain:
+    def chain(
+        self,
+        version: str | None,
+        headers: Mapping[str, str] | None = None,
+        key: bytes | None = None,
+    ) -> Chain:
         """The chain for a request with ``headers``; ``headers`` None (no request to place:
         metadata, readiness) gives a weighted route's primary variant, the one of highest
-        weight ready here."""
+        weight ready here. ``key``: the request's own sticky key (its sequence), used when
+        the route names no ``sticky`` header or the request does not send it."""
         if version is None:
             if self.choice and headers is not None:
-                return self._pick(self.choice, headers)
+                return self._pick(self.choice, headers, key)
             target = self.default
         else:
             target = (
@@ -292,8 +298,11 @@ class RouteEntry:
             raise target.error()
         return target
 
-    def _pick(self, choice: WeightedChoice[Chain], headers: Mapping[str, str]) -> Chain:
-        """A variant for this request: by its sticky key, else at random by weight.
+    def _pick(
+        self, choice: WeightedChoice[Chain], headers: Mapping[str, str], key: bytes | None
+    ) -> Chain:
+        """A variant for this request: by its sticky header, else by ``key``, else at random
+        by weight.
 
         A variant whose circuit breaker is rejecting requests hands its share to
         the others (unless every variant is rejecting: then the breaker answers).
@@ -304,11 +313,11 @@ class RouteEntry:
                 if len(rejecting) < len(choice.candidates):
                     choice = choice.without(rejecting)
                 break
-        key = None
         if self.spec.sticky is not None:
             value = headers.get(self.spec.sticky)
-            # aiohttp keeps undecodable header bytes as surrogates: give them back as they came.
-            key = value.encode("utf-8", "surrogateescape") if value else None
+            if value:
+                # aiohttp keeps undecodable header bytes as surrogates: give them back as they came.
+                key = value.encode("utf-8", "surrogateescape")
         return choice.pick(key).target
 
     def _alias(self, version: str) -> Chain | None:
@@ -417,18 +426,22 @@ class RouteTable:
     errors: tuple[str, ...] = ()
 
     def resolve(
-        self, route: str, version: str | None = None, headers: Mapping[str, str] | None = None
+        self,
+        route: str,
+        version: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        key: bytes | None = None,
     ) -> Chain:
         """The chain serving ``route`` (``version``: that runner version's). A weighted
-        route places a request by its ``headers`` (the ``sticky`` one, else at random);
-        without ``headers`` it gives its primary variant.
+        route places a request by its ``headers`` (the ``sticky`` one, else ``key``, else at
+        random); without ``headers`` it gives its primary variant.
 
         Raises :class:`RouteNotFound`, :class:`VersionNotFound` or :class:`Unavailable`.
         """
         entry = self.entries.get(route)
         if entry is None:
             raise RouteNotFound(route)
-        return entry.chain(version, headers)
+        return entry.chain(version, headers, key)
 
     def describe(self) -> list[dict[str, Any]]:
         return [self.entries[name].describe() for name in sorted(self.entries)]

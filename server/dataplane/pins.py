@@ -1,9 +1,12 @@
 """Which chain each running sequence started on: its requests keep to it.
 
-A request that names a sequence (``sequence_id``) of a runner that keeps sequences in
-this process is served by the chain its sequence started on, as long as that chain's
-runner still runs the sequence: a reload or a canary change moves new sequences only,
-and the old version is released once its sequences have ended or expired
+A request that names a sequence (``sequence_id``) is placed on a weighted route (a
+canary) by its sequence id, unless the route's ``sticky`` header says otherwise: every
+request of a sequence, in any worker, picks the same variant while the weights stand.
+A request of a runner that keeps sequences in this process is moreover served by the
+chain its sequence started on, as long as that chain's runner still runs the sequence:
+a reload or a canary change moves new sequences only, and the old version is released
+once its sequences have ended or expired
 (:meth:`plugserve.registry.execution.components.batched.BatchedRunner.wait_idle`). A
 ``sequence_start``, or a sequence the pinned runner no longer runs, takes the chain
 the route gives now.
@@ -28,20 +31,23 @@ class SequencePins:
         return len(self._pins)
 
     def chain(
-        self, route: str, parameters: Mapping[str, Any] | None, resolve: Callable[[], Chain]
+        self,
+        route: str,
+        parameters: Mapping[str, Any] | None,
+        resolve: Callable[[bytes | None], Chain],
     ) -> Chain:
         """The chain of ``route`` for a request with ``parameters``: its sequence's, or
-        ``resolve()``'s."""
+        ``resolve(key)``'s, ``key`` the sequence's sticky key (:func:`sequence_key`)."""
         sequence_id = parameters.get("sequence_id") if parameters else None
         if parameters is None or not _is_id(sequence_id):
-            return resolve()  # not a sequence's request (the runner refuses a bad id)
+            return resolve(None)  # not a sequence's request (the runner refuses a bad id)
         key: tuple[str, int | str] = (route, sequence_id)
         pinned = self._pins.get(key)
         if pinned is not None and parameters.get("sequence_start") is not True:
             kept = pinned.runner.live_sequences()
             if kept is not None and kept.holds(sequence_id):
                 return pinned
-        chain = resolve()
+        chain = resolve(sequence_key(sequence_id))
         if chain.runner.live_sequences() is None:
             self._pins.pop(key, None)
             return chain
@@ -55,6 +61,14 @@ class SequencePins:
             kept = chain.runner.live_sequences()
             if kept is None or not kept.holds(key[1]):
                 del self._pins[key]
+
+
+def sequence_key(sequence_id: int | str) -> bytes:
+    """A sequence's key for a weighted route's choice: a sequence starts on the variant its
+    id hashes to, the same in every worker and replica (an integer id and its decimal
+    string are different ids, as for the runner)."""
+    kind = b"i" if isinstance(sequence_id, int) else b"s"
+    return b"sequence:" + kind + str(sequence_id).encode("utf-8", "surrogatepass")
 
 
 def _is_id(value: Any) -> TypeGuard[int | str]:

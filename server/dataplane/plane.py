@@ -208,7 +208,9 @@ class DataPlane:
         routes = self.registry.routes
         if version is None and inference.parameters and "sequence_id" in inference.parameters:
             chain = self.pins.chain(
-                route, inference.parameters, lambda: routes.resolve(route, None, call.headers)
+                route,
+                inference.parameters,
+                lambda key: routes.resolve(route, None, call.headers, key),
             )
         else:
             chain = routes.resolve(route, version, call.headers)

@@ -225,3 +225,41 @@ def plugin_record(srv: ServerProcess, version: str) -> dict[str, Any]:
     assert status == 200, body
     (record,) = [p for p in json.loads(body)["plugins"] if p["version"] == version]
     return record
+
+
+def test_a_canary_places_sequences_by_id_and_a_weight_change_moves_new_ones_only(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """On a weighted route a sequence starts on the variant its id hashes to (the same
+    variant again for the same id), and keeps it to its end past a change of weights;
+    new sequences follow the new weights."""
+    for version in ("1.0.0", "2.0.0"):
+        write_sequence_runner(plugins_dir, "acc", version, sequence="idle_timeout_s = 30")
+    routes = plugins_dir / "routes.toml"
+    routes.write_text('[routes.acc]\nrunner = { "acc@1.0.0" = 50, "acc@2.0.0" = 50 }\n')
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    ids = [f"s{i}" for i in range(12)]
+    started = {i: step(srv, {"sequence_id": i, "sequence_start": True}, 1.0)[0] for i in ids}
+    assert set(started.values()) == {"acc@1.0.0", "acc@2.0.0"}, started
+    for i in ids:  # keyed on the id, not drawn at random: each step stays, whatever worker
+        assert step(srv, {"sequence_id": i}, 1.0) == (started[i], [2.0] * 4)
+    # The same ids started again land where they did.
+    again = {i: step(srv, {"sequence_id": i, "sequence_start": True}, 1.0)[0] for i in ids}
+    assert again == started
+    # A one-step sequence whose id the weights send to 1.0.0: it tells when they changed.
+    probe = next(
+        p for p in (f"p{n}" for n in range(64))
+        if step(srv, {"sequence_id": p, "sequence_start": True, "sequence_end": True}, 1.0)[0]
+        == "acc@1.0.0"
+    )  # fmt: skip
+    routes.write_text('[routes.acc]\nrunner = "acc@2.0.0"\n')
+    deadline = time.monotonic() + 30
+    while step(srv, {"sequence_id": probe, "sequence_start": True, "sequence_end": True},
+               1.0)[0] != "acc@2.0.0":  # fmt: skip
+        assert time.monotonic() < deadline, "the weights never changed"
+        time.sleep(0.1)
+    for i in ids:  # mid-sequence: each keeps its variant and its state
+        assert step(srv, {"sequence_id": i}, 1.0) == (started[i], [2.0] * 4)
+        assert step(srv, {"sequence_id": i, "sequence_end": True}, 1.0) == (started[i], [3.0] * 4)
+    for i in ids:  # started anew: the route's one variant now
+        assert step(srv, {"sequence_id": i, "sequence_start": True}, 1.0)[0] == "acc@2.0.0"
