@@ -53,6 +53,7 @@ RUNNER_KEYS = frozenset(
         "formats",
         "labels",
         "sequence",
+        "batching",
     }
 )
 """The ``[runner]`` keys plugserve reads itself; a backend declares its own (``runner_keys``)."""
@@ -88,9 +89,57 @@ class StateSpec:
     output: str
     datatype: str
     shape: tuple[int, ...]
-    """One sequence's state without the batch axis (axis 0, the rows of a batch)."""
+    """One sequence's state without the batch axis (axis 0, the rows of a batch, unless
+    ``[runner.batching]`` declares another for ``input`` and ``output``)."""
     initial: float = 0.0
     """Every element's value at the sequence's start."""
+
+
+BATCHING_KEYS = frozenset({"inputs", "outputs"})
+INPUT_BATCHING_KEYS = frozenset({"axis", "shared", "ragged", "pad_value", "lengths"})
+RAGGED = ("pad", "concat")
+"""``ragged``: pad each request's tensor to the batch's largest, or concatenate them flat."""
+MAX_AXIS = 15
+
+
+@dataclass(frozen=True)
+class InputBatching:
+    """How one input joins a batch (``[runner.batching.inputs]``)."""
+
+    axis: int = 0
+    """The axis its rows are on: requests are concatenated along it."""
+    shared: bool = False
+    """One value for the whole batch: requests whose values differ never batch together."""
+    ragged: str | None = None
+    """``pad``: requests may differ beyond the batch axis, padded with ``pad_value`` to the
+    batch's largest; ``concat``: each request's tensor flattened and concatenated (a
+    request is then one row)."""
+    pad_value: float = 0.0
+    lengths: str | None = None
+    """A ragged input's companion input, made by the server (INT64, one value per row):
+    each row's length along the input's last axis (``pad``), or each request's element
+    count (``concat``)."""
+
+
+DEFAULT_INPUT_BATCHING = InputBatching()
+
+
+@dataclass(frozen=True)
+class BatchingSection:
+    """The ``[runner.batching]`` table: each input's and output's batch axis, shared and
+    ragged inputs. Inputs and outputs it does not name have their rows on axis 0."""
+
+    inputs: Mapping[str, InputBatching] = field(default_factory=lambda: MappingProxyType({}))
+    outputs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Output name: the axis its rows are on."""
+
+    def input(self, name: str) -> InputBatching:
+        return self.inputs.get(name, DEFAULT_INPUT_BATCHING)
+
+    @property
+    def made_inputs(self) -> tuple[str, ...]:
+        """The ``lengths`` inputs the server makes: the client never sends them."""
+        return tuple(spec.lengths for spec in self.inputs.values() if spec.lengths)
 
 
 @dataclass(frozen=True)
@@ -139,6 +188,8 @@ class RunnerSection:
     """Output name: its labels, one per class index (read from ``label_files`` at load)."""
     sequence: SequenceSection | None = None
     """``[runner.sequence]``: the runner serves sequences (``None``: independent requests)."""
+    batching: BatchingSection | None = None
+    """``[runner.batching]``: how inputs join a batch (``None``: every row on axis 0)."""
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
@@ -339,7 +390,8 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         labels=MappingProxyType(
             {output: _read_labels(p, folder, f) for output, f in files.items()}
         ),
-        sequence=_sequence(p, table),
+        sequence=_check_state_axes(p, _sequence(p, table), _batching(p, table)),
+        batching=_batching(p, table),
         table=MappingProxyType(dict(table)),
     )
 
@@ -382,6 +434,75 @@ def _sequence(p: _Fields, runner: Mapping[str, Any]) -> SequenceSection | None:
         max_sequences=p.integer(table, "runner.sequence.max_sequences", 1024, 1, MAX_SEQUENCES),
         states=tuple(states),
     )  # fmt: skip
+
+
+def _check_state_axes(
+    p: _Fields, sequence: SequenceSection | None, batching: BatchingSection | None
+) -> SequenceSection | None:
+    """A state's row goes on its declared axis (at most its rank): never shared or ragged."""
+    if sequence is None or batching is None:
+        return sequence
+    for spec in sequence.states:
+        declared = batching.input(spec.input)
+        axes = (declared.axis, batching.outputs.get(spec.output, 0))
+        if declared.shared or declared.ragged or max(axes) > len(spec.shape):
+            raise ManifestError(
+                p.path, f"state {spec.input!r} of shape {list(spec.shape)} has its rows on an "
+                "axis from 0 to its rank, and is neither shared nor ragged", "runner.batching",
+            )  # fmt: skip
+    return sequence
+
+
+def _batching(p: _Fields, runner: Mapping[str, Any]) -> BatchingSection | None:
+    if "batching" not in runner:
+        return None
+    table = p.table(runner, "runner.batching")
+    p.no_unknown_keys(table, "runner.batching", BATCHING_KEYS)
+    inputs = {
+        name: _input_batching(p, raw, f"runner.batching.inputs.{name}")
+        for name, raw in p.table(table, "runner.batching.inputs").items()
+    }
+    outputs = {}
+    for name, raw in p.table(table, "runner.batching.outputs").items():
+        where = f"runner.batching.outputs.{name}"
+        spec = checks.table(raw, where)
+        p.no_unknown_keys(spec, where, {"axis"})
+        outputs[name] = p.integer(spec, f"{where}.axis", 0, 0, MAX_AXIS)
+    made = [spec.lengths for spec in inputs.values() if spec.lengths]
+    clash = set(made) & set(inputs) or ({m for m in made if made.count(m) > 1})
+    if clash:
+        raise ManifestError(p.path, f"{sorted(clash)[0]!r}: a lengths input is the server's "
+                            "to make, once", "runner.batching.inputs")  # fmt: skip
+    return BatchingSection(MappingProxyType(inputs), MappingProxyType(outputs))
+
+
+def _input_batching(p: _Fields, raw: Any, where: str) -> InputBatching:
+    table = checks.table(raw, where)
+    p.no_unknown_keys(table, where, INPUT_BATCHING_KEYS)
+    shared = p.boolean(table, f"{where}.shared", False)
+    ragged = p.string(table, f"{where}.ragged")
+    if ragged is not None and ragged not in RAGGED:
+        raise ManifestError(p.path, f"must be one of {', '.join(RAGGED)}", f"{where}.ragged")
+    if shared and (ragged is not None or "axis" in table):
+        raise ManifestError(p.path, "a shared input has no batch axis: no axis, no ragged",
+                            f"{where}.shared")  # fmt: skip
+    if ragged == "concat" and "axis" in table:
+        raise ManifestError(p.path, "a concatenated input is flattened: no axis", f"{where}.axis")
+    if ragged is None and ("pad_value" in table or "lengths" in table):
+        raise ManifestError(p.path, "pad_value and lengths are for a ragged input",
+                            f"{where}.ragged")  # fmt: skip
+    if ragged == "concat" and "lengths" not in table:
+        raise ManifestError(p.path, "a concatenated input needs its lengths input, which "
+                            "tells the runner where each request's elements end",
+                            f"{where}.lengths")  # fmt: skip
+    pad_value = table.get("pad_value", 0.0)
+    return InputBatching(
+        axis=p.integer(table, f"{where}.axis", 0, 0, MAX_AXIS),
+        shared=shared,
+        ragged=ragged,
+        pad_value=checks.number(pad_value, f"{where}.pad_value", low=-checks.MAX_NUMBER),
+        lengths=p.string(table, f"{where}.lengths"),
+    )
 
 
 def _state(p: _Fields, raw: Any, where: str) -> StateSpec:

@@ -271,6 +271,84 @@ def write_sequence_runner(
     return folder
 
 
+def vad_model(path: Path) -> Path:
+    """An ONNX model shaped like a streaming voice-activity detector: ``input`` FP32
+    ``[N, 4]``, a recurrent ``state`` FP32 ``[2, N, 3]`` (its rows on axis 1) and a sample
+    rate ``sr``, an INT64 scalar for the whole batch. ``output`` ``[N, 1]`` is the chunk's
+    sum scaled by ``sr / 16000`` plus the state's sum; ``stateN = state + the chunk's sum``."""
+    inputs = [
+        helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 4]),
+        helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, "N", 3]),
+        helper.make_tensor_value_info("sr", TensorProto.INT64, []),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 1]),
+        helper.make_tensor_value_info("stateN", TensorProto.FLOAT, [2, "N", 3]),
+    ]
+    axes = helper.make_tensor("axes", TensorProto.INT64, [1], [1])
+    state_axes = helper.make_tensor("state_axes", TensorProto.INT64, [2], [0, 2])
+    rate = helper.make_tensor("rate", TensorProto.FLOAT, [], [16000.0])
+    nodes = [
+        helper.make_node("ReduceSum", ["input", "axes"], ["chunk"], keepdims=1),  # [N, 1]
+        helper.make_node("Cast", ["sr"], ["sr_f"], to=TensorProto.FLOAT),
+        helper.make_node("Div", ["sr_f", "rate"], ["scale"]),
+        helper.make_node("Mul", ["chunk", "scale"], ["scaled"]),
+        helper.make_node("ReduceSum", ["state", "state_axes"], ["kept"], keepdims=0),  # [N]
+        helper.make_node("Unsqueeze", ["kept", "axes"], ["kept_col"]),  # [N, 1]
+        helper.make_node("Add", ["scaled", "kept_col"], ["output"]),
+        helper.make_node("Add", ["state", "chunk"], ["stateN"]),  # [2, N, 3] + [N, 1]
+    ]
+    graph = helper.make_graph(nodes, "vad", inputs, outputs, initializer=[axes, state_axes, rate])
+    return _save(graph, path)
+
+
+VAD_RUNNER = """
+[runner]
+backend = "onnxruntime"
+model = "model.onnx"
+max_batch_size = 16
+max_queue_delay_ms = 2
+{runner}
+{batching}
+{sequence}
+"""
+
+VAD_SEQUENCE = """
+[runner.sequence]
+idle_timeout_s = 30
+
+[[runner.sequence.state]]
+input = "state"
+output = "stateN"
+datatype = "FP32"
+shape = [2, 3]
+"""
+
+VAD_BATCHING = """
+[runner.batching.inputs]
+state = { axis = 1 }
+sr = { shared = true }
+
+[runner.batching.outputs]
+stateN = { axis = 1 }
+"""
+
+
+def write_vad_runner(
+    plugins_dir: Path,
+    name: str = "vad",
+    runner: str = "",
+    batching: str = VAD_BATCHING,
+    sequence: str = VAD_SEQUENCE,
+) -> Path:
+    """A runner over :func:`vad_model`, by default serving sequences with its state kept by
+    the server, batched on axis 1, and its sample rate one value for the batch."""
+    manifest = VAD_RUNNER.format(runner=runner, batching=batching, sequence=sequence)
+    folder = write_plugin(plugins_dir, "runner", name, "1.0.0", manifest, module=None)
+    vad_model(folder / "model.onnx")
+    return folder
+
+
 # Every ONNX element type v2 can carry, by a short key the tests name tensors with.
 ONNX_TYPES = {
     "bool": TensorProto.BOOL, "u8": TensorProto.UINT8, "u16": TensorProto.UINT16,

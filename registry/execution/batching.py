@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import structlog
 
 from plugserve.registry.errors import (
     DeadlineExceeded,
@@ -59,6 +60,9 @@ from plugserve.registry.errors import (
     Unavailable,
 )
 from plugserve.registry.execution import tracing
+from plugserve.registry.execution.layout import BatchLayout, why_apart
+
+log = structlog.get_logger("plugserve.batching")
 
 Arrays = Mapping[str, np.ndarray]
 Execute = Callable[[Arrays], Awaitable[Arrays]]
@@ -66,6 +70,8 @@ Timer = Callable[[float, Callable[[], None]], Any]
 RETRY_AFTER_S = 1
 MAX_TENANTS_KEPT = 1024
 """Past this many tenants' finish tags, only those of tenants still queued are kept."""
+MAX_REASONS_SAID = 16
+"""Distinct reasons a runner's requests could not batch, each logged once, at most."""
 INLINE_HOLD_S = 0.05
 """How long :meth:`Scheduler.pump` runs :attr:`Scheduler.inline` batches back to back
 before it lets the event loop turn, and goes on in a later step: a backlog of slow
@@ -191,6 +197,14 @@ class Scheduler:
         for synchronous runners (``BatchedRunner``), whose batches may run on the event loop,
         where no batch can form while one runs. Company is two requests in one turn; it
         ends at a cut that gathered one request, and a lone request then runs at once again."""
+        self.layout: BatchLayout | None = None
+        """The runner's declared batching (``[runner.batching]``); ``None``: every row on
+        axis 0 (:func:`signature`)."""
+        self._signature = signature
+        self.apart = 0
+        """Batches cut while queued requests could not join them (``why_apart``)."""
+        self.apart_why: str | None = None
+        self._reasons: set[str] = set()
         self._gathering = False
         self._company = False
         self._this_turn = False  # a request ran at once in this turn of the loop
@@ -198,6 +212,16 @@ class Scheduler:
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    def declare(self, layout: BatchLayout) -> None:
+        """Batch by ``layout`` (the runner's ``[runner.batching]``)."""
+        self.layout = layout
+        self._signature = layout.signature
+
+    def _fed(self, inputs: Arrays) -> Arrays:
+        """What the runner gets for one request alone."""
+        layout = self.layout
+        return inputs if layout is None or not layout.reshapes else layout.merge([inputs])
 
     # -- submitting ------------------------------------------------------------------
 
@@ -237,14 +261,14 @@ class Scheduler:
             if deadline is not None and self.clock() >= deadline:
                 raise DeadlineExceeded(f"the request's deadline passed before {self.label} ran it")
             self._running += 1
-            rows = signature(inputs)[0]
+            rows = self._signature(inputs)[0]
             self.executions += 1
             self.rows += rows
             if timings is not None:
                 timings["queue"] = 0.0
             started = self.clock()
             try:
-                outputs = await self.execute(inputs)
+                outputs = await self.execute(self._fed(inputs))
                 if self.on_execution is not None:
                     self.on_execution(rows, self.clock() - started)
                 return outputs
@@ -290,7 +314,7 @@ class Scheduler:
                 retry_after_s=RETRY_AFTER_S,
             )
         level = self._level(priority)
-        rows, sig = signature(inputs)
+        rows, sig = self._signature(inputs)
         now = self.clock()
         name = tenant or ""
         start = max(self._vtime, self._tenant_finish.get(name, 0.0))
@@ -378,19 +402,37 @@ class Scheduler:
         head = ordered[0]
         batch, rows = [head], head.rows
         limit = policy.max_batch_size
+        apart = None
         if limit and head.signature is not None and head.rows < limit:
             for request in ordered[1:]:
-                if request.signature == head.signature and rows + request.rows <= limit:
-                    batch.append(request)
-                    rows += request.rows
-                    if rows == limit:
-                        break
+                if request.signature == head.signature:
+                    if rows + request.rows <= limit:
+                        batch.append(request)
+                        rows += request.rows
+                        if rows == limit:
+                            break
+                elif apart is None:
+                    apart = request
+        elif limit > 1 and head.signature is None and len(ordered) > 1:
+            apart = ordered[1]
         oldest = min(r.arrival for r in self._queue)
         due = oldest + policy.max_queue_delay_s
         ready = not limit or rows >= limit or self._running == 0 or now >= due
         if not ready:
             return None, due
+        if apart is not None and rows < limit:
+            self._ran_apart(head, apart)
         return self._preferred(batch, rows), None
+
+    def _ran_apart(self, head: Pending, other: Pending) -> None:
+        """A batch is cut without a queued request that could not join it: counted, and
+        each reason said once (a log warning; :attr:`apart_why` for ``/admin/plugins``)."""
+        self.apart += 1
+        why = why_apart(self.layout, head.inputs, None if head.signature is None else other.inputs)
+        self.apart_why = why
+        if why not in self._reasons and len(self._reasons) < MAX_REASONS_SAID:
+            self._reasons.add(why)
+            log.warning("cannot_batch", runner=self.label, why=why)
 
     def _preferred(self, batch: list[Pending], rows: int) -> list[Pending]:
         fitting = [p for p in self.policy.preferred_batch_sizes if p <= rows]
@@ -510,7 +552,10 @@ class Scheduler:
     def _merge(self, batch: list[Pending]) -> tuple[Arrays, int]:
         """The batch's inputs as one (rows concatenated), counted as an execution."""
         rows = sum(r.rows for r in batch)
-        if len(batch) == 1:
+        merged: Arrays
+        if self.layout is not None:
+            merged = self.layout.merge([r.inputs for r in batch])
+        elif len(batch) == 1:
             merged = batch[0].inputs
         else:
             merged = {
@@ -585,7 +630,7 @@ class Scheduler:
             self.rows += request.rows
             started = self.clock()
             try:
-                outputs = await self.execute(request.inputs)
+                outputs = await self.execute(self._fed(request.inputs))
             except Exception as exc:
                 self._fail(request, exc)
                 continue
@@ -607,6 +652,15 @@ class Scheduler:
         if len(batch) == 1:
             if not batch[0].future.done():
                 batch[0].future.set_result(outputs)
+            return
+        if self.layout is not None:
+            try:
+                answers = self.layout.split(outputs, [r.rows for r in batch])
+            except ValueError as exc:
+                raise PluginError(self.label, exc) from None
+            for request, answer in zip(batch, answers, strict=True):
+                if not request.future.done():
+                    request.future.set_result(answer)
             return
         for name, value in outputs.items():
             if not isinstance(value, np.ndarray) or value.ndim == 0 or value.shape[0] != rows:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from plugserve.registry.errors import InvalidInput, PluginError, TooManyRequests
+from plugserve.registry.execution.layout import BatchLayout
 from plugserve.registry.manifest import SequenceSection, StateSpec
 from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
 
@@ -73,9 +74,15 @@ class Sequences:
     """The live sequences of one runner version, and how a request of one runs."""
 
     def __init__(
-        self, section: SequenceSection, label: str, clock: Callable[[], float] = time.monotonic
+        self,
+        section: SequenceSection,
+        label: str,
+        layout: BatchLayout | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.section = section
+        self.layout = layout
+        """The runner's declared batching: the axis each state's row is on (default 0)."""
         self.label = label
         self.clock = clock
         self._live: dict[SequenceId, Sequence] = {}
@@ -117,7 +124,17 @@ class Sequences:
 
     def initial(self) -> dict[str, np.ndarray]:
         """Each state at a sequence's start: one row of its declared shape."""
-        return {spec.input: _initial(spec) for spec in self.section.states}
+        return {spec.input: self._initial(spec) for spec in self.section.states}
+
+    def _initial(self, spec: StateSpec) -> np.ndarray:
+        shape = _with_row(spec.shape, self._axis(spec.input, output=False))
+        return np.full(shape, spec.initial, dtype=V2_TO_NUMPY[spec.datatype])
+
+    def _axis(self, name: str, output: bool) -> int:
+        layout = self.layout
+        if layout is None:
+            return 0
+        return layout.output_axis(name) if output else layout.input_axis(name)
 
     async def run(
         self,
@@ -133,7 +150,7 @@ class Sequences:
                 f"runner {self.label} serves sequences: each request names its sequence "
                 "(the sequence_id parameter, a non-zero integer or a non-empty string)"
             )
-        if _rows(inputs) != 1:
+        if (_rows(inputs) if self.layout is None else self.layout.rows(inputs)) != 1:
             raise InvalidInput(f"a request of a sequence holds one row (runner {self.label})")
         sequence = self._live.get(sequence_id)
         if sequence is not None and self._idle(sequence, self.clock()):
@@ -194,7 +211,7 @@ class Sequences:
         state, answer = {}, dict(outputs)
         for spec in self.section.states:
             value = answer.pop(spec.output, None)
-            want = (1, *spec.shape)
+            want = _with_row(spec.shape, self._axis(spec.output, output=True))
             if not isinstance(value, np.ndarray) or value.shape != want:
                 shape = getattr(value, "shape", type(value).__name__)
                 raise PluginError(
@@ -233,8 +250,9 @@ class Sequences:
         self._live.clear()
 
 
-def _initial(spec: StateSpec) -> np.ndarray:
-    return np.full((1, *spec.shape), spec.initial, dtype=V2_TO_NUMPY[spec.datatype])
+def _with_row(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """One sequence's state shape with its one row on ``axis``."""
+    return (*shape[:axis], 1, *shape[axis:])
 
 
 def _rows(inputs: Arrays) -> int:

@@ -16,6 +16,7 @@ from plugserve.registry.execution.batching import Scheduler
 from plugserve.registry.execution.breaker import CircuitBreaker
 from plugserve.registry.execution.components.inline import ExecutionCosts, rows
 from plugserve.registry.execution.components.runner import Runner, batch_policy
+from plugserve.registry.execution.layout import BatchLayout
 from plugserve.registry.execution.sequences import Sequences
 from plugserve.registry.execution.stats import RunnerStats
 from plugserve.registry.types import RequestContext
@@ -65,8 +66,11 @@ class BatchedRunner(Runner):
         # (ExecutionCosts), where no batch forms while one runs: without gathering, a load
         # that arrives while such batches are measured stays at one row a batch.
         self.scheduler.gather = not self._is_async
+        layout = None if runner.batching is None else BatchLayout(runner.batching)
+        if layout is not None:
+            self.scheduler.declare(layout)
         sequence = runner.sequence
-        self.sequences = None if sequence is None else Sequences(sequence, self.label)
+        self.sequences = None if sequence is None else Sequences(sequence, self.label, layout)
 
     @property
     def queued(self) -> int:
@@ -84,6 +88,8 @@ class BatchedRunner(Runner):
             figures["circuit"], figures["circuit_trips"] = breaker.state, breaker.trips
         if self.sequences is not None:
             figures["sequences"] = self.sequences.describe()
+        if scheduler.apart:
+            figures["cannot_batch"] = {"count": scheduler.apart, "why": scheduler.apart_why}
         return figures
 
     async def call(self, data: Any, ctx: RequestContext) -> Any:
@@ -91,7 +97,8 @@ class BatchedRunner(Runner):
         in its sequence's turn, with its state: ``registry/execution/sequences.py``)."""
         inputs = self.runner_inputs(data)
         self.validate_request(inputs)
-        ctx.rows = rows(inputs)
+        layout = self.scheduler.layout
+        ctx.rows = rows(inputs) if layout is None else layout.rows(inputs)
         self.breaker.allow()
         started = time.perf_counter()
 

@@ -40,13 +40,13 @@ class Runner(LoadedPlugin):
         self._validate = validate if callable(validate) else None
 
     async def warmup(self, within: float) -> None:
-        """Warm up and read the metadata; a sequence runner's state tensors are the
-        server's to feed and keep: neither shown nor asked of clients."""
+        """Warm up and read the metadata; a sequence runner's state tensors and a ragged
+        input's ``lengths`` are the server's to feed (and keep): neither shown nor asked
+        of clients."""
         await super().warmup(within)
-        sequence = self.section.sequence
-        if sequence is None or not sequence.states or self._metadata is None:
+        hidden = self.server_tensors()
+        if not hidden or self._metadata is None:
             return
-        hidden = {s.input for s in sequence.states} | {s.output for s in sequence.states}
         self._metadata = {
             **self._metadata,
             **{
@@ -57,6 +57,17 @@ class Runner(LoadedPlugin):
         }
         self._inputs = tuple(spec for spec in self._inputs if spec.name not in hidden)
         self._input_dtypes = {spec.name: spec.dtype for spec in self._inputs}
+
+    def server_tensors(self) -> set[str]:
+        """The tensors the server feeds or keeps itself: sequence states, ``lengths``."""
+        section = self.section
+        hidden: set[str] = set()
+        if section.sequence is not None:
+            hidden.update(s.input for s in section.sequence.states)
+            hidden.update(s.output for s in section.sequence.states)
+        if section.batching is not None:
+            hidden.update(section.batching.made_inputs)
+        return hidden
 
     @property
     def section(self) -> RunnerSection:
