@@ -397,6 +397,8 @@ class Serving(asyncio.Protocol):
             "queued": scheduler.queued if scheduler else 0,
             "circuit": breaker.state if breaker is not None and breaker.enabled else None,
             "stats": loaded.stats.executions_json() if loaded.stats is not None else None,
+            "apart": scheduler.apart if scheduler else 0,
+            "apart_why": scheduler.apart_why if scheduler else None,
         }
 
     def _send(self, data: bytes) -> None:

@@ -466,8 +466,9 @@ class RunnerHost:
 
     async def figures(self, key: str, within: float = 2.0) -> dict[str, Any]:
         """The group's processes' own figures, summed: ``queued``, ``executions``,
-        ``batched_rows``, ``circuit`` (the worst of theirs) and ``stats`` (a
-        :class:`RunnerStats` of their executions and batch sizes). A process that does
+        ``batched_rows``, ``circuit`` (the worst of theirs), ``stats`` (a
+        :class:`RunnerStats` of their executions and batch sizes) and ``cannot_batch``
+        (batches cut apart, and a reason). A process that does
         not answer within ``within`` s (restarting, busy) is left out."""
         group = self.groups.get(key)
         total: dict[str, Any] = {"queued": 0, "executions": 0, "batched_rows": 0}
@@ -494,6 +495,10 @@ class RunnerHost:
                 executions.add_executions(figures["stats"])
             if figures.get("circuit") is not None:
                 circuits.append(figures["circuit"])
+            if figures.get("apart"):
+                said = total.setdefault("cannot_batch", {"count": 0, "why": None})
+                said["count"] += figures["apart"]
+                said["why"] = figures.get("apart_why")
         if not answered:  # busy or restarting: unknown, not zero
             return {}
         if circuits:
