@@ -32,6 +32,8 @@ Arrays = Mapping[str, np.ndarray]
 SequenceId = int | str
 
 MAX_ID_CHARS = 256
+SWEEP_SLACK_S = 0.01
+"""A sweep timer fires this long after the expiry it waits for (clocks and timers differ)."""
 
 
 SEQUENCE_FIELDS = ("sequence_id", "sequence_start", "sequence_end")
@@ -114,6 +116,7 @@ class Sequences:
         return True
 
     def describe(self) -> dict[str, Any]:
+        self.sweep()
         return {
             "live": len(self._live),
             "max_sequences": self.section.max_sequences,
@@ -152,59 +155,78 @@ class Sequences:
             )
         if (_rows(inputs) if self.layout is None else self.layout.rows(inputs)) != 1:
             raise InvalidInput(f"a request of a sequence holds one row (runner {self.label})")
+        while True:
+            sequence, fresh = self._sequence_for(sequence_id, start)
+            sequence.users += 1
+            try:
+                async with sequence.turn:
+                    if sequence.ended:  # ended while this request waited for its turn
+                        if start or sequence_id in self._live:
+                            # A start begins it again; a request queued behind that start
+                            # goes on in the sequence it began, after it.
+                            continue
+                        raise InvalidInput(f"sequence {sequence_id!r} of runner {self.label} ended")
+                    # Started again, as Triton does: from the initial state; kept only once
+                    # the request succeeds (a failed request leaves the state as it was).
+                    state = self.initial() if start and not fresh else sequence.state
+                    try:
+                        kept, answer = self._kept(await execute({**inputs, **state}))
+                    except BaseException:
+                        if fresh:  # a start that failed started nothing
+                            self._end(sequence_id, sequence)
+                            self.started -= 1
+                        raise
+                    sequence.state = kept
+                    if end:
+                        self._end(sequence_id, sequence)
+                        self.ended += 1
+            finally:
+                sequence.users -= 1
+                sequence.last = self.clock()
+                self._arm()
+            return answer
+
+    def _sequence_for(self, sequence_id: SequenceId, start: bool) -> tuple[Sequence, bool]:
+        """The live sequence ``sequence_id`` (a start makes it when there is none), and
+        whether it was made now; 400 when it does not run, 429 past ``max_sequences``."""
         sequence = self._live.get(sequence_id)
         if sequence is not None and self._idle(sequence, self.clock()):
             self._end(sequence_id, sequence)  # expired, and not yet swept
             self.expired += 1
             sequence = None
-        fresh = sequence is None
-        if sequence is None:
-            if not start:
-                raise InvalidInput(
-                    f"sequence {sequence_id!r} of runner {self.label} is not running: its "
-                    "first request sets sequence_start (or it ended, or it was idle for "
-                    f"over {self.section.idle_timeout_s:g} s)"
-                )
-            if len(self._live) >= self.section.max_sequences:
-                self.sweep()  # room held by sequences that have expired meanwhile
-            if len(self._live) >= self.section.max_sequences:
-                raise TooManyRequests(
-                    f"runner {self.label} has {len(self._live)} sequences running, its "
-                    "max_sequences: end one first",
-                    retry_after_s=1,
-                )
-            sequence = self._live[sequence_id] = Sequence(self.initial(), self.clock())
-            self.started += 1
-        sequence.users += 1
-        try:
-            async with sequence.turn:
-                if sequence.ended:  # ended while this request waited for its turn
-                    raise InvalidInput(f"sequence {sequence_id!r} of runner {self.label} ended")
-                if start and not fresh:  # started again, as Triton does: from the initial state
-                    sequence.state = self.initial()
-                outputs = await execute({**inputs, **sequence.state})
-                sequence.state, answer = self._kept(outputs)
-                if end:
-                    self._end(sequence_id, sequence)
-                    self.ended += 1
-        finally:
-            sequence.users -= 1
-            sequence.last = self.clock()
-            self._arm()
-        return answer
+        if sequence is not None:
+            return sequence, False
+        if not start:
+            raise InvalidInput(
+                f"sequence {sequence_id!r} of runner {self.label} is not running: its "
+                "first request sets sequence_start (or it ended, or it was idle for "
+                f"over {self.section.idle_timeout_s:g} s)"
+            )
+        if len(self._live) >= self.section.max_sequences:
+            self.sweep()  # room held by sequences that have expired meanwhile
+        if len(self._live) >= self.section.max_sequences:
+            raise TooManyRequests(
+                f"runner {self.label} has {len(self._live)} sequences running, its "
+                "max_sequences: end one first",
+                retry_after_s=1,
+            )
+        sequence = self._live[sequence_id] = Sequence(self.initial(), self.clock())
+        self.started += 1
+        return sequence, True
 
-    def _arm(self) -> None:
+    def _arm(self, delay: float | None = None) -> None:
         """Sweep again once the idle timeout has passed, while sequences are alive, so that
         an idle runner frees their state without a request to trigger it."""
         if self._timer is None and self._live:
             self._timer = asyncio.get_running_loop().call_later(
-                self.section.idle_timeout_s, self._on_timer
+                self.section.idle_timeout_s if delay is None else delay, self._on_timer
             )
 
     def _on_timer(self) -> None:
         self._timer = None
-        self.sweep()
-        self._arm()
+        soonest = self.sweep()
+        if soonest is not None:  # the next sequence to expire, when it does (a tick late)
+            self._arm(max(soonest - self.clock(), 0.0) + SWEEP_SLACK_S)
 
     def _kept(self, outputs: Arrays) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """The runner's outputs split into the next state and the answer."""
@@ -230,15 +252,22 @@ class Sequences:
     def _idle(self, sequence: Sequence, now: float) -> bool:
         return not sequence.users and now - sequence.last > self.section.idle_timeout_s
 
-    def sweep(self) -> None:
+    def sweep(self) -> float | None:
         """End the sequences idle for over ``idle_timeout_s``: on a timer while sequences
-        run (:meth:`_arm`), and when a start finds no room; a request finds its own
-        sequence expired without a sweep."""
+        run (:meth:`_arm`), when a start finds no room and when the figures are read; a
+        request finds its own sequence expired without a sweep. Returns when the next
+        live sequence expires, if nothing uses it meanwhile (``None``: none is left)."""
         now = self.clock()
+        idle_s = self.section.idle_timeout_s
+        soonest: float | None = None
         for sequence_id, sequence in list(self._live.items()):
             if self._idle(sequence, now):
                 self._end(sequence_id, sequence)
                 self.expired += 1
+                continue
+            expiry = now + idle_s if sequence.users else sequence.last + idle_s
+            soonest = expiry if soonest is None else min(soonest, expiry)
+        return soonest
 
     def clear(self) -> None:
         """Drop every sequence (the runner is released)."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
 from plugserve.registry.execution.chain import Chain
+from plugserve.registry.execution.sequences import MAX_ID_CHARS
 
 MAX_PINS = 100_000
 """Pins kept at most; past it, those of sequences that no longer run are dropped."""
@@ -26,6 +27,7 @@ MAX_PINS = 100_000
 class SequencePins:
     def __init__(self) -> None:
         self._pins: dict[tuple[str, int | str], Chain] = {}
+        self._purge_at = MAX_PINS
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -37,30 +39,40 @@ class SequencePins:
         resolve: Callable[[bytes | None], Chain],
     ) -> Chain:
         """The chain of ``route`` for a request with ``parameters``: its sequence's, or
-        ``resolve(key)``'s, ``key`` the sequence's sticky key (:func:`sequence_key`)."""
+        ``resolve(key)``'s, ``key`` the sequence's sticky key (:func:`sequence_key`).
+
+        A pin is kept for a ``sequence_start`` with a well-formed id, and for a request
+        its chain's runner already runs the sequence of: never for an id the runner
+        refuses (too long, out of range) or a sequence that runs nowhere."""
         sequence_id = parameters.get("sequence_id") if parameters else None
         if parameters is None or not _is_id(sequence_id):
             return resolve(None)  # not a sequence's request (the runner refuses a bad id)
         key: tuple[str, int | str] = (route, sequence_id)
+        start = parameters.get("sequence_start") is True
         pinned = self._pins.get(key)
-        if pinned is not None and parameters.get("sequence_start") is not True:
+        if pinned is not None and not start:
             kept = pinned.runner.live_sequences()
             if kept is not None and kept.holds(sequence_id):
                 return pinned
         chain = resolve(sequence_key(sequence_id))
-        if chain.runner.live_sequences() is None:
+        kept = chain.runner.live_sequences()
+        if kept is None or not (start or kept.holds(sequence_id)):
             self._pins.pop(key, None)
             return chain
         self._pins[key] = chain
-        if len(self._pins) > MAX_PINS:
+        if len(self._pins) > self._purge_at:
             self._purge()
         return chain
 
     def _purge(self) -> None:
+        """Drop the pins of sequences that no longer run; the next purge waits until the
+        pins have doubled (amortized: sequences that all still run cost one scan, not one
+        a request)."""
         for key, chain in list(self._pins.items()):
             kept = chain.runner.live_sequences()
             if kept is None or not kept.holds(key[1]):
                 del self._pins[key]
+        self._purge_at = max(MAX_PINS, 2 * len(self._pins))
 
 
 def sequence_key(sequence_id: int | str) -> bytes:
@@ -72,6 +84,10 @@ def sequence_key(sequence_id: int | str) -> bytes:
 
 
 def _is_id(value: Any) -> TypeGuard[int | str]:
-    if isinstance(value, bool) or not isinstance(value, int | str):
+    """A well-formed sequence id (``sequences.sequence_of``'s bounds): others are the
+    runner's to refuse, and nothing of them is kept here."""
+    if isinstance(value, bool):
         return False
-    return value != 0 and value != ""
+    if isinstance(value, int):
+        return 0 < value < 2**64
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS

@@ -399,6 +399,7 @@ class Serving(asyncio.Protocol):
             "stats": loaded.stats.executions_json() if loaded.stats is not None else None,
             "apart": scheduler.apart if scheduler else 0,
             "apart_why": scheduler.apart_why if scheduler else None,
+            "sequences": loaded.sequences.describe() if loaded.sequences is not None else None,
         }
 
     def _send(self, data: bytes) -> None:

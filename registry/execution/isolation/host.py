@@ -467,8 +467,9 @@ class RunnerHost:
     async def figures(self, key: str, within: float = 2.0) -> dict[str, Any]:
         """The group's processes' own figures, summed: ``queued``, ``executions``,
         ``batched_rows``, ``circuit`` (the worst of theirs), ``stats`` (a
-        :class:`RunnerStats` of their executions and batch sizes) and ``cannot_batch``
-        (batches cut apart, and a reason). A process that does
+        :class:`RunnerStats` of their executions and batch sizes), ``cannot_batch``
+        (batches cut apart, and a reason) and ``sequences`` (each figure summed over the
+        processes, ``max_sequences`` included: each process keeps that many). A process that does
         not answer within ``within`` s (restarting, busy) is left out."""
         group = self.groups.get(key)
         total: dict[str, Any] = {"queued": 0, "executions": 0, "batched_rows": 0}
@@ -495,6 +496,10 @@ class RunnerHost:
                 executions.add_executions(figures["stats"])
             if figures.get("circuit") is not None:
                 circuits.append(figures["circuit"])
+            if figures.get("sequences"):  # each process keeps its own: summed
+                kept = total.setdefault("sequences", {})
+                for name, value in figures["sequences"].items():
+                    kept[name] = kept.get(name, 0) + value
             if figures.get("apart"):
                 said = total.setdefault("cannot_batch", {"count": 0, "why": None})
                 said["count"] += figures["apart"]

@@ -65,7 +65,7 @@ def plugin_figures(srv: ServerProcess) -> dict[str, Any]:
 
 
 def sequence_figures(srv: ServerProcess) -> dict[str, Any] | None:
-    """The runner's sequence figures; ``None`` for an isolated runner (kept in its process)."""
+    """The runner's sequence figures (an isolated runner's: its processes', summed)."""
     return plugin_figures(srv).get("sequences")
 
 
@@ -99,7 +99,7 @@ def test_sixteen_concurrent_sequences_answer_as_each_alone_over_http_and_grpc(
     print(f"mean batch {mean_batch:.2f} rows over {model['execution_count']} executions")
     assert mean_batch > 1.0, model  # sequences batched together
     figures = sequence_figures(sequences)
-    assert figures is None or (figures["live"] == 0 and figures["ended"] == 3 * 16), figures
+    assert figures is not None and figures["live"] == 0 and figures["ended"] == 3 * 16, figures
 
 
 def test_the_state_is_the_servers_to_keep(sequences: ServerProcess) -> None:
@@ -145,13 +145,25 @@ def test_max_sequences_is_a_429_and_idle_sequences_expire(sequences: ServerProce
     status, answer = infer(sequences, {"sequence_id": "s24", "sequence_start": True})
     assert status == 429 and "max_sequences" in answer["error"], answer
     figures = sequence_figures(sequences)
-    assert figures is None or figures["live"] == 24, figures
+    assert figures is not None and figures["live"] == 24, figures
     time.sleep(2.5)  # idle_timeout_s = 1: every one expires, no request needed
     figures = sequence_figures(sequences)
-    assert figures is None or (figures["live"] == 0 and figures["expired"] == 24), figures
+    assert figures is not None and figures["live"] == 0 and figures["expired"] == 24, figures
     status, answer = infer(sequences, {"sequence_id": "s0"})
     assert status == 400 and "idle" in answer["error"], answer
     assert infer(sequences, {"sequence_id": "s24", "sequence_start": True})[0] == 200
+
+
+def test_a_request_that_fails_changes_no_sequence(sequences: ServerProcess) -> None:
+    """A start or a restart past its deadline (504) starts nothing and resets nothing."""
+    late = {"timeout": 1}  # microseconds: past before the runner gets it
+    assert infer(sequences, {"sequence_id": "f", "sequence_start": True})[0] == 200
+    assert infer(sequences, {"sequence_id": "f"})[1]["outputs"][0]["data"] == [2, 4, 6, 8]
+    assert infer(sequences, {"sequence_id": "f", "sequence_start": True, **late})[0] == 504
+    assert infer(sequences, {"sequence_id": "f"})[1]["outputs"][0]["data"] == [3, 6, 9, 12]
+    assert infer(sequences, {"sequence_id": "g", "sequence_start": True, **late})[0] == 504
+    status, answer = infer(sequences, {"sequence_id": "g"})
+    assert status == 400 and "is not running" in answer["error"], answer
 
 
 def test_sequences_kept_in_one_of_several_workers_are_refused_at_load(

@@ -1,0 +1,102 @@
+"""A runner's sequences (``registry/execution/sequences.py``) with a runner held by the test:
+orders of arrival and failures a real server meets only by chance."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+
+from plugserve.registry.errors import DeadlineExceeded, InvalidInput
+from plugserve.registry.execution.sequences import Sequences
+from plugserve.registry.manifest import SequenceSection, StateSpec
+
+Arrays = Mapping[str, np.ndarray]
+SECTION = SequenceSection(
+    idle_timeout_s=60.0, max_sequences=8, states=(StateSpec("s_in", "s_out", "FP32", (1,)),)
+)
+X = {"x": np.ones((1, 1), np.float32)}
+
+
+class Held:
+    """Adds x to the state; each execution waits for the test, or fails when told."""
+
+    def __init__(self) -> None:
+        self.gates: list[asyncio.Future[None]] = []
+        self.fail: Exception | None = None
+
+    async def execute(self, inputs: Arrays) -> dict[str, np.ndarray]:
+        gate = asyncio.get_running_loop().create_future()
+        self.gates.append(gate)
+        await gate
+        if self.fail is not None:
+            raise self.fail
+        total = inputs["s_in"] + inputs["x"]
+        return {"y": total, "s_out": total}
+
+    async def release(self, rounds: int = 10) -> None:
+        for _ in range(rounds):
+            for gate in self.gates:
+                if not gate.done():
+                    gate.set_result(None)
+            await asyncio.sleep(0)
+
+
+async def step(sequences: Sequences, runner: Held, **parameters: object) -> float:
+    answer = await sequences.run(X, {"sequence_id": 7, **parameters}, runner.execute)
+    return float(answer["y"][0, 0])
+
+
+async def released(sequences: Sequences, runner: Held, **parameters: object) -> float:
+    task = asyncio.ensure_future(step(sequences, runner, **parameters))
+    await runner.release()
+    return await task
+
+
+async def test_a_failed_start_starts_nothing_and_a_failed_restart_keeps_the_state() -> None:
+    sequences, runner = Sequences(SECTION, "runner/acc@1.0.0"), Held()
+    runner.fail = DeadlineExceeded("late")
+    with pytest.raises(DeadlineExceeded):
+        await released(sequences, runner, sequence_start=True)
+    assert sequences.live == 0 and sequences.describe()["started"] == 0
+    runner.fail = None
+    with pytest.raises(InvalidInput, match="is not running"):
+        await released(sequences, runner)
+    assert await released(sequences, runner, sequence_start=True) == 1.0
+    assert await released(sequences, runner) == 2.0
+    runner.fail = DeadlineExceeded("late")
+    with pytest.raises(DeadlineExceeded):
+        await released(sequences, runner, sequence_start=True)
+    runner.fail = None
+    assert await released(sequences, runner) == 3.0  # the failed restart reset nothing
+
+
+async def test_a_start_queued_behind_the_end_begins_the_sequence_again() -> None:
+    sequences, runner = Sequences(SECTION, "runner/acc@1.0.0"), Held()
+    assert await released(sequences, runner, sequence_start=True) == 1.0
+    queued = [
+        asyncio.ensure_future(step(sequences, runner)),
+        asyncio.ensure_future(step(sequences, runner, sequence_end=True)),
+        asyncio.ensure_future(step(sequences, runner, sequence_start=True)),
+        asyncio.ensure_future(step(sequences, runner)),
+    ]
+    await runner.release(40)
+    assert [await t for t in queued] == [2.0, 3.0, 1.0, 2.0]
+    assert sequences.live == 1
+
+
+async def test_sequences_expire_soon_after_their_idle_timeout() -> None:
+    """The sweep timer waits for the next sequence's expiry, not a whole timeout more."""
+    section = SequenceSection(idle_timeout_s=0.3, max_sequences=8, states=SECTION.states)
+    sequences, runner = Sequences(section, "runner/acc@1.0.0"), Held()
+    await released(sequences, runner, sequence_start=True)
+    await asyncio.sleep(0.2)
+    await asyncio.gather(
+        released(sequences, runner, sequence_start=True),
+        sequences.run(X, {"sequence_id": 8, "sequence_start": True}, runner.execute),
+    )
+    await asyncio.sleep(0.5)  # the first timer (0.3 s) saw them fresh; they expired at 0.5
+    assert sequences._live == {}  # swept by the timer, not by reading the figures
+    assert sequences.expired == 2
