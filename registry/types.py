@@ -11,7 +11,7 @@ input (a 400, never counted by the circuit breaker) without importing plugserve:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -110,6 +110,20 @@ class RequestContext:
     brought in shared memory (or, over gRPC, its tensors' bytes); ``None`` where unknown.
     A synchronous processor's cost is predicted from it
     (``registry/execution/components/inline.py``)."""
+    router: Callable[..., Awaitable[Any]] | None = field(default=None, repr=False)
+    """What :meth:`infer` calls (``registry/execution/graph.py``: ``RouteCaller``)."""
+    depth: int = 0
+    """How deep in routes calling routes this request is (0: the client's own)."""
+
+    async def infer(self, route: str, inputs: Mapping[str, Any], version: str | None = None) -> Any:
+        """Run another route's chain in this process on ``inputs`` (named tensors) and
+        return its answer, as a v2 request to it would get it, without HTTP: with this
+        request's deadline, priority and tenant, batched with that route's other requests.
+        ``version`` pins its runner version. Errors are the route's (404 for no such route,
+        503 while it is not ready, 400 for inputs it refuses)."""
+        if self.router is None:
+            raise RuntimeError("ctx.infer is served by the server's data plane only")
+        return await self.router(self, route, inputs, version)
 
 
 BackendFactory = Callable[[PluginInfo, Mapping[str, Any], "Path | None"], Any]

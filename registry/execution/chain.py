@@ -75,7 +75,7 @@ class Chain:
             else:  # the runner first: its check alone, without a coroutine of its own
                 data = self._checked(data)
                 ctx.timings["compute_input"] = time.perf_counter() - started
-            data = await call(self.runner, data, ctx)
+            data = await self._infer(call, data, ctx)
             mark = time.perf_counter()
             for stage in self.postprocess:
                 data = await call(stage, data, ctx)
@@ -98,6 +98,10 @@ class Chain:
         finally:
             if not cancelled:
                 self._record(ok, started, ctx)
+
+    def _infer(self, call: StageCall, data: Any, ctx: RequestContext) -> Awaitable[Any]:
+        """What runs between the processors: the runner (a graph's steps, ``graph.py``)."""
+        return call(self.runner, data, ctx)
 
     async def _preprocess(self, data: Any, ctx: RequestContext, call: Any, started: float) -> Any:
         """The request checked against the first stage's inputs, through the preprocessors."""

@@ -31,6 +31,8 @@ from plugserve.registry.errors import (
 )
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components.base import LoadedPlugin
+from plugserve.registry.execution.components.streaming import StreamingRunner
+from plugserve.registry.execution.graph import Graph, Step
 from plugserve.registry.ratelimit import RateLimit
 from plugserve.registry.refs import NAME_PATTERN, Ref, is_valid_name
 from plugserve.registry.routing.records import VersionRecord
@@ -38,7 +40,10 @@ from plugserve.registry.routing.variants import Candidate, WeightedChoice, salt_
 from plugserve.registry.versions import Version
 
 ROUTES_FILE = "routes.toml"
-_ROUTE_KEYS = {"runner", "preprocess", "postprocess", "sticky", "rate_limit"}
+_ROUTE_KEYS = {"runner", "preprocess", "postprocess", "sticky", "rate_limit", "steps", "outputs"}
+_STEP_KEYS = {"runner", "processor", "route", "inputs", "outputs"}
+STEP_KINDS = ("runner", "processor", "route")
+MAX_TENSOR_NAME = 256
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")  # fullmatch: no trailing newline
 MAX_ROUTES = 10_000
 MAX_CHAIN = 64
@@ -61,6 +66,26 @@ class Variant:
 
 
 @dataclass(frozen=True)
+class StepSpec:
+    """One step of a graph route: a runner, a processor or another route, and the names
+    its tensors take (``inputs``: its input <- a route tensor; ``outputs``: its output ->
+    a route tensor)."""
+
+    kind: str
+    target: str
+    """``name`` or ``name@version`` (a runner, a processor), or a route's name."""
+    inputs: tuple[tuple[str, str], ...]
+    outputs: tuple[tuple[str, str], ...]
+
+    @property
+    def ref(self) -> Ref:
+        return Ref.parse(self.target)
+
+    def as_entry(self) -> dict[str, Any]:
+        return {self.kind: self.target, "inputs": dict(self.inputs), "outputs": dict(self.outputs)}
+
+
+@dataclass(frozen=True)
 class RouteSpec:
     """What a route is made of. ``None`` chains come from the runner version's manifest.
 
@@ -78,14 +103,22 @@ class RouteSpec:
     sticky: str | None = None
     revision: int | None = None
     """For a runtime entry (admin API or etcd): the revision it was written at."""
+    steps: tuple[StepSpec, ...] = ()
+    """A graph route's steps (``graph.py``); ``runner`` is then its last runner step's."""
+    outputs: tuple[str, ...] = ()
+    """The route tensors a graph answers."""
 
     def as_entry(self) -> dict[str, Any]:
         """The entry in the shape ``routes.toml`` and ``PUT /admin/routes/{route}`` take."""
-        out: dict[str, Any] = {
-            "runner": {v.label: v.weight for v in self.variants}
-            if self.variants
-            else str(self.runner)
-        }
+        out: dict[str, Any]
+        if self.steps:
+            out = {"steps": [step.as_entry() for step in self.steps], "outputs": list(self.outputs)}
+        else:
+            out = {
+                "runner": {v.label: v.weight for v in self.variants}
+                if self.variants
+                else str(self.runner)
+            }
         for key, refs in (("preprocess", self.preprocess), ("postprocess", self.postprocess)):
             if refs is not None:
                 out[key] = [str(r) for r in refs]
@@ -154,7 +187,16 @@ def parse_route(name: str, entry: Any, source: str) -> RouteSpec:
 def _parse_route(name: str, entry: dict[str, Any], source: str) -> RouteSpec:
     runner = entry.get("runner")
     variants: tuple[Variant, ...] = ()
-    if isinstance(runner, dict):
+    steps: tuple[StepSpec, ...] = ()
+    outputs: tuple[str, ...] = ()
+    if "steps" in entry:
+        if runner is not None:
+            raise RouteSpecError(".runner: a graph route names its runners in its steps")
+        steps, outputs = _graph(name, entry)
+        runner_ref = next(s.ref for s in reversed(steps) if s.kind == "runner")
+    elif "outputs" in entry:
+        raise RouteSpecError(".outputs: only a graph route (steps) names its outputs")
+    elif isinstance(runner, dict):
         variants = _variants(runner)
         runner_ref = Ref(variants[0].runner.name)
     elif isinstance(runner, str):
@@ -199,7 +241,110 @@ def _parse_route(name: str, entry: dict[str, Any], source: str) -> RouteSpec:
         rate_limit,
         variants,
         sticky.lower() if sticky else None,
+        steps=steps,
+        outputs=outputs,
     )
+
+
+def _graph(name: str, entry: dict[str, Any]) -> tuple[tuple[StepSpec, ...], tuple[str, ...]]:
+    """A graph route's ``steps`` and ``outputs``: every tensor given by one step only, read
+    only by steps after it; at least one runner; outputs given by some step (default:
+    every tensor no step reads)."""
+    raw = entry["steps"]
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_CHAIN:
+        raise RouteSpecError(f".steps: must be a list of 1 to {MAX_CHAIN} step tables")
+    steps = tuple(_step(name, i, item) for i, item in enumerate(raw))
+    given: dict[str, int] = {}
+    for i, step in enumerate(steps):
+        for _, tensor in step.outputs:
+            if tensor in given:
+                raise RouteSpecError(
+                    f".steps[{i}].outputs: tensor {tensor!r} is given by step {given[tensor]} too"
+                )
+            given[tensor] = i
+    for i, step in enumerate(steps):
+        for _, tensor in step.inputs:
+            if given.get(tensor, -1) >= i:
+                raise RouteSpecError(
+                    f".steps[{i}].inputs: tensor {tensor!r} is given by step {given[tensor]}: "
+                    "a step reads only tensors of the request and of the steps before it"
+                )
+    if not any(step.kind == "runner" for step in steps):
+        raise RouteSpecError(".steps: a graph route runs at least one runner")
+    read = {tensor for step in steps for _, tensor in step.inputs}
+    if "outputs" in entry:
+        outputs = tuple(_tensor_names(entry["outputs"], ".outputs"))
+        unknown = [t for t in outputs if t not in given]
+        if unknown or not outputs:
+            raise RouteSpecError(
+                f".outputs: {unknown[0]!r} is given by no step" if unknown else
+                ".outputs: names at least one tensor"
+            )  # fmt: skip
+    else:
+        outputs = tuple(t for t in given if t not in read)
+        if not outputs:
+            raise RouteSpecError(".outputs: every tensor is read by a step: name the outputs")
+    return steps, outputs
+
+
+def _step(route: str, index: int, raw: Any) -> StepSpec:
+    where = f".steps[{index}]"
+    if not isinstance(raw, dict):
+        raise RouteSpecError(f"{where}: must be a table")
+    unknown = sorted(set(raw) - _STEP_KEYS)
+    if unknown:
+        raise RouteSpecError(f"{where}: unknown key(s) {unknown}; known: {sorted(_STEP_KEYS)}")
+    kinds = [k for k in STEP_KINDS if k in raw]
+    if len(kinds) != 1:
+        raise RouteSpecError(f"{where}: names one of runner, processor or route")
+    kind = kinds[0]
+    target = raw[kind]
+    if not isinstance(target, str) or len(target) > 256:
+        raise RouteSpecError(f"{where}.{kind}: must be a name")
+    try:
+        if kind == "route":
+            if not is_valid_name(target):
+                raise ValueError(f"{target!r}: a route name must match {NAME_PATTERN}")
+            if target == route:
+                raise ValueError("a route cannot call itself")
+        else:
+            Ref.parse(target)
+    except ValueError as exc:
+        raise RouteSpecError(f"{where}.{kind}: {exc}") from None
+    return StepSpec(
+        kind,
+        target,
+        _mapping(raw.get("inputs"), f"{where}.inputs"),
+        _mapping(raw.get("outputs"), f"{where}.outputs"),
+    )
+
+
+def _mapping(raw: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """``{ stage_name = "route_tensor" }``, or a list of names the stage and the route share."""
+    if isinstance(raw, list):
+        pairs = [(n, n) for n in _tensor_names(raw, where)]
+    elif isinstance(raw, dict) and 0 < len(raw) <= checks.MAX_ITEMS:
+        pairs = [
+            (checks.text(k, where[1:], max_length=MAX_TENSOR_NAME),
+             checks.text(v, f"{where[1:]}.{checks.shown(k)}", max_length=MAX_TENSOR_NAME))
+            for k, v in raw.items()
+        ]  # fmt: skip
+    else:
+        raise RouteSpecError(
+            f"{where}: is required: a table of stage tensor = route tensor, or a list of names"
+        )
+    if not pairs or any(not a or not b for a, b in pairs):
+        raise RouteSpecError(f"{where}: names at least one tensor, none empty")
+    return tuple(pairs)
+
+
+def _tensor_names(raw: Any, where: str) -> list[str]:
+    if not isinstance(raw, list) or len(raw) > checks.MAX_ITEMS:
+        raise RouteSpecError(f"{where}: must be a list of tensor names")
+    names = [checks.text(n, where[1:], max_length=MAX_TENSOR_NAME) for n in raw]
+    if len(set(names)) < len(names):
+        raise RouteSpecError(f"{where}: a tensor is named twice")
+    return names
 
 
 def _variants(table: dict[Any, Any]) -> tuple[Variant, ...]:
@@ -372,7 +517,7 @@ class RouteEntry:
         out: dict[str, Any] = {
             "name": spec.name,
             "source": spec.source,
-            "runner": spec.as_entry()["runner"],
+            "runner": spec.as_entry().get("runner", str(spec.runner)),
             "preprocess": None if spec.preprocess is None else [str(r) for r in spec.preprocess],
             "postprocess": None if spec.postprocess is None else [str(r) for r in spec.postprocess],
             "sticky": spec.sticky,
@@ -385,6 +530,9 @@ class RouteEntry:
         }
         if spec.revision is not None:
             out["revision"] = spec.revision
+        if spec.steps:
+            out["steps"] = [step.as_entry() for step in spec.steps]
+            out["outputs"] = list(spec.outputs)
         if spec.variants:
             choice = self.choice
             out["variants"] = [
@@ -506,8 +654,88 @@ def build_route_table(
             continue
         specs[route] = RouteSpec(route, Ref(name), source=f"runner/{name}")
     specs.update(file_routes)
-    entries = {name: _entry(spec, index) for name, spec in specs.items()}
-    return RouteTable(entries, tuple(errors))
+    entries = {name: _entry(spec, index) for name, spec in specs.items() if not spec.steps}
+    graphs = {name: spec for name, spec in specs.items() if spec.steps}
+    for name in graphs:
+        _build_graph(name, graphs, index, entries, ())
+    return RouteTable({name: entries[name] for name in specs}, tuple(errors))
+
+
+def _build_graph(
+    name: str,
+    graphs: Mapping[str, RouteSpec],
+    index: _Index,
+    entries: dict[str, RouteEntry],
+    calling: tuple[str, ...],
+) -> None:
+    """``name``'s entry, once every graph route its steps call has one (a loop of routes
+    calling each other fails each route in it)."""
+    if name in entries:
+        return
+    spec = graphs[name]
+    for step in spec.steps:
+        called = step.target
+        if step.kind != "route" or called not in graphs or called in entries:
+            continue
+        if called in calling or called == name:
+            loop = " -> ".join((*calling, name, called))
+            failure = _Failure(Unavailable, f"route {name!r}: routes call each other: {loop}")
+            entries[name] = RouteEntry(spec, failure, {}, {})
+            return
+        _build_graph(called, graphs, index, entries, (*calling, name))
+    entries[name] = _graph_entry(spec, index, entries)
+
+
+def _graph_entry(spec: RouteSpec, index: _Index, entries: Mapping[str, RouteEntry]) -> RouteEntry:
+    """A graph route serves only once every step (and processor around it) is ready: until
+    then its failure names each one it waits for."""
+    missing: list[str] = []
+    steps: list[Step] = []
+    runner: LoadedPlugin | None = None
+    for step in spec.steps:
+        target = _step_target(step, index, entries)
+        if isinstance(target, _Failure):
+            missing.append(target.message)
+            continue
+        if step.kind == "runner":
+            assert isinstance(target, LoadedPlugin)
+            runner = target
+        steps.append(Step(target, step.inputs, step.outputs))
+    pre, post, absent = _stages(spec.preprocess or (), spec.postprocess or (), index)
+    missing.extend(absent)
+    known = index.known.get(("runner", spec.runner.name), {})
+    if missing or runner is None:
+        message = f"route {spec.name!r} waits for its graph: {'; '.join(missing)}"
+        return RouteEntry(spec, _Failure(Unavailable, message, tuple(missing)), {}, known)
+    graph = Graph(spec.name, pre, runner, post, steps=tuple(steps), answers=spec.outputs)
+    return RouteEntry(spec, graph, {runner.version: graph}, known)
+
+
+def _step_target(
+    step: StepSpec, index: _Index, entries: Mapping[str, RouteEntry]
+) -> LoadedPlugin | Chain | _Failure:
+    if step.kind == "route":
+        entry = entries.get(step.target)
+        if entry is None:
+            return _Failure(Unavailable, f"route {step.target} does not exist")
+        if isinstance(entry.default, _Failure):
+            return _Failure(Unavailable, f"route {step.target} is not ready")
+        if entry.default.streaming:
+            return _Failure(
+                Unavailable, f"route {step.target} streams: a graph's steps answer once"
+            )
+        return entry.default
+    if step.kind == "runner":
+        picked = index.pick("runner", step.ref)
+        if isinstance(picked, StreamingRunner):
+            return _Failure(
+                Unavailable, f"runner {step.target} streams: a graph's steps answer once"
+            )
+        return picked
+    picked = index.pick("preprocessor", step.ref)
+    if isinstance(picked, _Failure) and (("postprocessor", step.ref.name) in index.known):
+        return index.pick("postprocessor", step.ref)
+    return picked
 
 
 def _entry(spec: RouteSpec, index: _Index) -> RouteEntry:

@@ -56,6 +56,7 @@ def request_context(
     parameters: Mapping[str, Any],
     deadline_s: float | None = None,
     body_bytes: int | None = None,
+    router: Any = None,
 ) -> RequestContext:
     """The ``ctx`` stages see; deadline, priority and tenant steer the runner's scheduler."""
     priority = parameters.get("priority")
@@ -79,6 +80,7 @@ def request_context(
         priority=priority,
         tenant=call.headers.get(TENANT_HEADER),
         body_bytes=body_bytes,
+        router=router,
     )
 
 
@@ -97,4 +99,5 @@ def another(ctx: RequestContext, parameters: Mapping[str, Any]) -> RequestContex
         priority=ctx.priority,
         tenant=ctx.tenant,
         body_bytes=ctx.body_bytes,
+        router=ctx.router,
     )

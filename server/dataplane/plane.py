@@ -38,6 +38,7 @@ from plugserve.registry.execution import tracing
 from plugserve.registry.execution.batching import priority_level
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components import batch_policy
+from plugserve.registry.execution.graph import RouteCaller
 from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.types import RequestContext
 from plugserve.server.dataplane.cache import ResponseCache
@@ -132,6 +133,10 @@ class DataPlane:
         self.metrics = metrics
         self.drain = drain
         self.cache = cache
+        self.router = RouteCaller(
+            lambda route, version: self.registry.routes.resolve(route, version)
+        )
+        """``ctx.infer``: a route called in-process by a plugin (``graph.py``)."""
         self.pins = SequencePins()
         """The chain each running sequence started on (``pins.py``)."""
 
@@ -197,8 +202,9 @@ class DataPlane:
             budget = inference.deadline_s
             deadline = budget if deadline is None else min(deadline, budget)
         served.ctx = ctx = request_context(
-            call, route, protocol, inference.parameters, deadline, inference.body_bytes
-        )
+            call, route, protocol, inference.parameters, deadline, inference.body_bytes,
+            self.router,
+        )  # fmt: skip
         served.data = inference.data
         served.deadline_s = deadline
         # Resolved again (the table may have changed while the body was read; a lookup costs

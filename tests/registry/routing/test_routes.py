@@ -170,3 +170,50 @@ def test_hostile_entries_are_route_spec_errors_naming_the_field(
     with pytest.raises(RouteSpecError) as info:
         parse_route("x", entry, "admin")
     assert str(info.value).startswith(message), str(info.value)
+
+
+GRAPH = {
+    "steps": [
+        {"runner": "det@1.0.0", "inputs": {"x": "image"}, "outputs": {"y": "boxes"}},
+        {"processor": "crop", "inputs": ["image", "boxes"], "outputs": ["crops"]},
+        {"runner": "rec", "inputs": {"x": "crops"}, "outputs": {"y": "text"}},
+    ],
+}
+
+
+def test_a_graph_entry_round_trips_and_answers_what_no_step_reads() -> None:
+    spec = parse_route("ocr", GRAPH, "admin")
+    assert spec.outputs == ("text",) and str(spec.runner) == "rec"
+    assert [s.kind for s in spec.steps] == ["runner", "processor", "runner"]
+    assert spec.steps[1].inputs == (("image", "image"), ("boxes", "boxes"))
+    again = parse_route("ocr", spec.as_entry(), "etcd")
+    assert again.steps == spec.steps and again.outputs == spec.outputs
+
+
+def step(**entry: object) -> dict[str, object]:
+    return {"inputs": ["a"], "outputs": ["b"], **entry}
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"runner": "a", "steps": [step(runner="a")]}, ".runner: a graph route names its runners"),
+        ({"runner": "a", "outputs": ["b"]}, ".outputs: only a graph route"),
+        ({"steps": []}, ".steps: must be a list of 1 to 64"),
+        ({"steps": [step(processor="p")]}, ".steps: a graph route runs at least one runner"),
+        ({"steps": [step(runner="a", processor="p")]}, ".steps[0]: names one of runner"),
+        ({"steps": [step(route="x")]}, ".steps[0].route: a route cannot call itself"),
+        ({"steps": [{"runner": "a", "outputs": ["b"]}]}, ".steps[0].inputs: is required"),
+        ({"steps": [step(runner="a", inputs=["b"])]}, ".steps[0].inputs: tensor 'b' is given by"),
+        ({"steps": [step(runner="a"), step(runner="c")]}, ".steps[1].outputs: tensor 'b' is given"),
+        ({"steps": [step(runner="a")], "outputs": ["z"]}, ".outputs: 'z' is given by no step"),
+        ({"steps": [step(runner="a", unknown=1)]}, ".steps[0]: unknown key(s) ['unknown']"),
+        ({"steps": [step(runner="a", outputs={"y": "a\n"})]}, ".steps[0].outputs.'y': must not"),
+    ],
+)  # fmt: skip
+def test_graph_entries_that_cannot_run_are_refused_naming_the_field(
+    entry: dict[str, object], message: str
+) -> None:
+    with pytest.raises(RouteSpecError) as info:
+        parse_route("x", entry, "admin")
+    assert str(info.value).startswith(message), str(info.value)
