@@ -56,6 +56,11 @@ rerun. Example::
         def infer(self, inputs):
             return {"y": inputs["x"] * 2}
 
+Calling another route (Triton's BLS): an ``async`` ``process`` or ``format`` may
+``await ctx.infer("route", {"x": array})``: that route's chain runs in this process,
+batched with its own requests, within this request's deadline, priority and tenant,
+and its answer (named tensors) comes back; its errors are the route's (404, 503, 400).
+
 Streaming runners (Triton's decoupled models) answer one request with several
 responses, in order. A runner streams in one of two ways:
 
