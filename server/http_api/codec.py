@@ -14,6 +14,7 @@ data itself is read and written by ``server/triton/shared_memory.py``.
 
 from __future__ import annotations
 
+import binascii
 import dataclasses
 import json
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from plugserve.registry import checks
 from plugserve.registry.errors import InvalidInput
 from plugserve.registry.tensors.datatypes import V2_TO_NUMPY, v2_datatype
 from plugserve.registry.tensors.values import MayHoldBool, from_json
@@ -230,12 +232,14 @@ def _input(
     ):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
     count = element_count(name, datatype, shape, limits)
+    base64 = False
     if "parameters" not in raw:  # the usual input of a JSON request: its data, no more
         size = ref = None
     else:
         parameters = _parameters(raw, f"input {name!r}")
         size = parameters.get("binary_data_size")
         ref = shared_memory_ref(parameters, f"input {name!r}")
+        base64 = _is_base64(name, datatype, parameters)
     if ref is not None:
         if size is not None or "data" in raw:
             raise InvalidInput(
@@ -251,7 +255,50 @@ def _input(
         return name, from_binary(name, datatype, shape, count, chunk), size
     if "data" not in raw:
         raise InvalidInput(f"input {name!r} has neither 'data' nor binary_data_size")
+    if base64:
+        return name, _from_base64(name, shape, count, raw["data"]), 0
     return name, _from_json(name, datatype, shape, count, raw["data"], may_hold_bool), 0
+
+
+CONTENT_TYPES = ("base64", "str", "np")
+"""An input's ``parameters.content_type`` (MLServer's): ``base64`` for BYTES elements sent
+as base64 text (an encoded image in JSON); ``str`` and ``np`` are what a plain JSON input
+means already."""
+
+
+def _is_base64(name: str, datatype: str, parameters: Mapping[str, Any]) -> bool:
+    content_type = parameters.get("content_type")
+    if content_type is None:
+        return False
+    if content_type not in CONTENT_TYPES:
+        raise InvalidInput(
+            f"input {name!r}: content_type {checks.shown(content_type)} is not one of "
+            f"{', '.join(CONTENT_TYPES)}"
+        )
+    if content_type == "base64" and datatype != "BYTES":
+        raise InvalidInput(f"input {name!r}: content_type base64 is for BYTES, not {datatype}")
+    return bool(content_type == "base64")
+
+
+def _from_base64(name: str, shape: list[int], count: int, data: Any) -> np.ndarray:
+    """BYTES elements sent as base64 strings, decoded (strictly: no stray characters)."""
+    values = data if isinstance(data, list) else [data]
+    flat = np.asarray(values, dtype=object).reshape(-1)
+    if flat.size != count:
+        raise InvalidInput(
+            f"input {name!r}: shape {shape} needs {count} elements, the data has {flat.size}"
+        )
+    decoded = np.empty(count, dtype=object)
+    for i, value in enumerate(flat):
+        if not isinstance(value, str):
+            raise InvalidInput(
+                f"input {name!r}: base64 elements are strings, not {type(value).__name__}"
+            )
+        try:
+            decoded[i] = binascii.a2b_base64(value, strict_mode=True)
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidInput(f"input {name!r}: element {i} is not base64 ({exc})") from None
+    return decoded.reshape(shape)
 
 
 def _from_json(
