@@ -6,6 +6,8 @@ API or the log knows what to fix.
 
 from __future__ import annotations
 
+import ast
+import copy
 import math
 import os
 import re
@@ -261,6 +263,77 @@ def load_manifest(
     if runner_overrides and isinstance(raw.get("runner", {}), dict):
         raw = {**raw, "runner": {**raw.get("runner", {}), **runner_overrides}}
     return parse_manifest(raw, folder, check_layout)
+
+
+MAX_PROBLEMS = 64
+_STEP = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+_UNKNOWN = re.compile(r"unknown key\(s\) (\[.*?\]);")
+
+
+def manifest_problems(folder: Path, check_layout: bool = True) -> tuple[Manifest | None, list[str]]:
+    """Every problem of ``folder/plugin.toml``, not only the first: after each, the field
+    at fault is set aside and the rest checked again (``plugserve validate``). The
+    manifest, when there is none."""
+    try:
+        return load_manifest(folder, check_layout=check_layout), []
+    except ManifestError as first:
+        problems = [first.message]
+        field, message = first.fields.get("field"), first.message
+    try:
+        raw: Any = copy.deepcopy(checks.read_toml(folder / MANIFEST_NAME))
+    except (FileNotFoundError, checks.ValueProblem):
+        return None, problems  # unreadable: the one problem there is
+    while len(problems) < MAX_PROBLEMS and _set_aside(raw, field, message):
+        try:
+            parse_manifest(raw, folder, check_layout)
+            break
+        except ManifestError as exc:
+            if exc.message in problems:
+                break
+            problems.append(exc.message)
+            field, message = exc.fields.get("field"), exc.message
+    return None, problems
+
+
+def _set_aside(raw: Any, field: str | None, message: str) -> bool:
+    """Remove what ``field`` names from ``raw`` (its unknown keys, for an unknown-keys
+    problem); ``False`` when that cannot go on (a required or ``[plugin]`` field)."""
+    steps: list[str | int] = [
+        name if name else int(index) for name, index in _STEP.findall(field or "")
+    ]
+    unknown = _UNKNOWN.search(message)
+    if unknown and field is not None:
+        try:
+            keys = ast.literal_eval(unknown.group(1))
+        except (ValueError, SyntaxError):
+            return False
+        container = _walk(raw, steps)
+        if not isinstance(container, dict):
+            return False
+        for key in keys:
+            container.pop(key, None)
+        return True
+    if not field or field.split(".")[0] == "plugin" or "is required" in message:
+        return False
+    parent = _walk(raw, steps[:-1])
+    last = steps[-1] if steps else None
+    if isinstance(parent, dict) and last in parent:
+        del parent[last]
+        return True
+    if isinstance(parent, list) and isinstance(last, int) and last < len(parent):
+        del parent[last]
+        return True
+    return False
+
+
+def _walk(raw: Any, steps: list[str | int]) -> Any:
+    node = raw
+    for step in steps:
+        in_list = isinstance(node, list) and isinstance(step, int) and step < len(node)
+        if not (in_list or (isinstance(node, dict) and step in node)):
+            return None
+        node = node[step]
+    return node
 
 
 def parse_manifest(raw: Mapping[str, Any], folder: Path, check_layout: bool = True) -> Manifest:

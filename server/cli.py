@@ -24,7 +24,7 @@ from plugserve.registry.errors import ConfigError, PlugserveError
 from plugserve.registry.fleet.etcd_store import EtcdLocation
 from plugserve.server import __version__
 from plugserve.server.app import create_app
-from plugserve.server.commands.validate import ERROR, Report, validate
+from plugserve.server.commands.validate import ERROR, OUTCOMES, VALID, Report, validate_all
 from plugserve.server.config import Settings, load_settings
 from plugserve.server.grpc_api.listener import grpc_lifetime
 from plugserve.server.http.connections import (
@@ -108,7 +108,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Exit 0: valid; 1: invalid package; 2: usage or environment error.",
     )
     validate.add_argument(
-        "folder", type=Path, help="a package: <plugins_dir>/<type>/<name>/<version>, or anywhere"
+        "folder",
+        type=Path,
+        nargs="+",
+        help="a package: <plugins_dir>/<type>/<name>/<version>, or anywhere; several "
+        "packages are validated together (their chains may name each other)",
     )
     validate.add_argument("--models-dir", type=Path, help="default: ./models")
     validate.add_argument(
@@ -379,14 +383,25 @@ def _validate(args: argparse.Namespace) -> int:
         # What the package prints (at import, create, warmup) goes to stderr: stdout is the
         # report's, which --json keeps one JSON object.
         with contextlib.redirect_stdout(sys.stderr):
-            report = validate(
+            reports = validate_all(
                 args.folder, models_dir, args.plugins_dir, args.models_dir is not None
             )
     except ConfigError as exc:  # a usage error: still one JSON object with --json
         if not args.json:
             raise
-        report = Report(Path(os.path.abspath(args.folder)), models_dir, code=ERROR)
+        report = Report(Path(os.path.abspath(args.folder[0])), models_dir, code=ERROR)
         report.problems.append(exc.message)
-    print(json.dumps(report.as_json(), indent=2) if args.json else report.text())
-    _leave_lingering_threads(report.code)
-    return report.code
+        reports = [report]
+    code = max(report.code for report in reports)
+    if len(reports) == 1:
+        shown: dict[str, object] = reports[0].as_json()
+    else:
+        packages = [report.as_json() for report in reports]
+        shown = {"outcome": OUTCOMES[code], "valid": code == VALID, "packages": packages}
+    print(
+        json.dumps(shown, indent=2)
+        if args.json
+        else "\n\n".join(report.text() for report in reports)
+    )
+    _leave_lingering_threads(code)
+    return code

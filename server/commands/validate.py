@@ -14,12 +14,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from plugserve.registry.errors import ConfigError, PlugserveError
 from plugserve.registry.lifecycle.loader import Loader
-from plugserve.registry.manifest import MANIFEST_NAME, Manifest, load_manifest
+from plugserve.registry.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    load_manifest,
+    manifest_problems,
+)
 from plugserve.registry.plugins.hooks import PluginHooks
 from plugserve.registry.refs import PLUGIN_TYPES, Ref, is_ignored_name
 
@@ -116,9 +122,15 @@ def check_paths(path: Path, models_dir: Path, plugins_dir: Path | None, explicit
 
 
 def validate(
-    path: Path, models_dir: Path, plugins_dir: Path | None = None, explicit_models: bool = True
+    path: Path,
+    models_dir: Path,
+    plugins_dir: Path | None = None,
+    explicit_models: bool = True,
+    staged: Sequence[Manifest] = (),
 ) -> Report:
-    """Check the manifest, the chain and the load (import, create, warmup, release).
+    """Check the manifest (every problem of it), the chain and the load (import, create,
+    warmup, release). ``staged``: the other packages validated with this one, which its
+    chain may name as if they were installed.
 
     Raises :class:`ConfigError` for a path the command cannot work with (exit 2).
     """
@@ -129,45 +141,56 @@ def validate(
     report = Report(path, models_dir, plugins_dir or home, layout_checked=home is not None)
     if not models_dir.is_dir():
         report.notes.append(f"models dir {models_dir} does not exist (--models-dir sets it)")
-    try:
-        report.manifest = load_manifest(path, check_layout=home is not None)
-    except PlugserveError as exc:
-        report.problems.append(exc.message)
+    manifest, problems = manifest_problems(path, check_layout=home is not None)
+    if manifest is None:
+        report.problems.extend(problems)
         report.code = INVALID
         return report
-    if report.plugins_dir is not None:
-        check_chain(report, report.manifest, report.plugins_dir)
-    elif report.manifest.route.preprocess or report.manifest.route.postprocess:
+    report.manifest = manifest
+    if report.plugins_dir is not None or staged:
+        check_chain(report, manifest, report.plugins_dir, staged)
+    elif manifest.route.preprocess or manifest.route.postprocess:
         report.notes.append("the chain was not checked: give --plugins-dir")
     asyncio.run(_load(report, report.manifest, home))
     report.code = INVALID if report.problems else VALID
     return report
 
 
-def check_chain(report: Report, manifest: Manifest, plugins_dir: Path) -> None:
-    """Each ``[route]`` stage must have a version in ``plugins_dir`` that its ref matches."""
+def check_chain(
+    report: Report, manifest: Manifest, plugins_dir: Path | None, staged: Sequence[Manifest] = ()
+) -> None:
+    """Each ``[route]`` stage must have a version, in ``plugins_dir`` or among the ``staged``
+    packages, that its ref matches."""
     stages = [("preprocess", "preprocessor", r) for r in manifest.route.preprocess]
     stages += [("postprocess", "postprocessor", r) for r in manifest.route.postprocess]
+    where = " and ".join(
+        [*([str(plugins_dir)] if plugins_dir is not None else []),
+         *(["the packages validated with it"] if staged else [])]
+    )  # fmt: skip
     for stage, kind, ref in stages:
-        resolved = _resolve(plugins_dir, kind, ref)
+        resolved = _resolve(plugins_dir, kind, ref, staged)
         report.chain.append({"stage": stage, "ref": str(ref), "resolved": resolved})
         if resolved is None:
             wanted = f"version {ref.version}" if ref.version else "version"
             report.problems.append(
-                f"route.{stage}: {kind} {ref} has no {wanted} in {plugins_dir}"
+                f"route.{stage}: {kind} {ref} has no {wanted} in {where}"
                 " (the route would answer 503)"
             )
 
 
-def _resolve(plugins_dir: Path, kind: str, ref: Ref) -> str | None:
-    """The version ``ref`` picks among the valid manifests in ``plugins_dir``, if any."""
-    folder = plugins_dir / kind / ref.name
+def _resolve(
+    plugins_dir: Path | None, kind: str, ref: Ref, staged: Sequence[Manifest] = ()
+) -> str | None:
+    """The version ``ref`` picks among the valid manifests in ``plugins_dir`` and the
+    ``staged`` packages, if any."""
+    versions = [m.version for m in staged if m.type == kind and m.name == ref.name]
+    folder = None if plugins_dir is None else plugins_dir / kind / ref.name
     try:
-        names = [n for n in os.listdir(folder) if not is_ignored_name(n)]
+        names = [] if folder is None else [n for n in os.listdir(folder) if not is_ignored_name(n)]
     except OSError:
-        return None
-    versions = []
+        names = []
     for name in names:
+        assert folder is not None
         try:
             versions.append(load_manifest(folder / name).version)
         except PlugserveError:
@@ -175,6 +198,29 @@ def _resolve(plugins_dir: Path, kind: str, ref: Ref) -> str | None:
     if ref.version is not None:
         return str(ref.version) if ref.version in versions else None
     return str(max(versions)) if versions else None
+
+
+def validate_all(
+    paths: Sequence[Path],
+    models_dir: Path,
+    plugins_dir: Path | None = None,
+    explicit_models: bool = True,
+) -> list[Report]:
+    """:func:`validate` each package, each one's chain also resolved among the others
+    (staged packages that name each other, validated together)."""
+    staged = []
+    for path in paths:
+        home = plugins_folder(Path(os.path.abspath(path)), plugins_dir)
+        manifest, _ = manifest_problems(Path(os.path.abspath(path)), home is not None)
+        if manifest is not None:
+            staged.append(manifest)
+    return [
+        validate(
+            path, models_dir, plugins_dir, explicit_models,
+            [m for m in staged if m.path != Path(os.path.abspath(path))],
+        )
+        for path in paths
+    ]  # fmt: skip
 
 
 async def _load(report: Report, manifest: Manifest, home: Path | None) -> None:

@@ -180,3 +180,55 @@ def test_requirements_the_environment_lacks_are_listed_with_their_pip_command(
     manifest.write_text(manifest.read_text().replace('"numpy>=1"', '"numpy >>> 1"'))
     result = plugserve("validate", "build/iris-2.0.0", "--json", cwd=tmp_path)
     assert result.returncode == 1 and "is not a requirement" in result.stdout, result.stdout
+
+
+def test_every_problem_of_a_manifest_is_listed(tmp_path: Path) -> None:
+    """Not only the first: each problem names its field, and the rest are still checked."""
+    folder = tmp_path / "build" / "many"
+    source = "import pluggy\nhookimpl = pluggy.HookimplMarker('plugserve')\n"
+    write_plugin(
+        tmp_path / "src", "runner", "many", "1.0.0",
+        "[runner]\nmax_batch_sise = 8\nmax_batch_size = -1\ninstances = \"two\"\n"
+        "[runner.batching.inputs]\nx = { axis = 99 }\n[route]\npreprocess = 5\n",
+        files={"plugin.py": source},
+    )  # fmt: skip
+    shutil.copytree(tmp_path / "src/runner/many/1.0.0", folder)
+    result = plugserve("validate", str(folder), "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = json.loads(result.stdout)["problems"]
+    for field in ("runner: unknown key(s) ['max_batch_sise']", "runner.max_batch_size:",
+                  "runner.instances:", "runner.batching.inputs.x.axis:", "route.preprocess:"):  # fmt: skip
+        assert sum(field in p for p in problems) == 1, (field, problems)
+    assert len(problems) == 5, problems
+
+
+def test_staged_packages_that_name_each_other_validate_together(tmp_path: Path) -> None:
+    """A release of a runner and the preprocessor version it pins, staged side by side:
+    alone the runner's chain misses the preprocessor; together it resolves."""
+    runner = staged_iris(tmp_path)
+    manifest = runner / "plugin.toml"
+    manifest.write_text(manifest.read_text().replace('"scale"', '"scale@2.0.0"'))
+    scale = tmp_path / "build" / "scale-2.0.0"
+    shutil.copytree(ROOT / "plugins/preprocessor/scale/1.0.0", scale)
+    text = (scale / "plugin.toml").read_text()
+    (scale / "plugin.toml").write_text(text.replace('version = "1.0.0"', 'version = "2.0.0"'))
+    common = ("--models-dir", str(ROOT / "models"), "--plugins-dir", str(ROOT / "plugins"))
+    alone = plugserve("validate", str(runner), *common, "--json", cwd=tmp_path)
+    assert alone.returncode == 1
+    assert (
+        "preprocessor scale@2.0.0 has no version 2.0.0" in json.loads(alone.stdout)["problems"][0]
+    )
+    both = plugserve("validate", str(runner), str(scale), *common, "--json", cwd=tmp_path)
+    assert both.returncode == 0, both.stdout + both.stderr
+    report = json.loads(both.stdout)
+    assert report["outcome"] == "valid"
+    assert [p["plugin"] for p in report["packages"]] == [
+        "runner/iris@2.0.0", "preprocessor/scale@2.0.0",
+    ]  # fmt: skip
+    assert report["packages"][0]["chain"][0] == {
+        "stage": "preprocess", "ref": "scale@2.0.0", "resolved": "2.0.0",
+    }  # fmt: skip
+    text_report = plugserve("validate", str(runner), str(scale), *common, cwd=tmp_path)
+    assert text_report.returncode == 0
+    assert "runner/iris@2.0.0: valid" in text_report.stdout
+    assert "preprocessor/scale@2.0.0: valid" in text_report.stdout
