@@ -74,7 +74,9 @@ OPENAI_KINDS = ("embeddings", "chat", "completions")
 """``[route] openai``: the OpenAI-compatible routes (``/v1/...``) a route is served at."""
 
 
-SEQUENCE_KEYS = frozenset({"idle_timeout_s", "max_sequences", "state"})
+SEQUENCE_KEYS = frozenset({"idle_timeout_s", "max_sequences", "state", "controls"})
+CONTROL_KEYS = frozenset({"start", "end", "ready", "corrid", "corrid_datatype"})
+CORRID_DATATYPES = ("BYTES", "UINT64", "INT64")
 STATE_KEYS = frozenset({"input", "output", "datatype", "shape", "initial"})
 MAX_SEQUENCES = 1_000_000
 MAX_IDLE_S = 7 * 86_400.0
@@ -145,6 +147,27 @@ class BatchingSection:
 
 
 @dataclass(frozen=True)
+class SequenceControls:
+    """``[runner.sequence.controls]``: the control inputs the server feeds each request of a
+    sequence, as Triton's sequence batcher does (each ``[1, 1]``, one row a request); the
+    names of the runner's inputs, ``None`` for a control it does not take."""
+
+    start: str | None = None
+    """INT32: 1 on the sequence's first request, else 0."""
+    end: str | None = None
+    """INT32: 1 on its last request, else 0."""
+    ready: str | None = None
+    """INT32: 1 (every row is a request)."""
+    corrid: str | None = None
+    """The sequence id: its text (BYTES), or an integer (``corrid_datatype``)."""
+    corrid_datatype: str = "BYTES"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.start, self.end, self.ready, self.corrid) if n)
+
+
+@dataclass(frozen=True)
 class SequenceSection:
     """The ``[runner.sequence]`` table: the runner serves sequences (correlated requests,
     as Triton's sequence batcher), each with its state kept in the server."""
@@ -154,6 +177,7 @@ class SequenceSection:
     max_sequences: int = 1024
     """Sequences alive at once; a start beyond them is refused (429)."""
     states: tuple[StateSpec, ...] = ()
+    controls: SequenceControls = field(default_factory=SequenceControls)
 
 
 @dataclass(frozen=True)
@@ -506,7 +530,29 @@ def _sequence(p: _Fields, runner: Mapping[str, Any]) -> SequenceSection | None:
         ),
         max_sequences=p.integer(table, "runner.sequence.max_sequences", 1024, 1, MAX_SEQUENCES),
         states=tuple(states),
+        controls=_controls(p, table, {*inputs, *outputs}),
     )  # fmt: skip
+
+
+def _controls(p: _Fields, sequence: Mapping[str, Any], states: set[str]) -> SequenceControls:
+    where = "runner.sequence.controls"
+    table = p.table(sequence, where)
+    p.no_unknown_keys(table, where, CONTROL_KEYS)
+    datatype = p.string(table, f"{where}.corrid_datatype") or "BYTES"
+    if datatype not in CORRID_DATATYPES:
+        raise ManifestError(p.path, f"must be one of {', '.join(CORRID_DATATYPES)}",
+                            f"{where}.corrid_datatype")  # fmt: skip
+    controls = SequenceControls(
+        start=p.string(table, f"{where}.start"),
+        end=p.string(table, f"{where}.end"),
+        ready=p.string(table, f"{where}.ready"),
+        corrid=p.string(table, f"{where}.corrid"),
+        corrid_datatype=datatype,
+    )
+    names = controls.names
+    if len(set(names)) < len(names) or set(names) & states:
+        raise ManifestError(p.path, "each control names an input of its own, no state's", where)
+    return controls
 
 
 def _check_state_axes(

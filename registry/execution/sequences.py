@@ -83,6 +83,7 @@ class Sequences:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.section = section
+        self._controls = section.controls.names
         self.layout = layout
         """The runner's declared batching: the axis each state's row is on (default 0)."""
         self.label = label
@@ -133,6 +134,30 @@ class Sequences:
         shape = _with_row(spec.shape, self._axis(spec.input, output=False))
         return np.full(shape, spec.initial, dtype=V2_TO_NUMPY[spec.datatype])
 
+    def _control_inputs(
+        self, sequence_id: SequenceId, start: bool, end: bool
+    ) -> dict[str, np.ndarray]:
+        """The request's control tensors (``[runner.sequence.controls]``), one row each."""
+        controls = self.section.controls
+        fed = {}
+        for name, value in ((controls.start, start), (controls.end, end), (controls.ready, True)):
+            if name:
+                fed[name] = np.full((1, 1), int(value), np.int32)
+        if controls.corrid:
+            if controls.corrid_datatype == "BYTES":
+                fed[controls.corrid] = np.full((1, 1), str(sequence_id).encode(), dtype=object)
+            elif isinstance(sequence_id, str) or (
+                controls.corrid_datatype == "INT64" and sequence_id >= 2**63
+            ):
+                raise InvalidInput(
+                    f"runner {self.label} takes {controls.corrid_datatype} sequence ids, "
+                    f"not {sequence_id!r}"
+                )
+            else:
+                dtype = np.uint64 if controls.corrid_datatype == "UINT64" else np.int64
+                fed[controls.corrid] = np.full((1, 1), sequence_id, dtype)
+        return fed
+
     def _axis(self, name: str, output: bool) -> int:
         layout = self.layout
         if layout is None:
@@ -170,7 +195,10 @@ class Sequences:
                     # the request succeeds (a failed request leaves the state as it was).
                     state = self.initial() if start and not fresh else sequence.state
                     try:
-                        kept, answer = self._kept(await execute({**inputs, **state}))
+                        fed = {**inputs, **state}
+                        if self._controls:
+                            fed.update(self._control_inputs(sequence_id, start, end))
+                        kept, answer = self._kept(await execute(fed))
                     except BaseException:
                         if fresh:  # a start that failed started nothing
                             self._end(sequence_id, sequence)

@@ -289,8 +289,19 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             async with writing:
                 await _write_whole(context, answer, tracked)
 
-        async def one(request: pb.ModelInferRequest) -> None:
+        # A sequence's requests in one stream run in the stream's order, each once the one
+        # before it is answered (its turn in the sequence is taken in that order, whatever
+        # the requests' decoding and queueing): the sequence's last request, by its id.
+        last_of: dict[tuple[str, Any], asyncio.Future[None]] = {}
+
+        async def one(
+            request: pb.ModelInferRequest,
+            after: asyncio.Future[None] | None = None,
+            done: asyncio.Future[None] | None = None,
+        ) -> None:
             try:
+                if after is not None:
+                    await after
                 try:
                     call = self._call(context)
                     response = await self._infer(call, request, send)
@@ -306,13 +317,26 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 slots.release()
                 if tracked is not None:
                     tracked.request_ended()
+                if done is not None:
+                    done.set_result(None)
 
         try:
             async for request in requests:
                 if tracked is not None:
                     tracked.request_began()
                 await slots.acquire()
-                task = asyncio.create_task(one(request))
+                key = _sequence_key(request)
+                after = done = None
+                if key is not None:
+                    after = last_of.get(key)
+                    if after is not None and after.done():
+                        after = None
+                    done = last_of[key] = asyncio.get_running_loop().create_future()
+                    if len(last_of) > STREAM_IN_FLIGHT:  # those answered are forgotten
+                        for kept, future in list(last_of.items()):
+                            if future.done():
+                                del last_of[kept]
+                task = asyncio.create_task(one(request, after, done))
                 running.add(task)
                 task.add_done_callback(running.discard)
             if running:
@@ -551,6 +575,16 @@ EMPTY_FINAL = "triton_enable_empty_final_response"
 """A request's parameter (``true``): after its last response, an empty one marked final."""
 FINAL = "triton_final_response"
 """The parameter of each answer on the stream: whether it is its request's last."""
+
+
+def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, Any] | None:
+    """The sequence a stream's request belongs to (its ``sequence_id`` parameter), if any."""
+    if "sequence_id" not in request.parameters:
+        return None
+    parameter = request.parameters["sequence_id"]
+    which = parameter.WhichOneof("parameter_choice")
+    value = getattr(parameter, which) if which else None
+    return None if value in (None, 0, "") else (which or "", value)
 
 
 def _final(response: pb.ModelInferResponse, final: bool) -> pb.ModelStreamInferResponse:

@@ -59,12 +59,14 @@ class Runner(LoadedPlugin):
         self._input_dtypes = {spec.name: spec.dtype for spec in self._inputs}
 
     def server_tensors(self) -> set[str]:
-        """The tensors the server feeds or keeps itself: sequence states, ``lengths``."""
+        """The tensors the server feeds or keeps itself: sequence states and controls,
+        ``lengths``."""
         section = self.section
         hidden: set[str] = set()
         if section.sequence is not None:
             hidden.update(s.input for s in section.sequence.states)
             hidden.update(s.output for s in section.sequence.states)
+            hidden.update(section.sequence.controls.names)
         if section.batching is not None:
             hidden.update(section.batching.made_inputs)
         return hidden

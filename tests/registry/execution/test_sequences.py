@@ -11,7 +11,7 @@ import pytest
 
 from plugserve.registry.errors import DeadlineExceeded, InvalidInput
 from plugserve.registry.execution.sequences import Sequences
-from plugserve.registry.manifest import SequenceSection, StateSpec
+from plugserve.registry.manifest import SequenceControls, SequenceSection, StateSpec
 
 Arrays = Mapping[str, np.ndarray]
 SECTION = SequenceSection(
@@ -100,3 +100,40 @@ async def test_sequences_expire_soon_after_their_idle_timeout() -> None:
     await asyncio.sleep(0.5)  # the first timer (0.3 s) saw them fresh; they expired at 0.5
     assert sequences._live == {}  # swept by the timer, not by reading the figures
     assert sequences.expired == 2
+
+
+async def test_the_server_feeds_the_control_tensors_triton_names() -> None:
+    controls = SequenceControls(start="S", end="E", ready="R", corrid="C")
+    section = SequenceSection(idle_timeout_s=60.0, max_sequences=8, controls=controls)
+    seen: list[dict[str, list[object]]] = []
+
+    async def execute(inputs: Arrays) -> dict[str, np.ndarray]:
+        seen.append({k: v.ravel().tolist() for k, v in inputs.items() if k != "x"})
+        assert all(v.shape == (1, 1) for k, v in inputs.items() if k != "x")
+        return {"y": inputs["x"]}
+
+    sequences = Sequences(section, "runner/s@1.0.0")
+    for parameters in ({"sequence_start": True}, {}, {"sequence_end": True}):
+        await sequences.run(X, {"sequence_id": "abc", **parameters}, execute)
+    assert seen == [
+        {"S": [1], "E": [0], "R": [1], "C": [b"abc"]},
+        {"S": [0], "E": [0], "R": [1], "C": [b"abc"]},
+        {"S": [0], "E": [1], "R": [1], "C": [b"abc"]},
+    ]
+
+
+async def test_an_integer_corrid_refuses_a_string_id_and_starts_nothing() -> None:
+    controls = SequenceControls(corrid="C", corrid_datatype="UINT64")
+    section = SequenceSection(idle_timeout_s=60.0, max_sequences=8, controls=controls)
+    fed: list[np.ndarray] = []
+
+    async def execute(inputs: Arrays) -> dict[str, np.ndarray]:
+        fed.append(inputs["C"])
+        return {"y": inputs["x"]}
+
+    sequences = Sequences(section, "runner/s@1.0.0")
+    with pytest.raises(InvalidInput, match="takes UINT64 sequence ids, not 'abc'"):
+        await sequences.run(X, {"sequence_id": "abc", "sequence_start": True}, execute)
+    assert sequences.live == 0
+    await sequences.run(X, {"sequence_id": 2**64 - 1, "sequence_start": True}, execute)
+    assert fed[0].dtype == np.uint64 and int(fed[0][0, 0]) == 2**64 - 1

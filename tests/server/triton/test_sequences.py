@@ -3,6 +3,7 @@ keeps every sequence's state (``registry/execution/sequences.py``)."""
 
 import concurrent.futures
 import json
+import queue
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from tests.fixtures.triton_models.build import build
 from tests.helpers import ServerProcess, write_sequence_runner
 
 STEPS = 6
@@ -275,3 +277,46 @@ def test_a_canary_places_sequences_by_id_and_a_weight_change_moves_new_ones_only
         assert step(srv, {"sequence_id": i, "sequence_end": True}, 1.0) == (started[i], [3.0] * 4)
     for i in ids:  # started anew: the route's one variant now
         assert step(srv, {"sequence_id": i, "sequence_start": True}, 1.0)[0] == "acc@2.0.0"
+
+
+STEPS_PIPELINED = 8
+
+
+@pytest.mark.workers(1, 2)
+def test_a_stream_pipelining_sequences_is_answered_in_each_sequences_order(
+    workers: int, tmp_path: Path, server: Callable[..., Any]
+) -> None:
+    """Triton's dyna-sequence model, its running sum kept by the server and its END and
+    CORRID controls fed by it: eight sequences sent on one gRPC stream without waiting
+    for answers (as Triton's stream examples do) each get their sums, in order."""
+    plugins, models = build(tmp_path / "fixtures", ["simple_string_dyna_sequence"])
+    srv = server("--workers", str(workers), "--plugins-dir", str(plugins),
+                 "--models-dir", str(models))  # fmt: skip
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    rng = np.random.default_rng(0)
+    values = {str(2000 + i): rng.integers(-50, 50, STEPS_PIPELINED).tolist() for i in range(8)}
+    last = STEPS_PIPELINED - 1
+    try:
+        for step in range(STEPS_PIPELINED):
+            for sequence_id, xs in values.items():
+                data = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+                data.set_data_from_numpy(np.array([[xs[step]]], np.int32))
+                client.async_stream_infer(
+                    "simple_string_dyna_sequence", [data], request_id=f"{sequence_id}_{step}",
+                    sequence_id=sequence_id, sequence_start=step == 0, sequence_end=step == last,
+                )  # fmt: skip
+        got: dict[str, list[int]] = {}
+        for _ in range(8 * STEPS_PIPELINED):
+            result, error = answers.get(timeout=15)
+            assert error is None, error
+            sequence_id = result.get_response().id.split("_")[0]
+            got.setdefault(sequence_id, []).append(int(result.as_numpy("OUTPUT")[0, 0]))
+    finally:
+        client.stop_stream()
+        client.close()
+    for sequence_id, xs in values.items():
+        sums = list(np.cumsum(xs))
+        sums[-1] += int(sequence_id)  # the model adds the correlation id at the end
+        assert got[sequence_id] == sums, (sequence_id, got)
