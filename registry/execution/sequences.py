@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -316,3 +316,72 @@ def _rows(inputs: Arrays) -> int:
     for array in inputs.values():
         return int(array.shape[0]) if array.ndim else 1
     return 1
+
+
+class SequenceHolder(Protocol):
+    """What keeps a runner's sequences, as a request's placement asks it."""
+
+    def holds(self, sequence_id: Any) -> bool: ...
+
+
+class SeenSequences:
+    """The sequences a worker's requests have running in a runner process
+    (``isolation = "process"``): started and not yet ended, expired or refused, as the
+    worker saw them. It pins them to their runner version (``server/dataplane/pins.py``)
+    and holds a reload's old processes until they end, as :class:`Sequences` does for a
+    runner in the worker. A sequence whose requests all go through one worker (one
+    connection, as a streaming client's do) is seen whole."""
+
+    def __init__(self, section: SequenceSection, clock: Callable[[], float] = time.monotonic):
+        self.section = section
+        self.clock = clock
+        self._last: dict[SequenceId, float] = {}
+
+    @property
+    def live(self) -> int:
+        self._forget_idle()
+        return len(self._last)
+
+    def holds(self, sequence_id: Any) -> bool:
+        try:
+            last = self._last.get(sequence_id)
+        except TypeError:  # an unhashable id is never one
+            return False
+        return last is not None and self.clock() - last <= self.section.idle_timeout_s
+
+    def answered(self, parameters: Mapping[str, Any] | None, status: int) -> None:
+        """A request of a sequence was answered with ``status``: what it tells of its
+        sequence. A refusal (4xx: not running, ended, no room) or a failed start leaves
+        none running; a failed step leaves it as it was."""
+        if not parameters:
+            return
+        try:
+            sequence_id, start, end = sequence_of(parameters)
+        except InvalidInput:
+            return
+        if sequence_id is None:
+            return
+        if status >= 500 and not start:
+            return
+        if status != 200 or end:
+            self._last.pop(sequence_id, None)
+        elif start or sequence_id in self._last:
+            self._last[sequence_id] = self.clock()
+            if len(self._last) > self.section.max_sequences:
+                self._forget_idle()
+
+    async def wait_ended(self, within: float) -> bool:
+        """Wait until no sequence seen here runs (each ends or goes idle past its timeout);
+        ``False`` if ``within`` seconds pass first."""
+        deadline = self.clock() + within
+        while self.live:
+            if self.clock() >= deadline:
+                return False
+            await asyncio.sleep(min(0.05, self.section.idle_timeout_s))
+        return True
+
+    def _forget_idle(self) -> None:
+        now, idle_s = self.clock(), self.section.idle_timeout_s
+        for sequence_id, last in list(self._last.items()):
+            if now - last > idle_s:
+                del self._last[sequence_id]

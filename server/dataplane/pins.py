@@ -3,8 +3,9 @@
 A request that names a sequence (``sequence_id``) is placed on a weighted route (a
 canary) by its sequence id, unless the route's ``sticky`` header says otherwise: every
 request of a sequence, in any worker, picks the same variant while the weights stand.
-A request of a runner that keeps sequences in this process is moreover served by the
-chain its sequence started on, as long as that chain's runner still runs the sequence:
+A request of a runner whose sequences run in this process (kept here, or, for an
+isolated runner, run in its processes by this worker's requests) is moreover served by
+the chain its sequence started on, as long as that chain's runner still runs the sequence:
 a reload or a canary change moves new sequences only, and the old version is released
 once its sequences have ended or expired
 (:meth:`plugserve.registry.execution.components.batched.BatchedRunner.wait_idle`). A

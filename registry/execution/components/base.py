@@ -25,7 +25,7 @@ from plugserve.registry.types import PluginInfo, RequestContext
 if TYPE_CHECKING:
     from plugserve.registry.execution.breaker import CircuitBreaker
     from plugserve.registry.execution.isolation.remote import RemoteRunner
-    from plugserve.registry.execution.sequences import Sequences
+    from plugserve.registry.execution.sequences import SequenceHolder
     from plugserve.registry.execution.stats import RunnerStats
 
 _LOADS = itertools.count(1)
@@ -157,8 +157,9 @@ class LoadedPlugin(ABC):
         """The component's ``metadata()`` as read at warmup: tensor specs, or ``None``."""
         return self._metadata
 
-    def live_sequences(self) -> Sequences | None:
-        """The sequences this instance keeps in this process (``[runner.sequence]``)."""
+    def live_sequences(self) -> SequenceHolder | None:
+        """The sequences this instance runs (``[runner.sequence]``): kept in this process,
+        or, for an isolated runner, those this worker's requests run in its processes."""
         return None
 
     # -- in-flight accounting (no await between resolving a chain and entering it) ------

@@ -2,6 +2,7 @@
 keeps every sequence's state (``registry/execution/sequences.py``)."""
 
 import concurrent.futures
+import http.client
 import json
 import queue
 import time
@@ -320,3 +321,62 @@ def test_a_stream_pipelining_sequences_is_answered_in_each_sequences_order(
         sums = list(np.cumsum(xs))
         sums[-1] += int(sequence_id)  # the model adds the correlation id at the end
         assert got[sequence_id] == sums, (sequence_id, got)
+
+
+@pytest.mark.workers(1, 2)
+def test_an_isolated_runners_sequence_keeps_its_version_past_a_new_one_and_a_reload(
+    workers: int, plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """As for a runner in the worker, with the state in runner processes: a sequence
+    started on 1.0.0 goes on there after 2.0.0 takes the route and after 1.0.0's files
+    reload (its old processes end once its sequences have), through one connection (one
+    worker) as a streaming client sends them."""
+    isolated = 'isolation = "process"'
+    folder = write_sequence_runner(plugins_dir, "acc", "1.0.0", runner=isolated,
+                                   sequence="idle_timeout_s = 30")  # fmt: skip
+    srv = server("--workers", str(workers), "--plugins-dir", str(plugins_dir),
+                 "--models-dir", str(models_dir))  # fmt: skip
+    connection = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+
+    def kept_step(parameters: dict[str, Any], x: float) -> tuple[str, list[float]]:
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [x] * 4}],
+                "parameters": parameters}  # fmt: skip
+        connection.request("POST", "/v2/models/acc/infer", json.dumps(body),
+                           {"Content-Type": "application/json"})  # fmt: skip
+        response = connection.getresponse()
+        raw = response.read()
+        assert response.status == 200, raw
+        return response.headers["X-Plugserve-Variant"], json.loads(raw)["outputs"][0]["data"]
+
+    try:
+        assert kept_step({"sequence_id": "a", "sequence_start": True}, 1.0) == (
+            "acc@1.0.0",
+            [1.0] * 4,
+        )
+        write_sequence_runner(plugins_dir, "acc", "2.0.0", runner=isolated,
+                              sequence="idle_timeout_s = 30")  # fmt: skip
+        deadline = time.monotonic() + 60
+        while step(srv, {"sequence_id": "probe", "sequence_start": True,
+                         "sequence_end": True}, 1.0)[0] != "acc@2.0.0":  # fmt: skip
+            assert time.monotonic() < deadline, "2.0.0 never took the route"
+            time.sleep(0.1)
+        time.sleep(1.0)  # every worker has the new table
+        assert kept_step({"sequence_id": "a"}, 1.0) == ("acc@1.0.0", [2.0] * 4)
+        loaded_at = plugin_record(srv, "1.0.0")["loaded_at"]
+        manifest = folder / "plugin.toml"
+        manifest.write_text(manifest.read_text() + "\n# edited\n")
+        deadline = time.monotonic() + 60
+        while plugin_record(srv, "1.0.0")["loaded_at"] == loaded_at:
+            assert time.monotonic() < deadline, "1.0.0 was never reloaded"
+            time.sleep(0.1)
+        assert kept_step({"sequence_id": "a"}, 1.0) == ("acc@1.0.0", [3.0] * 4)
+        assert kept_step({"sequence_id": "a", "sequence_end": True}, 1.0) == (
+            "acc@1.0.0",
+            [4.0] * 4,
+        )
+        assert kept_step({"sequence_id": "a", "sequence_start": True}, 1.0) == (
+            "acc@2.0.0",
+            [1.0] * 4,
+        )
+    finally:
+        connection.close()
