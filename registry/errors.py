@@ -205,6 +205,14 @@ class BackendConflict(PlugserveError):
     status = 500
 
 
+class RepositoryPollFailed(PlugserveError):
+    """A model-control request over gRPC that the repository cannot carry out (a file
+    override): Triton's gRPC answers it ``INTERNAL``, "failed to poll from model
+    repository", and its clients check both."""
+
+    status = 500
+
+
 class ConfigError(PlugserveError):
     """The server's configuration (flags, TOML file, environment) is invalid."""
 

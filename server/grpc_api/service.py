@@ -29,6 +29,7 @@ from plugserve.registry.errors import (
     NotFound,
     PayloadTooLarge,
     PlugserveError,
+    RepositoryPollFailed,
     Unavailable,
 )
 from plugserve.registry.execution.chain import Chain
@@ -394,8 +395,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         async def work() -> Any:
             self._call(context, admin=True)
             files = sorted(k for k in request.parameters if k.startswith("file:"))
-            if files:
-                raise InvalidInput(f"file overrides are not supported ({', '.join(files)})")
+            if files:  # Triton's words and code, which its model-control example checks
+                shown = ", ".join(name[:64] for name in files[:8])
+                raise RepositoryPollFailed(
+                    f"failed to poll from model repository: file overrides are not "
+                    f"supported ({shown}): a route's files are its plugin folder"
+                )
             given = None
             if "config" in request.parameters:
                 parameter = request.parameters["config"]

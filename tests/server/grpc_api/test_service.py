@@ -602,6 +602,12 @@ def test_repository_index_unload_and_load_over_grpc(
     with pytest.raises(InferenceServerException) as info:
         triton.load_model("nope")
     assert "failed to load 'nope'" in info.value.message()
+    # A file override, as Triton's model-control example sends one: Triton's code and words.
+    with pytest.raises(InferenceServerException) as info:
+        triton.load_model("add", config="{}", files={"file:" + "A" * 256: b"a"})
+    assert info.value.status() == "StatusCode.INTERNAL"
+    assert "failed to poll from model repository" in info.value.message()
+    assert triton.is_server_live() and triton.is_model_ready("add")
 
 
 def test_repository_calls_over_grpc_follow_the_admin_rules(
