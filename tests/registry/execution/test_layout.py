@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from plugserve.registry.execution import batching
 from plugserve.registry.execution.batching import BatchPolicy, Scheduler
 from plugserve.registry.execution.layout import BatchLayout, why_apart
