@@ -125,9 +125,29 @@ def retry_after(seconds: float) -> int:
 
 
 class Unavailable(PlugserveError):
-    """Not ready: a stage of the chain is not loaded, failed, or is draining."""
+    """Not ready: a stage of the chain is not loaded, failed, or is draining. A
+    ``retry_after_s`` becomes ``Retry-After`` (whole seconds)."""
 
     status = 503
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        if "retry_after_s" in fields:
+            fields["retry_after_s"] = retry_after(fields["retry_after_s"])
+        super().__init__(message, **fields)
+
+    def headers(self) -> dict[str, str]:
+        if "retry_after_s" not in self.fields:
+            return {}
+        return {"Retry-After": str(self.fields["retry_after_s"])}
+
+
+class NotLoaded(Unavailable):
+    """A route whose runner versions load on their first request (``load = "on_demand"``)
+    and are not loaded: the data plane loads ``keys`` and resolves the route again."""
+
+    def __init__(self, message: str, keys: tuple[tuple[str, str, str], ...]) -> None:
+        super().__init__(message, retry_after_s=1)
+        self.keys = keys
 
 
 class DeadlineExceeded(PlugserveError):

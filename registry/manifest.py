@@ -56,6 +56,7 @@ RUNNER_KEYS = frozenset(
         "labels",
         "sequence",
         "batching",
+        "load",
     }
 )
 """The ``[runner]`` keys plugserve reads itself; a backend declares its own (``runner_keys``)."""
@@ -65,6 +66,8 @@ MAX_BATCH_SIZE = 1_000_000
 MAX_INSTANCES = 1024
 MAX_QUEUE_DELAY_MS = 3_600_000.0
 MAX_PRIORITY_LEVELS = 1000
+LOADS = ("eager", "on_demand")
+"""``[runner] load``: at start and on every change (``eager``), or on its first request."""
 ISOLATIONS = ("none", "process")
 """``[runner] isolation``: in the worker (``none``) or in runner processes of its own."""
 FORMATS = ("FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW")
@@ -216,6 +219,8 @@ class RunnerSection:
     """``[runner.sequence]``: the runner serves sequences (``None``: independent requests)."""
     batching: BatchingSection | None = None
     """``[runner.batching]``: how inputs join a batch (``None``: every row on axis 0)."""
+    load: str | None = None
+    """``eager`` or ``on_demand`` (``None``: the server's ``default_load``)."""
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
@@ -489,6 +494,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         ),
         sequence=_check_state_axes(p, _sequence(p, table), _batching(p, table)),
         batching=_batching(p, table),
+        load=_load_mode(p, table),
         table=MappingProxyType(dict(table)),
     )
 
@@ -701,6 +707,13 @@ def _read_labels(p: _Fields, folder: Path, relative: str) -> tuple[str, ...]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ManifestError(p.path, f"{relative!r} cannot be read: {exc}", where) from None
     return tuple(line.rstrip("\r") for line in text.removesuffix("\n").split("\n"))
+
+
+def _load_mode(p: _Fields, table: Mapping[str, Any]) -> str | None:
+    load = p.string(table, "runner.load")
+    if load is not None and load not in LOADS:
+        raise ManifestError(p.path, f"must be one of {', '.join(LOADS)}", "runner.load")
+    return load
 
 
 def _isolation(p: _Fields, table: Mapping[str, Any]) -> str:

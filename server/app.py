@@ -167,6 +167,7 @@ def create_app(
         drain_timeout=settings.drain_timeout_s,
         load_timeout=settings.load_timeout_s,
         close_timeout=settings.close_timeout_s,
+        default_load=settings.default_load,
     )
     app[METRICS] = Metrics()
     app[DRAIN] = Drain(settings.drain_timeout_s)

@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the KServe v2 gRPC service's port; 0 turns it off; default: 8001",
     )
     serve.add_argument(
+        "--default-load",
+        choices=["eager", "on_demand"],
+        help="when runner versions that do not say ([runner] load) load: eager (at start, "
+        "the default) or on_demand (on their first request)",
+    )
+    serve.add_argument(
         "--grpc-engine",
         choices=["grpcio", "native"],
         help="what serves gRPC: native (HTTP/2 on each worker's event loop, the default) or "
@@ -178,6 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
         "port": args.port,
         "grpc_port": args.grpc_port,
         "grpc_engine": args.grpc_engine,
+        "default_load": args.default_load,
         "log_format": args.log_format,
         "log_level": args.log_level,
         "registry": args.registry,

@@ -116,6 +116,9 @@ class Settings:
     fast_path: bool = True
     """Whether plain HTTP/1.1 v2 infer requests take the fast path (``server/http/fastpath.py``)
     on the data port; off (or with an inference token set), every request is aiohttp's."""
+    default_load: str = "eager"
+    """When a runner version that does not say (``[runner] load``) loads: ``eager`` (at
+    start and on every change) or ``on_demand`` (on its first request)."""
     grpc_engine: str = "native"
     """What serves gRPC: ``native`` (HTTP/2 read on the event loop's thread,
     ``server/grpc_api/front.py``) or ``grpcio`` (grpc.aio, gRPC's C core)."""
@@ -214,6 +217,8 @@ class Settings:
         _check_numbers(self)  # every number setting against its bounds in _BOUNDS
         if self.log_format not in ("console", "json"):
             raise ConfigError(f"log_format must be 'console' or 'json', not {self.log_format!r}")
+        if self.default_load not in ("eager", "on_demand"):
+            raise ConfigError(f"default_load must be eager or on_demand, not {self.default_load!r}")
         if self.grpc_engine not in ("grpcio", "native"):
             raise ConfigError(f"grpc_engine must be grpcio or native, not {self.grpc_engine!r}")
         if self.event_loop not in ("auto", "asyncio", "uvloop"):

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import structlog
 
-from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError
+from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError, Unavailable
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components.base import LoadedPlugin
 from plugserve.registry.execution.components.streaming import StreamingRunner
@@ -42,7 +42,7 @@ from plugserve.registry.versions import Version
 log = structlog.get_logger("plugserve.registry")
 
 Key = tuple[str, str, str]
-Outcome = Literal["loaded", "reloaded", "unchanged", "failed", "unloaded", "held"]
+Outcome = Literal["loaded", "reloaded", "unchanged", "failed", "unloaded", "held", "available"]
 CLOSE_SLACK_S = 0.5
 """How much longer than its own bound ``close()`` waits for the plugin closes it started."""
 
@@ -65,13 +65,15 @@ class SyncReport:
     reloaded: list[str] = field(default_factory=list)
     unloaded: list[str] = field(default_factory=list)
     failed: list[dict[str, str]] = field(default_factory=list)
+    available: list[str] = field(default_factory=list)
+    """Versions that load on their first request (``load = "on_demand"``), not loaded."""
     unchanged: int = 0
     routes_file: str = "unchanged"
 
     def add(self, record: VersionRecord, outcome: Outcome) -> None:
         if outcome == "failed":
             self.failed.append({"plugin": record.label, "error": record.last_error or ""})
-        elif outcome in ("loaded", "reloaded", "unloaded"):
+        elif outcome in ("loaded", "reloaded", "unloaded", "available"):
             getattr(self, outcome).append(record.label)
         else:
             self.unchanged += 1
@@ -82,6 +84,7 @@ class SyncReport:
             "reloaded": self.reloaded,
             "unloaded": self.unloaded,
             "failed": self.failed,
+            "available": self.available,
             "unchanged": self.unchanged,
             "routes_file": self.routes_file,
         }
@@ -98,8 +101,14 @@ class Registry:
         drain_timeout: float = 30.0,
         load_timeout: float = 120.0,
         close_timeout: float = 10.0,
+        default_load: str = "eager",
     ) -> None:
         self.plugins_dir = plugins_dir
+        self.default_load = default_load
+        """When a runner version whose manifest does not say loads (``[runner] load``)."""
+        self.load_timeout = load_timeout
+        self._demands: dict[Key, asyncio.Task[Outcome]] = {}
+        """The on-demand loads under way: every request that needs one waits for it."""
         self.models_dir = models_dir
         self.host = host or PluginHooks()
         self.fingerprinter = Fingerprinter()
@@ -228,6 +237,7 @@ class Registry:
         force: bool = False,
         explicit: bool = False,
         overrides: Mapping[str, Any] | None = None,
+        demanded: bool = False,
     ) -> Outcome:
         """Load, or reload, the version in ``folder`` if its content changed.
 
@@ -236,6 +246,9 @@ class Registry:
         for this version) also brings back a version unloaded through the API.
         ``overrides`` replace ``[runner]`` keys of its manifest for this load
         only (a model repository load's ``config``; give ``explicit`` with them).
+        A runner version that loads on demand (``[runner] load``) is registered as
+        ``available`` and loaded only ``demanded`` (its first request), ``explicit``
+        or once loaded (a change reloads it).
         Whatever goes wrong becomes the outcome ``failed`` with the record's
         ``last_error``: nothing raises out of here, no version stays ``loading``.
         """
@@ -247,16 +260,71 @@ class Registry:
             self._rebuild()
         async with record.lock:
             try:
-                fingerprint = await asyncio.to_thread(self.fingerprint, folder)
+                fingerprint, on_demand = await asyncio.to_thread(self._inspect, folder)
             except Exception as exc:  # the folder went away or cannot be read
                 record.fingerprint = None
                 return self._failed(record, exc, time.perf_counter())
             if record.state == "unloaded" and not explicit and fingerprint == record.fingerprint:
                 return "held"
-            if not (force or explicit) and fingerprint == record.fingerprint:
+            if not (force or explicit or demanded) and fingerprint == record.fingerprint:
                 return "unchanged"
             record.fingerprint = fingerprint
+            record.on_demand = on_demand
+            if on_demand and record.current is None and not (explicit or demanded):
+                record.state, record.last_error = "available", None
+                self._rebuild()
+                return "available"
             return await self._load_locked(record, folder, overrides)
+
+    def _inspect(self, folder: Path) -> tuple[str, bool]:
+        """The folder's fingerprint, and whether it holds a runner that loads on demand."""
+        fingerprint = self.fingerprint(folder)
+        try:
+            runner = load_manifest(folder).runner
+        except Exception:  # the load reports it
+            return fingerprint, False
+        if runner is None:
+            return fingerprint, False
+        return fingerprint, (runner.load or self.default_load) == "on_demand"
+
+    def prefetch(self, keys: Iterable[Key]) -> list[asyncio.Task[Outcome]]:
+        """Begin loading ``keys`` (versions that load on their first request), once each."""
+        tasks = []
+        for key in keys:
+            task = self._demands.get(key)
+            if task is None:
+                task = self._demands[key] = asyncio.create_task(self._demanded(key))
+            tasks.append(task)
+        return tasks
+
+    async def demand(self, keys: Iterable[Key], within: float) -> None:
+        """Load the versions ``keys`` that load on their first request, once each: every
+        request needing one waits for the same load, at most ``within`` seconds
+        (:class:`Unavailable`, to be retried, past it; the load goes on)."""
+        keys = tuple(keys)
+        tasks = self.prefetch(keys)
+        if not tasks:
+            return
+        done, _ = await asyncio.wait([asyncio.shield(t) for t in tasks], timeout=within)
+        if len(done) < len(tasks):
+            names = ", ".join(f"{k[0]}/{k[1]}@{k[2]}" for k in keys)
+            raise Unavailable(
+                f"{names} is loading on its first request (over {within:g} s so far): "
+                "retry shortly", retry_after_s=1,
+            )  # fmt: skip
+
+    async def _demanded(self, key: Key) -> Outcome:
+        record = self.records.get(key)
+        try:
+            if record is None or record.state != "available":
+                return "unchanged"  # loaded (or gone) meanwhile
+            started = time.perf_counter()
+            outcome = await self.load(record.folder, demanded=True)
+            log.info("plugin_demanded", plugin=record.label, outcome=outcome,
+                     seconds=round(time.perf_counter() - started, 4))  # fmt: skip
+            return outcome
+        finally:
+            self._demands.pop(key, None)
 
     async def _load_locked(
         self, record: VersionRecord, folder: Path, overrides: Mapping[str, Any] | None = None

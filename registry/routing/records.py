@@ -12,7 +12,9 @@ from plugserve.registry.execution.components.base import LoadedPlugin
 from plugserve.registry.refs import PluginType
 from plugserve.registry.versions import Version
 
-State = Literal["loading", "ready", "failed", "draining", "unloaded"]
+State = Literal["loading", "ready", "failed", "draining", "unloaded", "available"]
+"""``available``: a runner version that loads on its first request (``load = "on_demand"``),
+registered and listed, not loaded."""
 
 
 @dataclass(eq=False)
@@ -35,6 +37,9 @@ class VersionRecord:
     fingerprint: str | None = field(default=None, repr=False)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     draining: list[LoadedPlugin] = field(default_factory=list, repr=False)
+    on_demand: bool = False
+    """It loads on its first request (``[runner] load = "on_demand"``, or the server's
+    default); once loaded it reloads on change like any other version."""
 
     @property
     def key(self) -> tuple[str, str, str]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from plugserve.registry import checks
 from plugserve.registry.errors import (
+    NotLoaded,
     PlugserveError,
     RouteNotFound,
     RoutesFileError,
@@ -386,8 +387,13 @@ class _Failure:
     message: str
     waiting_for: tuple[str, ...] = ()
     """For a ready runner version whose chain is not whole: each stage that is missing."""
+    demand: tuple[tuple[str, str, str], ...] = ()
+    """Runner versions that load on their first request and would serve: a request
+    loads them (:class:`NotLoaded`) and resolves again."""
 
     def error(self) -> PlugserveError:
+        if self.demand:
+            return NotLoaded(self.message, self.demand)
         return self.kind(self.message)
 
 
@@ -506,7 +512,7 @@ class RouteEntry:
                     f"{message} (a version is MAJOR.MINOR.PATCH, or a major number N)"
                 )
             return _Failure(kind, message)
-        return _Failure(Unavailable, _not_ready(record))
+        return _Failure(Unavailable, _not_ready(record), demand=_demand(record))
 
     @property
     def versions(self) -> list[str]:
@@ -562,8 +568,15 @@ def _major(version: str) -> int | None:
 
 
 def _not_ready(record: VersionRecord) -> str:
+    if record.state == "available":
+        return f"{record.label} loads on its first request (load = on_demand)"
     detail = f": {record.last_error}" if record.last_error else ""
     return f"{record.label} is {record.state}{detail}"
+
+
+def _demand(record: VersionRecord) -> tuple[tuple[str, str, str], ...]:
+    """The version, if it loads on a request (registered, not loaded)."""
+    return (record.key,) if record.state == "available" else ()
 
 
 @dataclass(frozen=True)
@@ -623,7 +636,12 @@ class _Index:
                 return instance
         known = self.known.get((kind, ref.name), {})
         if ref.version is not None and str(ref.version) in known:
-            return _Failure(Unavailable, _not_ready(known[str(ref.version)]))
+            record = known[str(ref.version)]
+            return _Failure(Unavailable, _not_ready(record), demand=_demand(record))
+        available = [r for r in known.values() if r.state == "available"]
+        if ref.version is None and available:  # none ready: the highest that loads on demand
+            record = max(available, key=lambda r: r.sort_version or Version(0, 0, 0))
+            return _Failure(Unavailable, _not_ready(record), demand=_demand(record))
         if not known:
             return _Failure(Unavailable, f"{kind} {ref} is not installed")
         states = "; ".join(
@@ -690,12 +708,14 @@ def _graph_entry(spec: RouteSpec, index: _Index, entries: Mapping[str, RouteEntr
     """A graph route serves only once every step (and processor around it) is ready: until
     then its failure names each one it waits for."""
     missing: list[str] = []
+    demand: list[tuple[str, str, str]] = []
     steps: list[Step] = []
     runner: LoadedPlugin | None = None
     for step in spec.steps:
         target = _step_target(step, index, entries)
         if isinstance(target, _Failure):
             missing.append(target.message)
+            demand.extend(target.demand)
             continue
         if step.kind == "runner":
             assert isinstance(target, LoadedPlugin)
@@ -706,7 +726,9 @@ def _graph_entry(spec: RouteSpec, index: _Index, entries: Mapping[str, RouteEntr
     known = index.known.get(("runner", spec.runner.name), {})
     if missing or runner is None:
         message = f"route {spec.name!r} waits for its graph: {'; '.join(missing)}"
-        return RouteEntry(spec, _Failure(Unavailable, message, tuple(missing)), {}, known)
+        whole = len(demand) == len(missing)  # loading what loads on demand makes it whole
+        failure = _Failure(Unavailable, message, tuple(missing), tuple(demand) if whole else ())
+        return RouteEntry(spec, failure, {}, known)
     graph = Graph(spec.name, pre, runner, post, steps=tuple(steps), answers=spec.outputs)
     return RouteEntry(spec, graph, {runner.version: graph}, known)
 
@@ -719,7 +741,8 @@ def _step_target(
         if entry is None:
             return _Failure(Unavailable, f"route {step.target} does not exist")
         if isinstance(entry.default, _Failure):
-            return _Failure(Unavailable, f"route {step.target} is not ready")
+            called = entry.default
+            return _Failure(Unavailable, f"route {step.target} is not ready", demand=called.demand)
         if entry.default.streaming:
             return _Failure(
                 Unavailable, f"route {step.target} streams: a graph's steps answer once"
@@ -755,7 +778,9 @@ def _entry(spec: RouteSpec, index: _Index) -> RouteEntry:
     else:
         picked = index.pick("runner", spec.runner)
         assert isinstance(picked, _Failure)
-        default = _Failure(Unavailable, f"route {spec.name!r}: {picked.message}")
+        default = _Failure(
+            Unavailable, f"route {spec.name!r}: {picked.message}", demand=picked.demand
+        )
     known = index.known.get(("runner", spec.runner.name), {})
     return RouteEntry(spec, default, by_version, known)
 
@@ -770,11 +795,14 @@ def _weighted_entry(spec: RouteSpec, index: _Index) -> RouteEntry:
     by_version: dict[str, Chain | _Failure] = {}
     candidates: list[Candidate[Chain]] = []
     failures: list[str] = []
+    demand: tuple[tuple[str, str, str], ...] = ()
     for variant in spec.variants:
         picked = index.pick("runner", variant.runner)
         chain = picked if isinstance(picked, _Failure) else _chain(spec, picked, index)
         if isinstance(chain, _Failure):
             failures.append(chain.message)
+            if variant.weight and not demand:  # the weightiest that loads on demand
+                demand = chain.demand
             if chain.waiting_for:
                 by_version[str(variant.runner.version)] = chain
             continue
@@ -791,7 +819,9 @@ def _weighted_entry(spec: RouteSpec, index: _Index) -> RouteEntry:
         default = choice.candidates[0].target
     else:
         why = "; ".join(failures)
-        default = _Failure(Unavailable, f"route {spec.name!r}: no variant is ready ({why})")
+        default = _Failure(
+            Unavailable, f"route {spec.name!r}: no variant is ready ({why})", demand=demand
+        )
     known = index.known.get(("runner", spec.runner.name), {})
     return RouteEntry(spec, default, by_version, known, choice)
 

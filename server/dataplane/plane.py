@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from plugserve.registry.errors import DeadlineExceeded, TooManyRequests, Unavailable
+from plugserve.registry.errors import DeadlineExceeded, NotLoaded, TooManyRequests, Unavailable
 from plugserve.registry.execution import tracing
 from plugserve.registry.execution.batching import priority_level
 from plugserve.registry.execution.chain import Chain
@@ -211,15 +211,11 @@ class DataPlane:
         # well under 1 µs), and entered in the same step: a reload never releases an
         # instance a request is about to use. Counted in for the shutdown drain only now
         # that its body is in: a client still uploading never holds a shutdown up.
-        routes = self.registry.routes
-        if version is None and inference.parameters and "sequence_id" in inference.parameters:
-            chain = self.pins.chain(
-                route,
-                inference.parameters,
-                lambda key: routes.resolve(route, None, call.headers, key),
-            )
-        else:
-            chain = routes.resolve(route, version, call.headers)
+        try:
+            chain = self._resolve(call, route, version, inference)
+        except NotLoaded as exc:  # its runner loads on its first request: this one, or one before
+            await self.demand(exc, deadline)
+            chain = self._resolve(call, route, version, inference)
         served.chain = chain
         drain = self.drain
         drain.enter()
@@ -245,11 +241,49 @@ class DataPlane:
             if span is not None:
                 span.__exit__(*sys.exc_info())
 
+    def _resolve(
+        self, call: Incoming, route: str, version: str | None, inference: Inference
+    ) -> Chain:
+        routes = self.registry.routes
+        if version is None and inference.parameters and "sequence_id" in inference.parameters:
+            return self.pins.chain(
+                route,
+                inference.parameters,
+                lambda key: routes.resolve(route, None, call.headers, key),
+            )
+        return routes.resolve(route, version, call.headers)
+
+    async def demand(self, missing: NotLoaded, deadline_s: float | None) -> None:
+        """Load what a route needs that loads on its first request, waiting at most the
+        load timeout (or the request's deadline, if sooner); every request needing the same
+        version waits for the same load."""
+        registry = self.registry
+        within = registry.load_timeout if deadline_s is None else min(
+            registry.load_timeout, deadline_s
+        )  # fmt: skip
+        started = time.perf_counter()
+        await registry.demand(missing.keys, within)
+        self.metrics.cold_load.observe(time.perf_counter() - started)
+
+    async def chain_of(self, route: str, version: str | None) -> Chain:
+        """The chain serving ``route`` for a metadata or configuration call: like a request,
+        it loads what loads on its first request (a client reads the metadata first)."""
+        routes = self.registry.routes
+        try:
+            return routes.resolve(route, version)
+        except NotLoaded as exc:
+            await self.demand(exc, None)
+            return self.registry.routes.resolve(route, version)
+
     def admit(self, route: str, version: str | None) -> None:
         """404/503 for a route or version not served here, 429 for a route over its rate
-        limit."""
+        limit. A route whose runner loads on its first request is admitted, its load begun
+        while the request's body is read."""
         registry = self.registry
-        registry.routes.resolve(route, version)
+        try:
+            registry.routes.resolve(route, version)
+        except NotLoaded as exc:
+            registry.prefetch(exc.keys)
         bucket = registry.buckets.get(route)
         if bucket is not None and (wait := bucket.take()) > 0:
             raise TooManyRequests(

@@ -169,7 +169,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
         async def work() -> Any:
             self._call(context)
-            chain = self._resolve(request.name, request.version)
+            chain = await self._loaded(request.name, request.version)
             doc = answers.metadata(self.app[REGISTRY].routes, chain)
             response = pb.ModelMetadataResponse(
                 name=doc["name"], versions=doc["versions"], platform=doc["platform"]
@@ -185,6 +185,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     def _resolve(self, name: str, version: str) -> Chain:
         return self.app[REGISTRY].routes.resolve(name, version or None)
+
+    async def _loaded(self, name: str, version: str) -> Chain:
+        """The route's chain, loading what loads on its first request."""
+        return await self.app[DATA_PLANE].chain_of(name, version or None)
 
     # -- inference --------------------------------------------------------------------
 
@@ -369,7 +373,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
         async def work() -> Any:
             self._call(context)
-            doc = config.model_config(self._resolve(request.name, request.version))
+            doc = config.model_config(await self._loaded(request.name, request.version))
             response = pb.ModelConfigResponse()
             json_format.ParseDict(doc, response.config)
             return response

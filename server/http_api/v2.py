@@ -50,8 +50,14 @@ def _resolve(request: web.Request) -> Chain:
     return request.app[REGISTRY].routes.resolve(route, request.match_info.get("version"))
 
 
+async def _loaded(request: web.Request) -> Chain:
+    """The route's chain, loading what loads on its first request."""
+    route = request.match_info["route"]
+    return await request.app[DATA_PLANE].chain_of(route, request.match_info.get("version"))
+
+
 async def model_metadata(request: web.Request) -> web.Response:
-    chain = _resolve(request)
+    chain = await _loaded(request)
     return web.json_response(answers.metadata(request.app[REGISTRY].routes, chain))
 
 
@@ -62,7 +68,7 @@ async def model_ready(request: web.Request) -> web.Response:
 
 async def model_config(request: web.Request) -> web.Response:
     """Triton's model configuration extension: the route's configuration as its JSON."""
-    return web.json_response(config.model_config(_resolve(request)))
+    return web.json_response(config.model_config(await _loaded(request)))
 
 
 DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"

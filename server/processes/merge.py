@@ -24,7 +24,7 @@ PROCESS_FIELDS = frozenset({"queued", "executions", "batched_rows", "restarts"})
 latest read, the largest, is kept; never added)."""
 IDENTITY_FIELDS = frozenset({"batch_size"})
 """Numbers that name what a count is of: kept, never added."""
-STATE_ORDER = ("failed", "loading", "draining", "ready", "unloaded")
+STATE_ORDER = ("failed", "loading", "draining", "ready", "available", "unloaded")
 """When workers disagree on a version's state, the first of these that any of them has."""
 
 

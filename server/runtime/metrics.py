@@ -63,7 +63,7 @@ class ListenerFigures(Protocol):
     def timed_out(self) -> Mapping[str, int]: ...
 
 
-STATES = ("loading", "ready", "failed", "draining", "unloaded")
+STATES = ("loading", "ready", "failed", "draining", "unloaded", "available")
 
 # Inference latencies from tens of microseconds to tens of seconds.
 LATENCY_BUCKETS = (
@@ -110,6 +110,13 @@ class Metrics:
             "Time to load (import, create, warm up) or unload (drain, close) a version.",
             ["outcome"],
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.cold_load = Histogram(
+            "plugserve_cold_load_wait_seconds",
+            "How long requests waited for a runner version that loads on its first request "
+            "(load = on_demand): the first one its whole load, those beside it the rest of it.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=self.registry,
         )
         self.versions = Gauge(

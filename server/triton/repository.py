@@ -43,6 +43,7 @@ STATES = {
     "draining": "UNLOADING",
     "failed": "UNAVAILABLE",
     "unloaded": "UNAVAILABLE",
+    "available": "UNAVAILABLE",
 }
 """Triton's model states, by a runner version's state."""
 DERIVED = frozenset(
@@ -318,6 +319,8 @@ def _rows(name: str, entry: RouteEntry) -> list[dict[str, Any]]:
                 reason = entry.default.message
         elif record.state == "unloaded":
             reason = reason or "unloaded"
+        elif record.state == "available":
+            reason = "loads on its first request (load = on_demand)"
         rows.append({"name": name, "version": record.version, "state": state, "reason": reason})
     return rows
 

@@ -1,0 +1,124 @@
+"""Runner versions that load on their first request (``[runner] load = "on_demand"``, or
+``--default-load on_demand``): registered and listed, loaded once by the requests that
+need them, whatever their number."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tritonclient.http as httpclient
+
+from tests.helpers import ServerProcess, write_add_runner, write_plugin
+
+ON_DEMAND = 'load = "on_demand"'
+
+SLOW = """
+    import time
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Slow:
+        def warmup(self):
+            time.sleep({warmup_s})
+
+        def infer(self, inputs):
+            return {{"y": np.asarray(inputs["x"]) * 2}}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Slow()
+"""
+
+
+def infer(srv: ServerProcess, route: str, **parameters: Any) -> tuple[int, dict[str, str], Any]:
+    body: dict[str, Any] = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]
+    }
+    if parameters:
+        body["parameters"] = parameters
+    status, headers, raw = srv.request("POST", f"/v2/models/{route}/infer", body)
+    return status, headers, json.loads(raw)
+
+
+def record(srv: ServerProcess, name: str) -> dict[str, Any]:
+    status, _, body = srv.request("GET", "/admin/plugins")
+    assert status == 200, body
+    (found,) = [p for p in json.loads(body)["plugins"] if p["name"] == name]
+    return found
+
+
+@pytest.mark.workers(1, 2)
+def test_a_version_loads_on_its_first_request_once_whatever_the_requests(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    write_add_runner(plugins_dir, "lazy", "1.0.0", amount=1.0, runner=ON_DEMAND)
+    write_add_runner(plugins_dir, "eager", "1.0.0", amount=2.0)
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    assert record(srv, "lazy")["state"] == "available"
+    assert record(srv, "eager")["state"] == "ready"
+    status, _, body = srv.request("POST", "/v2/repository/index", {})
+    rows = {r["name"]: r for r in json.loads(body)}
+    assert rows["lazy"]["state"] == "UNAVAILABLE"
+    assert "loads on its first request" in rows["lazy"]["reason"]
+    assert srv.request("GET", "/v2/models/lazy/ready")[0] != 200
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: infer(srv, "lazy"), range(32)))
+    for status, _, answer in answers:
+        assert status == 200, answer
+        assert answer["outputs"][0]["data"] == [2.0, 3.0, 4.0, 5.0]
+    assert record(srv, "lazy")["state"] == "ready"
+    log = srv.log()
+    # One load per worker that took a request, never two in one worker.
+    loads = [line for line in log.splitlines() if "plugin_demanded" in line]
+    assert 1 <= len(loads) <= 2, loads
+    pids = [line.split("pid=")[1].split()[0] for line in loads if "pid=" in line]
+    assert len(pids) == len(set(pids)), loads
+
+
+def test_the_server_default_and_an_eager_manifest(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """``--default-load on_demand`` defers every runner that does not say; metadata, read
+    first as clients do, loads it as a request would."""
+    write_add_runner(plugins_dir, "plain", "1.0.0", amount=1.0)
+    write_add_runner(plugins_dir, "pinned", "1.0.0", amount=1.0, runner='load = "eager"')
+    srv = server(
+        "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+        "--default-load", "on_demand",
+    )  # fmt: skip
+    assert record(srv, "plain")["state"] == "available"
+    assert record(srv, "pinned")["state"] == "ready"
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{srv.port}")
+    try:
+        metadata = client.get_model_metadata("plain")
+    finally:
+        client.close()
+    assert [t["name"] for t in metadata["inputs"]] == ["x"]
+    assert record(srv, "plain")["state"] == "ready"
+
+
+def test_a_request_waits_for_the_load_as_long_as_its_deadline_then_503(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """The load goes on past a request that could not wait for it; a later one is served."""
+    write_plugin(
+        plugins_dir, "runner", "slow", "1.0.0", f"[runner]\n{ON_DEMAND}\n",
+        files={"plugin.py": SLOW.format(warmup_s=2.0)},
+    )  # fmt: skip
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    status, headers, answer = infer(srv, "slow", timeout=300_000)  # 0.3 s
+    assert status == 503, answer
+    assert "loading on its first request" in answer["error"]
+    assert headers.get("Retry-After") == "1"
+    status, _, answer = infer(srv, "slow")  # waits for the load under way
+    assert status == 200, answer
+    assert answer["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0]
+    assert srv.log().count("plugin_demanded") == 1
