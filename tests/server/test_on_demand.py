@@ -56,10 +56,12 @@ def record(srv: ServerProcess, name: str) -> dict[str, Any]:
 
 
 @pytest.mark.workers(1, 2)
+@pytest.mark.parametrize("isolated", [False, True], ids=["in-worker", "isolated"])
 def test_a_version_loads_on_its_first_request_once_whatever_the_requests(
-    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+    isolated: bool, plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
 ) -> None:
-    write_add_runner(plugins_dir, "lazy", "1.0.0", amount=1.0, runner=ON_DEMAND)
+    runner = ON_DEMAND + ('\nisolation = "process"' if isolated else "")
+    write_add_runner(plugins_dir, "lazy", "1.0.0", amount=1.0, runner=runner)
     write_add_runner(plugins_dir, "eager", "1.0.0", amount=2.0)
     srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
     assert record(srv, "lazy")["state"] == "available"
