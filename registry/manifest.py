@@ -57,6 +57,7 @@ RUNNER_KEYS = frozenset(
         "sequence",
         "batching",
         "load",
+        "pinned",
     }
 )
 """The ``[runner]`` keys plugserve reads itself; a backend declares its own (``runner_keys``)."""
@@ -221,6 +222,8 @@ class RunnerSection:
     """``[runner.batching]``: how inputs join a batch (``None``: every row on axis 0)."""
     load: str | None = None
     """``eager`` or ``on_demand`` (``None``: the server's ``default_load``)."""
+    pinned: bool = False
+    """Never evicted to make room under the memory budget."""
     table: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
@@ -495,6 +498,7 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
         sequence=_check_state_axes(p, _sequence(p, table), _batching(p, table)),
         batching=_batching(p, table),
         load=_load_mode(p, table),
+        pinned=p.boolean(table, "runner.pinned", False),
         table=MappingProxyType(dict(table)),
     )
 

@@ -168,6 +168,8 @@ def create_app(
         load_timeout=settings.load_timeout_s,
         close_timeout=settings.close_timeout_s,
         default_load=settings.default_load,
+        # Each worker keeps its share: what it loads counts against it alone.
+        memory_budget=settings.memory_budget_bytes // settings.worker_count,
     )
     app[METRICS] = Metrics()
     app[DRAIN] = Drain(settings.drain_timeout_s)

@@ -73,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
         help="the KServe v2 gRPC service's port; 0 turns it off; default: 8001",
     )
     serve.add_argument(
+        "--memory-budget",
+        help="what runner versions loaded on demand may hold resident: bytes, a size such as "
+        "4GiB, or a share of the machine or cgroup such as 60%% (default 0: none)",
+    )
+    serve.add_argument(
         "--default-load",
         choices=["eager", "on_demand"],
         help="when runner versions that do not say ([runner] load) load: eager (at start, "
@@ -185,6 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
         "grpc_port": args.grpc_port,
         "grpc_engine": args.grpc_engine,
         "default_load": args.default_load,
+        "memory_budget": args.memory_budget,
         "log_format": args.log_format,
         "log_level": args.log_level,
         "registry": args.registry,

@@ -13,6 +13,7 @@ from typing import Any
 
 from plugserve.registry import checks
 from plugserve.registry.errors import ConfigError
+from plugserve.registry.lifecycle.budget import parse_budget
 from plugserve.server.runtime.cores import usable_cores
 
 ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
@@ -116,6 +117,9 @@ class Settings:
     fast_path: bool = True
     """Whether plain HTTP/1.1 v2 infer requests take the fast path (``server/http/fastpath.py``)
     on the data port; off (or with an inference token set), every request is aiohttp's."""
+    memory_budget: int | str = 0
+    """What the runner versions loaded on demand may hold resident, in bytes, a size
+    (``"4GiB"``) or a share of the machine or cgroup (``"60%"``); 0: no budget."""
     default_load: str = "eager"
     """When a runner version that does not say (``[runner] load``) loads: ``eager`` (at
     start and on every change) or ``on_demand`` (on its first request)."""
@@ -207,6 +211,11 @@ class Settings:
             self.max_bytes_elements,
         )
 
+    @property
+    def memory_budget_bytes(self) -> int:
+        """``memory_budget`` in bytes (0: none)."""
+        return parse_budget(self.memory_budget)
+
     def __post_init__(self) -> None:
         if isinstance(self.workers, str) and self.workers != "auto":
             text = self.workers  # from the command line: ASCII digits, as a number is written
@@ -217,6 +226,10 @@ class Settings:
         _check_numbers(self)  # every number setting against its bounds in _BOUNDS
         if self.log_format not in ("console", "json"):
             raise ConfigError(f"log_format must be 'console' or 'json', not {self.log_format!r}")
+        try:
+            parse_budget(self.memory_budget)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.default_load not in ("eager", "on_demand"):
             raise ConfigError(f"default_load must be eager or on_demand, not {self.default_load!r}")
         if self.grpc_engine not in ("grpcio", "native"):
@@ -459,5 +472,6 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "worker_stall_timeout_s": (int, float),
         "runner_stall_timeout_s": (int, float),
         "response_cache_bytes": int,
+        "memory_budget": (int, str),
     }
     return types.get(key, str)

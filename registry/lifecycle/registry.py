@@ -23,6 +23,7 @@ from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError,
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components.base import LoadedPlugin
 from plugserve.registry.execution.components.streaming import StreamingRunner
+from plugserve.registry.lifecycle.budget import MemoryBudget, resident
 from plugserve.registry.lifecycle.loader import Loader
 from plugserve.registry.manifest import load_manifest
 from plugserve.registry.plugins.fingerprint import Fingerprinter
@@ -42,7 +43,9 @@ from plugserve.registry.versions import Version
 log = structlog.get_logger("plugserve.registry")
 
 Key = tuple[str, str, str]
-Outcome = Literal["loaded", "reloaded", "unchanged", "failed", "unloaded", "held", "available"]
+Outcome = Literal[
+    "loaded", "reloaded", "unchanged", "failed", "unloaded", "held", "available", "evicted"
+]
 CLOSE_SLACK_S = 0.5
 """How much longer than its own bound ``close()`` waits for the plugin closes it started."""
 
@@ -102,11 +105,16 @@ class Registry:
         load_timeout: float = 120.0,
         close_timeout: float = 10.0,
         default_load: str = "eager",
+        memory_budget: int = 0,
     ) -> None:
         self.plugins_dir = plugins_dir
         self.default_load = default_load
         """When a runner version whose manifest does not say loads (``[runner] load``)."""
         self.load_timeout = load_timeout
+        self.budget = MemoryBudget(memory_budget) if memory_budget else None
+        """With a budget: what each version loaded on demand costs, and which go first."""
+        self._room = asyncio.Lock()
+        """One eviction-and-load decision at a time (measures need quiet neighbours)."""
         self._demands: dict[Key, asyncio.Task[Outcome]] = {}
         """The on-demand loads under way: every request that needs one waits for it."""
         self.models_dir = models_dir
@@ -276,6 +284,63 @@ class Registry:
                 return "available"
             return await self._load_locked(record, folder, overrides)
 
+    async def _load_in_budget(self, record: VersionRecord, budget: MemoryBudget) -> Outcome:
+        """Make room (evict the least recently used idle versions), load, measure what the
+        version costs, and evict again if the measure overshoots."""
+        async with self._room:
+            await self._make_room(budget, budget.estimate(record.key), keep=record.key)
+            before = resident()
+            outcome = await self.load(record.folder, demanded=True)
+            current = record.current
+            if current is None:
+                return outcome
+            remote = getattr(current, "remote", None)
+            if remote is not None:  # its runner processes: all of it comes back at their end
+                cost = sum(resident(pid) for pid in remote.group.pids)
+            else:
+                cost = resident() - before
+            budget.measured(record.key, cost)
+            record.memory_bytes = cost
+            log.info("plugin_measured", plugin=record.label, bytes=cost,
+                     resident_bytes=budget.resident_bytes, budget_bytes=budget.limit)  # fmt: skip
+            await self._make_room(budget, 0, keep=record.key)
+            return outcome
+
+    async def _make_room(self, budget: MemoryBudget, room: int, keep: Key | None) -> None:
+        records = list(self.records.values())
+        if budget.resident_bytes + room <= budget.limit:
+            return
+        for key in budget.victims(records, room, keep):
+            await self.evict(key, reason="memory_budget")
+
+    async def evict(self, key: Key, reason: str) -> Outcome:
+        """Unload a version that loads on demand back to ``available``: its next request
+        loads it again."""
+        record = self.records.get(key)
+        if record is None:
+            return "unchanged"
+        started = time.perf_counter()
+        async with record.lock:
+            old, record.current = record.current, None
+            if old is None:
+                return "unchanged"
+            record.state = "draining"
+            self._rebuild()
+            await self._retire(record, old)
+            record.state = "available"
+            record.memory_bytes = None
+            if self.budget is not None:
+                freed = self.budget.cost.get(key, 0)
+                self.budget.gone(key)
+                self.budget.evictions += 1
+            else:
+                freed = 0
+            self._rebuild()
+        log.info("plugin_evicted", plugin=record.label, reason=reason, bytes=freed,
+                 seconds=round(time.perf_counter() - started, 4))  # fmt: skip
+        self._emit(record, "evicted", started)
+        return "evicted"
+
     def _inspect(self, folder: Path) -> tuple[str, bool]:
         """The folder's fingerprint, and whether it holds a runner that loads on demand."""
         fingerprint = self.fingerprint(folder)
@@ -319,7 +384,10 @@ class Registry:
             if record is None or record.state != "available":
                 return "unchanged"  # loaded (or gone) meanwhile
             started = time.perf_counter()
-            outcome = await self.load(record.folder, demanded=True)
+            if self.budget is None:
+                outcome = await self.load(record.folder, demanded=True)
+            else:
+                outcome = await self._load_in_budget(record, self.budget)
             log.info("plugin_demanded", plugin=record.label, outcome=outcome,
                      seconds=round(time.perf_counter() - started, 4))  # fmt: skip
             return outcome
@@ -338,6 +406,8 @@ class Registry:
         except Exception as exc:
             return self._failed(record, exc, started)
         old = record.current
+        if old is not None:  # a reload is as recently used as what it replaces
+            new.last_use = old.last_use
         record.current, record.state, record.last_error = new, "ready", None
         self._rebuild()
         outcome: Outcome = "reloaded" if old is not None else "loaded"
@@ -385,6 +455,8 @@ class Registry:
             if old is not None:
                 await self._retire(record, old)
             record.state = "unloaded"
+            if self.budget is not None:
+                self.budget.gone(key)
             if forget and self.records.get(key) is record:
                 del self.records[key]
                 self.fingerprinter.forget(record.folder)

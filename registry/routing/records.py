@@ -37,6 +37,8 @@ class VersionRecord:
     fingerprint: str | None = field(default=None, repr=False)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     draining: list[LoadedPlugin] = field(default_factory=list, repr=False)
+    memory_bytes: int | None = None
+    """Under a memory budget: what the loaded version was measured to cost."""
     on_demand: bool = False
     """It loads on its first request (``[runner] load = "on_demand"``, or the server's
     default); once loaded it reloads on change like any other version."""
@@ -69,6 +71,7 @@ class VersionRecord:
                 p.in_flight for p in [*self.draining, *([current] if current else [])]
             ),
             "last_error": self.last_error,
+            **({"memory_bytes": self.memory_bytes} if self.memory_bytes is not None else {}),
             "description": current.manifest.description if current else None,
             "backend": current.manifest.runner.backend
             if current and current.manifest.runner

@@ -124,3 +124,56 @@ def test_a_request_waits_for_the_load_as_long_as_its_deadline_then_503(
     assert status == 200, answer
     assert answer["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0]
     assert srv.log().count("plugin_demanded") == 1
+
+
+BIG = """
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Big:
+        def __init__(self, mib):
+            self.weights = np.ones(mib * 1024 * 1024 // 8)  # touched: resident
+
+        def infer(self, inputs):
+            return {"y": np.asarray(inputs["x"]) * 2}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Big(config["mib"])
+"""
+
+
+def test_a_memory_budget_evicts_the_least_recently_used_idle_version(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """Four versions of 64 MiB each, a budget that holds two: a load evicts the least
+    recently used idle one (measured, not guessed), which its next request loads again;
+    a pinned version is never evicted."""
+    for name in ("a", "b", "c", "keep"):
+        pinned = "\npinned = true" if name == "keep" else ""
+        write_plugin(
+            plugins_dir, "runner", name, "1.0.0",
+            f"[config]\nmib = 64\n[runner]\n{ON_DEMAND}{pinned}\n",
+            files={"plugin.py": BIG},
+        )  # fmt: skip
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--memory-budget", "150MiB")  # fmt: skip
+
+    def states() -> dict[str, str]:
+        return {n: record(srv, n)["state"] for n in ("a", "b", "c", "keep")}
+
+    assert infer(srv, "a")[0] == 200
+    assert 60 * 2**20 < record(srv, "a")["memory_bytes"] < 80 * 2**20
+    assert infer(srv, "b")[0] == 200
+    assert infer(srv, "c")[0] == 200  # a, the least recently used, makes room
+    assert states() == {"a": "available", "b": "ready", "c": "ready", "keep": "available"}
+    assert infer(srv, "b")[0] == 200  # b used: c is now the least recently used
+    assert infer(srv, "a")[0] == 200
+    assert states() == {"a": "ready", "b": "ready", "c": "available", "keep": "available"}
+    assert infer(srv, "keep")[0] == 200  # pinned: loaded, and the others make room
+    assert infer(srv, "c")[0] == 200
+    after = states()
+    assert after["keep"] == "ready" and after["c"] == "ready", after
+    assert srv.log().count("plugin_evicted") >= 3
