@@ -21,7 +21,7 @@ import structlog
 
 from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError, Unavailable
 from plugserve.registry.execution.chain import Chain
-from plugserve.registry.execution.components.base import LoadedPlugin
+from plugserve.registry.execution.components.base import USE_ORDER, LoadedPlugin
 from plugserve.registry.execution.components.streaming import StreamingRunner
 from plugserve.registry.lifecycle.budget import MemoryBudget, resident
 from plugserve.registry.lifecycle.loader import Loader
@@ -294,6 +294,8 @@ class Registry:
             current = record.current
             if current is None:
                 return outcome
+            # Loaded for requests waiting now: the most recently used, not the next to go.
+            current.last_use = next(USE_ORDER)
             remote = getattr(current, "remote", None)
             if remote is not None:  # its runner processes: all of it comes back at their end
                 cost = sum(resident(pid) for pid in remote.group.pids)
@@ -381,6 +383,9 @@ class Registry:
     async def _demanded(self, key: Key) -> Outcome:
         record = self.records.get(key)
         try:
+            if record is not None and record.state in ("loading", "draining"):
+                async with record.lock:  # a load or an eviction under way: after it
+                    pass
             if record is None or record.state != "available":
                 return "unchanged"  # loaded (or gone) meanwhile
             started = time.perf_counter()

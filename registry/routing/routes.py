@@ -575,8 +575,13 @@ def _not_ready(record: VersionRecord) -> str:
 
 
 def _demand(record: VersionRecord) -> tuple[tuple[str, str, str], ...]:
-    """The version, if it loads on a request (registered, not loaded)."""
-    return (record.key,) if record.state == "available" else ()
+    """The version, if a request loads it: it loads on demand and is not loaded (or is
+    loading, or being evicted: the request waits for that, then for its load)."""
+    if record.state == "available" or (
+        record.on_demand and record.current is None and record.state in ("loading", "draining")
+    ):
+        return (record.key,)
+    return ()
 
 
 @dataclass(frozen=True)
@@ -638,7 +643,7 @@ class _Index:
         if ref.version is not None and str(ref.version) in known:
             record = known[str(ref.version)]
             return _Failure(Unavailable, _not_ready(record), demand=_demand(record))
-        available = [r for r in known.values() if r.state == "available"]
+        available = [r for r in known.values() if _demand(r)]
         if ref.version is None and available:  # none ready: the highest that loads on demand
             record = max(available, key=lambda r: r.sort_version or Version(0, 0, 0))
             return _Failure(Unavailable, _not_ready(record), demand=_demand(record))

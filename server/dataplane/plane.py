@@ -211,11 +211,14 @@ class DataPlane:
         # well under 1 µs), and entered in the same step: a reload never releases an
         # instance a request is about to use. Counted in for the shutdown drain only now
         # that its body is in: a client still uploading never holds a shutdown up.
-        try:
-            chain = self._resolve(call, route, version, inference)
-        except NotLoaded as exc:  # its runner loads on its first request: this one, or one before
-            await self.demand(exc, deadline)
-            chain = self._resolve(call, route, version, inference)
+        for attempt in range(DEMAND_ATTEMPTS):
+            try:
+                chain = self._resolve(call, route, version, inference)
+                break
+            except NotLoaded as exc:  # its runner loads on its first request
+                if attempt == DEMAND_ATTEMPTS - 1:
+                    raise  # loaded, and evicted again each time before this request ran
+                await self.demand(exc, deadline)
         served.chain = chain
         drain = self.drain
         drain.enter()
@@ -290,6 +293,10 @@ class DataPlane:
                 f"route {route!r} is over its rate limit of {bucket.limit.rps:g} requests/s",
                 retry_after_s=math.ceil(wait),
             )
+
+
+DEMAND_ATTEMPTS = 3
+"""Loads a request waits for, at most, when what it needs is evicted again before it runs."""
 
 
 def late(deadline_s: float | None) -> DeadlineExceeded:

@@ -1,0 +1,179 @@
+"""Many models in a memory budget: 40 runner versions loaded on demand, a budget that holds
+a few, skewed traffic.
+
+    python -m tests.benchmarks.density [--versions 40] [--mib 40] [--holds 6]
+        [--minutes 2] [--clients 4] [--in-worker]
+
+Writes ``--versions`` Python runners that each hold ``--mib`` MiB of weights (touched,
+so resident), ``load = "on_demand"``, in runner processes of their own (``--in-worker``:
+in the worker), and serves them with ``--memory-budget`` set to hold ``--holds`` of them
+(measured from a first load). ``--clients`` threads send requests for ``--minutes``,
+each to a version drawn from a Zipf law (a few hot, a long tail). Prints every status
+count, the hit rate (requests that found their version loaded), the cold loads' p50 and
+p99 (the server's own ``plugin_demanded`` seconds), the evictions, and the server tree's
+resident memory (the supervisor, its workers and their runner processes, sampled every
+0.2 s) against the budget plus one version. Not run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from tests.helpers import ServerProcess, write_plugin
+
+RUNNER = """
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Held:
+        def __init__(self, mib):
+            self.weights = np.ones(mib * 1024 * 1024 // 8)
+
+        def infer(self, inputs):
+            return {"y": np.asarray(inputs["x"]) * 2}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Held(config["mib"])
+"""
+ERRORS: collections.Counter[str] = collections.Counter()
+"""Each error's answer (its start), counted."""
+BODY = json.dumps(
+    {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+).encode()
+
+
+def tree_resident(root: int) -> int:
+    """Resident bytes of ``root`` and every process below it."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    rss: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        children[int(fields[1])].append(pid)
+        rss[pid] = int(fields[21]) * 4096
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        stack.extend(children.get(pid, []))
+    return total
+
+
+def post(url: str) -> tuple[int, float]:
+    started = time.perf_counter()
+    request = urllib.request.Request(url, BODY, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            response.read()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+        ERRORS[exc.read()[:200].decode(errors="replace")] += 1
+    return status, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--versions", type=int, default=40)
+    parser.add_argument("--mib", type=int, default=40)
+    parser.add_argument("--holds", type=float, default=6)
+    parser.add_argument("--minutes", type=float, default=2)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--zipf", type=float, default=1.3)
+    parser.add_argument("--in-worker", action="store_true")
+    args = parser.parse_args()
+    isolation = "" if args.in_worker else 'isolation = "process"\n'
+    with tempfile.TemporaryDirectory() as tmp:
+        plugins, models = Path(tmp) / "plugins", Path(tmp) / "models"
+        models.mkdir()
+        names = [f"m{i:02d}" for i in range(args.versions)]
+        for name in names:
+            manifest = f'[config]\nmib = {args.mib}\n[runner]\nload = "on_demand"\n{isolation}'
+            write_plugin(plugins, "runner", name, "1.0.0", manifest, files={"plugin.py": RUNNER})
+        # One version's cost, measured by a server without a budget.
+        probe = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models),
+                              log=Path(tmp) / "probe.log").wait_ready(60)  # fmt: skip
+        idle_tree = tree_resident(probe.proc.pid)
+        post(f"{probe.url}/v2/models/m00/infer")
+        one = tree_resident(probe.proc.pid) - idle_tree
+        probe.stop()
+        budget = int(one * args.holds)
+        log = Path(tmp) / "server.log"
+        srv = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models),
+                            "--memory-budget", str(budget), log=log).wait_ready(60)  # fmt: skip
+        baseline = tree_resident(srv.proc.pid)
+        peak = [baseline]
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], tree_resident(srv.proc.pid))
+                time.sleep(0.2)
+
+        weights = 1 / np.arange(1, args.versions + 1) ** args.zipf
+        weights /= weights.sum()
+        statuses: collections.Counter[int] = collections.Counter()
+        lock = threading.Lock()
+        deadline = time.monotonic() + args.minutes * 60
+
+        def client(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            while time.monotonic() < deadline:
+                name = names[rng.choice(args.versions, p=weights)]
+                status, _ = post(f"{srv.url}/v2/models/{name}/infer")
+                with lock:
+                    statuses[status] += 1
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        stop.set()
+        sampler.join()
+        srv.stop()
+        text = log.read_text(errors="replace")
+        loads = [float(m) for m in re.findall(r"plugin_demanded.*?seconds=([0-9.]+)", text)]
+        evictions = text.count("plugin_evicted")
+        total = sum(statuses.values())
+        mib = 2**20
+        mode = "in-worker" if args.in_worker else "isolated"
+        print(f"{mode}: {args.versions} versions of ~{one / mib:.0f} MiB each (measured), budget "
+              f"{budget / mib:.0f} MiB (holds {args.holds:g}), {args.clients} clients, "
+              f"{args.minutes:g} min, Zipf {args.zipf:g}")  # fmt: skip
+        print(f"requests {total}: {dict(sorted(statuses.items()))}")
+        for message, count in ERRORS.most_common(5):
+            print(f"  {count} x {message}")
+        print(f"hit rate {1 - len(loads) / total:.3f} ({len(loads)} cold loads, {evictions} "
+              "evictions)")  # fmt: skip
+        if loads:
+            loads.sort()
+            p99 = loads[min(len(loads) - 1, int(len(loads) * 0.99))]
+            print(f"cold load p50 {statistics.median(loads):.3f} s, p99 {p99:.3f} s")
+        print(f"tree resident: baseline {baseline / mib:.0f} MiB, peak {peak[0] / mib:.0f} MiB; "
+              f"peak - baseline {(peak[0] - baseline) / mib:.0f} MiB against budget + one "
+              f"version {(budget + one) / mib:.0f} MiB")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
