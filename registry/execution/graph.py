@@ -13,6 +13,7 @@ its postprocessors run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -219,18 +220,28 @@ def child_context(ctx: RequestContext, route: str) -> RequestContext:
         raise InvalidInput(
             f"route {route!r}: routes call routes more than {MAX_DEPTH} deep (a loop?)"
         )
-    return RequestContext(
-        request_id=ctx.request_id,
-        route=route,
-        parameters={},
-        headers=ctx.headers,
-        content_type=ctx.content_type,
-        protocol=ctx.protocol,
-        deadline=ctx.deadline,
-        priority=ctx.priority,
-        tenant=ctx.tenant,
-        router=ctx.router,
-        depth=depth,
+    return derived_context(ctx, {}, route=route, depth=depth)
+
+
+def derived_context(
+    ctx: RequestContext,
+    parameters: Mapping[str, Any],
+    route: str | None = None,
+    depth: int | None = None,
+) -> RequestContext:
+    """A context for one more run on behalf of ``ctx``'s request (its id, headers,
+    deadline, priority, tenant, router): its own parameters, state, timings and usage;
+    another ``route`` starts with no versions of its own."""
+    return dataclasses.replace(
+        ctx,
+        route=ctx.route if route is None else route,
+        parameters=parameters,
+        versions=dict(ctx.versions) if route is None else {},
+        state={},
+        timings={},
+        rows=0,
+        usage={},
+        depth=ctx.depth if depth is None else depth,
     )
 
 

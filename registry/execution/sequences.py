@@ -40,6 +40,16 @@ SEQUENCE_FIELDS = ("sequence_id", "sequence_start", "sequence_end")
 """The request parameters that place a request in its sequence."""
 
 
+def is_sequence_id(value: Any) -> bool:
+    """Whether ``value`` is a sequence id a runner takes: an integer in 1..2**64-1, or a
+    string of 1 to :data:`MAX_ID_CHARS` characters (:func:`sequence_of` says why not)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return 0 < value < 2**64
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
+
+
 def sequence_of(parameters: Mapping[str, Any]) -> tuple[SequenceId | None, bool, bool]:
     """A request's ``sequence_id`` (``None`` when absent or 0, as Triton reads it),
     ``sequence_start`` and ``sequence_end``; a 400 for values of the wrong type."""

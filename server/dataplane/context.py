@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from plugserve.registry.errors import InvalidInput
+from plugserve.registry.execution.graph import derived_context
 from plugserve.registry.types import RequestContext
 from plugserve.server.runtime.logs import REQUEST_ID
 
@@ -87,17 +88,4 @@ def request_context(
 def another(ctx: RequestContext, parameters: Mapping[str, Any]) -> RequestContext:
     """A context of the same request for one more run of its chain (an OpenAI request's
     ``n`` choices): its own parameters, state, timings and usage; the same deadline."""
-    return RequestContext(
-        request_id=ctx.request_id,
-        route=ctx.route,
-        parameters=parameters,
-        headers=ctx.headers,
-        content_type=ctx.content_type,
-        protocol=ctx.protocol,
-        versions=dict(ctx.versions),
-        deadline=ctx.deadline,
-        priority=ctx.priority,
-        tenant=ctx.tenant,
-        body_bytes=ctx.body_bytes,
-        router=ctx.router,
-    )
+    return derived_context(ctx, parameters)

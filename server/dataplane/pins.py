@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
 from plugserve.registry.execution.chain import Chain
-from plugserve.registry.execution.sequences import MAX_ID_CHARS
+from plugserve.registry.execution.sequences import is_sequence_id
 
 MAX_PINS = 100_000
 """Pins kept at most; past it, those of sequences that no longer run are dropped."""
@@ -85,10 +85,6 @@ def sequence_key(sequence_id: int | str) -> bytes:
 
 
 def _is_id(value: Any) -> TypeGuard[int | str]:
-    """A well-formed sequence id (``sequences.sequence_of``'s bounds): others are the
-    runner's to refuse, and nothing of them is kept here."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return 0 < value < 2**64
-    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
+    """A well-formed sequence id: others are the runner's to refuse, and nothing of them
+    is kept here."""
+    return is_sequence_id(value)

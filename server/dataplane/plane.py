@@ -211,14 +211,10 @@ class DataPlane:
         # well under 1 µs), and entered in the same step: a reload never releases an
         # instance a request is about to use. Counted in for the shutdown drain only now
         # that its body is in: a client still uploading never holds a shutdown up.
-        for attempt in range(DEMAND_ATTEMPTS):
-            try:
-                chain = self._resolve(call, route, version, inference)
-                break
-            except NotLoaded as exc:  # its runner loads on its first request
-                if attempt == DEMAND_ATTEMPTS - 1:
-                    raise  # loaded, and evicted again each time before this request ran
-                await self.demand(exc, deadline)
+        try:
+            chain = self._resolve(call, route, version, inference)
+        except NotLoaded as exc:  # its runner loads on its first request
+            chain = await self._loaded(call, route, version, inference, exc, deadline)
         served.chain = chain
         drain = self.drain
         drain.enter()
@@ -255,6 +251,26 @@ class DataPlane:
                 lambda key: routes.resolve(route, None, call.headers, key),
             )
         return routes.resolve(route, version, call.headers)
+
+    async def _loaded(
+        self,
+        call: Incoming,
+        route: str,
+        version: str | None,
+        inference: Inference,
+        missing: NotLoaded,
+        deadline_s: float | None,
+    ) -> Chain:
+        """The chain, once what it needs has loaded: waiting for up to
+        :data:`DEMAND_ATTEMPTS` loads (a version evicted again before this request ran)."""
+        for _ in range(DEMAND_ATTEMPTS - 1):
+            await self.demand(missing, deadline_s)
+            try:
+                return self._resolve(call, route, version, inference)
+            except NotLoaded as again:
+                missing = again
+        await self.demand(missing, deadline_s)
+        return self._resolve(call, route, version, inference)  # NotLoaded: a 503
 
     async def demand(self, missing: NotLoaded, deadline_s: float | None) -> None:
         """Load what a route needs that loads on its first request, waiting at most the

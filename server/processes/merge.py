@@ -129,8 +129,7 @@ def sync_reports(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for item in answer.get("failed", []):
             failed.setdefault(item.get("plugin") or item.get("plugins_dir", ""), item)
     for name in ("loaded", "reloaded", "unloaded", "available"):
-        if any(name in a for a in answers):
-            out[name] = sorted({label for a in answers for label in a.get(name, [])} - set(failed))
+        out[name] = sorted({label for a in answers for label in a.get(name, [])} - set(failed))
     out["failed"] = list(failed.values())
     out["unchanged"] = min(a.get("unchanged", 0) for a in answers)
     return out
