@@ -39,7 +39,7 @@ from plugserve.registry.execution.batching import priority_level
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components import batch_policy
 from plugserve.registry.execution.graph import RouteCaller
-from plugserve.registry.lifecycle.registry import Registry
+from plugserve.registry.lifecycle.registry import Key, Registry
 from plugserve.registry.types import RequestContext
 from plugserve.server.dataplane.cache import ResponseCache
 from plugserve.server.dataplane.context import (
@@ -211,10 +211,9 @@ class DataPlane:
         # well under 1 µs), and entered in the same step: a reload never releases an
         # instance a request is about to use. Counted in for the shutdown drain only now
         # that its body is in: a client still uploading never holds a shutdown up.
-        try:
-            chain = self._resolve(call, route, version, inference)
-        except NotLoaded as exc:  # its runner loads on its first request
-            chain = await self._loaded(call, route, version, inference, exc, deadline)
+        chain = self._resolve_or_needs(call, route, version, inference)
+        if not isinstance(chain, Chain):  # what it needs loads on its first request
+            chain = await self._loaded(call, route, version, inference, chain, deadline)
         served.chain = chain
         drain = self.drain
         drain.enter()
@@ -252,27 +251,38 @@ class DataPlane:
             )
         return routes.resolve(route, version, call.headers)
 
+    def _resolve_or_needs(
+        self, call: Incoming, route: str, version: str | None, inference: Inference
+    ) -> Chain | tuple[Key, ...]:
+        """The chain, or the versions it needs loaded first (they load on demand). The
+        :class:`NotLoaded` ends here: its traceback holds the route table it was raised
+        from, and with it every version that table served, which a wait for a load must
+        not keep from eviction (their memory would outlive the budget's count)."""
+        try:
+            return self._resolve(call, route, version, inference)
+        except NotLoaded as exc:
+            return exc.keys
+
     async def _loaded(
         self,
         call: Incoming,
         route: str,
         version: str | None,
         inference: Inference,
-        missing: NotLoaded,
+        needs: tuple[Key, ...],
         deadline_s: float | None,
     ) -> Chain:
         """The chain, once what it needs has loaded: waiting for up to
         :data:`DEMAND_ATTEMPTS` loads (a version evicted again before this request ran)."""
-        for _ in range(DEMAND_ATTEMPTS - 1):
-            await self.demand(missing, deadline_s)
-            try:
-                return self._resolve(call, route, version, inference)
-            except NotLoaded as again:
-                missing = again
-        await self.demand(missing, deadline_s)
+        for _ in range(DEMAND_ATTEMPTS):
+            await self.demand(needs, deadline_s)
+            found = self._resolve_or_needs(call, route, version, inference)
+            if isinstance(found, Chain):
+                return found
+            needs = found
         return self._resolve(call, route, version, inference)  # NotLoaded: a 503
 
-    async def demand(self, missing: NotLoaded, deadline_s: float | None) -> None:
+    async def demand(self, needs: tuple[Key, ...], deadline_s: float | None) -> None:
         """Load what a route needs that loads on its first request, waiting at most the
         load timeout (or the request's deadline, if sooner); every request needing the same
         version waits for the same load."""
@@ -281,18 +291,18 @@ class DataPlane:
             registry.load_timeout, deadline_s
         )  # fmt: skip
         started = time.perf_counter()
-        await registry.demand(missing.keys, within)
+        await registry.demand(needs, within)
         self.metrics.cold_load.observe(time.perf_counter() - started)
 
     async def chain_of(self, route: str, version: str | None) -> Chain:
         """The chain serving ``route`` for a metadata or configuration call: like a request,
         it loads what loads on its first request (a client reads the metadata first)."""
-        routes = self.registry.routes
         try:
-            return routes.resolve(route, version)
-        except NotLoaded as exc:
-            await self.demand(exc, None)
             return self.registry.routes.resolve(route, version)
+        except NotLoaded as exc:
+            needs = exc.keys
+        await self.demand(needs, None)  # out of the except: see _resolve_or_needs
+        return self.registry.routes.resolve(route, version)
 
     def admit(self, route: str, version: str | None) -> None:
         """404/503 for a route or version not served here, 429 for a route over its rate
