@@ -168,8 +168,7 @@ def create_app(
         load_timeout=settings.load_timeout_s,
         close_timeout=settings.close_timeout_s,
         default_load=settings.default_load,
-        # Each worker keeps its share: what it loads counts against it alone.
-        memory_budget=settings.memory_budget_bytes // settings.worker_count,
+        memory_budget=settings.memory_budget_bytes,  # a worker's: its supervisor's (below)
     )
     app[METRICS] = Metrics()
     app[DRAIN] = Drain(settings.drain_timeout_s)
@@ -201,6 +200,10 @@ def create_app(
         through = worker.forward
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
         app[REGISTRY].loader.workers = settings.worker_count
+        if settings.memory_budget_bytes:  # one budget for the whole tree, the supervisor's
+            from plugserve.server.processes.tree_budget import SupervisedBudget
+
+            app[REGISTRY].budget = SupervisedBudget(worker.supervisor, worker.index)
     _isolated_runners(app[REGISTRY], settings, worker)
     if settings.runners_on_loop and (worker is not None or settings.inline_runners == "on"):
         app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S  # auto: one of several workers only

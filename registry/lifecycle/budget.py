@@ -12,15 +12,19 @@ clock on the request path).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
+import itertools
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from plugserve.registry.routing.records import VersionRecord
+from typing import Any, Generic, Protocol, TypeVar
 
 Key = tuple[str, str, str]
+E = TypeVar("E", bound=Hashable)
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|[KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -74,20 +78,56 @@ def resident(pid: int | None = None) -> int:
     return int(fields[1]) * PAGE
 
 
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_memory() -> None:
+    """Give a released version's memory back to the system: collect the reference cycles
+    that hold its objects, then ask glibc to return the free pages of its heaps (native
+    libraries allocate on many threads' arenas, which keep what they free otherwise)."""
+    gc.collect()
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 @dataclass
-class MemoryBudget:
-    """The budget, the measured cost of each resident version, and their use."""
+class Admission:
+    """A load let in by the budget: room was made for its estimate, held until measured."""
+
+    key: Key
+    ticket: int
+    reserved: int
+
+
+@dataclass
+class Ledger(Generic[E]):
+    """The budget's accounts: the measured bytes of what is resident (by entry: a version,
+    or in a tree of workers a version in one worker or in the shared runner processes),
+    the estimates held for loads under way, and each version's last measure."""
 
     limit: int
-    cost: dict[Key, int] = field(default_factory=dict)
-    """Resident versions: their measured bytes."""
+    cost: dict[E, int] = field(default_factory=dict)
+    reserved: dict[int, int] = field(default_factory=dict)
+    """Loads under way (by ticket): their estimates, counted until measured."""
     known: dict[Key, int] = field(default_factory=dict)
     """Every version measured once: its bytes (the estimate of its next load)."""
-    evictions: int = 0
+    _tickets: Iterator[int] = field(default_factory=lambda: itertools.count(1), repr=False)
 
     @property
     def resident_bytes(self) -> int:
         return sum(self.cost.values())
+
+    def over(self, room: int) -> int:
+        """Bytes beyond the limit once ``room`` more is taken (0 or less: it fits)."""
+        return self.resident_bytes + sum(self.reserved.values()) + room - self.limit
 
     def estimate(self, key: Key) -> int:
         """What loading ``key`` will cost: its last measure, else the mean of the others."""
@@ -95,33 +135,107 @@ class MemoryBudget:
             return self.known[key]
         return sum(self.known.values()) // len(self.known) if self.known else 0
 
-    def measured(self, key: Key, nbytes: int) -> None:
-        self.cost[key] = self.known[key] = max(nbytes, 0)
+    def reserve(self, nbytes: int) -> int:
+        ticket = next(self._tickets)
+        self.reserved[ticket] = nbytes
+        return ticket
 
-    def gone(self, key: Key) -> None:
-        self.cost.pop(key, None)
+    def measured(self, key: Key, entry: E, nbytes: int, ticket: int | None = None) -> None:
+        if ticket is not None:
+            self.reserved.pop(ticket, None)
+        self.cost[entry] = self.known[key] = max(nbytes, 0)
 
-    def victims(self, records: Iterable[VersionRecord], room: int, keep: Key | None) -> list[Key]:
-        """Versions to evict, least recently used first, until ``room`` more bytes fit:
-        loaded on demand, not pinned, idle (nothing in flight or queued), not ``keep``."""
-        candidates = []
-        for record in records:
-            current = record.current
-            key = record.key
-            if current is None or key not in self.cost or key == keep or not record.on_demand:
-                continue
-            runner = current.manifest.runner
-            if runner is not None and runner.pinned:
-                continue
-            if current.in_flight or current.queued or record.draining:
-                continue
-            candidates.append((current.last_use, key))
-        candidates.sort()
+    def victims(self, candidates: Iterable[tuple[float, E]], room: int) -> list[E]:
+        """Entries to evict, least recently used first, until ``room`` more bytes fit.
+        ``candidates``: (last use, entry) of the idle versions that may go."""
         chosen, freed = [], 0
-        over = self.resident_bytes + room - self.limit
-        for _, key in candidates:
+        over = self.over(room)
+        for _, entry in sorted(c for c in candidates if c[1] in self.cost):
             if freed >= over:
                 break
-            chosen.append(key)
-            freed += self.cost[key]
+            chosen.append(entry)
+            freed += self.cost[entry]
         return chosen
+
+    def describe(self, label: Callable[[E], dict[str, Any]]) -> dict[str, Any]:
+        """``/admin/status``'s ``memory``."""
+        return {
+            "budget_bytes": self.limit,
+            "resident_bytes": self.resident_bytes,
+            "reserved_bytes": sum(self.reserved.values()),
+            "resident": [
+                {**label(entry), "bytes": nbytes}
+                for entry, nbytes in sorted(self.cost.items(), key=lambda kv: -kv[1])
+            ],
+        }
+
+
+class Budget(Protocol):
+    """What a registry asks of its memory budget: its own (:class:`LocalBudget`), or the
+    supervisor's, one for every worker (``server/processes/tree_budget.py``)."""
+
+    async def admit(self, key: Key, isolated: bool) -> Admission:
+        """Make room for ``key``'s load (evicting the least recently used idle versions
+        first), and hold its estimate until :meth:`measured` or :meth:`cancel`."""
+        ...
+
+    async def measured(self, admission: Admission, nbytes: int) -> None:
+        """The load is done and costs ``nbytes``: account it, evict again if it overshot."""
+        ...
+
+    async def cancel(self, admission: Admission) -> None:
+        """The load failed: its estimate is given back."""
+        ...
+
+    async def gone(self, key: Key) -> None:
+        """``key`` is no longer loaded here (evicted, unloaded)."""
+        ...
+
+    def describe(self) -> dict[str, Any] | None:
+        """``/admin/status``'s ``memory``; ``None`` where the supervisor keeps the budget."""
+        ...
+
+
+class Evictable(Protocol):
+    """The registry, as a :class:`LocalBudget` sees it."""
+
+    def evictable(self) -> list[tuple[float, Key, bool]]: ...
+
+    async def evict(self, key: Key, reason: str) -> Any: ...
+
+
+class LocalBudget:
+    """The budget of a server in one process: its registry's versions."""
+
+    def __init__(self, limit: int, registry: Evictable) -> None:
+        self.ledger: Ledger[Key] = Ledger(limit)
+        self.registry = registry
+
+    async def admit(self, key: Key, isolated: bool) -> Admission:
+        room = 0 if key in self.ledger.cost else self.ledger.estimate(key)
+        await self._make_room(room, keep=key, reason="room")
+        return Admission(key, self.ledger.reserve(room), room)
+
+    async def measured(self, admission: Admission, nbytes: int) -> None:
+        self.ledger.measured(admission.key, admission.key, nbytes, admission.ticket)
+        await self._make_room(0, keep=admission.key, reason="overshoot")
+
+    async def cancel(self, admission: Admission) -> None:
+        self.ledger.reserved.pop(admission.ticket, None)
+
+    async def gone(self, key: Key) -> None:
+        self.ledger.cost.pop(key, None)
+
+    def describe(self) -> dict[str, Any]:
+        return self.ledger.describe(lambda key: {"plugin": label(key)})
+
+    async def _make_room(self, room: int, keep: Key, reason: str) -> None:
+        if self.ledger.over(room) <= 0:
+            return
+        idle = [(used, key) for used, key, busy in self.registry.evictable() if not busy]
+        for key in self.ledger.victims([c for c in idle if c[1] != keep], room):
+            await self.registry.evict(key, reason)
+
+
+def label(key: Key) -> str:
+    return f"{key[0]}/{key[1]}@{key[2]}"

@@ -10,7 +10,7 @@ decided by its content fingerprint, never by the event that pointed at it.
 from __future__ import annotations
 
 import asyncio
-import gc
+import collections
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -21,9 +21,9 @@ import structlog
 
 from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError, Unavailable
 from plugserve.registry.execution.chain import Chain
-from plugserve.registry.execution.components.base import USE_ORDER, LoadedPlugin
+from plugserve.registry.execution.components.base import LoadedPlugin
 from plugserve.registry.execution.components.streaming import StreamingRunner
-from plugserve.registry.lifecycle.budget import MemoryBudget, resident
+from plugserve.registry.lifecycle.budget import Budget, LocalBudget, release_memory, resident
 from plugserve.registry.lifecycle.loader import Loader
 from plugserve.registry.manifest import load_manifest
 from plugserve.registry.plugins.fingerprint import Fingerprinter
@@ -111,10 +111,17 @@ class Registry:
         self.default_load = default_load
         """When a runner version whose manifest does not say loads (``[runner] load``)."""
         self.load_timeout = load_timeout
-        self.budget = MemoryBudget(memory_budget) if memory_budget else None
-        """With a budget: what each version loaded on demand costs, and which go first."""
+        self.budget: Budget | None = LocalBudget(memory_budget, self) if memory_budget else None
+        """With a budget: what each version loaded on demand costs, and which go first (a
+        worker among several is given its supervisor's, one for the whole tree)."""
         self._room = asyncio.Lock()
-        """One eviction-and-load decision at a time (measures need quiet neighbours)."""
+        """One on-demand load at a time under a budget (a measure needs quiet neighbours)."""
+        self.loads: collections.Counter[str] = collections.Counter()
+        """Versions loaded, by reason: ``demand`` (a request), ``eager`` (found on disk),
+        ``reload`` (changed, or asked) and ``explicit`` (an admin or repository load)."""
+        self.evictions: collections.Counter[str] = collections.Counter()
+        """Versions evicted under the budget, by reason: ``room`` (for a load) or
+        ``overshoot`` (a load measured more than its estimate)."""
         self._demands: dict[Key, asyncio.Task[Outcome]] = {}
         """The on-demand loads under way: every request that needs one waits for it."""
         self.models_dir = models_dir
@@ -268,7 +275,7 @@ class Registry:
             self._rebuild()
         async with record.lock:
             try:
-                fingerprint, on_demand = await asyncio.to_thread(self._inspect, folder)
+                fingerprint, on_demand, isolated = await asyncio.to_thread(self._inspect, folder)
             except Exception as exc:  # the folder went away or cannot be read
                 record.fingerprint = None
                 return self._failed(record, exc, time.perf_counter())
@@ -277,43 +284,61 @@ class Registry:
             if not (force or explicit or demanded) and fingerprint == record.fingerprint:
                 return "unchanged"
             record.fingerprint = fingerprint
-            record.on_demand = on_demand
+            record.on_demand, record.isolated = on_demand, isolated
             if on_demand and record.current is None and not (explicit or demanded):
                 record.state, record.last_error = "available", None
                 self._rebuild()
                 return "available"
-            return await self._load_locked(record, folder, overrides)
+            reason = (
+                "demand" if demanded
+                else "explicit" if explicit
+                else "reload" if record.current is not None
+                else "eager"
+            )  # fmt: skip
+            return await self._load_locked(record, folder, overrides, reason)
 
-    async def _load_in_budget(self, record: VersionRecord, budget: MemoryBudget) -> Outcome:
-        """Make room (evict the least recently used idle versions), load, measure what the
-        version costs, and evict again if the measure overshoots."""
+    async def _load_in_budget(self, record: VersionRecord, budget: Budget) -> Outcome:
+        """Have the budget make room (it evicts the least recently used idle versions),
+        load, and tell it what the version measured (it evicts again on an overshoot)."""
         async with self._room:
-            await self._make_room(budget, budget.estimate(record.key), keep=record.key)
-            before = resident()
-            outcome = await self.load(record.folder, demanded=True)
-            current = record.current
-            if current is None:
-                return outcome
-            # Loaded for requests waiting now: the most recently used, not the next to go.
-            current.last_use = next(USE_ORDER)
-            remote = getattr(current, "remote", None)
-            if remote is not None:  # its runner processes: all of it comes back at their end
-                cost = sum(resident(pid) for pid in remote.group.pids)
-            else:
-                cost = resident() - before
-            budget.measured(record.key, cost)
-            record.memory_bytes = cost
-            log.info("plugin_measured", plugin=record.label, bytes=cost,
-                     resident_bytes=budget.resident_bytes, budget_bytes=budget.limit)  # fmt: skip
-            await self._make_room(budget, 0, keep=record.key)
+            admission = await budget.admit(record.key, record.isolated)
+            cost: int | None = None
+            try:
+                before = resident()
+                outcome = await self.load(record.folder, demanded=True)
+                current = record.current
+                if current is None:
+                    return outcome
+                # Loaded for requests waiting now: the most recently used, not the next to go.
+                current.last_use = time.monotonic()
+                remote = current.remote
+                if remote is not None:  # its runner processes: all of it comes back at their end
+                    cost = sum(resident(pid) for pid in remote.group.pids)
+                else:
+                    cost = resident() - before
+                record.memory_bytes = cost
+                log.info("plugin_measured", plugin=record.label, bytes=cost)
+            finally:
+                if cost is None:
+                    await budget.cancel(admission)
+            await budget.measured(admission, cost)
             return outcome
 
-    async def _make_room(self, budget: MemoryBudget, room: int, keep: Key | None) -> None:
-        records = list(self.records.values())
-        if budget.resident_bytes + room <= budget.limit:
-            return
-        for key in budget.victims(records, room, keep):
-            await self.evict(key, reason="memory_budget")
+    def evictable(self) -> list[tuple[float, Key, bool]]:
+        """The loaded versions a budget may evict (they load on demand, are not pinned):
+        their last use (``time.monotonic()``), key, and whether a request uses or awaits
+        them (or an older instance still drains)."""
+        rows = []
+        for record in self.records.values():
+            current = record.current
+            if current is None or not record.on_demand:
+                continue
+            runner = current.manifest.runner
+            if runner is not None and runner.pinned:
+                continue
+            busy = bool(current.in_flight or current.queued or record.draining)
+            rows.append((current.last_use, record.key, busy))
+        return rows
 
     async def evict(self, key: Key, reason: str) -> Outcome:
         """Unload a version that loads on demand back to ``available``: its next request
@@ -329,30 +354,30 @@ class Registry:
             record.state = "draining"
             self._rebuild()
             await self._retire(record, old)
+            del old  # the last reference: its memory comes back now, not at a later gc
+            release_memory()
             record.state = "available"
-            record.memory_bytes = None
+            freed, record.memory_bytes = record.memory_bytes, None
             if self.budget is not None:
-                freed = self.budget.cost.get(key, 0)
-                self.budget.gone(key)
-                self.budget.evictions += 1
-            else:
-                freed = 0
+                await self.budget.gone(key)
+            self.evictions[reason] += 1
             self._rebuild()
         log.info("plugin_evicted", plugin=record.label, reason=reason, bytes=freed,
                  seconds=round(time.perf_counter() - started, 4))  # fmt: skip
         self._emit(record, "evicted", started)
         return "evicted"
 
-    def _inspect(self, folder: Path) -> tuple[str, bool]:
-        """The folder's fingerprint, and whether it holds a runner that loads on demand."""
+    def _inspect(self, folder: Path) -> tuple[str, bool, bool]:
+        """The folder's fingerprint, whether it holds a runner that loads on demand, and
+        whether that runner runs in processes of its own."""
         fingerprint = self.fingerprint(folder)
         try:
             runner = load_manifest(folder).runner
         except Exception:  # the load reports it
-            return fingerprint, False
+            return fingerprint, False, False
         if runner is None:
-            return fingerprint, False
-        return fingerprint, (runner.load or self.default_load) == "on_demand"
+            return fingerprint, False, False
+        return fingerprint, (runner.load or self.default_load) == "on_demand", runner.isolated
 
     def prefetch(self, keys: Iterable[Key]) -> list[asyncio.Task[Outcome]]:
         """Begin loading ``keys`` (versions that load on their first request), once each."""
@@ -400,7 +425,11 @@ class Registry:
             self._demands.pop(key, None)
 
     async def _load_locked(
-        self, record: VersionRecord, folder: Path, overrides: Mapping[str, Any] | None = None
+        self,
+        record: VersionRecord,
+        folder: Path,
+        overrides: Mapping[str, Any] | None = None,
+        reason: str = "eager",
     ) -> Outcome:
         bound = log.bind(plugin=record.label)
         started = time.perf_counter()
@@ -416,10 +445,13 @@ class Registry:
         record.current, record.state, record.last_error = new, "ready", None
         self._rebuild()
         outcome: Outcome = "reloaded" if old is not None else "loaded"
+        self.loads[reason] += 1
         bound.info("plugin_ready", outcome=outcome, seconds=round(time.perf_counter() - started, 4))
         self._emit(record, outcome, started)
         if old is not None:
             await self._retire(record, old)
+            del old
+            release_memory()
         return outcome
 
     def _failed(self, record: VersionRecord, exc: Exception, started: float) -> Outcome:
@@ -459,9 +491,11 @@ class Registry:
             self._rebuild()
             if old is not None:
                 await self._retire(record, old)
+            del old
+            release_memory()
             record.state = "unloaded"
             if self.budget is not None:
-                self.budget.gone(key)
+                await self.budget.gone(key)
             if forget and self.records.get(key) is record:
                 del self.records[key]
                 self.fingerprinter.forget(record.folder)
@@ -541,8 +575,6 @@ class Registry:
             await self.loader.release(old)
         finally:
             record.draining.remove(old)
-        del old
-        gc.collect()
 
     def _emit(
         self, record: VersionRecord, outcome: Outcome, started: float, error: str | None = None

@@ -42,6 +42,8 @@ class VersionRecord:
     on_demand: bool = False
     """It loads on its first request (``[runner] load = "on_demand"``, or the server's
     default); once loaded it reloads on change like any other version."""
+    isolated: bool = False
+    """Its runner runs in processes of its own (``[runner] isolation = "process"``)."""
 
     @property
     def key(self) -> tuple[str, str, str]:

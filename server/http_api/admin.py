@@ -198,6 +198,7 @@ async def status(request: web.Request) -> web.Response:
             "routes": registry.routes.describe(),
             "requests": request.app[METRICS].requests_by_route(),
             "fleet": request.app[ROUTE_STORE].health(),
+            "memory": registry.budget.describe() if registry.budget is not None else None,
             "watch": {
                 "enabled": request.app[SETTINGS].watch,
                 "lost": [

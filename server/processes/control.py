@@ -30,6 +30,7 @@ from plugserve.server.processes import merge
 from plugserve.server.processes.pool import Worker, WorkerPool
 from plugserve.server.processes.shared_runners import RUNNERS
 from plugserve.server.processes.shared_runners import metrics_text as runner_metrics
+from plugserve.server.processes.tree_budget import TreeBudget
 from plugserve.server.processes.unix import Reply, UnixClient
 from plugserve.server.runtime.metrics import Metrics, _FleetCollector
 from plugserve.server.triton.shared_memory import Regions
@@ -43,6 +44,8 @@ ON_REGISTER: web.AppKey[Callable[[int, int], bool | None]] = web.AppKey("on_regi
 """The supervisor's answer to a worker that registers: ``None`` when it is not one it
 started, else whether it may listen at once (``False`` until every first worker loaded)."""
 ON_DRAINED: web.AppKey[Callable[[int], Awaitable[None]]] = web.AppKey("on_drained")
+BUDGET = web.AppKey("budget", TreeBudget)
+"""Set with a memory budget: the tree's (server/processes/tree_budget.py)."""
 SHM_REGIONS = web.AppKey("shm_regions", Regions)
 """Every worker's shared memory regions: registered, and their objects held, here."""
 
@@ -259,7 +262,7 @@ async def repository_change(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    pool, store = request.app[POOL], request.app[STORE]
+    pool, store, budget = request.app[POOL], request.app[STORE], request.app.get(BUDGET)
     answers = await pool.call_all("GET", "/admin/status")
     refused = _first_refusal(answers)
     if refused is not None:
@@ -277,6 +280,7 @@ async def status(request: web.Request) -> web.Response:
             "routes": docs[0]["routes"],
             "requests": requests,
             "fleet": store.health(),
+            "memory": budget.describe() if budget is not None else None,
             "watch": {
                 "enabled": request.app[WATCHING],
                 "lost": [

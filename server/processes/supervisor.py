@@ -68,9 +68,10 @@ from plugserve.server.http.connections import (
     raise_open_files_limit,
 )
 from plugserve.server.processes import shared_runners
-from plugserve.server.processes.control import SUPERVISOR_METRICS, control_app
+from plugserve.server.processes.control import BUDGET, SUPERVISOR_METRICS, control_app
 from plugserve.server.processes.link import WorkerSpec
 from plugserve.server.processes.pool import Worker, WorkerPool
+from plugserve.server.processes.tree_budget import BudgetCollector, TreeBudget
 from plugserve.server.runtime.shutdown import SHUTDOWN_MARGIN_S
 from plugserve.server.triton.shared_memory import Regions
 from plugserve.server.triton.shm_table import SharedTable
@@ -119,6 +120,12 @@ class Supervisor:
         self.runners = RunnerHost(process_settings(settings))
         """Isolated runners' processes, shared by every worker (``shared_runners.py``)."""
         shared_runners.add_routes(self.app, self.runners)
+        self.budget = TreeBudget(settings.memory_budget_bytes, self.pool)
+        """The memory budget of every worker and their runner processes (0: none)."""
+        if settings.memory_budget_bytes:
+            self.budget.add_routes(self.app)
+            self.app[BUDGET] = self.budget
+            self.app[SUPERVISOR_METRICS].registry.register(BudgetCollector(self.budget))
         self._starting: asyncio.AbstractServer | None = None
         self._starting_fd: int | None = None
         self._first = set(range(workers))
@@ -291,6 +298,7 @@ class Supervisor:
             self._all_drained.set()
         os.close(self.lifelines.pop(index))
         await self.pool.remove(index, proc.pid)
+        self.budget.worker_gone(index)
         await self.runners.release_holder(str(proc.pid))
         self.app[SUPERVISOR_METRICS].workers.set(len(self.pool.workers))
         return code

@@ -16,6 +16,7 @@ from plugserve.registry.errors import InvalidInput
 from plugserve.server.http.bodies import BODIES
 from plugserve.server.http.middleware import request_middleware
 from plugserve.server.http_api import admin, v2
+from plugserve.server.processes import tree_budget
 from plugserve.server.processes.link import LISTEN_WAIT_S, WorkerLink, set_lost_roots
 from plugserve.server.state import DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 from plugserve.server.triton.repository import REPOSITORY, LocalRepository
@@ -86,6 +87,7 @@ def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
     router.add_put("/_control/lost_roots", lost_roots)
     router.add_post("/_control/listen", listen)
     router.add_get("/metrics", local_metrics)
+    tree_budget.add_worker_routes(control, registry)
     # This worker's own answers, as a single-process server gives them.
     router.add_get("/admin/plugins", admin.list_plugins)
     router.add_get("/admin/routes", admin.list_routes)

@@ -276,6 +276,32 @@ def add_process_figures(
     circuit.add_metric(key, 0 if figures.get("circuit", "closed") == "closed" else 1)
 
 
+def budget_families(state: dict[str, Any] | None) -> Iterator[Metric]:
+    """The memory budget's gauges (``state``: its ``/admin/status`` ``memory``)."""
+    if state is None:
+        return
+    yield GaugeMetricFamily(
+        "plugserve_memory_budget_bytes",
+        "The memory budget of the runner versions that load on demand.",
+        value=state["budget_bytes"],
+    )
+    yield GaugeMetricFamily(
+        "plugserve_memory_resident_bytes",
+        "Measured memory of the versions resident under the budget.",
+        value=state["resident_bytes"],
+    )
+    yield GaugeMetricFamily(
+        "plugserve_memory_reserved_bytes",
+        "Estimated memory of the loads under way under the budget.",
+        value=state["reserved_bytes"],
+    )
+    yield GaugeMetricFamily(
+        "plugserve_memory_resident_versions",
+        "Versions resident under the budget (a version loaded in several workers counts in each).",
+        value=len(state["resident"]),
+    )
+
+
 class _RegistryCollector(Collector):
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
@@ -329,6 +355,26 @@ class _RegistryCollector(Collector):
             if current.breaker is not None and current.breaker.enabled:
                 circuit.add_metric(key, 0 if current.breaker.state == "closed" else 1)
         yield from (in_flight, queued, circuit, batch, stage, executions, outcomes)
+        registry = self._registry
+        loads = CounterMetricFamily(
+            "plugserve_plugin_loads",
+            "Versions loaded, by reason: demand (a request), eager (found on disk), reload "
+            "(changed or asked) and explicit (an admin or repository load).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(registry.loads.items()):
+            loads.add_metric([reason], count)
+        evictions = CounterMetricFamily(
+            "plugserve_plugin_evictions",
+            "Versions evicted under the memory budget, by reason: room (for a load) or "
+            "overshoot (a load measured more than its estimate).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(registry.evictions.items()):
+            evictions.add_metric([reason], count)
+        yield from (loads, evictions)
+        if registry.budget is not None:
+            yield from budget_families(registry.budget.describe())
 
 
 class _FleetCollector(Collector):

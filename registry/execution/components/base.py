@@ -31,10 +31,6 @@ if TYPE_CHECKING:
 _LOADS = itertools.count(1)
 
 
-USE_ORDER = itertools.count(1)
-"""Stamps each request's entry into an instance: later entries, higher stamps."""
-
-
 @dataclass(eq=False)
 class LoadedPlugin(ABC):
     """One load (generation) of one plugin version, ready or about to be.
@@ -60,9 +56,9 @@ class LoadedPlugin(ABC):
     """Unique to this load in this process: a reload of the same version gets a new one."""
     in_flight: int = 0
     executing: int = 0
-    last_use: int = 0
-    """When a request last entered it, in this process's order of entries
-    (:data:`USE_ORDER`): the memory budget's least recently used order, without a clock."""
+    last_use: float = 0.0
+    """When a request last entered it (``time.monotonic()``, one clock for every process
+    of the machine): the memory budget's least recently used order, across workers."""
     """Calls still on a worker thread; one whose request was cancelled (its client hung
     up, its deadline passed) keeps the instance busy until the thread returns."""
     stats: RunnerStats | None = field(init=False, default=None, repr=False)
@@ -173,7 +169,7 @@ class LoadedPlugin(ABC):
 
     def enter(self) -> None:
         self.in_flight += 1
-        self.last_use = next(USE_ORDER)
+        self.last_use = time.monotonic()
 
     def leave(self) -> None:
         self.in_flight -= 1

@@ -1,0 +1,147 @@
+"""One memory budget for a server of several workers: the supervisor keeps the accounts of
+every worker's versions and of the runner processes they share, and evicts across them."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import ServerProcess, write_plugin
+from tests.server.test_on_demand import ON_DEMAND, infer, record
+
+HELD = """
+    import time
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Held:
+        def __init__(self, mib):
+            self.weights = np.ones(mib * 1024 * 1024 // 8)  # touched: resident
+
+        def infer(self, inputs):
+            x = np.asarray(inputs["x"])
+            if x[0, 0] < 0:  # a slow request: the version stays busy meanwhile
+                time.sleep(4)
+            return {"y": x * 2}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Held(config["mib"])
+"""
+MIB = 2**20
+
+
+def write_versions(plugins_dir: Path, names: str, isolated: bool) -> None:
+    isolation = '\nisolation = "process"' if isolated else ""
+    for name in names:
+        write_plugin(
+            plugins_dir, "runner", name, "1.0.0",
+            f"[config]\nmib = 64\n[runner]\n{ON_DEMAND}{isolation}\n",
+            files={"plugin.py": HELD},
+        )  # fmt: skip
+
+
+def budget_for_two(isolated: bool) -> str:
+    """A budget that holds two versions and not three: 64 MiB of weights each, in the
+    worker; in a runner process of its own, those and the process (~80 MiB more)."""
+    return "330MiB" if isolated else "150MiB"
+
+
+def memory(srv: ServerProcess) -> dict[str, Any]:
+    status, _, body = srv.request("GET", "/admin/status")
+    assert status == 200, body
+    state = json.loads(body)["memory"]
+    assert state is not None
+    return state
+
+
+def metric(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert found is not None, f"{name} not in /metrics"
+    return float(found.group(1))
+
+
+@pytest.mark.workers(2)
+@pytest.mark.parametrize("isolated", [False, True], ids=["in-worker", "isolated"])
+def test_the_supervisor_keeps_one_budget_for_every_worker(
+    isolated: bool, plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """Three versions, a budget that holds two, requests spread over both workers: the
+    tree's measured memory never passes the budget. In the worker each worker's copy
+    counts; in runner processes one copy serves both workers and counts once."""
+    write_versions(plugins_dir, "abc", isolated)
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--memory-budget", budget_for_two(isolated))  # fmt: skip
+    assert memory(srv)["resident"] == []
+    for _ in range(3):
+        for name in "abc":
+            status, _, answer = infer(srv, name)
+            assert status == 200, answer
+            state = memory(srv)
+            assert state["resident_bytes"] <= state["budget_bytes"], state
+            assert 1 <= len(state["resident"]) <= 2, state
+            assert state["reserved_bytes"] == 0, state
+    for row in state["resident"]:
+        assert 64 * MIB < row["bytes"] < (200 if isolated else 80) * MIB, row
+        if isolated:  # the processes every worker shares
+            assert row["where"] == "runners", row
+        else:
+            assert re.fullmatch(r"worker [01]", row["where"]) and len(row["workers"]) == 1, row
+    status, _, body = srv.request("GET", "/metrics")
+    text = body.decode()
+    assert metric(text, "plugserve_memory_budget_bytes") == state["budget_bytes"]
+    assert metric(text, "plugserve_memory_resident_versions") == len(state["resident"])
+    assert metric(text, 'plugserve_plugin_loads_total{reason="demand"}') >= 3
+    evictions = sum(
+        float(value)
+        for value in re.findall(r"^plugserve_plugin_evictions_total\{[^}]*\} (\S+)$", text, re.M)
+    )
+    assert srv.log().count("plugin_evicted") == evictions >= 1
+
+
+@pytest.mark.parametrize(
+    ("isolated", "workers"), [(False, 1), (True, 2)], ids=["in-worker-w1", "isolated-w2"]
+)
+def test_a_version_in_use_is_never_evicted_even_when_least_recently_used(
+    isolated: bool, plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """``a`` is used first and is still answering a slow request when ``c`` needs room:
+    ``b``, used later but idle, goes instead; the slow request is answered."""
+    write_versions(plugins_dir, "abc", isolated)
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--memory-budget", budget_for_two(isolated))  # fmt: skip
+    assert infer(srv, "a")[0] == 200
+    slow: list[int] = []
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [-1, 0, 0, 0]}]}
+    thread = threading.Thread(
+        target=lambda: slow.append(srv.request("POST", "/v2/models/a/infer", body)[0])
+    )
+    thread.start()
+    try:
+        assert _until(lambda: record(srv, "a")["in_flight"] >= 1)
+        assert infer(srv, "b")[0] == 200  # a and b fit
+        assert infer(srv, "c")[0] == 200  # room: a is older but busy, so b goes
+        states = {name: record(srv, name)["state"] for name in "abc"}
+        assert states == {"a": "ready", "b": "available", "c": "ready"}, states
+    finally:
+        thread.join(30)
+    assert slow == [200]
+
+
+def _until(check: Callable[[], bool], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
