@@ -169,6 +169,7 @@ def create_app(
         close_timeout=settings.close_timeout_s,
         default_load=settings.default_load,
         memory_budget=settings.memory_budget_bytes,  # a worker's: its supervisor's (below)
+        gpu_memory_budget=settings.gpu_memory_budget_value,
     )
     app[METRICS] = Metrics()
     app[DRAIN] = Drain(settings.drain_timeout_s)
@@ -200,10 +201,13 @@ def create_app(
         through = worker.forward
         app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
         app[REGISTRY].loader.workers = settings.worker_count
-        if settings.memory_budget_bytes:  # one budget for the whole tree, the supervisor's
+        own = app[REGISTRY].budget
+        if own is not None:  # one budget for the whole tree, the supervisor's
             from plugserve.server.processes.tree_budget import SupervisedBudget
 
-            app[REGISTRY].budget = SupervisedBudget(worker.supervisor, worker.index)
+            app[REGISTRY].budget = SupervisedBudget(
+                worker.supervisor, worker.index, worker.pid, own.gpus
+            )
     _isolated_runners(app[REGISTRY], settings, worker)
     if settings.runners_on_loop and (worker is not None or settings.inline_runners == "on"):
         app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S  # auto: one of several workers only

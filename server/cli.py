@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
         "4GiB, or a share of the machine or cgroup such as 60%% (default 0: none)",
     )
     serve.add_argument(
+        "--gpu-memory-budget",
+        help="what runner versions loaded on demand may hold on each GPU: bytes, a size such "
+        "as 20GiB, or a share of each GPU's memory such as 80%% (default 0: none)",
+    )
+    serve.add_argument(
         "--default-load",
         choices=["eager", "on_demand"],
         help="when runner versions that do not say ([runner] load) load: eager (at start, "
@@ -191,6 +196,7 @@ def _serve(args: argparse.Namespace) -> int:
         "grpc_engine": args.grpc_engine,
         "default_load": args.default_load,
         "memory_budget": args.memory_budget,
+        "gpu_memory_budget": args.gpu_memory_budget,
         "log_format": args.log_format,
         "log_level": args.log_level,
         "registry": args.registry,

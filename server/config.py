@@ -13,7 +13,7 @@ from typing import Any
 
 from plugserve.registry import checks
 from plugserve.registry.errors import ConfigError
-from plugserve.registry.lifecycle.budget import parse_budget
+from plugserve.registry.lifecycle.budget import parse_budget, parse_gpu_budget
 from plugserve.server.runtime.cores import usable_cores
 
 ADMIN_TOKEN_ENV = "PLUGSERVE_ADMIN_TOKEN"
@@ -120,6 +120,9 @@ class Settings:
     memory_budget: int | str = 0
     """What the runner versions loaded on demand may hold resident, in bytes, a size
     (``"4GiB"``) or a share of the machine or cgroup (``"60%"``); 0: no budget."""
+    gpu_memory_budget: int | str = 0
+    """What the runner versions loaded on demand may hold on each GPU: bytes, a size
+    (``"20GiB"``) or a share of each GPU's memory (``"80%"``); 0: no GPU budget."""
     default_load: str = "eager"
     """When a runner version that does not say (``[runner] load``) loads: ``eager`` (at
     start and on every change) or ``on_demand`` (on its first request)."""
@@ -216,6 +219,11 @@ class Settings:
         """``memory_budget`` in bytes (0: none)."""
         return parse_budget(self.memory_budget)
 
+    @property
+    def gpu_memory_budget_value(self) -> int | float:
+        """``gpu_memory_budget``: bytes, or a share of each GPU (a float); 0: none."""
+        return parse_gpu_budget(self.gpu_memory_budget)
+
     def __post_init__(self) -> None:
         if isinstance(self.workers, str) and self.workers != "auto":
             text = self.workers  # from the command line: ASCII digits, as a number is written
@@ -228,6 +236,7 @@ class Settings:
             raise ConfigError(f"log_format must be 'console' or 'json', not {self.log_format!r}")
         try:
             parse_budget(self.memory_budget)
+            parse_gpu_budget(self.gpu_memory_budget)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.default_load not in ("eager", "on_demand"):
@@ -473,5 +482,6 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "runner_stall_timeout_s": (int, float),
         "response_cache_bytes": int,
         "memory_budget": (int, str),
+        "gpu_memory_budget": (int, str),
     }
     return types.get(key, str)

@@ -5,9 +5,12 @@ A version's cost is measured once it has loaded: for an isolated runner, the res
 memory of its runner processes (all of it comes back when they end); in the worker, how
 much the worker's resident memory grew during the load. The least recently used idle
 versions that load on demand (``load = "on_demand"``, not ``pinned``) are evicted first:
-back to ``available``, loaded again by their next request. Recency is the stamp each
-instance takes when a request enters it (:attr:`LoadedPlugin.last_use`, a counter, no
-clock on the request path).
+back to ``available``, loaded again by their next request. Recency is the time a request
+last entered each instance (:attr:`LoadedPlugin.last_use`, ``time.monotonic()``: one
+clock for every process of the machine, so a supervisor can compare its workers').
+
+:class:`Ledger` keeps the accounts; :class:`LocalBudget` is a single process's budget; a
+worker among several asks its supervisor's (``server/processes/tree_budget.py``).
 """
 
 from __future__ import annotations
@@ -98,89 +101,167 @@ def release_memory() -> None:
         _TRIM(0)
 
 
+HOST = "memory"
+Cost = dict[str, int]
+"""Bytes by resource: ``"memory"`` (the machine's) and ``"cuda:N"`` (a GPU's)."""
+
+
+def parse_gpu_budget(value: int | str) -> int | float:
+    """``gpu_memory_budget``, for each GPU: bytes (an integer or a size such as ``"20GiB"``),
+    or a share of each GPU's memory (``"80%"``, kept as the fraction 0.8); 0: none."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError:
+            raise ValueError(f"gpu_memory_budget {value!r} is not a share such as 80%") from None
+        if not 0 < share <= 100:
+            raise ValueError("a gpu_memory_budget share is above 0 and at most 100%")
+        return share / 100
+    try:
+        return parse_budget(value)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("memory_budget", "gpu_memory_budget")) from None
+
+
 @dataclass
 class Admission:
     """A load let in by the budget: room was made for its estimate, held until measured."""
 
     key: Key
     ticket: int
-    reserved: int
 
 
 @dataclass
 class Ledger(Generic[E]):
-    """The budget's accounts: the measured bytes of what is resident (by entry: a version,
+    """The budget's accounts: the measured cost of what is resident (by entry: a version,
     or in a tree of workers a version in one worker or in the shared runner processes),
-    the estimates held for loads under way, and each version's last measure."""
+    the estimates held for loads under way, and each version's last measure.
+
+    ``limit`` bounds the machine's memory (0: no bound), ``gpu_limit`` each GPU's: bytes,
+    or a share of its total (a float, resolved by ``totals``, the devices' sizes as last
+    read); 0: no bound."""
 
     limit: int
-    cost: dict[E, int] = field(default_factory=dict)
-    reserved: dict[int, int] = field(default_factory=dict)
+    gpu_limit: int | float = 0
+    totals: dict[str, int] = field(default_factory=dict)
+    cost: dict[E, Cost] = field(default_factory=dict)
+    reserved: dict[int, Cost] = field(default_factory=dict)
     """Loads under way (by ticket): their estimates, counted until measured."""
-    known: dict[Key, int] = field(default_factory=dict)
-    """Every version measured once: its bytes (the estimate of its next load)."""
+    known: dict[Key, Cost] = field(default_factory=dict)
+    """Every version measured once: its cost (the estimate of its next load)."""
     _tickets: Iterator[int] = field(default_factory=lambda: itertools.count(1), repr=False)
 
     @property
-    def resident_bytes(self) -> int:
-        return sum(self.cost.values())
+    def gpus(self) -> bool:
+        """Whether loads are measured on the GPUs too."""
+        return bool(self.gpu_limit)
 
-    def over(self, room: int) -> int:
-        """Bytes beyond the limit once ``room`` more is taken (0 or less: it fits)."""
-        return self.resident_bytes + sum(self.reserved.values()) + room - self.limit
+    def limit_of(self, resource: str) -> int | None:
+        if resource == HOST:
+            return self.limit or None
+        if not self.gpu_limit:
+            return None
+        if isinstance(self.gpu_limit, float):
+            total = self.totals.get(resource)
+            return int(total * self.gpu_limit) if total else None
+        return self.gpu_limit
 
-    def estimate(self, key: Key) -> int:
-        """What loading ``key`` will cost: its last measure, else the mean of the others."""
+    def resident(self, resource: str = HOST) -> int:
+        return sum(c.get(resource, 0) for c in self.cost.values())
+
+    def held(self, resource: str) -> int:
+        """Resident and reserved."""
+        return self.resident(resource) + sum(c.get(resource, 0) for c in self.reserved.values())
+
+    def over(self, room: Cost) -> dict[str, int]:
+        """The bounded resources that ``room`` more would overflow, with the bytes over."""
+        resources = {r for c in [room, *self.cost.values(), *self.reserved.values()] for r in c}
+        over = {}
+        for resource in resources:
+            limit = self.limit_of(resource)
+            if limit is not None:
+                beyond = self.held(resource) + room.get(resource, 0) - limit
+                if beyond > 0:
+                    over[resource] = beyond
+        return over
+
+    def estimate(self, key: Key) -> Cost:
+        """What loading ``key`` will cost: its last measure, else the others' mean memory
+        (where it will sit on a GPU is not known before its first load)."""
         if key in self.known:
-            return self.known[key]
-        return sum(self.known.values()) // len(self.known) if self.known else 0
+            return dict(self.known[key])
+        if not self.known:
+            return {}
+        return {HOST: sum(c.get(HOST, 0) for c in self.known.values()) // len(self.known)}
 
-    def reserve(self, nbytes: int) -> int:
+    def reserve(self, cost: Cost) -> int:
         ticket = next(self._tickets)
-        self.reserved[ticket] = nbytes
+        self.reserved[ticket] = cost
         return ticket
 
-    def measured(self, key: Key, entry: E, nbytes: int, ticket: int | None = None) -> None:
+    def measured(self, key: Key, entry: E, cost: Cost, ticket: int | None = None) -> None:
         if ticket is not None:
             self.reserved.pop(ticket, None)
-        self.cost[entry] = self.known[key] = max(nbytes, 0)
+        self.cost[entry] = self.known[key] = {r: max(n, 0) for r, n in cost.items()}
 
-    def victims(self, candidates: Iterable[tuple[float, E]], room: int) -> list[E]:
-        """Entries to evict, least recently used first, until ``room`` more bytes fit.
+    def victims(self, candidates: Iterable[tuple[float, E]], room: Cost) -> list[E]:
+        """Entries to evict, least recently used first, until ``room`` more fits on every
+        bounded resource (an entry that frees nothing where room is short stays).
         ``candidates``: (last use, entry) of the idle versions that may go."""
-        chosen, freed = [], 0
+        chosen = []
         over = self.over(room)
         for _, entry in sorted(c for c in candidates if c[1] in self.cost):
-            if freed >= over:
+            if not over:
                 break
+            cost = self.cost[entry]
+            if not any(cost.get(resource, 0) > 0 for resource in over):
+                continue
             chosen.append(entry)
-            freed += self.cost[entry]
+            over = {r: b - cost.get(r, 0) for r, b in over.items() if b - cost.get(r, 0) > 0}
         return chosen
 
     def describe(self, label: Callable[[E], dict[str, Any]]) -> dict[str, Any]:
         """``/admin/status``'s ``memory``."""
-        return {
+        devices = sorted({r for c in self.cost.values() for r in c if r != HOST} | set(self.totals))
+        rows = []
+        for entry, cost in sorted(self.cost.items(), key=lambda kv: -kv[1].get(HOST, 0)):
+            row = {**label(entry), "bytes": cost.get(HOST, 0)}
+            if self.gpus:
+                row["gpu_bytes"] = {r: n for r, n in cost.items() if r != HOST}
+            rows.append(row)
+        state: dict[str, Any] = {
             "budget_bytes": self.limit,
-            "resident_bytes": self.resident_bytes,
-            "reserved_bytes": sum(self.reserved.values()),
-            "resident": [
-                {**label(entry), "bytes": nbytes}
-                for entry, nbytes in sorted(self.cost.items(), key=lambda kv: -kv[1])
-            ],
+            "resident_bytes": self.resident(),
+            "reserved_bytes": self.held(HOST) - self.resident(),
+            "resident": rows,
         }
+        if self.gpus:
+            state["gpus"] = {
+                device: {
+                    "budget_bytes": self.limit_of(device),
+                    "resident_bytes": self.resident(device),
+                    "reserved_bytes": self.held(device) - self.resident(device),
+                }
+                for device in devices
+            }
+        return state
 
 
 class Budget(Protocol):
     """What a registry asks of its memory budget: its own (:class:`LocalBudget`), or the
     supervisor's, one for every worker (``server/processes/tree_budget.py``)."""
 
+    gpus: bool
+    """Whether a load's GPU memory is measured (a GPU budget is set)."""
+
     async def admit(self, key: Key, isolated: bool) -> Admission:
         """Make room for ``key``'s load (evicting the least recently used idle versions
         first), and hold its estimate until :meth:`measured` or :meth:`cancel`."""
         ...
 
-    async def measured(self, admission: Admission, nbytes: int) -> None:
-        """The load is done and costs ``nbytes``: account it, evict again if it overshot."""
+    async def measured(self, admission: Admission, cost: Cost, totals: dict[str, int]) -> None:
+        """The load is done and costs ``cost`` (``totals``: each GPU's size, as read):
+        account it, evict again if it overshot."""
         ...
 
     async def cancel(self, admission: Admission) -> None:
@@ -201,24 +282,26 @@ class Evictable(Protocol):
 
     def evictable(self) -> list[tuple[float, Key, bool]]: ...
 
-    async def evict(self, key: Key, reason: str) -> Any: ...
+    async def evict(self, key: Key, reason: str, only_idle: bool = False) -> Any: ...
 
 
 class LocalBudget:
     """The budget of a server in one process: its registry's versions."""
 
-    def __init__(self, limit: int, registry: Evictable) -> None:
-        self.ledger: Ledger[Key] = Ledger(limit)
+    def __init__(self, limit: int, gpu_limit: int | float, registry: Evictable) -> None:
+        self.ledger: Ledger[Key] = Ledger(limit, gpu_limit)
+        self.gpus = self.ledger.gpus
         self.registry = registry
 
     async def admit(self, key: Key, isolated: bool) -> Admission:
-        room = 0 if key in self.ledger.cost else self.ledger.estimate(key)
+        room = {} if key in self.ledger.cost else self.ledger.estimate(key)
         await self._make_room(room, keep=key, reason="room")
-        return Admission(key, self.ledger.reserve(room), room)
+        return Admission(key, self.ledger.reserve(room))
 
-    async def measured(self, admission: Admission, nbytes: int) -> None:
-        self.ledger.measured(admission.key, admission.key, nbytes, admission.ticket)
-        await self._make_room(0, keep=admission.key, reason="overshoot")
+    async def measured(self, admission: Admission, cost: Cost, totals: dict[str, int]) -> None:
+        self.ledger.totals.update(totals)
+        self.ledger.measured(admission.key, admission.key, cost, admission.ticket)
+        await self._make_room({}, keep=admission.key, reason="overshoot")
 
     async def cancel(self, admission: Admission) -> None:
         self.ledger.reserved.pop(admission.ticket, None)
@@ -229,12 +312,12 @@ class LocalBudget:
     def describe(self) -> dict[str, Any]:
         return self.ledger.describe(lambda key: {"plugin": label(key)})
 
-    async def _make_room(self, room: int, keep: Key, reason: str) -> None:
-        if self.ledger.over(room) <= 0:
+    async def _make_room(self, room: Cost, keep: Key, reason: str) -> None:
+        if not self.ledger.over(room):
             return
         idle = [(used, key) for used, key, busy in self.registry.evictable() if not busy]
         for key in self.ledger.victims([c for c in idle if c[1] != keep], room):
-            await self.registry.evict(key, reason)
+            await self.registry.evict(key, reason, only_idle=True)
 
 
 def label(key: Key) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +24,15 @@ from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError,
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components.base import LoadedPlugin
 from plugserve.registry.execution.components.streaming import StreamingRunner
-from plugserve.registry.lifecycle.budget import Budget, LocalBudget, release_memory, resident
+from plugserve.registry.lifecycle import gpu
+from plugserve.registry.lifecycle.budget import (
+    HOST,
+    Budget,
+    Cost,
+    LocalBudget,
+    release_memory,
+    resident,
+)
 from plugserve.registry.lifecycle.loader import Loader
 from plugserve.registry.manifest import load_manifest
 from plugserve.registry.plugins.fingerprint import Fingerprinter
@@ -93,6 +102,19 @@ class SyncReport:
         }
 
 
+def _demand_ended(task: asyncio.Task[Outcome]) -> None:
+    """An on-demand load that raised (its budget not answering) is logged, once, whether
+    or not a request waited for it (a load's own failure is an outcome, not an error)."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.warning("plugin_demand_failed", error=str(error))
+
+
+def _busy(record: VersionRecord) -> bool:
+    """A request uses or awaits the version, or an older instance of it still drains."""
+    current = record.current
+    return current is not None and bool(current.in_flight or current.queued or record.draining)
+
+
 class Registry:
     """Discovers, loads, serves and releases plugin versions."""
 
@@ -106,19 +128,26 @@ class Registry:
         close_timeout: float = 10.0,
         default_load: str = "eager",
         memory_budget: int = 0,
+        gpu_memory_budget: int | float = 0,
     ) -> None:
         self.plugins_dir = plugins_dir
         self.default_load = default_load
         """When a runner version whose manifest does not say loads (``[runner] load``)."""
         self.load_timeout = load_timeout
-        self.budget: Budget | None = LocalBudget(memory_budget, self) if memory_budget else None
+        self.budget: Budget | None = None
+        if memory_budget or gpu_memory_budget:
+            self.budget = LocalBudget(memory_budget, gpu_memory_budget, self)
         """With a budget: what each version loaded on demand costs, and which go first (a
         worker among several is given its supervisor's, one for the whole tree)."""
         self._room = asyncio.Lock()
-        """One on-demand load at a time under a budget (a measure needs quiet neighbours)."""
+        """One on-demand load at a time under a budget: a load in the worker is measured by
+        the worker's growth, which another load beside it would blur."""
         self.loads: collections.Counter[str] = collections.Counter()
         """Versions loaded, by reason: ``demand`` (a request), ``eager`` (found on disk),
         ``reload`` (changed, or asked) and ``explicit`` (an admin or repository load)."""
+        self.released = 0
+        """Bytes this process gave back as it released versions (an in-worker load's
+        measure adds what was released beside it)."""
         self.evictions: collections.Counter[str] = collections.Counter()
         """Versions evicted under the budget, by reason: ``room`` (for a load) or
         ``overshoot`` (a load measured more than its estimate)."""
@@ -302,27 +331,57 @@ class Registry:
         load, and tell it what the version measured (it evicts again on an overshoot)."""
         async with self._room:
             admission = await budget.admit(record.key, record.isolated)
-            cost: int | None = None
+            measured: tuple[Cost, dict[str, int]] | None = None
             try:
-                before = resident()
+                released, before = self.released, resident()
+                devices = await asyncio.to_thread(gpu.read) if budget.gpus else None
                 outcome = await self.load(record.folder, demanded=True)
                 current = record.current
                 if current is None:
                     return outcome
                 # Loaded for requests waiting now: the most recently used, not the next to go.
                 current.last_use = time.monotonic()
-                remote = current.remote
-                if remote is not None:  # its runner processes: all of it comes back at their end
-                    cost = sum(resident(pid) for pid in remote.group.pids)
-                else:
-                    cost = resident() - before
-                record.memory_bytes = cost
-                log.info("plugin_measured", plugin=record.label, bytes=cost)
+                measured = await self._measure(current, before, self.released - released, devices)
             finally:
-                if cost is None:
+                if measured is None:
                     await budget.cancel(admission)
-            await budget.measured(admission, cost)
+            cost, totals = measured
+            record.memory_bytes = cost[HOST]
+            log.info("plugin_measured", plugin=record.label, bytes=cost[HOST],
+                     **({"gpu_bytes": {d: n for d, n in cost.items() if d != HOST}}
+                        if budget.gpus else {}))  # fmt: skip
+            await budget.measured(admission, cost, totals)
             return outcome
+
+    async def _measure(
+        self, loaded: LoadedPlugin, before: int, released: int, devices: gpu.Devices | None
+    ) -> tuple[Cost, dict[str, int]]:
+        """What ``loaded`` costs, and each GPU's size: for an isolated runner, its processes'
+        memory (all of it comes back at their end); in the worker, the worker's growth since
+        ``before`` plus what it ``released`` meanwhile (evictions beside the load). On the
+        GPUs (``devices``: the reading before the load), what its processes use, or, where
+        the driver does not know our pids (a container), the growth of the devices."""
+        remote = loaded.remote
+        if remote is not None:
+            pids = remote.group.pids
+            cost = {HOST: sum(resident(pid) for pid in pids)}
+        else:
+            pids = [os.getpid()]
+            cost = {HOST: resident() - before + released}
+        if devices is None:
+            return cost, {}
+        now = await asyncio.to_thread(gpu.read)
+        if now is None:
+            return cost, {}
+        used = now.of(pids)
+        if remote is None:  # this process held GPU memory before: its growth
+            earlier = devices.of(pids)
+            used = {d: n - earlier.get(d, 0) for d, n in used.items()}
+        if not any(used.values()) and not now.by_pid.keys() & set(pids):
+            placed = set(remote.group.devices) if remote is not None else set(now.used)
+            used = {d: now.used[d] - devices.used.get(d, 0) for d in placed if d in now.used}
+        cost.update({d: n for d, n in used.items() if n > 0})
+        return cost, now.total
 
     def evictable(self) -> list[tuple[float, Key, bool]]:
         """The loaded versions a budget may evict (they load on demand, are not pinned):
@@ -336,26 +395,24 @@ class Registry:
             runner = current.manifest.runner
             if runner is not None and runner.pinned:
                 continue
-            busy = bool(current.in_flight or current.queued or record.draining)
-            rows.append((current.last_use, record.key, busy))
+            rows.append((current.last_use, record.key, _busy(record)))
         return rows
 
-    async def evict(self, key: Key, reason: str) -> Outcome:
+    async def evict(self, key: Key, reason: str, only_idle: bool = False) -> Outcome:
         """Unload a version that loads on demand back to ``available``: its next request
-        loads it again."""
+        loads it again. ``only_idle``: not if a request uses or awaits it by the time the
+        version is free to change (``unchanged``)."""
         record = self.records.get(key)
         if record is None:
             return "unchanged"
         started = time.perf_counter()
         async with record.lock:
-            old, record.current = record.current, None
-            if old is None:
+            if record.current is None or (only_idle and _busy(record)):
                 return "unchanged"
+            retiring, record.current = [record.current], None
             record.state = "draining"
             self._rebuild()
-            await self._retire(record, old)
-            del old  # the last reference: its memory comes back now, not at a later gc
-            release_memory()
+            await self._retire(record, retiring)
             record.state = "available"
             freed, record.memory_bytes = record.memory_bytes, None
             if self.budget is not None:
@@ -386,6 +443,7 @@ class Registry:
             task = self._demands.get(key)
             if task is None:
                 task = self._demands[key] = asyncio.create_task(self._demanded(key))
+                task.add_done_callback(_demand_ended)
             tasks.append(task)
         return tasks
 
@@ -398,6 +456,9 @@ class Registry:
         if not tasks:
             return
         done, _ = await asyncio.wait([asyncio.shield(t) for t in tasks], timeout=within)
+        for future in done:  # a load that could not begin (its budget not answering)
+            if not future.cancelled() and (error := future.exception()) is not None:
+                raise error
         if len(done) < len(tasks):
             names = ", ".join(f"{k[0]}/{k[1]}@{k[2]}" for k in keys)
             raise Unavailable(
@@ -449,9 +510,9 @@ class Registry:
         bound.info("plugin_ready", outcome=outcome, seconds=round(time.perf_counter() - started, 4))
         self._emit(record, outcome, started)
         if old is not None:
-            await self._retire(record, old)
+            retiring = [old]
             del old
-            release_memory()
+            await self._retire(record, retiring)
         return outcome
 
     def _failed(self, record: VersionRecord, exc: Exception, started: float) -> Outcome:
@@ -486,13 +547,11 @@ class Registry:
             raise NotFound(f"no plugin {key[0]}/{key[1]}@{key[2]}")
         started = time.perf_counter()
         async with record.lock:
-            old, record.current = record.current, None
-            record.state = "draining"
+            retiring = [record.current] if record.current is not None else []
+            record.current, record.state = None, "draining"
             self._rebuild()
-            if old is not None:
-                await self._retire(record, old)
-            del old
-            release_memory()
+            if retiring:
+                await self._retire(record, retiring)
             record.state = "unloaded"
             if self.budget is not None:
                 await self.budget.gone(key)
@@ -562,7 +621,11 @@ class Registry:
         ]
         await asyncio.gather(*(remote.refresh() for remote in remotes))
 
-    async def _retire(self, record: VersionRecord, old: LoadedPlugin) -> None:
+    async def _retire(self, record: VersionRecord, retiring: list[LoadedPlugin]) -> None:
+        """Drain and release the instance in ``retiring``, a list of one that this empties:
+        the last reference is this call's, so the instance's memory comes back here, and
+        how much is added to :attr:`released`."""
+        old = retiring.pop()
         record.draining.append(old)
         try:
             if not await old.wait_idle(self.drain_timeout):
@@ -575,6 +638,10 @@ class Registry:
             await self.loader.release(old)
         finally:
             record.draining.remove(old)
+        before = resident()
+        del old
+        release_memory()
+        self.released += max(before - resident(), 0)
 
     def _emit(
         self, record: VersionRecord, outcome: Outcome, started: float, error: str | None = None

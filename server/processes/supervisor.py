@@ -120,9 +120,12 @@ class Supervisor:
         self.runners = RunnerHost(process_settings(settings))
         """Isolated runners' processes, shared by every worker (``shared_runners.py``)."""
         shared_runners.add_routes(self.app, self.runners)
-        self.budget = TreeBudget(settings.memory_budget_bytes, self.pool)
+        self.budget = TreeBudget(
+            settings.memory_budget_bytes, settings.gpu_memory_budget_value, self.pool,
+            settings.drain_timeout_s + settings.close_timeout_s + 15,
+        )  # fmt: skip
         """The memory budget of every worker and their runner processes (0: none)."""
-        if settings.memory_budget_bytes:
+        if settings.memory_budget_bytes or settings.gpu_memory_budget_value:
             self.budget.add_routes(self.app)
             self.app[BUDGET] = self.budget
             self.app[SUPERVISOR_METRICS].registry.register(BudgetCollector(self.budget))
@@ -298,7 +301,7 @@ class Supervisor:
             self._all_drained.set()
         os.close(self.lifelines.pop(index))
         await self.pool.remove(index, proc.pid)
-        self.budget.worker_gone(index)
+        self.budget.worker_gone(proc.pid)
         await self.runners.release_holder(str(proc.pid))
         self.app[SUPERVISOR_METRICS].workers.set(len(self.pool.workers))
         return code

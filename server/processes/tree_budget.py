@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import structlog
@@ -26,8 +27,8 @@ from aiohttp import web
 from prometheus_client import Metric
 from prometheus_client.registry import Collector
 
-from plugserve.registry.errors import InvalidInput, Unavailable
-from plugserve.registry.lifecycle.budget import Admission, Key, Ledger, label
+from plugserve.registry.errors import Conflict, InvalidInput, Unavailable
+from plugserve.registry.lifecycle.budget import HOST, Admission, Cost, Key, Ledger, label
 from plugserve.registry.lifecycle.registry import Registry
 from plugserve.server.processes.pool import WorkerPool
 from plugserve.server.processes.unix import READ_TIMEOUT_S, UnixClient
@@ -35,11 +36,228 @@ from plugserve.server.runtime.metrics import budget_families
 
 log = structlog.get_logger("plugserve.supervisor")
 
-Entry = tuple[str, str, str, str]
-"""A version and where its memory is: ``"runners"`` (the shared runner processes) or
-``"worker N"``."""
 SHARED = "runners"
 PREFIX = "/_supervisor/budget"
+REASONS = ("room", "overshoot")
+"""Why the budget evicts: to make room for a load, or after a load measured more than
+its estimate."""
+MAX_BYTES = 1 << 62
+
+
+class Entry(NamedTuple):
+    """A version and where its memory is: ``"runners"`` (the runner processes every worker
+    shares) or ``"worker N"`` (that worker's own copy)."""
+
+    key: Key
+    where: str
+
+    @classmethod
+    def of(cls, key: Key, worker: int, isolated: bool) -> Entry:
+        return cls(key, SHARED if isolated else f"worker {worker}")
+
+
+class TreeBudget:
+    """The supervisor's budget for every worker and the runner processes they share.
+
+    A worker is known by its index and pid (a replacement has the same index, another
+    pid): what a worker holds and the loads it has under way go with it when it ends.
+    """
+
+    def __init__(
+        self, limit: int, gpu_limit: int | float, pool: WorkerPool, evict_timeout_s: float
+    ) -> None:
+        self.ledger: Ledger[Entry] = Ledger(limit, gpu_limit)
+        self.pool = pool
+        self.evict_timeout_s = evict_timeout_s
+        """The longest a worker may take to evict (drain and close): past it, not evicted."""
+        self.holders: dict[Entry, set[int]] = {}
+        """The workers (pids) that hold each resident entry."""
+        self.tickets: dict[int, tuple[int, Entry]] = {}
+        """Loads under way: the loading worker's pid, and the entry."""
+        self._deciding = asyncio.Lock()
+
+    def _check(self, worker: int, pid: int) -> None:
+        known = self.pool.workers.get(worker)
+        if known is None or known.pid != pid:
+            raise Conflict(f"no worker {worker} with pid {pid}")
+
+    def _loading(self) -> set[Entry]:
+        return {entry for _, entry in self.tickets.values()}
+
+    # -- what workers call --------------------------------------------------------------
+
+    async def admit(self, worker: int, pid: int, key: Key, isolated: bool) -> int:
+        """Make room for the load of ``key`` by a worker: its ticket. A version already
+        counted, or already loading into the shared processes, needs no more room."""
+        entry = Entry.of(key, worker, isolated)
+        self._check(worker, pid)
+        async with self._deciding:
+            counted = entry in self.ledger.cost or (isolated and entry in self._loading())
+            room = {} if counted else self.ledger.estimate(key)
+            await self._make_room(room, keep=entry, reason="room")
+            self._check(worker, pid)  # it may have ended meanwhile: nothing held for it
+            ticket = self.ledger.reserve(room)
+            self.tickets[ticket] = (pid, entry)
+        return ticket
+
+    async def measured(self, ticket: int, cost: Cost, totals: dict[str, int]) -> None:
+        held = self.tickets.pop(ticket, None)
+        self.ledger.reserved.pop(ticket, None)
+        if held is None:  # its worker ended meanwhile
+            return
+        pid, entry = held
+        self.ledger.totals.update(totals)
+        self.ledger.measured(entry.key, entry, cost)
+        self.holders.setdefault(entry, set()).add(pid)
+        async with self._deciding:
+            await self._make_room({}, keep=entry, reason="overshoot")
+
+    def cancel(self, ticket: int) -> None:
+        held = self.tickets.pop(ticket, None)
+        self.ledger.reserved.pop(ticket, None)
+        if held is not None:
+            self._release(held[1])
+
+    def gone(self, worker: int, pid: int, key: Key) -> None:
+        """A worker no longer holds ``key`` (evicted, unloaded)."""
+        for entry in (Entry.of(key, worker, True), Entry.of(key, worker, False)):
+            holders = self.holders.get(entry)
+            if holders is not None:
+                holders.discard(pid)
+                self._release(entry)
+
+    def worker_gone(self, pid: int) -> None:
+        """A worker ended: its loads under way are cancelled, and what it held released
+        (a shared entry once no worker holds it)."""
+        for ticket, (loading, _) in list(self.tickets.items()):
+            if loading == pid:
+                self.cancel(ticket)
+        for entry, holders in list(self.holders.items()):
+            holders.discard(pid)
+            self._release(entry)
+
+    def _release(self, entry: Entry) -> None:
+        """Stop counting ``entry`` once no worker holds it and none is loading it."""
+        if not self.holders.get(entry) and entry not in self._loading():
+            self.holders.pop(entry, None)
+            self.ledger.cost.pop(entry, None)
+
+    # -- eviction -----------------------------------------------------------------------
+
+    async def _make_room(self, room: Cost, keep: Entry, reason: str) -> None:
+        if not self.ledger.over(room):
+            return
+        seen: dict[Entry, tuple[float, bool, set[int]]] = {}  # last use, busy, reported by
+        for worker, reply in await self.pool.call_all("GET", "/_control/budget/usage"):
+            if reply.status != 200:
+                continue
+            for row in reply.json()["versions"]:
+                entry = Entry.of(_key(row["key"]), worker.index, bool(row["isolated"]))
+                used, busy, by = seen.get(entry, (0.0, False, set()))
+                seen[entry] = (max(used, float(row["last_use"])), busy or bool(row["busy"]),
+                               by | {worker.pid})  # fmt: skip
+        loading = self._loading()
+        idle = [
+            (used, entry)
+            for entry, (used, busy, _) in seen.items()
+            if not busy and entry != keep and entry not in loading
+        ]
+        for entry in self.ledger.victims(idle, room):
+            await self._evict(entry, seen[entry][2], reason)
+
+    async def _evict(self, entry: Entry, reported_by: set[int], reason: str) -> None:
+        """Ask every worker that holds ``entry`` (or reported it loaded: an explicit load
+        holds shared processes too) to evict it. It is released once none holds it; a
+        worker that took a request for it meanwhile keeps it, and it stays counted."""
+        targets = self.holders.get(entry, set()) | reported_by
+        workers = [w for w in self.pool.workers.values() if w.pid in targets]
+        body = {"key": list(entry.key), "reason": reason}
+
+        async def one(client: UnixClient) -> bool:
+            try:
+                reply = await client.call(
+                    "POST", "/_control/budget/evict", json_body=body,
+                    timeout_s=self.evict_timeout_s,
+                )  # fmt: skip
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                return False
+            return reply.status == 200 and bool(reply.json()["evicted"])
+
+        done = await asyncio.gather(*(one(w.client) for w in workers))
+        holders = self.holders.get(entry)  # read again: a load may have joined meanwhile
+        if holders is not None:
+            holders.difference_update(w.pid for w, ok in zip(workers, done, strict=True) if ok)
+            holders.intersection_update(w.pid for w in self.pool.workers.values())
+            self._release(entry)
+        log.info("budget_evicted", plugin=label(entry.key), where=entry.where, reason=reason,
+                 released=entry not in self.ledger.cost)  # fmt: skip
+
+    # -- status -------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        def where(entry: Entry) -> dict[str, Any]:
+            pids = self.holders.get(entry, set())
+            workers = sorted(w.index for w in self.pool.workers.values() if w.pid in pids)
+            return {"plugin": label(entry.key), "where": entry.where, "workers": workers}
+
+        return self.ledger.describe(where)
+
+    def add_routes(self, app: web.Application) -> None:
+        async def admit(request: web.Request) -> web.Response:
+            body = await _body(request)
+            ticket = await self.admit(
+                _int(body, "worker"), _int(body, "pid"), _key(body.get("key")),
+                _bool(body, "isolated"),
+            )  # fmt: skip
+            return web.json_response({"ticket": ticket})
+
+        async def measured(request: web.Request) -> web.Response:
+            body = await _body(request)
+            await self.measured(
+                _int(body, "ticket"), _cost(body.get("cost")), _cost(body.get("totals"))
+            )
+            return web.json_response({})
+
+        async def cancel(request: web.Request) -> web.Response:
+            self.cancel(_int(await _body(request), "ticket"))
+            return web.json_response({})
+
+        async def gone(request: web.Request) -> web.Response:
+            body = await _body(request)
+            self.gone(_int(body, "worker"), _int(body, "pid"), _key(body.get("key")))
+            return web.json_response({})
+
+        app.router.add_post(f"{PREFIX}/admit", admit)
+        app.router.add_post(f"{PREFIX}/measured", measured)
+        app.router.add_post(f"{PREFIX}/cancel", cancel)
+        app.router.add_post(f"{PREFIX}/gone", gone)
+
+
+# -- reading the calls' bodies: a 400 naming the field, never a 500 ---------------------
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidInput("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidInput("the body must be a JSON object")
+    return body
+
+
+def _int(body: dict[str, Any], name: str) -> int:
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_BYTES:
+        raise InvalidInput(f"{name} must be a non-negative integer")
+    return value
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be true or false")
+    return value
 
 
 def _key(value: Any) -> Key:
@@ -48,150 +266,15 @@ def _key(value: Any) -> Key:
     return value[0], value[1], value[2]
 
 
-class TreeBudget:
-    """The supervisor's budget for every worker and the runner processes they share."""
-
-    def __init__(self, limit: int, pool: WorkerPool) -> None:
-        self.ledger: Ledger[Entry] = Ledger(limit)
-        self.pool = pool
-        self.holders: dict[Entry, set[int]] = {}
-        """The workers that hold each resident entry (one, for a worker's own copy)."""
-        self.tickets: dict[int, tuple[int, Entry]] = {}
-        """Loads under way: the worker loading, and the entry."""
-        self._deciding = asyncio.Lock()
-
-    @staticmethod
-    def entry(key: Key, worker: int, isolated: bool) -> Entry:
-        return (*key, SHARED if isolated else f"worker {worker}")
-
-    # -- what workers call --------------------------------------------------------------
-
-    async def admit(self, worker: int, key: Key, isolated: bool) -> tuple[int, int]:
-        """Make room for the load of ``key`` by ``worker``: its ticket and estimate."""
-        entry = self.entry(key, worker, isolated)
-        async with self._deciding:
-            room = 0 if entry in self.ledger.cost else self.ledger.estimate(key)
-            await self._make_room(room, keep=entry, reason="room")
-            ticket = self.ledger.reserve(room)
-            self.tickets[ticket] = (worker, entry)
-        return ticket, room
-
-    async def measured(self, ticket: int, nbytes: int) -> None:
-        held = self.tickets.pop(ticket, None)
-        self.ledger.reserved.pop(ticket, None)
-        if held is None:  # its worker ended meanwhile
-            return
-        worker, entry = held
-        self.ledger.measured(entry[:3], entry, nbytes)
-        self.holders.setdefault(entry, set()).add(worker)
-        async with self._deciding:
-            await self._make_room(0, keep=entry, reason="overshoot")
-
-    def cancel(self, ticket: int) -> None:
-        self.tickets.pop(ticket, None)
-        self.ledger.reserved.pop(ticket, None)
-
-    def gone(self, worker: int, key: Key) -> None:
-        """``worker`` no longer holds ``key`` (evicted, unloaded)."""
-        for entry in (self.entry(key, worker, True), self.entry(key, worker, False)):
-            holders = self.holders.get(entry)
-            if holders is not None:
-                holders.discard(worker)
-                if not holders:
-                    self._drop(entry)
-
-    def worker_gone(self, worker: int) -> None:
-        """A worker ended: what it held is released (a shared entry once no one holds it)."""
-        for entry, holders in list(self.holders.items()):
-            holders.discard(worker)
-            if not holders:
-                self._drop(entry)
-        for ticket, (loading, _) in list(self.tickets.items()):
-            if loading == worker:
-                self.cancel(ticket)
-
-    def _drop(self, entry: Entry) -> None:
-        self.holders.pop(entry, None)
-        self.ledger.cost.pop(entry, None)
-
-    # -- eviction -----------------------------------------------------------------------
-
-    async def _make_room(self, room: int, keep: Entry, reason: str) -> None:
-        if self.ledger.over(room) <= 0:
-            return
-        usage: dict[Entry, list[Any]] = {}  # entry: [last use, busy]
-        answers = await self.pool.call_all("GET", "/_control/budget/usage")
-        for worker, reply in answers:
-            if reply.status != 200:
-                continue
-            for row in reply.json()["versions"]:
-                entry = self.entry(_key(row["key"]), worker.index, bool(row["isolated"]))
-                seen = usage.setdefault(entry, [0.0, False])
-                seen[0] = max(seen[0], float(row["last_use"]))
-                seen[1] = seen[1] or bool(row["busy"])
-        idle = [(used, entry) for entry, (used, busy) in usage.items() if not busy]
-        for entry in self.ledger.victims([c for c in idle if c[1] != keep], room):
-            await self._evict(entry, reason)
-
-    async def _evict(self, entry: Entry, reason: str) -> None:
-        """Ask every worker holding ``entry`` to evict it; it is gone once none holds it
-        (a worker that took a request for it meanwhile keeps it, and it stays counted)."""
-        holders = self.holders.get(entry, set())
-        workers = [w for w in self.pool.workers.values() if w.index in holders]
-        body = {"key": list(entry[:3]), "reason": reason}
-
-        async def one(client: UnixClient) -> bool:
-            try:
-                reply = await client.call("POST", "/_control/budget/evict", json_body=body)
-            except (aiohttp.ClientError, OSError, TimeoutError):
-                return False
-            return reply.status == 200 and bool(reply.json()["evicted"])
-
-        done = await asyncio.gather(*(one(w.client) for w in workers))
-        for worker, evicted in zip(workers, done, strict=True):
-            if evicted:
-                holders.discard(worker.index)
-        holders &= set(self.pool.workers)
-        if not holders:
-            self._drop(entry)
-        log.info("budget_evicted", plugin=label(entry[:3]), where=entry[3],
-                 reason=reason, evicted=not holders)  # fmt: skip
-
-    # -- status -------------------------------------------------------------------------
-
-    def describe(self) -> dict[str, Any]:
-        def where(entry: Entry) -> dict[str, Any]:
-            holders = sorted(self.holders.get(entry, ()))
-            return {"plugin": label(entry[:3]), "where": entry[3], "workers": holders}
-
-        return self.ledger.describe(where)
-
-    def add_routes(self, app: web.Application) -> None:
-        async def admit(request: web.Request) -> web.Response:
-            body = await request.json()
-            ticket, reserved = await self.admit(
-                int(body["worker"]), _key(body["key"]), bool(body["isolated"])
-            )
-            return web.json_response({"ticket": ticket, "reserved": reserved})
-
-        async def measured(request: web.Request) -> web.Response:
-            body = await request.json()
-            await self.measured(int(body["ticket"]), int(body["bytes"]))
-            return web.json_response({})
-
-        async def cancel(request: web.Request) -> web.Response:
-            self.cancel(int((await request.json())["ticket"]))
-            return web.json_response({})
-
-        async def gone(request: web.Request) -> web.Response:
-            body = await request.json()
-            self.gone(int(body["worker"]), _key(body["key"]))
-            return web.json_response({})
-
-        app.router.add_post(f"{PREFIX}/admit", admit)
-        app.router.add_post(f"{PREFIX}/measured", measured)
-        app.router.add_post(f"{PREFIX}/cancel", cancel)
-        app.router.add_post(f"{PREFIX}/gone", gone)
+def _cost(value: Any) -> Cost:
+    """Bytes by resource: ``memory``, or a GPU (``cuda:N``)."""
+    if not isinstance(value, dict):
+        raise InvalidInput("a cost is an object of bytes by resource")
+    for resource in value:
+        if resource != HOST and not (resource.startswith("cuda:") and resource[5:].isdigit()):
+            raise InvalidInput(f"no resource {resource!r}: memory or cuda:N")
+        _int(value, resource)
+    return dict(value)
 
 
 class BudgetCollector(Collector):
@@ -210,9 +293,11 @@ class BudgetCollector(Collector):
 class SupervisedBudget:
     """A worker's view of its supervisor's :class:`TreeBudget`."""
 
-    def __init__(self, supervisor: UnixClient, worker: int) -> None:
+    def __init__(self, supervisor: UnixClient, worker: int, pid: int, gpus: bool) -> None:
         self.supervisor = supervisor
         self.worker = worker
+        self.pid = pid
+        self.gpus = gpus
 
     async def _call(self, call: str, body: dict[str, Any], timeout_s: float | None = None) -> Any:
         try:
@@ -227,21 +312,24 @@ class SupervisedBudget:
             raise Unavailable(f"the memory budget refused: {reply.body[:200]!r}", retry_after_s=1)
         return reply.json()
 
-    async def admit(self, key: Key, isolated: bool) -> Admission:
-        body = {"worker": self.worker, "key": list(key), "isolated": isolated}
-        answer = await self._call("admit", body)
-        return Admission(key, int(answer["ticket"]), int(answer["reserved"]))
+    # admit and measured may wait for evictions (drains) elsewhere in the tree: the
+    # client's bound, a change's; cancel and gone only change the accounts: a read's.
 
-    async def measured(self, admission: Admission, nbytes: int) -> None:
-        await self._call("measured", {"ticket": admission.ticket, "bytes": nbytes})
+    async def admit(self, key: Key, isolated: bool) -> Admission:
+        body = {"worker": self.worker, "pid": self.pid, "key": list(key), "isolated": isolated}
+        return Admission(key, int((await self._call("admit", body))["ticket"]))
+
+    async def measured(self, admission: Admission, cost: Cost, totals: dict[str, int]) -> None:
+        await self._call("measured", {"ticket": admission.ticket, "cost": cost, "totals": totals})
 
     async def cancel(self, admission: Admission) -> None:
         with contextlib.suppress(Unavailable):  # a supervisor gone holds no estimate
             await self._call("cancel", {"ticket": admission.ticket}, READ_TIMEOUT_S)
 
     async def gone(self, key: Key) -> None:
+        body = {"worker": self.worker, "pid": self.pid, "key": list(key)}
         with contextlib.suppress(Unavailable):
-            await self._call("gone", {"worker": self.worker, "key": list(key)}, READ_TIMEOUT_S)
+            await self._call("gone", body, READ_TIMEOUT_S)
 
     def describe(self) -> None:
         return None  # the supervisor answers for the tree
@@ -259,13 +347,17 @@ def add_worker_routes(control: web.Application, registry: Registry) -> None:
         return web.json_response({"versions": rows})
 
     async def evict(request: web.Request) -> web.Response:
-        body = await request.json()
-        key = _key(body["key"])
-        for _used, candidate, busy in registry.evictable():
-            if candidate == key and busy:
-                return web.json_response({"evicted": False})  # a request came meanwhile
-        await registry.evict(key, str(body.get("reason", "room")))
-        return web.json_response({"evicted": True})
+        body = await _body(request)
+        key = _key(body.get("key"))
+        reason = body.get("reason")
+        if reason not in REASONS:
+            raise InvalidInput(f"reason must be one of {', '.join(REASONS)}")
+        if all(candidate != key for _, candidate, _ in registry.evictable()):
+            # not loaded here (nothing to evict), or not the budget's to evict
+            return web.json_response({"evicted": registry.records.get(key) is None
+                                      or registry.records[key].current is None})  # fmt: skip
+        outcome = await registry.evict(key, reason, only_idle=True)
+        return web.json_response({"evicted": outcome == "evicted"})
 
     control.router.add_get("/_control/budget/usage", usage)
     control.router.add_post("/_control/budget/evict", evict)

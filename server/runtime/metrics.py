@@ -276,6 +276,9 @@ def add_process_figures(
     circuit.add_metric(key, 0 if figures.get("circuit", "closed") == "closed" else 1)
 
 
+NO_BUDGET = {"budget_bytes": 0, "resident_bytes": 0, "reserved_bytes": 0, "resident": []}
+
+
 def budget_families(state: dict[str, Any] | None) -> Iterator[Metric]:
     """The memory budget's gauges (``state``: its ``/admin/status`` ``memory``)."""
     if state is None:
@@ -373,8 +376,8 @@ class _RegistryCollector(Collector):
         for reason, count in sorted(registry.evictions.items()):
             evictions.add_metric([reason], count)
         yield from (loads, evictions)
-        if registry.budget is not None:
-            yield from budget_families(registry.budget.describe())
+        budget = registry.budget  # a worker's among several: its supervisor gives the figures
+        yield from budget_families(NO_BUDGET if budget is None else budget.describe())
 
 
 class _FleetCollector(Collector):

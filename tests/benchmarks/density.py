@@ -2,7 +2,7 @@
 a few, skewed traffic.
 
     python -m tests.benchmarks.density [--versions 40] [--mib 40] [--holds 6]
-        [--minutes 2] [--clients 4] [--in-worker]
+        [--minutes 2] [--clients 4] [--in-worker] [--workers 1]
 
 Writes ``--versions`` Python runners that each hold ``--mib`` MiB of weights (touched,
 so resident), ``load = "on_demand"``, in runner processes of their own (``--in-worker``:
@@ -10,15 +10,20 @@ in the worker), and serves them with ``--memory-budget`` set to hold ``--holds``
 (measured from a first load). ``--clients`` threads send requests for ``--minutes``,
 each to a version drawn from a Zipf law (a few hot, a long tail). Prints every status
 count, the hit rate (requests that found their version loaded), the cold loads' p50 and
-p99 (the server's own ``plugin_demanded`` seconds), the evictions, and the server tree's
+p99 (the server's own ``plugin_demanded`` seconds), the evictions, the loads of one
+version in one process that overlapped (two loads where one was due: 0 expected) and,
+isolated, the runner processes started against the cold loads, and the server tree's
 resident memory (the supervisor, its workers and their runner processes, sampled every
-0.2 s) against the budget plus one version. Not run by CI.
+0.2 s) against the budget plus one version. ``--workers``: that many workers, under the
+supervisor's one budget. Not run by CI.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime
+import itertools
 import json
 import re
 import statistics
@@ -77,6 +82,23 @@ def tree_resident(root: int) -> int:
     return total
 
 
+def overlapping(text: str) -> int:
+    """Loads (``plugin_demanded``) of one version in one process that overlapped in time."""
+    spans: dict[tuple[str, str], list[tuple[float, float]]] = collections.defaultdict(list)
+    for line in text.splitlines():
+        if "plugin_demanded" not in line:
+            continue
+        end = datetime.datetime.fromisoformat(line.split()[0]).timestamp()
+        fields = dict(re.findall(r"(\w+)=(\S+)", line))
+        seconds = float(fields.get("seconds", 0))
+        spans[(fields.get("plugin", ""), fields.get("worker", ""))].append((end - seconds, end))
+    count = 0
+    for runs in spans.values():
+        runs.sort()
+        count += sum(1 for before, after in itertools.pairwise(runs) if after[0] < before[1])
+    return count
+
+
 def post(url: str) -> tuple[int, float]:
     started = time.perf_counter()
     request = urllib.request.Request(url, BODY, {"Content-Type": "application/json"})
@@ -99,7 +121,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--zipf", type=float, default=1.3)
     parser.add_argument("--in-worker", action="store_true")
+    parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
+    workers = ("--workers", str(args.workers)) if args.workers > 1 else ()
     isolation = "" if args.in_worker else 'isolation = "process"\n'
     with tempfile.TemporaryDirectory() as tmp:
         plugins, models = Path(tmp) / "plugins", Path(tmp) / "models"
@@ -109,7 +133,7 @@ def main() -> None:
             manifest = f'[config]\nmib = {args.mib}\n[runner]\nload = "on_demand"\n{isolation}'
             write_plugin(plugins, "runner", name, "1.0.0", manifest, files={"plugin.py": RUNNER})
         # One version's cost, measured by a server without a budget.
-        probe = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models),
+        probe = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models), *workers,
                               log=Path(tmp) / "probe.log").wait_ready(60)  # fmt: skip
         idle_tree = tree_resident(probe.proc.pid)
         post(f"{probe.url}/v2/models/m00/infer")
@@ -117,7 +141,7 @@ def main() -> None:
         probe.stop()
         budget = int(one * args.holds)
         log = Path(tmp) / "server.log"
-        srv = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models),
+        srv = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models), *workers,
                             "--memory-budget", str(budget), log=log).wait_ready(60)  # fmt: skip
         baseline = tree_resident(srv.proc.pid)
         peak = [baseline]
@@ -158,6 +182,7 @@ def main() -> None:
         total = sum(statuses.values())
         mib = 2**20
         mode = "in-worker" if args.in_worker else "isolated"
+        mode += f", {args.workers} workers" if args.workers > 1 else ""
         print(f"{mode}: {args.versions} versions of ~{one / mib:.0f} MiB each (measured), budget "
               f"{budget / mib:.0f} MiB (holds {args.holds:g}), {args.clients} clients, "
               f"{args.minutes:g} min, Zipf {args.zipf:g}")  # fmt: skip
@@ -170,6 +195,10 @@ def main() -> None:
             loads.sort()
             p99 = loads[min(len(loads) - 1, int(len(loads) * 0.99))]
             print(f"cold load p50 {statistics.median(loads):.3f} s, p99 {p99:.3f} s")
+        print(f"overlapping loads of one version in one process: {overlapping(text)}")
+        if not args.in_worker:
+            starts = text.count("runner_process_started")
+            print(f"runner processes started: {starts} for {len(loads)} cold loads")
         print(f"tree resident: baseline {baseline / mib:.0f} MiB, peak {peak[0] / mib:.0f} MiB; "
               f"peak - baseline {(peak[0] - baseline) / mib:.0f} MiB against budget + one "
               f"version {(budget + one) / mib:.0f} MiB")  # fmt: skip

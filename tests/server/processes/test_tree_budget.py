@@ -11,8 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
+from plugserve.registry.errors import Conflict
+from plugserve.server.processes.control import errors
+from plugserve.server.processes.pool import Worker, WorkerPool
+from plugserve.server.processes.tree_budget import Entry, TreeBudget
+from plugserve.server.processes.unix import UnixClient
 from tests.helpers import ServerProcess, write_plugin
 from tests.server.test_on_demand import ON_DEMAND, infer, record
 
@@ -145,3 +153,122 @@ def _until(check: Callable[[], bool], within: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+# -- the supervisor's accounts, called as workers call them -------------------------------
+
+
+def tree(tmp_path: Path, limit: int = 1000) -> TreeBudget:
+    """A budget over a pool of two registered workers (pids 101 and 102). Nothing here
+    needs room, so no call reaches them."""
+    pool = WorkerPool(tmp_path, tmp_path)
+    for index, pid in ((0, 101), (1, 102)):
+        pool.workers[index] = Worker(index, pid, 0.0, UnixClient(tmp_path / f"w{index}.sock"))
+    return TreeBudget(limit, 0, pool, evict_timeout_s=5)
+
+
+KEY = ("runner", "a", "1.0.0")
+SHARED_A = Entry(KEY, "runners")
+
+
+async def test_a_shared_version_stays_counted_while_a_worker_loads_into_it(
+    tmp_path: Path,
+) -> None:
+    """Worker 1 holds the shared processes of a; worker 0 begins to load (join) them
+    (nothing more to reserve), worker 1 lets go meanwhile: a is still counted, and once
+    worker 0 has measured it, held by worker 0."""
+    budget = tree(tmp_path)
+    first = await budget.admit(1, 102, KEY, isolated=True)
+    await budget.measured(first, {"memory": 300}, {})
+    joining = await budget.admit(0, 101, KEY, isolated=True)
+    assert budget.ledger.reserved[joining] == {}  # counted already
+    budget.gone(1, 102, KEY)
+    assert budget.ledger.cost[SHARED_A] == {"memory": 300}  # a load into it is under way
+    await budget.measured(joining, {"memory": 310}, {})
+    assert budget.holders[SHARED_A] == {101}
+    assert budget.ledger.cost[SHARED_A] == {"memory": 310}
+    budget.gone(0, 101, KEY)
+    assert SHARED_A not in budget.ledger.cost and budget.holders == {}
+
+
+async def test_two_workers_loading_one_shared_version_reserve_it_once(tmp_path: Path) -> None:
+    budget = tree(tmp_path)
+    budget.ledger.known[KEY] = {"memory": 300}
+    one = await budget.admit(0, 101, KEY, isolated=True)
+    two = await budget.admit(1, 102, KEY, isolated=True)
+    assert budget.ledger.reserved == {one: {"memory": 300}, two: {}}
+    in_worker = await budget.admit(1, 102, KEY, isolated=False)  # each worker's own copy
+    assert budget.ledger.reserved[in_worker] == {"memory": 300}
+
+
+async def test_a_worker_that_ends_takes_its_loads_and_holds_with_it(tmp_path: Path) -> None:
+    budget = tree(tmp_path)
+    budget.ledger.known[KEY] = {"memory": 300}
+    held = await budget.admit(1, 102, KEY, isolated=False)
+    await budget.measured(held, {"memory": 300}, {})
+    loading = await budget.admit(1, 102, ("runner", "b", "1.0.0"), isolated=False)
+    assert budget.ledger.held("memory") == 600
+    budget.worker_gone(102)
+    assert budget.ledger.held("memory") == 0 and budget.tickets == {} and budget.holders == {}
+    await budget.measured(loading, {"memory": 300}, {})  # too late: nothing is counted
+    assert budget.ledger.held("memory") == 0
+    with pytest.raises(Conflict):  # a worker not (or no longer) in the pool
+        await budget.admit(1, 999, KEY, isolated=False)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("admit", b"not json", 400),
+        ("admit", b"[]", 400),
+        ("admit", b"{}", 400),
+        (
+            "admit",
+            json.dumps({"worker": "x", "pid": 101, "key": list(KEY), "isolated": True}).encode(),
+            400,
+        ),
+        (
+            "admit",
+            json.dumps({"worker": 0, "pid": 101, "key": list(KEY), "isolated": "false"}).encode(),
+            400,
+        ),
+        (
+            "admit",
+            json.dumps({"worker": 0, "pid": 999, "key": list(KEY), "isolated": False}).encode(),
+            409,
+        ),
+        (
+            "admit",
+            json.dumps({"worker": 0, "pid": 101, "key": list(KEY), "isolated": False}).encode(),
+            200,
+        ),
+        (
+            "measured",
+            json.dumps({"ticket": 1, "cost": {"memory": 1e400}, "totals": {}}).encode(),
+            400,
+        ),
+        ("measured", json.dumps({"ticket": 1, "cost": {"disk": 5}, "totals": {}}).encode(), 400),
+        (
+            "measured",
+            json.dumps({"ticket": 1, "cost": {"cuda:0": -1}, "totals": {}}).encode(),
+            400,
+        ),
+        (
+            "measured",
+            json.dumps({"ticket": 7, "cost": {"memory": 5}, "totals": {}}).encode(),
+            200,
+        ),
+        ("gone", json.dumps({"worker": 1}).encode(), 400),
+        ("cancel", json.dumps({"ticket": True}).encode(), 400),
+    ],
+)
+async def test_the_budget_calls_answer_bad_input_with_400(
+    tmp_path: Path, path: str, body: bytes, status: int
+) -> None:
+    budget = tree(tmp_path)
+    app = web.Application(middlewares=[errors])
+    budget.add_routes(app)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        url = server.make_url(f"/_supervisor/budget/{path}")
+        async with session.post(url, data=body) as reply:
+            assert reply.status == status, await reply.text()
