@@ -1,7 +1,7 @@
 """The garbage collector's settings for a serving process, once it has started.
 
-Two measured costs on the request path (docs/performance.md, "Re-measured in session 8",
-"The collector"):
+Two measured costs on the request path (docs/performance.md, "Where the time goes",
+"The garbage collector"):
 
 - full collections over the start-up heap (modules, plugins, models): frozen away;
 - young collections: Python collects its youngest generation after 700 more
