@@ -109,10 +109,15 @@ def _demand_ended(task: asyncio.Task[Outcome]) -> None:
         log.warning("plugin_demand_failed", error=str(error))
 
 
-def _busy(record: VersionRecord) -> bool:
-    """A request uses or awaits the version, or an older instance of it still drains."""
+def _busy(record: VersionRecord, awaited: Mapping[Key, int]) -> bool:
+    """A request uses, awaits or waits for the load of the version, an older instance of
+    it still drains, or a change to it is under way (its lock held: a budget waits for no
+    version's lock, so that it never waits on a load that waits for the budget)."""
     current = record.current
-    return current is not None and bool(current.in_flight or current.queued or record.draining)
+    return current is not None and bool(
+        current.in_flight or current.queued or record.draining or awaited.get(record.key)
+        or record.lock.locked()
+    )  # fmt: skip
 
 
 class Registry:
@@ -145,6 +150,9 @@ class Registry:
         self.loads: collections.Counter[str] = collections.Counter()
         """Versions loaded, by reason: ``demand`` (a request), ``eager`` (found on disk),
         ``reload`` (changed, or asked) and ``explicit`` (an admin or repository load)."""
+        self.awaited: collections.Counter[Key] = collections.Counter()
+        """Requests waiting for each version's on-demand load: it is busy for the budget
+        until they have resumed and entered it (a load beside must not evict it first)."""
         self.released = 0
         """Bytes this process gave back as it released versions (an in-worker load's
         measure adds what was released beside it)."""
@@ -294,7 +302,9 @@ class Registry:
         ``available`` and loaded only ``demanded`` (its first request), ``explicit``
         or once loaded (a change reloads it).
         Whatever goes wrong becomes the outcome ``failed`` with the record's
-        ``last_error``: nothing raises out of here, no version stays ``loading``.
+        ``last_error``: nothing raises out of here (but :class:`Unavailable` when the
+        memory budget of a version that loads on demand cannot be reached), no version
+        stays ``loading``.
         """
         key = self.key_of(folder)
         record = self.records.get(key)
@@ -325,33 +335,6 @@ class Registry:
                 else "eager"
             )  # fmt: skip
             return await self._load_locked(record, folder, overrides, reason)
-
-    async def _load_in_budget(self, record: VersionRecord, budget: Budget) -> Outcome:
-        """Have the budget make room (it evicts the least recently used idle versions),
-        load, and tell it what the version measured (it evicts again on an overshoot)."""
-        async with self._room:
-            admission = await budget.admit(record.key, record.isolated)
-            measured: tuple[Cost, dict[str, int]] | None = None
-            try:
-                released, before = self.released, resident()
-                devices = await asyncio.to_thread(gpu.read) if budget.gpus else None
-                outcome = await self.load(record.folder, demanded=True)
-                current = record.current
-                if current is None:
-                    return outcome
-                # Loaded for requests waiting now: the most recently used, not the next to go.
-                current.last_use = time.monotonic()
-                measured = await self._measure(current, before, self.released - released, devices)
-            finally:
-                if measured is None:
-                    await budget.cancel(admission)
-            cost, totals = measured
-            record.memory_bytes = cost[HOST]
-            log.info("plugin_measured", plugin=record.label, bytes=cost[HOST],
-                     **({"gpu_bytes": {d: n for d, n in cost.items() if d != HOST}}
-                        if budget.gpus else {}))  # fmt: skip
-            await budget.measured(admission, cost, totals)
-            return outcome
 
     async def _measure(
         self, loaded: LoadedPlugin, before: int, released: int, devices: gpu.Devices | None
@@ -395,7 +378,7 @@ class Registry:
             runner = current.manifest.runner
             if runner is not None and runner.pinned:
                 continue
-            rows.append((current.last_use, record.key, _busy(record)))
+            rows.append((current.last_use, record.key, _busy(record, self.awaited)))
         return rows
 
     async def evict(self, key: Key, reason: str, only_idle: bool = False) -> Outcome:
@@ -405,9 +388,11 @@ class Registry:
         record = self.records.get(key)
         if record is None:
             return "unchanged"
+        if only_idle and _busy(record, self.awaited):
+            return "unchanged"
         started = time.perf_counter()
         async with record.lock:
-            if record.current is None or (only_idle and _busy(record)):
+            if record.current is None:
                 return "unchanged"
             retiring, record.current = [record.current], None
             record.state = "draining"
@@ -455,7 +440,14 @@ class Registry:
         tasks = self.prefetch(keys)
         if not tasks:
             return
-        done, _ = await asyncio.wait([asyncio.shield(t) for t in tasks], timeout=within)
+        self.awaited.update(keys)
+        try:
+            done, _ = await asyncio.wait([asyncio.shield(t) for t in tasks], timeout=within)
+        finally:
+            self.awaited.subtract(keys)
+            for key in keys:
+                if self.awaited[key] <= 0:
+                    del self.awaited[key]
         for future in done:  # a load that could not begin (its budget not answering)
             if not future.cancelled() and (error := future.exception()) is not None:
                 raise error
@@ -475,10 +467,7 @@ class Registry:
             if record is None or record.state != "available":
                 return "unchanged"  # loaded (or gone) meanwhile
             started = time.perf_counter()
-            if self.budget is None:
-                outcome = await self.load(record.folder, demanded=True)
-            else:
-                outcome = await self._load_in_budget(record, self.budget)
+            outcome = await self.load(record.folder, demanded=True)
             log.info("plugin_demanded", plugin=record.label, outcome=outcome,
                      seconds=round(time.perf_counter() - started, 4))  # fmt: skip
             return outcome
@@ -492,14 +481,46 @@ class Registry:
         overrides: Mapping[str, Any] | None = None,
         reason: str = "eager",
     ) -> Outcome:
+        """Load ``folder`` into ``record`` and swap it in. A version that loads on demand,
+        under a memory budget, however the load was asked for (a request, an admin or
+        repository load, a change to its files): the budget makes room first (it evicts
+        the least recently used idle versions), and is told what the load measured (it
+        evicts again on an overshoot). Such loads run one at a time in this process."""
+        budget = self.budget if record.on_demand else None
+        if budget is None:
+            return await self._swap_in(record, folder, overrides, reason, None)
+        async with self._room:
+            return await self._swap_in(record, folder, overrides, reason, budget)
+
+    async def _swap_in(
+        self,
+        record: VersionRecord,
+        folder: Path,
+        overrides: Mapping[str, Any] | None,
+        reason: str,
+        budget: Budget | None,
+    ) -> Outcome:
         bound = log.bind(plugin=record.label)
         started = time.perf_counter()
+        # A budget that cannot answer (its supervisor gone) raises Unavailable from here.
+        admission = await budget.admit(record.key, record.isolated) if budget else None
         if record.current is None:
             record.state = "loading"
+        measured: tuple[Cost, dict[str, int]] | None = None
         try:
-            new = await self.loader.load(folder, content=record.fingerprint, overrides=overrides)
-        except Exception as exc:
-            return self._failed(record, exc, started)
+            released, before = self.released, resident()
+            devices = await asyncio.to_thread(gpu.read) if budget and budget.gpus else None
+            try:
+                new = await self.loader.load(
+                    folder, content=record.fingerprint, overrides=overrides
+                )
+            except Exception as exc:
+                return self._failed(record, exc, started)
+            if budget is not None:
+                measured = await self._measure(new, before, self.released - released, devices)
+        finally:
+            if budget is not None and admission is not None and measured is None:
+                await budget.cancel(admission)
         old = record.current
         if old is not None:  # a reload is as recently used as what it replaces
             new.last_use = old.last_use
@@ -509,6 +530,17 @@ class Registry:
         self.loads[reason] += 1
         bound.info("plugin_ready", outcome=outcome, seconds=round(time.perf_counter() - started, 4))
         self._emit(record, outcome, started)
+        if budget is not None and admission is not None and measured is not None:
+            cost, totals = measured
+            record.memory_bytes = cost[HOST]
+            new.last_use = max(new.last_use, time.monotonic())  # loaded to be used: not next to go
+            bound.info("plugin_measured", bytes=cost[HOST],
+                       **({"gpu_bytes": {d: n for d, n in cost.items() if d != HOST}}
+                          if budget.gpus else {}))  # fmt: skip
+            try:
+                await budget.measured(admission, cost, totals)
+            except Unavailable as exc:  # loaded and serving; the supervisor is going away
+                bound.warning("plugin_measure_lost", error=exc.message)
         if old is not None:
             retiring = [old]
             del old
@@ -552,6 +584,7 @@ class Registry:
             self._rebuild()
             if retiring:
                 await self._retire(record, retiring)
+            record.memory_bytes = None
             record.state = "unloaded"
             if self.budget is not None:
                 await self.budget.gone(key)

@@ -177,3 +177,49 @@ def test_a_memory_budget_evicts_the_least_recently_used_idle_version(
     after = states()
     assert after["keep"] == "ready" and after["c"] == "ready", after
     assert srv.log().count("plugin_evicted") >= 3
+
+
+@pytest.mark.workers(1, 2)
+def test_versions_taking_turns_in_a_budget_for_one_answer_every_request(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """Eight clients alternate two versions a budget holds one of: a version is never
+    evicted while requests wait for its load, so each waiting request is served, none is
+    sent back with a 503 after its version was loaded for it."""
+    for name in ("a", "b"):
+        write_plugin(
+            plugins_dir, "runner", name, "1.0.0", f"[config]\nmib = 40\n[runner]\n{ON_DEMAND}\n",
+            files={"plugin.py": BIG},
+        )  # fmt: skip
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--memory-budget", "60MiB")  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: infer(srv, "ab"[i % 2]), range(120)))
+    statuses = [status for status, _, _ in answers]
+    assert statuses.count(200) == len(answers), [a for a in answers if a[0] != 200][:3]
+
+
+def test_an_explicit_load_of_an_on_demand_version_counts_against_the_budget(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """A repository load and an admin reload of versions that load on demand go through
+    the budget as a request's load does: each makes room, each is measured."""
+    for name in ("a", "b", "c"):
+        write_plugin(
+            plugins_dir, "runner", name, "1.0.0", f"[config]\nmib = 64\n[runner]\n{ON_DEMAND}\n",
+            files={"plugin.py": BIG},
+        )  # fmt: skip
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--memory-budget", "150MiB")  # fmt: skip
+    assert srv.request("POST", "/v2/repository/models/a/load", {})[0] == 200
+    assert srv.request("POST", "/admin/plugins/runner/b/1.0.0/reload")[0] == 200
+    assert srv.request("POST", "/v2/repository/models/c/load", {})[0] == 200
+    states = {name: record(srv, name)["state"] for name in "abc"}
+    assert states == {"a": "available", "b": "ready", "c": "ready"}, states
+    status, _, body = srv.request("GET", "/admin/status")
+    assert status == 200, body
+    memory = json.loads(body)["memory"]
+    assert {row["plugin"] for row in memory["resident"]} == {"runner/b@1.0.0", "runner/c@1.0.0"}
+    assert memory["resident_bytes"] <= memory["budget_bytes"]
+    assert srv.request("POST", "/admin/plugins/runner/b/1.0.0/unload")[0] == 200
+    assert record(srv, "b").get("memory_bytes") is None
