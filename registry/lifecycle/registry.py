@@ -368,8 +368,9 @@ class Registry:
 
     def evictable(self) -> list[tuple[float, Key, bool]]:
         """The loaded versions a budget may evict (they load on demand, are not pinned):
-        their last use (``time.monotonic()``), key, and whether a request uses or awaits
-        them (or an older instance still drains)."""
+        their last use (``time.monotonic()``), key, and whether they are busy (a request
+        uses, awaits or waits for the load of the version, an older instance still drains,
+        or a change to it is under way)."""
         rows = []
         for record in self.records.values():
             current = record.current
