@@ -359,25 +359,27 @@ class _RegistryCollector(Collector):
                 circuit.add_metric(key, 0 if current.breaker.state == "closed" else 1)
         yield from (in_flight, queued, circuit, batch, stage, executions, outcomes)
         registry = self._registry
-        loads = CounterMetricFamily(
+        yield _by_reason(
             "plugserve_plugin_loads",
             "Versions loaded, by reason: demand (a request), eager (found on disk), reload "
             "(changed or asked) and explicit (an admin or repository load).",
-            labels=["reason"],
+            registry.loads,
         )
-        for reason, count in sorted(registry.loads.items()):
-            loads.add_metric([reason], count)
-        evictions = CounterMetricFamily(
+        yield _by_reason(
             "plugserve_plugin_evictions",
             "Versions evicted under the memory budget, by reason: room (for a load) or "
             "overshoot (a load measured more than its estimate).",
-            labels=["reason"],
+            registry.evictions,
         )
-        for reason, count in sorted(registry.evictions.items()):
-            evictions.add_metric([reason], count)
-        yield from (loads, evictions)
         budget = registry.budget  # a worker's among several: its supervisor gives the figures
         yield from budget_families(NO_BUDGET if budget is None else budget.describe())
+
+
+def _by_reason(name: str, documentation: str, counts: Mapping[str, int]) -> Metric:
+    family = CounterMetricFamily(name, documentation, labels=["reason"])
+    for reason, count in sorted(counts.items()):
+        family.add_metric([reason], count)
+    return family
 
 
 class _FleetCollector(Collector):

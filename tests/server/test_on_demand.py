@@ -127,6 +127,8 @@ def test_a_request_waits_for_the_load_as_long_as_its_deadline_then_503(
 
 
 BIG = """
+    import time
+
     import numpy as np
     import pluggy
 
@@ -137,12 +139,26 @@ BIG = """
             self.weights = np.ones(mib * 1024 * 1024 // 8)  # touched: resident
 
         def infer(self, inputs):
-            return {"y": np.asarray(inputs["x"]) * 2}
+            x = np.asarray(inputs["x"])
+            if x[0, 0] < 0:  # a slow request: the version stays busy meanwhile
+                time.sleep(4)
+            return {"y": x * 2}
 
     @hookimpl
     def plugserve_create_component(plugin, config):
         return Big(config["mib"])
 """
+
+
+def write_big(plugins_dir: Path, names: str, mib: int, runner: str = "") -> None:
+    """Versions ``names`` that load on demand and hold ``mib`` MiB resident (a request
+    whose first value is negative takes 4 s)."""
+    for name in names:
+        write_plugin(
+            plugins_dir, "runner", name, "1.0.0",
+            f"[config]\nmib = {mib}\n[runner]\n{ON_DEMAND}\n{runner}",
+            files={"plugin.py": BIG},
+        )  # fmt: skip
 
 
 def test_a_memory_budget_evicts_the_least_recently_used_idle_version(
@@ -186,11 +202,7 @@ def test_versions_taking_turns_in_a_budget_for_one_answer_every_request(
     """Eight clients alternate two versions a budget holds one of: a version is never
     evicted while requests wait for its load, so each waiting request is served, none is
     sent back with a 503 after its version was loaded for it."""
-    for name in ("a", "b"):
-        write_plugin(
-            plugins_dir, "runner", name, "1.0.0", f"[config]\nmib = 40\n[runner]\n{ON_DEMAND}\n",
-            files={"plugin.py": BIG},
-        )  # fmt: skip
+    write_big(plugins_dir, "ab", mib=40)
     srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                  "--memory-budget", "60MiB")  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -204,11 +216,7 @@ def test_an_explicit_load_of_an_on_demand_version_counts_against_the_budget(
 ) -> None:
     """A repository load and an admin reload of versions that load on demand go through
     the budget as a request's load does: each makes room, each is measured."""
-    for name in ("a", "b", "c"):
-        write_plugin(
-            plugins_dir, "runner", name, "1.0.0", f"[config]\nmib = 64\n[runner]\n{ON_DEMAND}\n",
-            files={"plugin.py": BIG},
-        )  # fmt: skip
+    write_big(plugins_dir, "abc", mib=64)
     srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                  "--memory-budget", "150MiB")  # fmt: skip
     assert srv.request("POST", "/v2/repository/models/a/load", {})[0] == 200

@@ -21,42 +21,10 @@ from plugserve.server.processes.control import errors
 from plugserve.server.processes.pool import Worker, WorkerPool
 from plugserve.server.processes.tree_budget import Entry, TreeBudget
 from plugserve.server.processes.unix import UnixClient
-from tests.helpers import ServerProcess, write_plugin
-from tests.server.test_on_demand import ON_DEMAND, infer, record
+from tests.helpers import ServerProcess
+from tests.server.test_on_demand import infer, record, write_big
 
-HELD = """
-    import time
-
-    import numpy as np
-    import pluggy
-
-    hookimpl = pluggy.HookimplMarker("plugserve")
-
-    class Held:
-        def __init__(self, mib):
-            self.weights = np.ones(mib * 1024 * 1024 // 8)  # touched: resident
-
-        def infer(self, inputs):
-            x = np.asarray(inputs["x"])
-            if x[0, 0] < 0:  # a slow request: the version stays busy meanwhile
-                time.sleep(4)
-            return {"y": x * 2}
-
-    @hookimpl
-    def plugserve_create_component(plugin, config):
-        return Held(config["mib"])
-"""
 MIB = 2**20
-
-
-def write_versions(plugins_dir: Path, names: str, isolated: bool) -> None:
-    isolation = '\nisolation = "process"' if isolated else ""
-    for name in names:
-        write_plugin(
-            plugins_dir, "runner", name, "1.0.0",
-            f"[config]\nmib = 64\n[runner]\n{ON_DEMAND}{isolation}\n",
-            files={"plugin.py": HELD},
-        )  # fmt: skip
 
 
 def budget_for_two(isolated: bool) -> str:
@@ -87,7 +55,7 @@ def test_the_supervisor_keeps_one_budget_for_every_worker(
     """Three versions, a budget that holds two, requests spread over both workers: the
     tree's measured memory never passes the budget. In the worker each worker's copy
     counts; in runner processes one copy serves both workers and counts once."""
-    write_versions(plugins_dir, "abc", isolated)
+    write_big(plugins_dir, "abc", 64, 'isolation = "process"\n' if isolated else "")
     srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                  "--memory-budget", budget_for_two(isolated))  # fmt: skip
     assert memory(srv)["resident"] == []
@@ -125,7 +93,7 @@ def test_a_version_in_use_is_never_evicted_even_when_least_recently_used(
 ) -> None:
     """``a`` is used first and is still answering a slow request when ``c`` needs room:
     ``b``, used later but idle, goes instead; the slow request is answered."""
-    write_versions(plugins_dir, "abc", isolated)
+    write_big(plugins_dir, "abc", 64, 'isolation = "process"\n' if isolated else "")
     srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                  "--memory-budget", budget_for_two(isolated))  # fmt: skip
     assert infer(srv, "a")[0] == 200
