@@ -18,6 +18,7 @@ from plugserve.registry.fleet.etcd_store import EtcdLocation, EtcdRouteStore
 from plugserve.registry.fleet.route_store import Replica, RouteStore, RouteTarget
 from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.lifecycle.watcher import Watcher
+from plugserve.registry.routing.figures import WindowFigures
 from plugserve.server.config import Settings
 from plugserve.server.dataplane.cache import RESPONSE_CACHE, ResponseCache
 from plugserve.server.dataplane.plane import DATA_PLANE, DataPlane
@@ -31,6 +32,7 @@ from plugserve.server.openai_api import routes as openai_routes
 from plugserve.server.processes.link import WORKER
 from plugserve.server.processes.supervised import SupervisedRepository, SupervisedStatistics
 from plugserve.server.processes.worker_control import control_app
+from plugserve.server.rollouts.controller import ROLLOUTS, RolloutController
 from plugserve.server.runtime import heap
 from plugserve.server.runtime.metrics import Metrics
 from plugserve.server.runtime.shutdown import CLOSE_FLOOR_S, Drain, within
@@ -69,6 +71,9 @@ async def _registry_lifetime(app: web.Application) -> AsyncIterator[None]:
     await registry.host.startup(app, settings.load_timeout_s)
     store = app[ROUTE_STORE]
     await store.start()
+    controller = app.get(ROLLOUTS)
+    if controller is not None:
+        controller.start()
     worker = app.get(WORKER)
     if worker is not None:  # one of several workers: the supervisor has the rest of the state
         worker.watch_supervisor()
@@ -96,6 +101,10 @@ async def _shut_down(
     if watcher is not None and watching is not None:
         watcher.stop.set()
         await within(watching, budget, "watcher")
+    controller = app.get(ROLLOUTS)
+    if controller is not None:
+        await within(controller.close(), deadline - loop.time(), "rollouts")
+    await within(app[DATA_PLANE].shadow.close(), deadline - loop.time(), "shadow")
     await within(app[ROUTE_STORE].close(), deadline - loop.time(), "route_store")
     await registry.host.shutdown(app, deadline - loop.time())  # bounded, never raises
     await registry.close(max(deadline - loop.time(), CLOSE_FLOOR_S))
@@ -135,6 +144,20 @@ def route_store(settings: Settings, registry: RouteTarget) -> RouteStore:
         lease_ttl_s=settings.fleet_lease_ttl_s,
         startup_wait_s=settings.fleet_startup_wait_s,
     )
+
+
+def rollout_controller(
+    store: RouteStore, plane: DataPlane, metrics: Metrics, interval_s: float
+) -> RolloutController:
+    """The rollouts' decider of a server of one process: from its own figures."""
+
+    async def figures() -> dict[str, tuple[str, WindowFigures]]:
+        return plane.windows.held()
+
+    def counted(route: str, decision: str) -> None:
+        metrics.rollout_decisions.labels(route, decision).inc()
+
+    return RolloutController(store, figures, interval_s, counted)
 
 
 def process_settings(settings: Settings) -> ProcessSettings:
@@ -188,11 +211,14 @@ def create_app(
     app[REGIONS] = Regions(table, settings.shared_memory, settings.max_body_bytes, forward)
     app[REGISTRY].listeners.append(app[METRICS].lifecycle_listener(app[REGISTRY]))
     app[ROUTE_STORE] = route_store(settings, app[REGISTRY])
-    app[METRICS].collect_from(app[REGISTRY], app[ROUTE_STORE])
+    app[METRICS].collect_from(app[REGISTRY], app[ROUTE_STORE], rollouts=worker is None)
     app[RESPONSE_CACHE] = ResponseCache(settings.response_cache_bytes)
     app[REGISTRY].listeners.append(app[RESPONSE_CACHE].listener(app[REGISTRY]))
     app[METRICS].collect_cache(app[RESPONSE_CACHE])
     app[DATA_PLANE] = DataPlane(app[REGISTRY], app[METRICS], app[DRAIN], app[RESPONSE_CACHE])
+    if worker is None:  # with workers, the supervisor decides (server/processes/)
+        app[ROLLOUTS] = rollout_controller(app[ROUTE_STORE], app[DATA_PLANE], app[METRICS],
+                                           settings.rollout_interval_s)  # fmt: skip
     app.cleanup_ctx.append(_registry_lifetime)
     through = None
     if worker is not None:

@@ -41,6 +41,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "max_bytes_elements": (1, 2**40),
     "fleet_lease_ttl_s": (2, 86_400),
     "fleet_startup_wait_s": (0, 3600),
+    "rollout_interval_s": (0.05, 3600),
     "load_timeout_s": (0, 1e6),
     "close_timeout_s": (0, 1e6),
     "header_timeout_s": (0, 86_400),
@@ -144,6 +145,8 @@ class Settings:
     """This replica's name in the fleet; default ``<hostname>:<port>``."""
     fleet_lease_ttl_s: int = 10
     fleet_startup_wait_s: float = 5.0
+    rollout_interval_s: float = 1.0
+    """How often a rollout's figures are looked at (and, in fleet mode, published)."""
     # Connections and bodies (server/http/connections.py, server/http/bodies.py).
     header_timeout_s: float = 10.0
     """A request's headers must be complete this long after the connection opened or the
@@ -469,6 +472,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "close_timeout_s": (int, float),
         "fleet_lease_ttl_s": int,
         "fleet_startup_wait_s": (int, float),
+        "rollout_interval_s": (int, float),
         # connections and bodies
         "header_timeout_s": (int, float),
         "body_timeout_s": (int, float),

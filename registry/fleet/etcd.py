@@ -191,14 +191,16 @@ class EtcdClient:
         return int(data["header"]["revision"])
 
     async def put_if(
-        self, key: str, value: bytes | None, mod_revision: int
+        self, key: str, value: bytes | None, mod_revision: int, lease: int = 0
     ) -> tuple[bool, int, KeyValue | None]:
         """Put (or, ``value`` None, delete) ``key`` if its mod revision is ``mod_revision``
-        (0: the key does not exist). Returns (done, revision, current key when not done)."""
+        (0: the key does not exist), under ``lease`` if given. Returns (done, revision,
+        current key when not done)."""
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value or b"")}
+        if lease:
+            put["lease"] = str(lease)
         request = (
-            {"request_delete_range": {"key": _b64(key)}}
-            if value is None
-            else {"request_put": {"key": _b64(key), "value": _b64(value)}}
+            {"request_delete_range": {"key": _b64(key)}} if value is None else {"request_put": put}
         )
         body = {
             "compare": [

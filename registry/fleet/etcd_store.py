@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -33,6 +33,7 @@ from plugserve.registry.errors import ConfigError, Conflict, NotFound, Unavailab
 from plugserve.registry.fleet.etcd import EtcdClient, EtcdError, KeyValue, WatchBatch
 from plugserve.registry.fleet.route_store import Replica, RouteStore, RouteTarget, describe_entries
 from plugserve.registry.lifecycle.registry import LifecycleEvent
+from plugserve.registry.routing.figures import WindowFigures, parse_windows
 from plugserve.registry.routing.routes import RouteSpec, RouteSpecError, parse_route
 
 log = structlog.get_logger("plugserve.fleet")
@@ -122,6 +123,11 @@ class EtcdRouteStore(RouteStore):
         self._replicas_key = self.replicas_prefix.encode()
         self._seen: dict[bytes, int] = {}  # key -> revision of the last change applied
         self._lease = 0
+        self.rollouts_prefix = f"{location.prefix}/rollouts/"
+        self.publishing = False
+        """Whether this replica's rollout figures are in etcd (an empty set is written once)."""
+        self.leading = False
+        """Whether this replica held the rollout decider lease when it last looked."""
         self._publish = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.log = log.bind(replica=replica.id, prefix=location.prefix)
@@ -441,6 +447,64 @@ class EtcdRouteStore(RouteStore):
         self._record(name, None, revision)
         self.log.info("fleet_route_deleted", route=name, revision=revision)
         return revision
+
+    # -- rollouts (server/rollouts/controller.py) -----------------------------------------
+
+    async def lead(self) -> bool:
+        """Whether this replica decides the fleet's rollouts: it holds the decider key
+        (``<prefix>/rollouts/decider``) under its lease, taking it when no one does. The key
+        goes with the lease, so a replica that stops hands the rollouts on within the
+        lease's TTL."""
+        leading = False
+        if self.connected and self._lease:
+            key = self.rollouts_prefix + "decider"
+            mine = self.replica.id.encode()
+            try:
+                current = await self.client.get(key)
+                if current is None:
+                    leading, _, _ = await self.client.put_if(key, mine, 0, lease=self._lease)
+                else:
+                    leading = current.value == mine and current.lease == self._lease
+            except EtcdError as exc:
+                self.log.warning("rollout_decider_unknown", error=str(exc))
+        if leading != self.leading:
+            self.log.info("rollout_decider" if leading else "rollout_decider_not")
+        self.leading = leading
+        return leading
+
+    async def publish_figures(self, windows: Mapping[str, tuple[str, WindowFigures]]) -> None:
+        """This replica's rollout windows, for the decider (under its lease: they go with it)."""
+        if not self.connected or not self._lease:
+            return
+        doc = {route: {"key": key, "figures": f.as_json()} for route, (key, f) in windows.items()}
+        key = self.rollouts_prefix + "figures/" + self.replica.id
+        try:
+            await self.client.put(key, json.dumps(doc).encode(), lease=self._lease)
+        except EtcdError as exc:
+            self.log.warning("rollout_figures_not_published", error=str(exc))
+            return
+        self.publishing = bool(doc)
+
+    async def fleet_figures(
+        self, keys: Mapping[str, str], merged: dict[str, WindowFigures]
+    ) -> dict[str, WindowFigures]:
+        """``merged`` (this replica's) with every other replica's figures of the same windows
+        (route -> window key) added."""
+        prefix = self.rollouts_prefix + "figures/"
+        own = (prefix + self.replica.id).encode()
+        _, kvs = await self.client.range_prefix(prefix)
+        for kv in kvs:
+            if kv.key == own:
+                continue
+            try:
+                windows = parse_windows(_outside_json(kv.value))
+            except Exception as exc:  # outside data: one bad record is left out, said once
+                self.log.warning("rollout_figures_invalid", key=_shown(kv.key), error=_reason(exc))
+                continue
+            for route, (key, figures) in windows.items():
+                if keys.get(route) == key:
+                    merged.setdefault(route, WindowFigures()).add(figures)
+        return merged
 
     async def fleet(self) -> dict[str, Any]:
         replicas = [

@@ -178,6 +178,8 @@ class Registry:
         self.routes_file_error: str | None = None
         self._routes_fingerprint: str | None = None
         self.listeners: list[Callable[[LifecycleEvent], None]] = []
+        self.on_routes: list[Callable[[], None]] = []
+        """Called after every rebuild of the route table."""
         self.buckets: dict[str, TokenBucket | SharedTokenBucket] = {}
         self.shared_buckets: Path | None = None
         """With several workers: the folder of the rate-limit state they share."""
@@ -741,6 +743,8 @@ class Registry:
                 else:
                     buckets[name] = TokenBucket(limit)
         self.buckets = buckets
+        for listener in self.on_routes:
+            listener()
 
     def _note_waiting(self) -> None:
         """Log each runner version that starts waiting for its chain (or waits for something

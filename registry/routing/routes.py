@@ -37,11 +37,14 @@ from plugserve.registry.execution.graph import Graph, Step
 from plugserve.registry.ratelimit import RateLimit
 from plugserve.registry.refs import NAME_PATTERN, Ref, is_valid_name
 from plugserve.registry.routing.records import VersionRecord
+from plugserve.registry.routing.rollout import Rollout, RolloutError, parse_rollout
 from plugserve.registry.routing.variants import Candidate, WeightedChoice, salt_of
 from plugserve.registry.versions import Version
 
 ROUTES_FILE = "routes.toml"
-_ROUTE_KEYS = {"runner", "preprocess", "postprocess", "sticky", "rate_limit", "steps", "outputs"}
+_ROUTE_KEYS = {
+    "runner", "preprocess", "postprocess", "sticky", "rate_limit", "steps", "outputs", "rollout",
+}  # fmt: skip
 _STEP_KEYS = {"runner", "processor", "route", "inputs", "outputs"}
 STEP_KINDS = ("runner", "processor", "route")
 MAX_TENSOR_NAME = 256
@@ -108,6 +111,9 @@ class RouteSpec:
     """A graph route's steps (``graph.py``); ``runner`` is then its last runner step's."""
     outputs: tuple[str, ...] = ()
     """The route tensors a graph answers."""
+    rollout: Rollout | None = None
+    """A canary's rollout (``rollout.py``): ``variants`` are then its stable and canary
+    versions, weighted as its status says."""
 
     def as_entry(self) -> dict[str, Any]:
         """The entry in the shape ``routes.toml`` and ``PUT /admin/routes/{route}`` take."""
@@ -125,9 +131,16 @@ class RouteSpec:
                 out[key] = [str(r) for r in refs]
         if self.sticky is not None:
             out["sticky"] = self.sticky
+        if self.rollout is not None:
+            out["rollout"] = self.rollout.as_json()
         if self.rate_limit is not None:
             out["rate_limit"] = {"rps": self.rate_limit.rps, "burst": self.rate_limit.burst}
         return out
+
+
+def with_rollout(spec: RouteSpec, rollout: Rollout) -> RouteSpec:
+    """``spec`` with ``rollout`` in place of its own, weighted as its status says."""
+    return replace(spec, rollout=rollout, variants=_variants(rollout.weights()))
 
 
 def load_routes_file(path: Path) -> dict[str, RouteSpec]:
@@ -190,6 +203,7 @@ def _parse_route(name: str, entry: dict[str, Any], source: str) -> RouteSpec:
     variants: tuple[Variant, ...] = ()
     steps: tuple[StepSpec, ...] = ()
     outputs: tuple[str, ...] = ()
+    rollout: Rollout | None = None
     if "steps" in entry:
         if runner is not None:
             raise RouteSpecError(".runner: a graph route names its runners in its steps")
@@ -197,6 +211,24 @@ def _parse_route(name: str, entry: dict[str, Any], source: str) -> RouteSpec:
         runner_ref = next(s.ref for s in reversed(steps) if s.kind == "runner")
     elif "outputs" in entry:
         raise RouteSpecError(".outputs: only a graph route (steps) names its outputs")
+    if "rollout" in entry:
+        if steps:
+            raise RouteSpecError(".rollout: a graph route has no canary of its own")
+        try:
+            rollout = parse_rollout(entry["rollout"], runner)
+        except RolloutError as exc:
+            raise RouteSpecError(f".rollout{exc}") from None
+        named = set(runner) if isinstance(runner, dict) else {runner} if runner else set()
+        versions = {str(rollout.stable), str(rollout.canary)}
+        if not named <= versions | {rollout.stable.name}:
+            raise RouteSpecError(
+                f".runner: a rollout's route serves its stable and canary versions "
+                f"({sorted(versions)}); the rollout sets their weights"
+            )
+        variants = _variants(rollout.weights())
+        runner_ref = Ref(rollout.stable.name)
+    elif steps:
+        pass
     elif isinstance(runner, dict):
         variants = _variants(runner)
         runner_ref = Ref(variants[0].runner.name)
@@ -244,6 +276,7 @@ def _parse_route(name: str, entry: dict[str, Any], source: str) -> RouteSpec:
         sticky.lower() if sticky else None,
         steps=steps,
         outputs=outputs,
+        rollout=rollout,
     )
 
 
@@ -550,6 +583,8 @@ class RouteEntry:
                 }
                 for v in spec.variants
             ]
+        if spec.rollout is not None:
+            out["rollout"] = spec.rollout.as_json()
         if isinstance(self.default, Chain):
             out["serving"] = self.default.describe()
             out["ready"] = True

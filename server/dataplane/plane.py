@@ -40,6 +40,7 @@ from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components import batch_policy
 from plugserve.registry.execution.graph import RouteCaller
 from plugserve.registry.lifecycle.registry import Key, Registry
+from plugserve.registry.routing.figures import Windows
 from plugserve.registry.types import RequestContext
 from plugserve.server.dataplane.cache import ResponseCache
 from plugserve.server.dataplane.context import (
@@ -50,6 +51,7 @@ from plugserve.server.dataplane.context import (
 )
 from plugserve.server.dataplane.outcomes import status_of
 from plugserve.server.dataplane.pins import SequencePins
+from plugserve.server.dataplane.shadow import ShadowTraffic
 from plugserve.server.runtime.logs import REQUEST_CHAIN
 from plugserve.server.runtime.metrics import Metrics
 from plugserve.server.runtime.shutdown import Drain
@@ -98,8 +100,17 @@ class Served:
         self.deadline_s: float | None = None
 
     async def result(self) -> Any:
-        """The chain's result for the request's data (from the response cache if it may)."""
-        return await run_chain(self.plane.cache, self.chain, self.data, self.ctx)
+        """The chain's result for the request's data (from the response cache if it may);
+        on a rollout's route, a share of the stable version's requests is copied to its
+        canary once answered (``shadow.py``)."""
+        plane, route = self.plane, self.route
+        copy = None
+        if route is not None and plane.rollouts:
+            copy = plane.shadow.copy(route, self.chain, self.data, self.ctx)
+        result = await run_chain(plane.cache, self.chain, self.data, self.ctx)
+        if copy is not None:
+            plane.shadow.offer(copy, result)
+        return result
 
     async def responses(
         self, data: Any = None, ctx: RequestContext | None = None
@@ -139,6 +150,25 @@ class DataPlane:
         """``ctx.infer``: a route called in-process by a plugin (``graph.py``)."""
         self.pins = SequencePins()
         """The chain each running sequence started on (``pins.py``)."""
+        self.windows = Windows()
+        """The figures of each rollout's window, as this process counts them."""
+        self.shadow = ShadowTraffic(
+            lambda: self.registry.routes,
+            self.windows,
+            lambda route, outcome: metrics.shadow.labels(route, outcome).inc(),
+        )
+        self.rollouts = False
+        """Whether some route has a rollout under way (its requests are counted)."""
+        registry.on_routes.append(self._routes_changed)
+
+    def _routes_changed(self) -> None:
+        windows = {
+            name: entry.spec.rollout.key
+            for name, entry in self.registry.routes.entries.items()
+            if entry.spec.rollout is not None and entry.spec.rollout.active
+        }
+        self.rollouts = bool(windows)
+        self.windows.keep(windows)
 
     async def infer(
         self,
@@ -170,16 +200,18 @@ class DataPlane:
             raise
         finally:
             route = served.route
-            if route is None or route not in self.registry.routes.entries:
-                route = UNKNOWN_ROUTE
+            entry = None if route is None else self.registry.routes.entries.get(route)
             chain = REQUEST_CHAIN.get()
-            self.metrics.observe(
-                route,
-                protocol,
-                status if served.status is None else served.status,
-                time.perf_counter() - started,
-                "" if chain is None else chain.variant,
-            )
+            took = time.perf_counter() - started
+            status = status if served.status is None else served.status
+            variant = "" if chain is None else chain.variant
+            self.metrics.observe(UNKNOWN_ROUTE if entry is None else entry.spec.name,
+                                 protocol, status, took, variant)  # fmt: skip
+            if self.rollouts and entry is not None and chain is not None:
+                rollout = entry.spec.rollout
+                if rollout is not None and rollout.active:
+                    window = self.windows.window(entry.spec.name, rollout.key)
+                    window.variant(variant).record(status >= 500, took)
 
     async def _infer(
         self,

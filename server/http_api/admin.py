@@ -21,6 +21,7 @@ from plugserve.server import __version__
 from plugserve.server.http.auth import ADMIN_PREFIX, check_page_address
 from plugserve.server.http.auth import admin_only as protected
 from plugserve.server.http.bodies import BODIES, read_control
+from plugserve.server.rollouts.controller import ACTIONS, ROLLOUTS, operate
 from plugserve.server.state import METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 PROFILING = web.AppKey("profiling", asyncio.Lock)
@@ -45,12 +46,23 @@ async def list_plugins(request: web.Request) -> web.Response:
     return web.json_response({"plugins": rows})
 
 
+def described_routes(app: web.Application, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The route table's rows, each rollout with the figures of its window as last decided on."""
+    controller = app.get(ROLLOUTS)
+    specs = app[ROUTE_STORE].registry.runtime_routes
+    for row in rows:
+        spec = specs.get(row["name"])
+        if "rollout" in row and controller is not None and spec is not None:
+            row["rollout"].update(controller.describe(row["name"], spec.rollout) or {})
+    return rows
+
+
 async def list_routes(request: web.Request) -> web.Response:
     registry, store = request.app[REGISTRY], request.app[ROUTE_STORE]
     table = registry.routes
     return web.json_response(
         {
-            "routes": table.describe(),
+            "routes": described_routes(request.app, table.describe()),
             "errors": list(table.errors),
             "routes_file": {"path": str(registry.routes_file), "error": registry.routes_file_error},
             "runtime": {**store.health(), "invalid": store.invalid},
@@ -124,6 +136,52 @@ async def delete_route(request: web.Request) -> web.Response:
     revision = await request.app[ROUTE_STORE].delete(name, if_match(request))
     entry = request.app[REGISTRY].routes.entries.get(name)
     return delete_answer(name, revision, None if entry is None else entry.describe())
+
+
+async def get_rollout(request: web.Request) -> web.Response:
+    """A route's rollout: its policy, status, decisions, and its window's figures."""
+    name = route_name(request)
+    entry = request.app[REGISTRY].routes.entries.get(name)
+    if entry is None or entry.spec.rollout is None:
+        raise NotFound(f"route {name!r} has no rollout")
+    row = described_routes(request.app, [entry.describe()])[0]
+    return web.json_response(
+        {"route": name, "revision": entry.spec.revision, "rollout": row["rollout"]},
+        headers={"ETag": f'"{entry.spec.revision}"'},
+    )
+
+
+async def rollout_action(request: web.Request) -> web.Response:
+    """``pause``, ``resume`` or ``abort`` a route's rollout (body: optional
+    ``{"reason": "..."}``); ``If-Match`` as for a route entry."""
+    name = route_name(request)
+    action = request.match_info["action"]
+    if action not in ACTIONS:
+        raise NotFound(f"no rollout action {checks.shown(action)}; known: {sorted(ACTIONS)}")
+    reason = await action_reason(request)
+    stored = await operate(request.app[ROUTE_STORE], name, action, reason, if_match(request))
+    row = described_routes(request.app, [request.app[REGISTRY].routes.entries[name].describe()])
+    return put_answer(stored, row[0])
+
+
+async def action_reason(request: web.Request) -> str | None:
+    """The ``reason`` of a rollout action's body (optional, as is the body)."""
+    if not request.can_read_body:
+        return None
+    bodies = request.app.get(BODIES)  # none in the supervisor: its workers read first
+    body = await (read_control(request) if bodies is None else bodies.read_control(request))
+    if not body.strip():
+        return None
+    try:
+        raw = checks.parse_json(body)
+    except checks.ValueProblem as exc:
+        raise InvalidInput(f"the body must be JSON: {exc}") from None
+    if not isinstance(raw, dict) or set(raw) - {"reason"}:
+        raise InvalidInput('the body is {"reason": "..."} or empty')
+    reason = raw.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise InvalidInput("reason: must be a text")
+    return reason
 
 
 async def fleet(request: web.Request) -> web.Response:
@@ -271,6 +329,8 @@ def add_routes(app: web.Application, through: Handler | None = None) -> None:
     router.add_get(ADMIN_PREFIX + "/routes", admin_only(list_routes))
     router.add_put(ADMIN_PREFIX + "/routes/{route}", admin_only(put_route))
     router.add_delete(ADMIN_PREFIX + "/routes/{route}", admin_only(delete_route))
+    router.add_get(ADMIN_PREFIX + "/routes/{route}/rollout", admin_only(get_rollout))
+    router.add_post(ADMIN_PREFIX + "/routes/{route}/rollout/{action}", admin_only(rollout_action))
     router.add_get(ADMIN_PREFIX + "/fleet", admin_only(fleet))
     router.add_post(ADMIN_PREFIX + "/reload", admin_only(reload_all))
     version = ADMIN_PREFIX + "/plugins/{type}/{name}/{version}"

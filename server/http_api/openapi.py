@@ -72,8 +72,30 @@ ROUTE_ENTRY = {
             "type": "object",
             "properties": {"rps": {"type": "number"}, "burst": {"type": "integer"}},
         },
+        "rollout": {
+            "type": "object",
+            "description": "a canary that moves itself through steps of weight, gated by its "
+            "error rate and latency against the stable version's (docs/operations.md)",
+            "required": ["canary", "steps"],
+            "properties": {
+                "canary": {"type": "string", "description": "name@version"},
+                "stable": {"type": "string", "description": "name@version (default: runner)"},
+                "steps": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                     "maximum": 100}},
+                "min_requests": {"type": "integer", "minimum": 1},
+                "min_seconds": {"type": "number", "minimum": 0},
+                "max_error_rate": {"type": "number", "minimum": 0, "maximum": 1},
+                "max_latency_ratio": {"type": "number", "minimum": 1},
+                "latency_floor_ms": {"type": "number", "minimum": 0},
+                "shadow": {"type": "number", "minimum": 0, "maximum": 1},
+                "min_agreement": {"type": "number", "minimum": 0, "maximum": 1},
+                "atol": {"type": "number", "minimum": 0},
+                "rtol": {"type": "number", "minimum": 0},
+                "status": {"type": "object", "description": "written by the server"},
+            },
+        },
     },
-}
+}  # fmt: skip
 ADMIN: list[dict[str, list[str]]] = [{"bearerAuth": []}, {}]  # token, or loopback without
 
 
@@ -435,6 +457,41 @@ def document() -> dict[str, Any]:
                         **_errors(400, 401, 403, 404, 409, 503),
                     },
                 },
+            },
+            "/admin/routes/{route}/rollout": {
+                "get": {
+                    "summary": "A route's rollout: policy, status, decisions, and the figures "
+                    "of its window",
+                    "security": ADMIN,
+                    "parameters": [ROUTE],
+                    "responses": {
+                        **_ok("the rollout", {"type": "object"}),
+                        **_errors(400, 401, 403, 404),
+                    },
+                }
+            },
+            "/admin/routes/{route}/rollout/{action}": {
+                "post": {
+                    "summary": "pause, resume or abort a route's rollout (body: optional "
+                    '{"reason": "..."})',
+                    "security": ADMIN,
+                    "parameters": [
+                        ROUTE,
+                        IF_MATCH,
+                        {
+                            "name": "action",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string", "enum": ["pause", "resume", "abort"]},
+                        },
+                    ],
+                    "responses": {
+                        **_ok(
+                            "the route as now served, its entry and revision", {"type": "object"}
+                        ),
+                        **_errors(400, 401, 403, 404, 409, 503),
+                    },
+                }
             },
             "/admin/fleet": {
                 "get": {

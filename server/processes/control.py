@@ -18,11 +18,13 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from plugserve.registry.errors import PlugserveError, Unavailable
+from plugserve.registry import checks
+from plugserve.registry.errors import NotFound, PlugserveError, Unavailable
 from plugserve.registry.execution.isolation.host import RunnerHost
 from plugserve.registry.execution.stats import RunnerStats
 from plugserve.registry.fleet.etcd_store import EtcdRouteStore
 from plugserve.registry.fleet.route_store import RouteStore
+from plugserve.registry.routing.figures import WindowFigures, parse_windows
 from plugserve.server import __version__
 from plugserve.server.http.middleware import error_response
 from plugserve.server.http_api import admin, v2
@@ -32,7 +34,8 @@ from plugserve.server.processes.shared_runners import RUNNERS
 from plugserve.server.processes.shared_runners import metrics_text as runner_metrics
 from plugserve.server.processes.tree_budget import TreeBudget
 from plugserve.server.processes.unix import Reply, UnixClient
-from plugserve.server.runtime.metrics import Metrics, _FleetCollector
+from plugserve.server.rollouts.controller import ACTIONS, ROLLOUTS, RolloutController, operate
+from plugserve.server.runtime.metrics import Metrics, RolloutCollector, _FleetCollector
 from plugserve.server.triton.shared_memory import Regions
 from plugserve.server.triton.statistics import ISOLATED_RUNNER
 
@@ -64,6 +67,14 @@ class SupervisorMetrics:
             ["worker"],
             registry=self.registry,
         )
+        self.decisions = Counter(
+            "plugserve_rollout_decisions",
+            "Rollout decisions made here, by route: advance, promote, roll_back (the gates'), "
+            "pause, resume, abort (an operator's).",
+            ["route", "decision"],
+            registry=self.registry,
+        )
+        self.registry.register(RolloutCollector(store.registry))
         if isinstance(store, EtcdRouteStore):
             self.registry.register(_FleetCollector(store))
 
@@ -178,9 +189,76 @@ async def list_routes(request: web.Request) -> web.Response:
     if reply.status != 200:
         return _reply(reply)
     store = request.app[STORE]
+    answer = reply.json()
+    answer["routes"] = _with_rollouts(request.app, answer["routes"])
+    return web.json_response({**answer, "runtime": {**store.health(), "invalid": store.invalid}})
+
+
+def _with_rollouts(app: web.Application, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rollout's row with its window's figures, merged here from every worker's."""
+    controller, specs = app[ROLLOUTS], app[STORE].registry.runtime_routes
+    for row in rows:
+        spec = specs.get(row["name"])
+        if "rollout" in row and spec is not None:
+            row["rollout"].update(controller.describe(row["name"], spec.rollout) or {})
+    return rows
+
+
+async def get_rollout(request: web.Request) -> web.Response:
+    name = admin.route_name(request)
+    described = await _described(request.app[POOL], name)
+    spec = request.app[STORE].registry.runtime_routes.get(name)
+    if described is None or "rollout" not in described or spec is None:
+        raise NotFound(f"route {name!r} has no rollout")
+    row = _with_rollouts(request.app, [described])[0]
     return web.json_response(
-        {**reply.json(), "runtime": {**store.health(), "invalid": store.invalid}}
+        {"route": name, "revision": spec.revision, "rollout": row["rollout"]},
+        headers={"ETag": f'"{spec.revision}"'},
     )
+
+
+async def rollout_action(request: web.Request) -> web.Response:
+    name = admin.route_name(request)
+    action = request.match_info["action"]
+    if action not in ACTIONS:
+        raise NotFound(f"no rollout action {checks.shown(action)}; known: {sorted(ACTIONS)}")
+    reason = await admin.action_reason(request)
+    pool = request.app[POOL]
+    stored = await operate(request.app[STORE], name, action, reason, admin.if_match(request))
+    await pool.settled()
+    described = await _described(pool, name) or {}
+    return admin.put_answer(stored, _with_rollouts(request.app, [described])[0])
+
+
+def rollout_controller(
+    store: RouteStore, pool: WorkerPool, metrics: SupervisorMetrics, interval_s: float
+) -> RolloutController:
+    """The server's rollouts decided here, from every worker's figures merged."""
+
+    async def figures() -> dict[str, tuple[str, WindowFigures]]:
+        wanted = {
+            name: spec.rollout.key
+            for name, spec in store.registry.runtime_routes.items()
+            if spec.rollout is not None
+        }
+        merged = {route: (key, WindowFigures()) for route, key in wanted.items()}
+        for worker, reply in await pool.call_all("GET", "/_control/rollouts/figures"):
+            if reply.status != 200:
+                continue
+            try:
+                windows = parse_windows(reply.json())
+            except ValueError as exc:
+                log.warning("rollout_figures_invalid", worker=worker.index, error=str(exc))
+                continue
+            for route, (key, each) in windows.items():
+                if wanted.get(route) == key:  # a worker still on the last window: left out
+                    merged[route][1].add(each)
+        return merged
+
+    def counted(route: str, decision: str) -> None:
+        metrics.decisions.labels(route, decision).inc()
+
+    return RolloutController(store, figures, interval_s, counted)
 
 
 async def _described(pool: WorkerPool, name: str) -> dict[str, Any] | None:
@@ -365,6 +443,8 @@ def control_app(
     r.add_get("/admin/routes", list_routes)
     r.add_put("/admin/routes/{route}", put_route)
     r.add_delete("/admin/routes/{route}", delete_route)
+    r.add_get("/admin/routes/{route}/rollout", get_rollout)
+    r.add_post("/admin/routes/{route}/rollout/{action}", rollout_action)
     r.add_get("/admin/fleet", fleet)
     r.add_post("/admin/reload", reload_all)
     version = "/admin/plugins/{type}/{name}/{version}"

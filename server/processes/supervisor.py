@@ -68,10 +68,16 @@ from plugserve.server.http.connections import (
     raise_open_files_limit,
 )
 from plugserve.server.processes import shared_runners
-from plugserve.server.processes.control import BUDGET, SUPERVISOR_METRICS, control_app
+from plugserve.server.processes.control import (
+    BUDGET,
+    SUPERVISOR_METRICS,
+    control_app,
+    rollout_controller,
+)
 from plugserve.server.processes.link import WorkerSpec
 from plugserve.server.processes.pool import Worker, WorkerPool
 from plugserve.server.processes.tree_budget import BudgetCollector, TreeBudget
+from plugserve.server.rollouts.controller import ROLLOUTS
 from plugserve.server.runtime.shutdown import SHUTDOWN_MARGIN_S
 from plugserve.server.triton.shared_memory import Regions
 from plugserve.server.triton.shm_table import SharedTable
@@ -117,6 +123,11 @@ class Supervisor:
         self.app = control_app(
             self.pool, self.store, settings.watch, self._registered, self._drained, self.regions
         )
+        self.rollouts = rollout_controller(
+            self.store, self.pool, self.app[SUPERVISOR_METRICS], settings.rollout_interval_s
+        )
+        """Every rollout's steps, decided from every worker's figures."""
+        self.app[ROLLOUTS] = self.rollouts
         self.runners = RunnerHost(process_settings(settings))
         """Isolated runners' processes, shared by every worker (``shared_runners.py``)."""
         shared_runners.add_routes(self.app, self.runners)
@@ -238,6 +249,7 @@ class Supervisor:
             await runner.cleanup()
             raise
         await self._answer_while_starting()
+        self.rollouts.start()
         keepers = [asyncio.create_task(self._keep(i)) for i in range(self.count)]
         self._background(self._watch_stalls())
         watcher = Watcher(self.pool, self.settings.reload_debounce_ms / 1000)
@@ -258,6 +270,7 @@ class Supervisor:
             _signal(proc, signal.SIGKILL)
         if pending:
             await asyncio.wait(pending, timeout=5)
+        await self.rollouts.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.store.close(), self.settings.close_timeout_s)
         await self.runners.close()

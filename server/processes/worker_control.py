@@ -13,6 +13,7 @@ import os
 from aiohttp import web
 
 from plugserve.registry.errors import InvalidInput
+from plugserve.server.dataplane.plane import DATA_PLANE
 from plugserve.server.http.bodies import BODIES
 from plugserve.server.http.middleware import request_middleware
 from plugserve.server.http_api import admin, v2
@@ -36,6 +37,13 @@ def control_app(app: web.Application, link: WorkerLink) -> web.Application:
     control[REPOSITORY] = LocalRepository(app[REGISTRY])
     control[STATISTICS] = LocalStatistics(app[REGISTRY])
     _add_control_routes(control, link)
+    windows = app[DATA_PLANE].windows
+
+    async def rollout_figures(request: web.Request) -> web.Response:
+        """This worker's rollout windows: the supervisor merges every worker's."""
+        return web.json_response(windows.as_json())
+
+    control.router.add_get("/_control/rollouts/figures", rollout_figures)
     return control
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -25,9 +25,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from plugserve.registry.fleet.etcd_store import EtcdRouteStore
-from plugserve.registry.fleet.route_store import RouteStore
+from plugserve.registry.fleet.route_store import RouteStore, RouteTarget
 from plugserve.registry.lifecycle.registry import LifecycleEvent, Registry
 from plugserve.registry.refs import PLUGIN_TYPES
+from plugserve.registry.routing.routes import RouteSpec
 
 
 class CacheFigures(Protocol):
@@ -153,14 +154,34 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.rollout_decisions = Counter(
+            "plugserve_rollout_decisions",
+            "Rollout decisions made here, by route: advance, promote, roll_back (the gates'), "
+            "pause, resume, abort (an operator's).",
+            ["route", "decision"],
+            registry=self.registry,
+        )
+        self.shadow = Counter(
+            "plugserve_shadow_requests",
+            "Shadow copies of a rollout's stable requests run on its canary, by outcome: "
+            "agreed, differed, failed (the canary raised), skipped (not run).",
+            ["route", "outcome"],
+            registry=self.registry,
+        )
+
     def stream(self, route: str) -> StreamClock:
         """Time one stream of ``route``, counted in flight until :meth:`StreamClock.done`."""
         return StreamClock(self, route)
 
-    def collect_from(self, registry: Registry, store: RouteStore | None = None) -> None:
+    def collect_from(
+        self, registry: Registry, store: RouteStore | None = None, rollouts: bool = True
+    ) -> None:
         """Add the gauges read from the registry at scrape time (always current, and an
-        unloaded version's series are gone with it), and the fleet's in fleet mode."""
+        unloaded version's series are gone with it), the rollouts' unless a supervisor
+        gives them, and the fleet's in fleet mode."""
         self.registry.register(_RegistryCollector(registry))
+        if rollouts:
+            self.registry.register(RolloutCollector(registry))
         if isinstance(store, EtcdRouteStore):
             self.registry.register(_FleetCollector(store))
 
@@ -380,6 +401,46 @@ def _by_reason(name: str, documentation: str, counts: Mapping[str, int]) -> Metr
     for reason, count in sorted(counts.items()):
         family.add_metric([reason], count)
     return family
+
+
+class RolloutCollector(Collector):
+    """Each rollout's canary weight, step and state, from the runtime routes (of the
+    process that decides them: the server, or with workers their supervisor)."""
+
+    def __init__(self, registry: RouteTarget) -> None:
+        self._registry = registry
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from rollout_families(self._registry.runtime_routes.values())
+
+
+def rollout_families(specs: Iterable[RouteSpec]) -> Iterator[Metric]:
+    weight = GaugeMetricFamily(
+        "plugserve_rollout_canary_weight_percent",
+        "The share of a route's traffic its rollout's canary takes now.",
+        labels=["route", "canary", "stable"],
+    )
+    step = GaugeMetricFamily(
+        "plugserve_rollout_step", "The step a route's rollout is at (0: its first).",
+        labels=["route"],
+    )  # fmt: skip
+    state = GaugeMetricFamily(
+        "plugserve_rollout_state",
+        "1 for the state each route's rollout is in (running, paused, promoted, rolled_back, "
+        "aborted).",
+        labels=["route", "state"],
+    )
+    for spec in specs:
+        rollout = spec.rollout
+        if rollout is None:
+            continue
+        weight.add_metric([spec.name, str(rollout.canary), str(rollout.stable)], rollout.weight)
+        step.add_metric([spec.name], rollout.status.step)
+        state.add_metric([spec.name, rollout.status.state], 1)
+    yield from (weight, step, state)
 
 
 class _FleetCollector(Collector):

@@ -1,0 +1,195 @@
+"""Shadow traffic: a share of a rollout's stable requests run again on its canary, after
+the answer, and the two answers compared; the canary's answer is never returned.
+
+A copy is taken (its inputs copied before the live run, which may change them in place)
+as the stable version's request starts, and queued once its answer is made. The copies
+run one at a time (``CONCURRENCY``) at the canary runner's lowest priority level, off
+the request path; a full queue drops the copy (counted as ``skipped``), so shadow
+traffic takes only what the server has to spare and never holds a live request up.
+Each comparison counts in the route's rollout window (``registry/routing/figures.py``):
+agreed or not, and the largest difference per output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+from plugserve.registry.execution.chain import Chain
+from plugserve.registry.execution.components import batch_policy
+from plugserve.registry.routing.figures import Windows
+from plugserve.registry.routing.rollout import Rollout
+from plugserve.registry.routing.routes import RouteTable
+from plugserve.registry.types import RequestContext
+
+log = structlog.get_logger("plugserve.shadow")
+
+CONCURRENCY = 1
+"""Copies run at once in one process."""
+QUEUE = 64
+"""Copies waiting, at most; more are dropped."""
+
+
+@dataclass(slots=True)
+class ShadowCopy:
+    route: str
+    rollout: Rollout
+    data: Any
+    ctx: RequestContext
+
+
+class ShadowTraffic:
+    """The shadow copies of one process's requests."""
+
+    def __init__(
+        self,
+        table: Callable[[], RouteTable],
+        windows: Windows,
+        counted: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._table = table
+        self.windows = windows
+        self.counted = counted
+        self._queue: asyncio.Queue[tuple[ShadowCopy, Any]] = asyncio.Queue(QUEUE)
+        self._runners: list[asyncio.Task[None]] = []
+
+    def copy(self, route: str, chain: Chain, data: Any, ctx: RequestContext) -> ShadowCopy | None:
+        """A copy of this request for its route's canary, if it is one of the share copied."""
+        entry = self._table().entries.get(route)
+        rollout = None if entry is None else entry.spec.rollout
+        if rollout is None or not rollout.shadowing or chain.variant != str(rollout.stable):
+            return None
+        if random.random() >= rollout.shadow:
+            return None
+        return ShadowCopy(route, rollout, _copied(data), ctx)
+
+    def offer(self, copy: ShadowCopy, answer: Any) -> None:
+        """Queue ``copy`` to run with the live ``answer`` to compare; dropped when full."""
+        try:
+            self._queue.put_nowait((copy, answer))
+        except asyncio.QueueFull:
+            self.windows.window(copy.route, copy.rollout.key).shadow.skipped += 1
+            self._count(copy.route, "skipped")
+            return
+        if not self._runners:
+            self._runners = [
+                asyncio.create_task(self._run(), name=f"plugserve-shadow-{i}")
+                for i in range(CONCURRENCY)
+            ]
+
+    async def close(self) -> None:
+        for task in self._runners:
+            task.cancel()
+        for task in self._runners:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._runners = []
+
+    async def _run(self) -> None:
+        while True:
+            copy, answer = await self._queue.get()
+            try:
+                await self._compare(copy, answer)
+            except Exception:  # a bug here must not stop shadow traffic
+                log.exception("shadow_failed", route=copy.route)
+
+    async def _compare(self, copy: ShadowCopy, live: Any) -> None:
+        rollout = copy.rollout
+        figures = self.windows.window(copy.route, rollout.key).shadow
+        entry = self._table().entries.get(copy.route)
+        now = None if entry is None else entry.spec.rollout
+        target = None if entry is None else entry.by_version.get(str(rollout.canary.version))
+        if now is None or now.key != rollout.key or not isinstance(target, Chain):
+            figures.skipped += 1  # the window moved on, or the canary is not ready here
+            self._count(copy.route, "skipped")
+            return
+        target.enter()
+        try:
+            answer = await target.run(copy.data, _shadow_context(copy.ctx, target))
+        except Exception as exc:
+            figures.record(False, {}, failed=True)
+            self._count(copy.route, "failed")
+            log.info("shadow_canary_failed", route=copy.route, canary=str(rollout.canary),
+                     error=str(exc)[:300])  # fmt: skip
+            return
+        finally:
+            target.leave()
+        agreed, differences = compare(live, answer, rollout.atol, rollout.rtol)
+        figures.record(agreed, differences)
+        self._count(copy.route, "agreed" if agreed else "differed")
+
+    def _count(self, route: str, outcome: str) -> None:
+        if self.counted is not None:
+            self.counted(route, outcome)
+
+
+def _shadow_context(ctx: RequestContext, chain: Chain) -> RequestContext:
+    """The copy's ``ctx``: the request's, at the canary runner's lowest priority, no deadline."""
+    section = chain.runner.manifest.runner
+    levels = batch_policy(section).priority_levels if section is not None else 1
+    return RequestContext(
+        request_id=ctx.request_id,
+        route=ctx.route,
+        parameters=ctx.parameters,
+        headers=ctx.headers,
+        content_type=ctx.content_type,
+        protocol=ctx.protocol,
+        priority=levels if levels > 1 else None,
+        tenant=ctx.tenant,
+        body_bytes=ctx.body_bytes,
+        router=ctx.router,
+    )
+
+
+def _copied(data: Any) -> Any:
+    """The request's inputs as they came: arrays copied (a stage may write into them)."""
+    if isinstance(data, np.ndarray):
+        return data.copy()
+    if isinstance(data, Mapping):
+        return {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in data.items()}
+    return data
+
+
+def compare(live: Any, shadow: Any, atol: float, rtol: float) -> tuple[bool, dict[str, float]]:
+    """Whether two answers agree, and the largest difference per output (``inf``: they
+    differ in shape, type or outputs). Numbers agree within ``atol + rtol * |live|``;
+    anything else must be equal."""
+    if isinstance(live, Mapping) and isinstance(shadow, Mapping):
+        names = sorted({*map(str, live), *map(str, shadow)})
+        pairs = {n: _difference(live.get(n, _MISSING), shadow.get(n, _MISSING), atol, rtol)
+                 for n in names}  # fmt: skip
+    else:
+        pairs = {"": _difference(live, shadow, atol, rtol)}
+    return all(ok for ok, _ in pairs.values()), {n: d for n, (_, d) in pairs.items()}
+
+
+_MISSING = object()
+_NUMERIC = "biufc"
+
+
+def _difference(live: Any, shadow: Any, atol: float, rtol: float) -> tuple[bool, float]:
+    if live is _MISSING or shadow is _MISSING:
+        return False, float("inf")
+    try:
+        a, b = np.asarray(live), np.asarray(shadow)
+    except Exception:
+        return (live == shadow) is True, 0.0 if live == shadow else float("inf")
+    if a.dtype.kind in _NUMERIC and b.dtype.kind in _NUMERIC:
+        if a.shape != b.shape:
+            return False, float("inf")
+        if not a.size:
+            return True, 0.0
+        close = np.isclose(b, a, rtol=rtol, atol=atol, equal_nan=True)
+        with np.errstate(invalid="ignore", over="ignore"):
+            gaps = np.abs(a.astype(np.float64) - b.astype(np.float64))
+        gaps = np.where(np.isnan(gaps), np.where(close, 0.0, np.inf), gaps)
+        return bool(close.all()), float(gaps.max())
+    same = a.shape == b.shape and bool(np.array_equal(a, b))
+    return same, 0.0 if same else float("inf")

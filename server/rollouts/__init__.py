@@ -1,0 +1,1 @@
+"""Rollouts that decide themselves: the controller that moves each canary's steps."""

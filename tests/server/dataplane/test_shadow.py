@@ -1,0 +1,42 @@
+"""How two answers are compared: within tolerance per output, and anything else different
+(shape, type, a missing output) as different as can be."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from plugserve.server.dataplane.shadow import _copied, compare
+
+
+def test_numbers_agree_within_tolerance_and_the_largest_difference_is_kept() -> None:
+    live = {"y": np.array([1.0, 2.0, 3.0], np.float32), "label": np.array(["cat"], object)}
+    near = {"y": np.array([1.0, 2.0, 3.00001], np.float32), "label": np.array(["cat"], object)}
+    agreed, diffs = compare(live, near, atol=1e-4, rtol=0.0)
+    assert agreed and diffs["label"] == 0.0 and 0 < diffs["y"] < 1e-4
+    far = {**near, "y": np.array([1.0, 2.5, 3.0], np.float32)}
+    agreed, diffs = compare(live, far, atol=1e-4, rtol=0.0)
+    assert not agreed and diffs["y"] == 0.5
+
+
+def test_shapes_types_and_outputs_that_differ_never_agree() -> None:
+    live = {"y": np.zeros((2, 2))}
+    for other in ({"y": np.zeros(4)}, {"y": np.array(["a"], object)}, {"z": np.zeros((2, 2))}):
+        agreed, diffs = compare(live, other, 1e-5, 1e-4)
+        assert not agreed and math.inf in diffs.values()
+    assert compare({"text": "same"}, {"text": "same"}, 0, 0) == (True, {"text": 0.0})
+    assert compare(b"raw", b"other", 0, 0)[0] is False
+
+
+def test_nan_agrees_only_with_nan() -> None:
+    assert compare({"y": np.array([np.nan])}, {"y": np.array([np.nan])}, 0, 0)[0]
+    agreed, diffs = compare({"y": np.array([np.nan])}, {"y": np.array([1.0])}, 0, 0)
+    assert not agreed and diffs["y"] == math.inf
+
+
+def test_a_copy_keeps_the_inputs_as_they_came() -> None:
+    data = {"x": np.ones(3)}
+    copy = _copied(data)
+    data["x"] += 1  # a stage writing into its input
+    assert copy["x"].tolist() == [1.0, 1.0, 1.0]

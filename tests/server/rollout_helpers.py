@@ -1,0 +1,132 @@
+"""What the rollout tests share: a runner whose versions can fail, be slow or answer
+differently, a load that drives real requests while a rollout moves, and reads of it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import ServerProcess, write_plugin
+
+MODEL = """
+    import threading
+    import time
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Model:
+        def __init__(self, config):
+            self.delay_s = config.get("delay_s", 0.0)
+            self.fail_every = config.get("fail_every", 0)
+            self.offset = config.get("offset", 0.0)
+            self.count = 0
+            self.lock = threading.Lock()
+
+        def infer(self, inputs):
+            with self.lock:
+                self.count += 1
+                n = self.count
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if self.fail_every and n % self.fail_every == 0:
+                raise RuntimeError(f"request {n} fails: one in {self.fail_every}")
+            return {"y": np.asarray(inputs["x"]) * 2 + self.offset}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Model(config)
+"""
+
+X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+
+
+def write_model(plugins_dir: Path, version: str, **config: float) -> None:
+    """Version ``version`` of runner ``m``: ``y = 2x + offset``, after ``delay_s``,
+    failing every ``fail_every``-th request."""
+    lines = "".join(f"{k} = {v}\n" for k, v in config.items())
+    write_plugin(
+        plugins_dir, "runner", "m", version, f"[config]\n{lines}[runner]\nmax_batch_size = 0\n",
+        files={"plugin.py": MODEL},
+    )  # fmt: skip
+
+
+def write_config(path: Path, **settings: Any) -> Path:
+    path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items()))
+    return path
+
+
+def rollout(server: ServerProcess, route: str = "m") -> dict[str, Any]:
+    status, _, body = server.request("GET", f"/admin/routes/{route}/rollout")
+    assert status == 200, body
+    return json.loads(body)["rollout"]  # type: ignore[no-any-return]
+
+
+def put_rollout(server: ServerProcess, entry: dict[str, Any], route: str = "m") -> dict[str, Any]:
+    status, _, body = server.request("PUT", f"/admin/routes/{route}", entry)
+    assert status == 200, body
+    return json.loads(body)  # type: ignore[no-any-return]
+
+
+class Load:
+    """Clients sending requests to ``servers`` (in turn) until stopped; every answer kept
+    with the variant that served it."""
+
+    def __init__(self, servers: Sequence[ServerProcess], clients: int = 4, route: str = "m"):
+        self.servers = list(servers)
+        self.route = route
+        self.answers: list[tuple[int, str, float]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+    def _client(self, index: int) -> None:
+        turn = index
+        while not self._stop.is_set():
+            servers = self.servers
+            server = servers[turn % len(servers)]
+            turn += 1
+            try:
+                status, headers, _ = server.request("POST", f"/v2/models/{self.route}/infer", X)
+            except OSError:
+                status, headers = 0, {}
+            with self._lock:
+                self.answers.append(
+                    (status, headers.get("X-Plugserve-Variant", ""), time.monotonic())
+                )
+
+    def failures(self) -> Counter[tuple[int, str]]:
+        with self._lock:
+            return Counter((s, v) for s, v, _ in self.answers if s != 200)
+
+    def served(self) -> Counter[str]:
+        with self._lock:
+            return Counter(v for s, v, _ in self.answers if s == 200)
+
+
+def until(check: Callable[[], bool], within: float, what: str = "") -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {within} s: {what}")
+        time.sleep(0.05)

@@ -1,0 +1,231 @@
+"""Rollouts that decide themselves, on a real server under real requests: a failing or
+slow canary rolled back within its first step, a good one promoted, shadow traffic
+stopping a canary whose answers differ, an operator's pause, resume and abort, and a
+restart resuming a rollout where it stood."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import ServerProcess
+from tests.server.rollout_helpers import (
+    Load,
+    put_rollout,
+    rollout,
+    until,
+    write_config,
+    write_model,
+)
+
+STABLE, CANARY = "m@1.0.0", "m@2.0.0"
+
+pytestmark = pytest.mark.workers(1, 2)
+
+
+def start(server: Callable[..., ServerProcess], tmp_path: Path, models_dir: Path,
+          **settings: Any) -> ServerProcess:  # fmt: skip
+    config = write_config(tmp_path / "plugserve.toml", rollout_interval_s=0.2, **settings)
+    return server("--plugins-dir", str(tmp_path / "plugins"), "--models-dir", str(models_dir),
+                  "--config", str(config))  # fmt: skip
+
+
+def entry(**policy: Any) -> dict[str, Any]:
+    return {"runner": STABLE, "rollout": {"canary": CANARY, **policy}}
+
+
+def decisions(state: dict[str, Any]) -> list[tuple[str, int]]:
+    return [(d["decision"], d["step"]) for d in state["status"]["history"]]
+
+
+def test_a_canary_failing_one_request_in_20_is_rolled_back_within_its_first_step(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0", fail_every=20)
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=60, min_seconds=600))
+    with Load([srv]) as load:
+        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
+    state = rollout(srv)
+    assert state["status"]["state"] == "rolled_back", state
+    assert decisions(state) == [("roll_back", 0)]  # within the first step's window
+    assert "error rate" in state["status"]["reason"], state["status"]["reason"]
+    figures = state["status"]["history"][0]["figures"]
+    assert figures["canary"]["requests"] >= 60 and figures["canary"]["error_rate"] > 0.03
+    assert figures["stable"]["errors"] == 0
+    # The only failures are the canary's own: none because the weight moved.
+    assert set(load.failures()) == {(500, CANARY)}, load.failures()
+    served = load.served()
+    assert sum(load.failures().values()) <= served[CANARY] / 19 + 1
+    with Load([srv]) as after:
+        until(lambda: len(after.answers) >= 100, 30)
+    assert set(after.served()) == {STABLE} and not after.failures()
+    _, _, metrics = srv.request("GET", "/metrics")
+    text = metrics.decode()
+    assert 'plugserve_rollout_decisions_total{decision="roll_back",route="m"} 1.0' in text
+    assert 'plugserve_rollout_state{route="m",state="rolled_back"} 1.0' in text
+    assert "rollout_roll_back" in srv.log()
+
+
+def test_a_canary_three_times_slower_is_rolled_back(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_model(tmp_path / "plugins", "1.0.0", delay_s=0.01)
+    write_model(tmp_path / "plugins", "2.0.0", delay_s=0.03)
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(steps=[20, 50, 100], min_requests=30, min_seconds=600))
+    with Load([srv]) as load:
+        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
+    state = rollout(srv)
+    assert state["status"]["state"] == "rolled_back", state
+    assert decisions(state) == [("roll_back", 0)]
+    assert "latency" in state["status"]["reason"], state["status"]["reason"]
+    assert not load.failures()
+
+
+def test_a_good_canary_reaches_100_percent_and_becomes_the_stable_version(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0")
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=0.5))
+    with Load([srv]) as load:
+        until(lambda: rollout(srv)["status"]["state"] != "running", 90, "a decision")
+    state = rollout(srv)
+    assert state["status"]["state"] == "promoted", state
+    assert decisions(state) == [("advance", 0), ("advance", 1), ("promote", 2)]
+    assert not load.failures()  # no request failed because of a step
+    with Load([srv]) as after:
+        until(lambda: len(after.answers) >= 100, 30)
+    assert set(after.served()) == {CANARY} and not after.failures()
+    _, _, body = srv.request("GET", "/admin/routes")
+    (route,) = [r for r in json.loads(body)["routes"] if r["name"] == "m"]
+    assert route["runner"] == {STABLE: 0, CANARY: 100}
+
+
+def test_shadow_traffic_stops_a_canary_whose_answers_differ_before_it_serves_anyone(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0", offset=0.5)
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(steps=[0, 10, 100], shadow=0.5, min_requests=20, min_seconds=600))
+    with Load([srv]) as load:
+        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
+    state = rollout(srv)
+    assert state["status"]["state"] == "rolled_back", state
+    assert decisions(state) == [("roll_back", 0)]
+    reason = state["status"]["reason"]
+    assert "shadow traffic: 0 of" in reason and "y 0.5" in reason, reason
+    assert set(load.served()) == {STABLE} and not load.failures()  # never answered by it
+    shadow = state["status"]["history"][0]["figures"]["shadow"]
+    assert shadow["compared"] >= 20 and shadow["agreed"] == 0
+    assert shadow["largest_difference"] == {"y": 0.5}
+    _, _, metrics = srv.request("GET", "/metrics")
+    assert 'plugserve_shadow_requests_total{outcome="differed",route="m"}' in metrics.decode()
+
+
+def test_shadow_traffic_agrees_with_a_canary_that_answers_the_same(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0")
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(steps=[0, 100], shadow=0.5, min_requests=20, min_seconds=0.5))
+    with Load([srv]) as load:
+        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
+    state = rollout(srv)
+    assert decisions(state) == [("advance", 0), ("promote", 1)], state
+    shadow = state["status"]["history"][0]["figures"]["shadow"]
+    assert shadow["compared"] >= 20 and shadow["agreed"] == shadow["compared"]
+    assert shadow["largest_difference"] == {"y": 0.0}
+    assert not load.failures()
+
+
+def test_an_operator_pauses_resumes_and_aborts_a_rollout(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0")
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(steps=[10, 50, 90], min_requests=10, min_seconds=0.3))
+    status, _, body = srv.request("POST", "/admin/routes/m/rollout/pause",
+                                  {"reason": "holding for the release"})  # fmt: skip
+    assert status == 200, body
+    with Load([srv]) as load:
+        until(lambda: len(load.answers) >= 200, 30)
+        assert rollout(srv)["status"]["step"] == 0  # paused: no step however many requests
+        assert rollout(srv)["status"]["reason"] == "holding for the release"
+        status, _, body = srv.request("POST", "/admin/routes/m/rollout/pause")
+        assert status == 409, body
+        assert srv.request("POST", "/admin/routes/m/rollout/resume")[0] == 200
+        until(lambda: rollout(srv)["status"]["step"] >= 1, 30, "a step after resume")
+        status, _, body = srv.request("POST", "/admin/routes/m/rollout/abort")
+        assert status == 200, body
+    state = rollout(srv)
+    assert state["status"]["state"] == "aborted"
+    assert [d for d, _ in decisions(state)][:3] == ["pause", "resume", "advance"]
+    assert decisions(state)[-1][0] == "abort"
+    assert not load.failures()
+    with Load([srv]) as after:
+        until(lambda: len(after.answers) >= 50, 30)
+    assert set(after.served()) == {STABLE}
+    assert srv.request("POST", "/admin/routes/m/rollout/resume")[0] == 409
+    assert srv.request("POST", "/admin/routes/m/rollout/jump")[0] == 404
+    assert srv.request("POST", "/admin/routes/other/rollout/pause")[0] == 404
+    assert srv.request("POST", "/admin/routes/m/rollout/pause", {"why": 1})[0] == 400
+
+
+def test_a_restart_resumes_a_rollout_from_the_step_it_stood_at(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0")
+    saved = str(tmp_path / "routes.json")
+    srv = start(server, tmp_path, models_dir, runtime_routes_file=saved)
+    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=0.5))
+    with Load([srv]):
+        until(lambda: rollout(srv)["status"]["step"] >= 1, 60, "one step")
+    step = rollout(srv)["status"]["step"]
+    srv.stop()
+    again = start(server, tmp_path, models_dir, runtime_routes_file=saved)
+    state = rollout(again)
+    assert state["status"]["step"] == step and state["status"]["state"] == "running"
+    with Load([again]) as load:
+        until(lambda: rollout(again)["status"]["state"] != "running", 60, "promotion")
+    state = rollout(again)
+    assert state["status"]["state"] == "promoted"
+    assert [s for d, s in decisions(state) if d == "advance"] == list(range(step + 1))[:2]
+    assert not load.failures()
+
+
+def test_bad_rollouts_are_refused_with_the_field_named(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0")
+    srv = start(server, tmp_path, models_dir)
+    bad = {
+        ".rollout.steps": entry(steps=[50, 10]),
+        ".rollout.canary": entry(steps=[10], canary="other@2.0.0"),
+        ".rollout.shadow": entry(steps=[10], shadow=2),
+        ".rollout.min_requests": entry(steps=[10], min_requests=0),
+        ".rollout: unknown key": entry(steps=[10], speed=1),
+        ".rollout.steps: a step of 0": entry(steps=[0, 100]),
+        ".runner": {
+            "runner": {STABLE: 90, "m@3.0.0": 10},
+            "rollout": {"canary": CANARY, "stable": STABLE, "steps": [10]},
+        },
+    }
+    for field, body in bad.items():
+        status, _, answer = srv.request("PUT", "/admin/routes/m", body)
+        assert status == 400, (field, answer)
+        assert field in json.loads(answer)["error"], (field, answer)
+    status, _, answer = srv.request("PUT", "/admin/routes/m", entry(steps=[10]))
+    assert status == 200, answer
