@@ -167,6 +167,11 @@ def load_routes_file(path: Path) -> dict[str, RouteSpec]:
     for name, entry in routes.items():
         try:
             specs[name] = parse_route(name, entry, ROUTES_FILE)
+            if specs[name].rollout is not None:
+                raise RouteSpecError(
+                    ".rollout: a rollout is a runtime entry (PUT /admin/routes/{route}): "
+                    "the server writes its steps where runtime routes live"
+                )
         except RouteSpecError as exc:
             shown = name if is_valid_name(name) else checks.shown(name)
             raise RoutesFileError(

@@ -156,6 +156,7 @@ class DataPlane:
             lambda: self.registry.routes,
             self.windows,
             lambda route, outcome: metrics.shadow.labels(route, outcome).inc(),
+            lambda: drain.active > 1,  # the request asking is one
         )
         self.rollouts = False
         """Whether some route has a rollout under way (its requests are counted)."""

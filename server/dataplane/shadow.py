@@ -4,8 +4,11 @@ the answer, and the two answers compared; the canary's answer is never returned.
 A copy is taken (its inputs copied before the live run, which may change them in place)
 as the stable version's request starts, and queued once its answer is made. The copies
 run one at a time (``CONCURRENCY``) at the canary runner's lowest priority level, off
-the request path; a full queue drops the copy (counted as ``skipped``), so shadow
-traffic takes only what the server has to spare and never holds a live request up.
+the request path, on what the process has to spare: a request that has other live
+requests beside it is copied at ``BUSY_SHARE`` at most, whatever the rollout's share
+(the copies it would have had are counted as ``skipped``, as are those beyond a full
+queue). A saturated server thus compares fewer copies, about one in fifty requests,
+rather than answer its live requests later for them.
 Each comparison counts in the route's rollout window (``registry/routing/figures.py``):
 agreed or not, and the largest difference per output.
 """
@@ -35,6 +38,8 @@ CONCURRENCY = 1
 """Copies run at once in one process."""
 QUEUE = 64
 """Copies waiting, at most; more are dropped."""
+BUSY_SHARE = 0.02
+"""The most of the requests copied while others are in flight beside them."""
 
 
 @dataclass(slots=True)
@@ -53,10 +58,13 @@ class ShadowTraffic:
         table: Callable[[], RouteTable],
         windows: Windows,
         counted: Callable[[str, str], None] | None = None,
+        busy: Callable[[], bool] = lambda: False,
     ) -> None:
         self._table = table
         self.windows = windows
         self.counted = counted
+        self.busy = busy
+        """Whether other live requests are in flight in this process now."""
         self._queue: asyncio.Queue[tuple[ShadowCopy, Any]] = asyncio.Queue(QUEUE)
         self._runners: list[asyncio.Task[None]] = []
 
@@ -66,7 +74,12 @@ class ShadowTraffic:
         rollout = None if entry is None else entry.spec.rollout
         if rollout is None or not rollout.shadowing or chain.variant != str(rollout.stable):
             return None
-        if random.random() >= rollout.shadow:
+        draw = random.random()
+        if draw >= rollout.shadow:
+            return None
+        if draw >= BUSY_SHARE and self.busy():
+            self.windows.window(route, rollout.key).shadow.skipped += 1
+            self._count(route, "skipped")
             return None
         return ShadowCopy(route, rollout, _copied(data), ctx)
 

@@ -2,6 +2,7 @@
 
     python -m tests.benchmarks.canary routing [--duration 5] [--rounds 3]
     python -m tests.benchmarks.canary fleet [--changes 20]
+    python -m tests.benchmarks.canary shadow [--duration 10] [--rounds 3] [--connections 64]
 
 ``routing``: the cost of choosing a variant on the request path. One server,
 four routes over the same two runner versions: ``plain`` (one runner),
@@ -15,6 +16,13 @@ back and forth ``--changes`` times through a different replica each time and
 measures, with real requests, how long until every replica serves the new
 variant; then kills etcd under load, counts failed requests, restarts it and
 times until every replica is back in sync.
+
+``shadow``: whether shadow traffic slows the live answers. One server, two routes over
+the same two runner versions (answering alike): ``plain`` (the stable version, its
+canary at weight 0) and ``shadowed`` (a rollout held at its shadow-only step, copying
+``--share`` of the stable version's requests to the canary), driven by wrk in
+interleaved rounds at ``--connections``; prints the medians side by side and the
+copies compared and skipped.
 """
 
 from __future__ import annotations
@@ -200,6 +208,53 @@ def fleet(changes: int) -> None:
             etcd.stop()
 
 
+def shadow(duration: int, rounds: int, connections: int, share: float) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for version in ("1.0.0", "2.0.0"):
+            write_add_runner(root / "plugins", "add", version, amount=1.0)
+        (root / "plugins" / "routes.toml").write_text(
+            '[routes.plain]\nrunner = { "add@1.0.0" = 100, "add@2.0.0" = 0 }\n'
+        )
+        (root / "models").mkdir()
+        proc = ServerProcess(
+            "--plugins-dir", str(root / "plugins"), "--models-dir", str(root / "models"),
+            "--log-level", "warning", log=root / "server.log",
+        ).wait_ready()  # fmt: skip
+        held = {"canary": "add@2.0.0", "steps": [0, 100], "shadow": share,
+                "min_requests": 10**7, "min_seconds": 86400}  # fmt: skip
+        status, _, body = proc.request(
+            "PUT", "/admin/routes/shadowed", {"runner": "add@1.0.0", "rollout": held}
+        )
+        assert status == 200, body
+        try:
+            scripts = {route: lua(root, route) for route in ("plain", "shadowed")}
+            results: dict[str, list[Result]] = {}
+            for script in scripts.values():
+                wrk(proc.url, script, connections, 2)  # warm up
+            for i in range(rounds):  # ABBA: neither route always goes first
+                for route in sorted(scripts, reverse=bool(i % 2)):
+                    results.setdefault(route, []).append(
+                        wrk(proc.url, scripts[route], connections, duration)
+                    )
+            _, _, body = proc.request("GET", "/admin/routes/shadowed/rollout")
+            window = json.loads(body)["rollout"]["window"]
+        finally:
+            proc.stop()
+    print(f"c={connections}, shadow share {share:g}, {rounds} rounds of {duration} s, medians")
+    print("| route | req/s | p50 ms | p99 ms | errors |")
+    print("| --- | --- | --- | --- | --- |")
+    for route, rs in results.items():
+        print(
+            f"| {route} | {statistics.median(r.rps for r in rs):.0f} | "
+            f"{statistics.median(r.p50_ms for r in rs):.2f} | "
+            f"{statistics.median(r.p99_ms for r in rs):.2f} | {sum(r.errors for r in rs)} |"
+        )
+    plain, shadowed = (statistics.median(r.p99_ms for r in results[k]) for k in scripts)
+    print(f"p99 shadowed / plain: {shadowed / plain:.3f}")
+    print("shadow copies (last window):", json.dumps(window and window["shadow"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -211,9 +266,16 @@ def main() -> None:
     r.add_argument("--connections", type=int, nargs="+", default=[1, 16])
     f = sub.add_parser("fleet")
     f.add_argument("--changes", type=int, default=20)
+    s = sub.add_parser("shadow")
+    s.add_argument("--duration", type=int, default=10)
+    s.add_argument("--rounds", type=int, default=3)
+    s.add_argument("--connections", type=int, default=64)
+    s.add_argument("--share", type=float, default=0.1)
     args = parser.parse_args()
     if args.what == "routing":
         routing(args.duration, args.rounds, args.connections)
+    elif args.what == "shadow":
+        shadow(args.duration, args.rounds, args.connections, args.share)
     else:
         fleet(args.changes)
 

@@ -125,8 +125,15 @@ class Load:
 
 
 def until(check: Callable[[], bool], within: float, what: str = "") -> None:
+    """Wait for ``check`` (an assertion failing in it counts as not yet: a replica that has
+    not applied the fleet's change)."""
     deadline = time.monotonic() + within
-    while not check():
+    while True:
+        try:
+            if check():
+                return
+        except AssertionError:
+            pass
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {within} s: {what}")
         time.sleep(0.05)

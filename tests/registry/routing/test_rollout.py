@@ -97,3 +97,15 @@ def test_the_stable_version_is_the_runner_or_the_other_variant() -> None:
         parse_route("g", {"steps": [{"runner": "m", "inputs": ["x"], "outputs": ["y"]}],
                           "rollout": {"canary": "m@2.0.0", "stable": "m@1.0.0", "steps": [5]}},
                     "admin")  # fmt: skip
+
+
+def test_a_rollout_in_the_routes_file_is_refused(tmp_path: Any) -> None:
+    from plugserve.registry.errors import RoutesFileError
+    from plugserve.registry.routing.routes import load_routes_file
+
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        '[routes.m]\nrunner = "m@1.0.0"\nrollout = { canary = "m@2.0.0", steps = [5] }\n'
+    )
+    with pytest.raises(RoutesFileError, match=r"routes\.m\.rollout: a rollout is a runtime entry"):
+        load_routes_file(path)
