@@ -208,7 +208,8 @@ class DataPlane:
             variant = "" if chain is None else chain.variant
             self.metrics.observe(UNKNOWN_ROUTE if entry is None else entry.spec.name,
                                  protocol, status, took, variant)  # fmt: skip
-            if self.rollouts and entry is not None and chain is not None:
+            # A rollout's window counts the route's own traffic: not a request naming a version.
+            if self.rollouts and entry is not None and chain is not None and version is None:
                 rollout = entry.spec.rollout
                 if rollout is not None and rollout.active:
                     window = self.windows.window(entry.spec.name, rollout.key)
