@@ -154,8 +154,10 @@ def rollout_controller(
     async def figures() -> dict[str, tuple[str, WindowFigures]]:
         return plane.windows.held()
 
+    decisions = metrics.decisions()
+
     def counted(route: str, decision: str) -> None:
-        metrics.rollout_decisions.labels(route, decision).inc()
+        decisions.labels(route, decision).inc()
 
     return RolloutController(store, figures, interval_s, counted)
 

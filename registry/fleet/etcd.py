@@ -191,11 +191,17 @@ class EtcdClient:
         return int(data["header"]["revision"])
 
     async def put_if(
-        self, key: str, value: bytes | None, mod_revision: int, lease: int = 0
+        self,
+        key: str,
+        value: bytes | None,
+        mod_revision: int,
+        lease: int = 0,
+        held: tuple[str, bytes, int] | None = None,
     ) -> tuple[bool, int, KeyValue | None]:
         """Put (or, ``value`` None, delete) ``key`` if its mod revision is ``mod_revision``
-        (0: the key does not exist), under ``lease`` if given. Returns (done, revision,
-        current key when not done)."""
+        (0: the key does not exist), under ``lease`` if given, and, with ``held`` (key,
+        value, lease), only while that key holds that value under that lease. Returns
+        (done, revision, current key when not done)."""
         put: dict[str, Any] = {"key": _b64(key), "value": _b64(value or b"")}
         if lease:
             put["lease"] = str(lease)
@@ -209,7 +215,8 @@ class EtcdClient:
                     "target": "MOD",
                     "result": "EQUAL",
                     "mod_revision": str(mod_revision),
-                }
+                },
+                *_holding(held),
             ],
             "success": [request],
             "failure": [{"request_range": {"key": _b64(key)}}],
@@ -276,6 +283,17 @@ class EtcdClient:
             self._current = (self._current + 1) % len(self.endpoints)
             raise EtcdError(f"watch on {url} broke: {exc!r}") from None
         raise EtcdError(f"watch on {url} ended")
+
+
+def _holding(held: tuple[str, bytes, int] | None) -> list[dict[str, Any]]:
+    """The compares of a write made only while ``held`` (key, value, lease) stands."""
+    if held is None:
+        return []
+    key, value, lease = held
+    return [
+        {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(value)},
+        {"key": _b64(key), "target": "LEASE", "result": "EQUAL", "lease": str(lease)},
+    ]
 
 
 def _is_auth_error(data: dict[str, Any]) -> bool:

@@ -128,6 +128,8 @@ class EtcdRouteStore(RouteStore):
         """Whether this replica's rollout figures are in etcd (an empty set is written once)."""
         self.leading = False
         """Whether this replica held the rollout decider lease when it last looked."""
+        self._published: tuple[int, bytes] | None = None
+        self._bad_figures: set[tuple[bytes, int]] = set()
         self._publish = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.log = log.bind(replica=replica.id, prefix=location.prefix)
@@ -407,19 +409,27 @@ class EtcdRouteStore(RouteStore):
             return int(self.invalid[name]["revision"])
         return super().current_revision(name)
 
-    async def _swap(self, name: str, value: bytes | None, expected: int) -> int:
+    async def _swap(
+        self, name: str, value: bytes | None, expected: int, as_decider: bool = False
+    ) -> int:
         if not self.connected:
             raise Unavailable(
                 f"the fleet registry is unreachable ({self.last_error}): route changes wait "
                 "for it; the last route table keeps serving",
                 fleet=self.health(),
             )
+        held = None
+        if as_decider:
+            held = (self.rollouts_prefix + "decider", self.replica.id.encode(), self._lease)
         try:
             done, revision, current = await self.client.put_if(
-                self.routes_prefix + name, value, expected
+                self.routes_prefix + name, value, expected, held=held
             )
         except EtcdError as exc:
             raise Unavailable(f"the fleet registry failed the write: {exc}") from None
+        if not done and as_decider and (current.mod_revision if current else 0) == expected:
+            self.leading = False
+            raise Conflict(f"route {name!r}: this replica no longer decides its rollout")
         if not done:
             now = 0 if current is None else current.mod_revision
             raise Conflict(
@@ -430,10 +440,12 @@ class EtcdRouteStore(RouteStore):
             )
         return revision
 
-    async def put(self, spec: RouteSpec, if_revision: int | None = None) -> RouteSpec:
+    async def put(
+        self, spec: RouteSpec, if_revision: int | None = None, as_decider: bool = False
+    ) -> RouteSpec:
         expected = self.current_revision(spec.name) if if_revision is None else if_revision
         value = json.dumps(spec.as_entry()).encode()
-        revision = await self._swap(spec.name, value, expected)
+        revision = await self._swap(spec.name, value, expected, as_decider)
         stored = replace(spec, source="etcd", revision=revision)
         self._record(spec.name, stored, revision)
         self.log.info("fleet_route_put", route=spec.name, revision=revision)
@@ -461,8 +473,9 @@ class EtcdRouteStore(RouteStore):
             mine = self.replica.id.encode()
             try:
                 current = await self.client.get(key)
-                if current is None:
-                    leading, _, _ = await self.client.put_if(key, mine, 0, lease=self._lease)
+                if current is None or self._abandoned(current):
+                    held = 0 if current is None else current.mod_revision
+                    leading, _, _ = await self.client.put_if(key, mine, held, lease=self._lease)
                 else:
                     leading = current.value == mine and current.lease == self._lease
             except EtcdError as exc:
@@ -472,17 +485,27 @@ class EtcdRouteStore(RouteStore):
         self.leading = leading
         return leading
 
+    def _abandoned(self, current: KeyValue) -> bool:
+        """Whether the decider key is no replica's to hold: not under a lease (written by
+        hand), or naming no replica of the fleet (whose lease would take it with it)."""
+        holder = current.value.decode("utf-8", errors="replace")
+        return not current.lease or holder not in self.replicas
+
     async def publish_figures(self, windows: Mapping[str, tuple[str, WindowFigures]]) -> None:
         """This replica's rollout windows, for the decider (under its lease: they go with it)."""
         if not self.connected or not self._lease:
             return
         doc = {route: {"key": key, "figures": f.as_json()} for route, (key, f) in windows.items()}
+        body = json.dumps(doc, sort_keys=True).encode()
+        if self._published == (self._lease, body):
+            return  # nothing new since the last write: none made
         key = self.rollouts_prefix + "figures/" + self.replica.id
         try:
-            await self.client.put(key, json.dumps(doc).encode(), lease=self._lease)
+            await self.client.put(key, body, lease=self._lease)
         except EtcdError as exc:
             self.log.warning("rollout_figures_not_published", error=str(exc))
             return
+        self._published = (self._lease, body)
         self.publishing = bool(doc)
 
     async def fleet_figures(
@@ -499,7 +522,12 @@ class EtcdRouteStore(RouteStore):
             try:
                 windows = parse_windows(_outside_json(kv.value))
             except Exception as exc:  # outside data: one bad record is left out, said once
-                self.log.warning("rollout_figures_invalid", key=_shown(kv.key), error=_reason(exc))
+                if (kv.key, kv.mod_revision) not in self._bad_figures:
+                    if len(self._bad_figures) > 1000:
+                        self._bad_figures.clear()
+                    self._bad_figures.add((kv.key, kv.mod_revision))
+                    self.log.warning("rollout_figures_invalid", key=_shown(kv.key),
+                                     error=_reason(exc))  # fmt: skip
                 continue
             for route, (key, figures) in windows.items():
                 if keys.get(route) == key:

@@ -200,8 +200,12 @@ class RouteStore:
                 revision=current,
             )
 
-    async def put(self, spec: RouteSpec, if_revision: int | None = None) -> RouteSpec:
-        """Set ``spec`` as the runtime entry of its route; returns it with its revision."""
+    async def put(
+        self, spec: RouteSpec, if_revision: int | None = None, as_decider: bool = False
+    ) -> RouteSpec:
+        """Set ``spec`` as the runtime entry of its route; returns it with its revision.
+        ``as_decider``: a rollout's step, written only while this server decides (in a
+        fleet, while it holds the decider lease; here, always)."""
         return await self._serialized(self._put(spec, if_revision))
 
     async def _put(self, spec: RouteSpec, if_revision: int | None) -> RouteSpec:

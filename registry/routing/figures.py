@@ -16,6 +16,8 @@ _BASE_S = 1e-5
 _PER_DOUBLING = 8
 _BUCKETS = 8 * 29  # 10 µs * 2**29 = 5,368 s
 _LOG_STEP = math.log(2) / _PER_DOUBLING
+MAX_OUTPUTS = 64
+"""Outputs whose largest difference is kept (a model with more: the first 64 seen)."""
 
 
 def bucket_of(seconds: float) -> int:
@@ -122,7 +124,9 @@ class ShadowFigures:
         if failed:
             self.failed += 1
         for name, diff in differences.items():
-            if name not in self.largest or diff > self.largest[name]:
+            if name in self.largest:
+                self.largest[name] = max(diff, self.largest[name])
+            elif len(self.largest) < MAX_OUTPUTS:
                 self.largest[name] = diff
 
     def add(self, other: ShadowFigures) -> None:
@@ -131,7 +135,8 @@ class ShadowFigures:
         self.failed += other.failed
         self.skipped += other.skipped
         for name, diff in other.largest.items():
-            self.largest[name] = max(diff, self.largest.get(name, diff))
+            if name in self.largest or len(self.largest) < MAX_OUTPUTS:
+                self.largest[name] = max(diff, self.largest.get(name, diff))
 
     @property
     def agreement(self) -> float | None:
@@ -161,6 +166,8 @@ class ShadowFigures:
     def from_json(cls, raw: Any) -> ShadowFigures:
         if not isinstance(raw, dict) or not isinstance(raw.get("largest", {}), dict):
             raise ValueError("shadow figures must be an object")
+        if len(raw.get("largest", {})) > MAX_OUTPUTS:
+            raise ValueError(f"shadow figures name at most {MAX_OUTPUTS} outputs")
         largest = {}
         for name, value in raw.get("largest", {}).items():
             if value is None:
@@ -212,6 +219,8 @@ class WindowFigures:
     def from_json(cls, raw: Any) -> WindowFigures:
         if not isinstance(raw, dict) or not isinstance(raw.get("variants", {}), dict):
             raise ValueError("window figures must be an object")
+        if len(raw.get("variants", {})) > MAX_OUTPUTS:
+            raise ValueError(f"window figures name at most {MAX_OUTPUTS} variants")
         return cls(
             {str(k): VariantFigures.from_json(v) for k, v in raw.get("variants", {}).items()},
             ShadowFigures.from_json(raw.get("shadow", {})),

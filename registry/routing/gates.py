@@ -22,6 +22,9 @@ from typing import Any
 from plugserve.registry.routing.figures import VariantFigures, WindowFigures
 from plugserve.registry.routing.rollout import Rollout
 
+SHOWN_OUTPUTS = 5
+"""Outputs a shadow breach's reason names, those that differ most first."""
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -56,10 +59,11 @@ def decide(rollout: Rollout, figures: WindowFigures, now: float) -> Decision | N
     if breach is None and rollout.shadow > 0 and shadow.compared >= enough:
         agreement = shadow.agreement or 0.0
         if agreement < rollout.min_agreement:
+            worst = sorted(shadow.largest.items(), key=lambda item: (-item[1], item[0]))
             largest = ", ".join(
-                f"{name} {'shape or type' if diff == float('inf') else f'{diff:.3g}'}"
-                for name, diff in sorted(shadow.largest.items())
-            )
+                f"{name[:64]} {'shape, type or NaN' if diff == float('inf') else f'{diff:.3g}'}"
+                for name, diff in worst[:SHOWN_OUTPUTS]
+            ) + (f" and {len(worst) - SHOWN_OUTPUTS} more" if len(worst) > SHOWN_OUTPUTS else "")
             breach = (
                 f"shadow traffic: {shadow.agreed} of {shadow.compared} answers agreed "
                 f"({agreement:.1%}, at least {rollout.min_agreement:.1%} needed; "
@@ -101,7 +105,7 @@ def _reference(rollout: Rollout, stable: VariantFigures) -> dict[str, Any] | Non
 def _breach(
     rollout: Rollout, canary: VariantFigures, reference: dict[str, Any] | None
 ) -> str | None:
-    stable_rate = float(reference["error_rate"]) if reference else 0.0
+    stable_rate = float(reference.get("error_rate", 0.0)) if reference else 0.0
     if canary.error_rate > stable_rate + rollout.max_error_rate:
         return (
             f"error rate {canary.error_rate:.2%} ({canary.errors} of {canary.requests}) against "

@@ -16,10 +16,12 @@ written from it, never the other way round.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
 from dataclasses import dataclass, field, replace
+from hashlib import blake2b
 from itertools import pairwise
 from typing import Any, Literal
 
@@ -31,6 +33,10 @@ ENDED: frozenset[str] = frozenset({"promoted", "rolled_back", "aborted"})
 MAX_STEPS = 20
 MAX_HISTORY = 32
 """Decisions kept in the status (the oldest go first)."""
+MAX_TEXT = 1000
+"""The longest reason kept (a longer one is cut)."""
+_BASELINE = {"requests": (0, 2**63), "errors": (0, 2**63), "error_rate": (0, 1),
+             "p50_ms": (0, 1e12), "p99_ms": (0, 1e12)}  # fmt: skip
 _POLICY_KEYS = {
     "canary", "stable", "steps", "min_requests", "min_seconds", "max_error_rate",
     "max_latency_ratio", "latency_floor_ms", "shadow", "min_agreement", "atol", "rtol",
@@ -93,8 +99,8 @@ class Rollout:
     """A breach when the canary's error rate is above the stable version's by more."""
     max_latency_ratio: float = 1.5
     """A breach when the canary's p50 or p99 is above the stable version's times this."""
-    latency_floor_ms: float = 1.0
-    """Latency differences below this never breach (noise on fast models)."""
+    latency_floor_ms: float = 5.0
+    """Latency differences below this never breach (a busy CPU's noise on fast models)."""
     shadow: float = 0.0
     """The share of the stable version's requests also run on the canary and compared."""
     min_agreement: float = 0.99
@@ -162,13 +168,14 @@ class Rollout:
         operator's ``pause``, ``resume``, ``abort``), recorded in its history."""
         status = self.status
         now = time.time()
+        reason = _clipped(reason)
         entry = {
             "at": round(now, 3),
             "decision": decision,
             "step": status.step,
             "weight": self.weight,
             "reason": reason,
-            "by": by,
+            "by": by[:MAX_TEXT],
         }
         if figures is not None:
             entry["figures"] = figures
@@ -196,7 +203,7 @@ class Rollout:
         return replace(self, status=replace(self.status, baseline=baseline))
 
 
-def parse_rollout(raw: Any, runner: Any) -> Rollout:
+def parse_rollout(raw: Any, runner: Any, source: str = "admin") -> Rollout:
     """The ``rollout`` table of a route entry whose ``runner`` is ``runner`` (the stable
     version, ``name@version``, or a table of the stable and canary versions' weights).
 
@@ -223,17 +230,22 @@ def parse_rollout(raw: Any, runner: Any) -> Rollout:
         min_seconds=_number(raw, "min_seconds", 30.0, 0.0, 7 * 86400.0),
         max_error_rate=_number(raw, "max_error_rate", 0.01, 0.0, 1.0),
         max_latency_ratio=_number(raw, "max_latency_ratio", 1.5, 1.0, 1000.0),
-        latency_floor_ms=_number(raw, "latency_floor_ms", 1.0, 0.0, 3_600_000.0),
+        latency_floor_ms=_number(raw, "latency_floor_ms", 5.0, 0.0, 3_600_000.0),
         shadow=shadow,
         min_agreement=_number(raw, "min_agreement", 0.99, 0.0, 1.0),
         atol=_number(raw, "atol", 1e-5, 0.0, 1e30),
         rtol=_number(raw, "rtol", 1e-4, 0.0, 1e30),
     )
     if "status" in raw:
-        rollout = replace(rollout, status=_status(raw["status"], len(steps)))
-    else:
-        rollout = replace(rollout, status=replace(rollout.status, since=time.time()))
-    return rollout
+        return replace(rollout, status=_status(raw["status"], len(steps)))
+    if source != "etcd":  # a new rollout, its status written with it wherever it is stored
+        return replace(rollout, status=replace(rollout.status, since=time.time()))
+    # Written to etcd by hand without a status: every replica reads it alike, so its id
+    # comes from what it is, and their requests count in the same window until the decider
+    # writes the status.
+    policy = json.dumps({"runner": runner, "rollout": raw}, sort_keys=True, default=str)
+    ident = blake2b(policy.encode(), digest_size=6).hexdigest()
+    return replace(rollout, status=Status(ident, since=time.time()))
 
 
 def _pinned(value: Any, where: str) -> Ref:
@@ -305,21 +317,19 @@ def _status(raw: Any, steps: int) -> Status:
         raise RolloutError(f".status.state: one of {list(STATES)}")
     try:
         step = _number(raw, "step", 0, 0, steps - 1, integer=True)
-        window = _number(raw, "window", 1, 1, 2**53, integer=True)
+        window = _number(raw, "window", 1, 1, 2**62, integer=True)
         since = _number(raw, "since", 0.0, 0.0, 1e11)
     except RolloutError as exc:
         raise RolloutError(f".status{exc}") from None
     reason = raw.get("reason")
-    if reason is not None and (not isinstance(reason, str) or len(reason) > 1000):
-        raise RolloutError(".status.reason: must be a text of at most 1000 characters")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_TEXT):
+        raise RolloutError(f".status.reason: must be a text of at most {MAX_TEXT} characters")
     history = raw.get("history", [])
     if not isinstance(history, list) or len(history) > MAX_HISTORY:
         raise RolloutError(f".status.history: must be a list of at most {MAX_HISTORY} decisions")
     if not all(isinstance(h, dict) for h in history):
         raise RolloutError(".status.history: each decision is a table")
-    baseline = raw.get("baseline")
-    if baseline is not None and not isinstance(baseline, dict):
-        raise RolloutError(".status.baseline: must be a table")
+    baseline = _baseline(raw.get("baseline"))
     return Status(
         ident,
         state,
@@ -330,3 +340,24 @@ def _status(raw: Any, steps: int) -> Status:
         tuple(history),
         baseline,
     )
+
+
+def _clipped(text: str) -> str:
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
+
+
+def _baseline(raw: Any) -> dict[str, Any] | None:
+    """The stable version's figures the gates hold a canary to: known fields, each a
+    number within its bounds (``null`` for a latency not measured)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) ^ set(_BASELINE):
+        raise RolloutError(f".status.baseline: a table of {sorted(_BASELINE)}")
+    for key, value in raw.items():
+        low, high = _BASELINE[key]
+        if value is None and key.endswith("_ms"):
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or not low <= value <= high:
+            raise RolloutError(f".status.baseline.{key}: must be a number from {low} to {high:g}")
+    return dict(raw)

@@ -220,7 +220,7 @@ def _parse_route(name: str, entry: dict[str, Any], source: str) -> RouteSpec:
         if steps:
             raise RouteSpecError(".rollout: a graph route has no canary of its own")
         try:
-            rollout = parse_rollout(entry["rollout"], runner)
+            rollout = parse_rollout(entry["rollout"], runner, source)
         except RolloutError as exc:
             raise RouteSpecError(f".rollout{exc}") from None
         named = set(runner) if isinstance(runner, dict) else {runner} if runner else set()

@@ -40,6 +40,7 @@ from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components import batch_policy
 from plugserve.registry.execution.graph import RouteCaller
 from plugserve.registry.lifecycle.registry import Key, Registry
+from plugserve.registry.refs import Ref
 from plugserve.registry.routing.figures import Windows
 from plugserve.registry.types import RequestContext
 from plugserve.server.dataplane.cache import ResponseCache
@@ -107,7 +108,12 @@ class Served:
         copy = None
         if route is not None and plane.rollouts:
             copy = plane.shadow.copy(route, self.chain, self.data, self.ctx)
-        result = await run_chain(plane.cache, self.chain, self.data, self.ctx)
+        try:
+            result = await run_chain(plane.cache, self.chain, self.data, self.ctx)
+        except BaseException:
+            if copy is not None:
+                plane.shadow.release(copy)
+            raise
         if copy is not None:
             plane.shadow.offer(copy, result)
         return result
@@ -163,13 +169,26 @@ class DataPlane:
         registry.on_routes.append(self._routes_changed)
 
     def _routes_changed(self) -> None:
-        windows = {
-            name: entry.spec.rollout.key
-            for name, entry in self.registry.routes.entries.items()
-            if entry.spec.rollout is not None and entry.spec.rollout.active
-        }
+        windows = {}
+        for name, entry in self.registry.routes.entries.items():
+            rollout = entry.spec.rollout
+            if rollout is not None and rollout.active:
+                windows[name] = rollout.key
+                self._load_canary(rollout.canary)
         self.rollouts = bool(windows)
         self.windows.keep(windows)
+
+    def _load_canary(self, canary: Ref) -> None:
+        """A rollout's canary that loads on its first request is loaded now: while it is
+        not, it takes no share of the route, and no request would ever load it."""
+        record = self.registry.records.get(("runner", canary.name, str(canary.version)))
+        if record is None or record.state != "available":
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self.registry.prefetch([record.key])
 
     async def infer(
         self,
@@ -213,7 +232,7 @@ class DataPlane:
                 rollout = entry.spec.rollout
                 if rollout is not None and rollout.active:
                     window = self.windows.window(entry.spec.name, rollout.key)
-                    window.variant(variant).record(status >= 500, took)
+                    window.variant(variant).record(status >= 400, _gated_time(served, took))
 
     async def _infer(
         self,
@@ -353,6 +372,15 @@ class DataPlane:
                 f"route {route!r} is over its rate limit of {bucket.limit.rps:g} requests/s",
                 retry_after_s=math.ceil(wait),
             )
+
+
+def _gated_time(served: Served, took: float) -> float:
+    """What a rollout's latency gates judge of a request: its time, less its wait in the
+    runner's queue (the version taking more of the traffic waits longer there: that is
+    the share it takes, not the version)."""
+    ctx = getattr(served, "ctx", None)
+    queued = 0.0 if ctx is None else ctx.timings.get("queue", 0.0)
+    return max(took - queued, 0.0)
 
 
 DEMAND_ATTEMPTS = 3

@@ -3,12 +3,13 @@ the answer, and the two answers compared; the canary's answer is never returned.
 
 A copy is taken (its inputs copied before the live run, which may change them in place)
 as the stable version's request starts, and queued once its answer is made. The copies
-run one at a time (``CONCURRENCY``) at the canary runner's lowest priority level, off
-the request path, on what the process has to spare: a request that has other live
-requests beside it is copied at ``BUSY_SHARE`` at most, whatever the rollout's share
-(the copies it would have had are counted as ``skipped``, as are those beyond a full
-queue). A saturated server thus compares fewer copies, about one in fifty requests,
-rather than answer its live requests later for them.
+run one at a time (``CONCURRENCY``), off the request path, at the canary runner's lowest
+priority level (where it has several), only while the canary has no live request of its
+own in flight, and within ``TIMEOUT_S``. They take what the process has to spare: a
+request that has other live requests beside it is copied at ``BUSY_SHARE`` at most,
+whatever the rollout's share (the copies it would have had are counted as ``skipped``,
+as are those beyond a full queue). A saturated server thus compares fewer copies, about
+one in fifty requests, rather than answer its live requests later for them.
 Each comparison counts in the route's rollout window (``registry/routing/figures.py``):
 agreed or not, and the largest difference per output.
 """
@@ -38,8 +39,14 @@ CONCURRENCY = 1
 """Copies run at once in one process."""
 QUEUE = 64
 """Copies waiting, at most; more are dropped."""
+TIMEOUT_S = 30.0
+"""A copy the canary has not answered within this long counts as failed."""
 BUSY_SHARE = 0.02
 """The most of the requests copied while others are in flight beside them."""
+
+
+QUEUE_BYTES = 64 * 2**20
+"""Inputs and answers held by waiting copies, at most; a copy past it is dropped."""
 
 
 @dataclass(slots=True)
@@ -48,6 +55,8 @@ class ShadowCopy:
     rollout: Rollout
     data: Any
     ctx: RequestContext
+    size: int
+    """What it holds: its inputs, and as much again for the live answer kept with it."""
 
 
 class ShadowTraffic:
@@ -65,6 +74,8 @@ class ShadowTraffic:
         self.counted = counted
         self.busy = busy
         """Whether other live requests are in flight in this process now."""
+        self._held = 0
+        """The bytes copies hold (:attr:`ShadowCopy.size`), from their copy to their end."""
         self._queue: asyncio.Queue[tuple[ShadowCopy, Any]] = asyncio.Queue(QUEUE)
         self._runners: list[asyncio.Task[None]] = []
 
@@ -77,18 +88,27 @@ class ShadowTraffic:
         draw = random.random()
         if draw >= rollout.shadow:
             return None
-        if draw >= BUSY_SHARE and self.busy():
+        size = 2 * (ctx.body_bytes or _nbytes(data))
+        if (draw >= BUSY_SHARE and self.busy()) or self._held + size > QUEUE_BYTES:
             self.windows.window(route, rollout.key).shadow.skipped += 1
             self._count(route, "skipped")
             return None
-        return ShadowCopy(route, rollout, _copied(data), ctx)
+        self._held += size
+        return ShadowCopy(route, rollout, _copied(data), ctx, size)
+
+    def release(self, copy: ShadowCopy) -> None:
+        """A copy that will not be offered (its live request failed)."""
+        self._held -= copy.size
 
     def offer(self, copy: ShadowCopy, answer: Any) -> None:
         """Queue ``copy`` to run with the live ``answer`` to compare; dropped when full."""
         try:
             self._queue.put_nowait((copy, answer))
         except asyncio.QueueFull:
-            self.windows.window(copy.route, copy.rollout.key).shadow.skipped += 1
+            self._held -= copy.size
+            window = self.windows.get(copy.route, copy.rollout.key)
+            if window is not None:  # else the window moved on meanwhile: nothing to count in
+                window.shadow.skipped += 1
             self._count(copy.route, "skipped")
             return
         if not self._runners:
@@ -112,29 +132,40 @@ class ShadowTraffic:
                 await self._compare(copy, answer)
             except Exception:  # a bug here must not stop shadow traffic
                 log.exception("shadow_failed", route=copy.route)
+            finally:
+                self._held -= copy.size
+                del copy, answer
 
     async def _compare(self, copy: ShadowCopy, live: Any) -> None:
         rollout = copy.rollout
-        figures = self.windows.window(copy.route, rollout.key).shadow
         entry = self._table().entries.get(copy.route)
         now = None if entry is None else entry.spec.rollout
-        target = None if entry is None else entry.by_version.get(str(rollout.canary.version))
-        if now is None or now.key != rollout.key or not isinstance(target, Chain):
-            figures.skipped += 1  # the window moved on, or the canary is not ready here
+        if now is None or now.key != rollout.key:
+            self._count(copy.route, "skipped")  # the window moved on: nothing to count in
+            return
+        figures = self.windows.window(copy.route, rollout.key).shadow
+        target = entry.by_version.get(str(rollout.canary.version)) if entry else None
+        if not isinstance(target, Chain) or target.runner.in_flight:
+            # Not ready here, or busy with live requests, which a copy must not delay.
+            figures.skipped += 1
             self._count(copy.route, "skipped")
             return
         target.enter()
         try:
-            answer = await target.run(copy.data, _shadow_context(copy.ctx, target))
+            async with asyncio.timeout(TIMEOUT_S):
+                answer = await target.run(copy.data, _shadow_context(copy.ctx, target))
         except Exception as exc:
             figures.record(False, {}, failed=True)
             self._count(copy.route, "failed")
+            error = f"no answer within {TIMEOUT_S:g} s" if isinstance(exc, TimeoutError) else exc
             log.info("shadow_canary_failed", route=copy.route, canary=str(rollout.canary),
-                     error=str(exc)[:300])  # fmt: skip
+                     error=str(error)[:300])  # fmt: skip
             return
         finally:
             target.leave()
-        agreed, differences = compare(live, answer, rollout.atol, rollout.rtol)
+        agreed, differences = await asyncio.to_thread(
+            compare, live, answer, rollout.atol, rollout.rtol
+        )
         figures.record(agreed, differences)
         self._count(copy.route, "agreed" if agreed else "differed")
 
@@ -170,6 +201,14 @@ def _copied(data: Any) -> Any:
     return data
 
 
+def _nbytes(data: Any) -> int:
+    if isinstance(data, np.ndarray):
+        return int(data.nbytes)
+    if isinstance(data, Mapping):
+        return sum(int(v.nbytes) for v in data.values() if isinstance(v, np.ndarray))
+    return len(data) if isinstance(data, bytes | str) else 0
+
+
 def compare(live: Any, shadow: Any, atol: float, rtol: float) -> tuple[bool, dict[str, float]]:
     """Whether two answers agree, and the largest difference per output (``inf``: they
     differ in shape, type or outputs). Numbers agree within ``atol + rtol * |live|``;
@@ -200,8 +239,9 @@ def _difference(live: Any, shadow: Any, atol: float, rtol: float) -> tuple[bool,
         if not a.size:
             return True, 0.0
         close = np.isclose(b, a, rtol=rtol, atol=atol, equal_nan=True)
+        wide = np.complex128 if "c" in (a.dtype.kind, b.dtype.kind) else np.float64
         with np.errstate(invalid="ignore", over="ignore"):
-            gaps = np.abs(a.astype(np.float64) - b.astype(np.float64))
+            gaps = np.abs(a.astype(wide) - b.astype(wide))
         gaps = np.where(np.isnan(gaps), np.where(close, 0.0, np.inf), gaps)
         return bool(close.all()), float(gaps.max())
     same = a.shape == b.shape and bool(np.array_equal(a, b))

@@ -159,7 +159,10 @@ async def rollout_action(request: web.Request) -> web.Response:
     if action not in ACTIONS:
         raise NotFound(f"no rollout action {checks.shown(action)}; known: {sorted(ACTIONS)}")
     reason = await action_reason(request)
-    stored = await operate(request.app[ROUTE_STORE], name, action, reason, if_match(request))
+    controller = request.app.get(ROLLOUTS)
+    counted = None if controller is None else controller.counted
+    store = request.app[ROUTE_STORE]
+    stored = await operate(store, name, action, reason, if_match(request), counted)
     row = described_routes(request.app, [request.app[REGISTRY].routes.entries[name].describe()])
     return put_answer(stored, row[0])
 
@@ -179,9 +182,12 @@ async def action_reason(request: web.Request) -> str | None:
     if not isinstance(raw, dict) or set(raw) - {"reason"}:
         raise InvalidInput('the body is {"reason": "..."} or empty')
     reason = raw.get("reason")
-    if reason is not None and not isinstance(reason, str):
-        raise InvalidInput("reason: must be a text")
-    return reason
+    if reason is None:
+        return None
+    try:
+        return checks.text(reason, "reason", max_length=1000)
+    except checks.ValueProblem as exc:
+        raise InvalidInput(f"reason: {exc.reason}") from None
 
 
 async def fleet(request: web.Request) -> web.Response:

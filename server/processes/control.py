@@ -35,7 +35,12 @@ from plugserve.server.processes.shared_runners import metrics_text as runner_met
 from plugserve.server.processes.tree_budget import TreeBudget
 from plugserve.server.processes.unix import Reply, UnixClient
 from plugserve.server.rollouts.controller import ACTIONS, ROLLOUTS, RolloutController, operate
-from plugserve.server.runtime.metrics import Metrics, RolloutCollector, _FleetCollector
+from plugserve.server.runtime.metrics import (
+    Metrics,
+    RolloutCollector,
+    _FleetCollector,
+    decisions_counter,
+)
 from plugserve.server.triton.shared_memory import Regions
 from plugserve.server.triton.statistics import ISOLATED_RUNNER
 
@@ -67,13 +72,7 @@ class SupervisorMetrics:
             ["worker"],
             registry=self.registry,
         )
-        self.decisions = Counter(
-            "plugserve_rollout_decisions",
-            "Rollout decisions made here, by route: advance, promote, roll_back (the gates'), "
-            "pause, resume, abort (an operator's).",
-            ["route", "decision"],
-            registry=self.registry,
-        )
+        self.decisions = decisions_counter(self.registry)
         self.registry.register(RolloutCollector(store.registry))
         if isinstance(store, EtcdRouteStore):
             self.registry.register(_FleetCollector(store))
@@ -224,7 +223,10 @@ async def rollout_action(request: web.Request) -> web.Response:
         raise NotFound(f"no rollout action {checks.shown(action)}; known: {sorted(ACTIONS)}")
     reason = await admin.action_reason(request)
     pool = request.app[POOL]
-    stored = await operate(request.app[STORE], name, action, reason, admin.if_match(request))
+    counted = request.app[ROLLOUTS].counted
+    stored = await operate(
+        request.app[STORE], name, action, reason, admin.if_match(request), counted
+    )
     await pool.settled()
     described = await _described(pool, name) or {}
     return admin.put_answer(stored, _with_rollouts(request.app, [described])[0])

@@ -88,13 +88,16 @@ class RolloutController:
 
     async def tick(self) -> None:
         """One look at every running rollout; a step decided is written at once."""
-        specs = self.rollouts()
         store = self.store
         fleet = store if isinstance(store, EtcdRouteStore) else None
-        own = await self.figures() if specs else {}
-        if fleet is not None and (specs or fleet.publishing):
+        running = {
+            name: spec
+            for name, spec in self.rollouts().items()
+            if spec.rollout is not None and spec.rollout.running
+        }
+        own = await self.figures() if running else {}
+        if fleet is not None and (running or fleet.publishing):
             await fleet.publish_figures(own)
-        running = {n: s for n, s in specs.items() if s.rollout and s.rollout.running}
         if not running:
             self.deciding = False
             return
@@ -102,24 +105,33 @@ class RolloutController:
         if not self.deciding:
             return
         keys = {n: s.rollout.key for n, s in running.items() if s.rollout is not None}
-        merged = {n: f for n, (key, f) in own.items() if keys.get(n) == key}
+        merged: dict[str, WindowFigures] = {}
+        for name, (key, figures) in own.items():
+            if keys.get(name) == key:  # a copy: the figures held go on counting
+                merged[name] = WindowFigures()
+                merged[name].add(figures)
         if fleet is not None:
             merged = await fleet.fleet_figures(keys, merged)
         now = time.time()
         for name, spec in running.items():
-            rollout = spec.rollout
-            assert rollout is not None
-            figures = merged.get(name, WindowFigures())
-            self.last[name] = (rollout.key, figures)
-            decision = decide(rollout, figures, now)
-            if decision is None:
-                continue
-            moved = rollout.decided(decision.decision, decision.reason, decision.figures, self.by)
-            await self._write(spec, moved.with_baseline(decision.baseline), decision.decision)
+            try:
+                await self._judge(spec, merged.get(name, WindowFigures()), now)
+            except Exception:  # one rollout's fault must not stop the others
+                log.exception("rollout_judge_failed", route=name)
+
+    async def _judge(self, spec: RouteSpec, figures: WindowFigures, now: float) -> None:
+        rollout = spec.rollout
+        assert rollout is not None
+        self.last[spec.name] = (rollout.key, figures)
+        decision = decide(rollout, figures, now)
+        if decision is None:
+            return
+        moved = rollout.decided(decision.decision, decision.reason, decision.figures, self.by)
+        await self._write(spec, moved.with_baseline(decision.baseline), decision.decision)
 
     async def _write(self, spec: RouteSpec, rollout: Rollout, decision: str) -> bool:
         try:
-            await self.store.put(with_rollout(spec, rollout), spec.revision)
+            await self.store.put(with_rollout(spec, rollout), spec.revision, as_decider=True)
         except Conflict:
             log.info("rollout_step_conflict", route=spec.name, decision=decision)
             return False
@@ -164,7 +176,12 @@ ACTIONS = {
 
 
 async def operate(
-    store: RouteStore, name: str, action: str, reason: str | None, if_revision: int | None
+    store: RouteStore,
+    name: str,
+    action: str,
+    reason: str | None,
+    if_revision: int | None,
+    counted: DecisionCounter | None = None,
 ) -> RouteSpec:
     """An operator's ``pause``, ``resume`` or ``abort`` of ``name``'s rollout."""
     spec = store.registry.runtime_routes.get(name)
@@ -189,6 +206,8 @@ async def operate(
     stored = await store.put(with_rollout(spec, moved), spec.revision)
     log.info(f"rollout_{action}", route=name, step=moved.status.step, weight=moved.weight,
              reason=why)  # fmt: skip
+    if counted is not None:
+        counted(name, action)
     return stored
 
 

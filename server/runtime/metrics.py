@@ -154,13 +154,7 @@ class Metrics:
             registry=self.registry,
         )
 
-        self.rollout_decisions = Counter(
-            "plugserve_rollout_decisions",
-            "Rollout decisions made here, by route: advance, promote, roll_back (the gates'), "
-            "pause, resume, abort (an operator's).",
-            ["route", "decision"],
-            registry=self.registry,
-        )
+        self._decisions: Counter | None = None
         self.shadow = Counter(
             "plugserve_shadow_requests",
             "Shadow copies of a rollout's stable requests run on its canary, by outcome: "
@@ -168,6 +162,13 @@ class Metrics:
             ["route", "outcome"],
             registry=self.registry,
         )
+
+    def decisions(self) -> Counter:
+        """The rollout decisions made by this process (registered when first asked: a
+        worker never decides, its supervisor counts them)."""
+        if self._decisions is None:
+            self._decisions = decisions_counter(self.registry)
+        return self._decisions
 
     def stream(self, route: str) -> StreamClock:
         """Time one stream of ``route``, counted in flight until :meth:`StreamClock.done`."""
@@ -401,6 +402,16 @@ def _by_reason(name: str, documentation: str, counts: Mapping[str, int]) -> Metr
     for reason, count in sorted(counts.items()):
         family.add_metric([reason], count)
     return family
+
+
+def decisions_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "plugserve_rollout_decisions",
+        "Rollout decisions made here, by route: advance, promote, roll_back (the gates'), "
+        "pause, resume, abort (an operator's).",
+        ["route", "decision"],
+        registry=registry,
+    )
 
 
 class RolloutCollector(Collector):

@@ -82,7 +82,8 @@ class Load:
     def __init__(self, servers: Sequence[ServerProcess], clients: int = 4, route: str = "m"):
         self.servers = list(servers)
         self.route = route
-        self.answers: list[tuple[int, str, float]] = []
+        self.answers: list[tuple[int, str, float, int]] = []
+        """(status, variant, when, which server) of every request."""
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
         self._lock = threading.Lock()
@@ -105,6 +106,7 @@ class Load:
         while not self._stop.is_set():
             servers = self.servers
             server = servers[turn % len(servers)]
+            which = self.servers.index(server) if server in self.servers else -1
             turn += 1
             try:
                 status, headers, _ = server.request("POST", f"/v2/models/{self.route}/infer", X)
@@ -112,16 +114,21 @@ class Load:
                 status, headers = 0, {}
             with self._lock:
                 self.answers.append(
-                    (status, headers.get("X-Plugserve-Variant", ""), time.monotonic())
+                    (status, headers.get("X-Plugserve-Variant", ""), time.monotonic(), which)
                 )
 
     def failures(self) -> Counter[tuple[int, str]]:
         with self._lock:
-            return Counter((s, v) for s, v, _ in self.answers if s != 200)
+            return Counter((s, v) for s, v, _, _ in self.answers if s != 200)
 
     def served(self) -> Counter[str]:
         with self._lock:
-            return Counter(v for s, v, _ in self.answers if s == 200)
+            return Counter(v for s, v, _, _ in self.answers if s == 200)
+
+    def by_server(self, variant: str) -> Counter[int]:
+        """Requests (answered or failed) ``variant`` served, by server index."""
+        with self._lock:
+            return Counter(i for _, v, _, i in self.answers if v == variant)
 
 
 def until(check: Callable[[], bool], within: float, what: str = "") -> None:

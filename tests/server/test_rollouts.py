@@ -180,6 +180,12 @@ def test_an_operator_pauses_resumes_and_aborts_a_rollout(
     assert srv.request("POST", "/admin/routes/m/rollout/jump")[0] == 404
     assert srv.request("POST", "/admin/routes/other/rollout/pause")[0] == 404
     assert srv.request("POST", "/admin/routes/m/rollout/pause", {"why": 1})[0] == 400
+    escape = {"reason": "\u001b[31m"}
+    assert srv.request("POST", "/admin/routes/m/rollout/pause", escape)[0] == 400
+    metrics = srv.request("GET", "/metrics")[2].decode()
+    for action in ("pause", "resume", "abort"):
+        assert f'plugserve_rollout_decisions_total{{decision="{action}",route="m"}} 1.0' in metrics
+    assert metrics.count("# TYPE plugserve_rollout_decisions_total counter") == 1
 
 
 def test_a_restart_resumes_a_rollout_from_the_step_it_stood_at(
@@ -189,20 +195,21 @@ def test_a_restart_resumes_a_rollout_from_the_step_it_stood_at(
     write_model(tmp_path / "plugins", "2.0.0")
     saved = str(tmp_path / "routes.json")
     srv = start(server, tmp_path, models_dir, runtime_routes_file=saved)
-    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=0.5))
+    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=3))
     with Load([srv]):
         until(lambda: rollout(srv)["status"]["step"] >= 1, 60, "one step")
-    step = rollout(srv)["status"]["step"]
-    srv.stop()
+    srv.stop()  # well within the step's 3 s
+    (saved_entry,) = json.loads(Path(saved).read_text())["routes"].values()
+    stood = saved_entry["entry"]["rollout"]["status"]  # as the file holds it once stopped
     again = start(server, tmp_path, models_dir, runtime_routes_file=saved)
-    state = rollout(again)
-    assert state["status"]["step"] == step and state["status"]["state"] == "running"
+    assert rollout(again)["status"] == stood and stood["state"] == "running"
     with Load([again]) as load:
         until(lambda: rollout(again)["status"]["state"] != "running", 60, "promotion")
+    assert not load.failures()
     state = rollout(again)
     assert state["status"]["state"] == "promoted"
-    assert [s for d, s in decisions(state) if d == "advance"] == list(range(step + 1))[:2]
-    assert not load.failures()
+    assert decisions(state) == [("advance", 0), ("advance", 1), ("promote", 2)]
+    assert state["status"]["history"][: len(stood["history"])] == stood["history"]
 
 
 def test_bad_rollouts_are_refused_with_the_field_named(

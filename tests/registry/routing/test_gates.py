@@ -89,4 +89,6 @@ def test_shadow_disagreement_rolls_back_and_shadow_copies_gate_the_step() -> Non
     figures.shadow.record(False, {}, failed=True)
     decision = decide(r, figures, r.status.since)
     assert decision is not None and decision.decision == "roll_back"
-    assert "20 of 22 answers agreed" in decision.reason and "y shape or type" in decision.reason
+    assert (
+        "20 of 22 answers agreed" in decision.reason and "y shape, type or NaN" in decision.reason
+    )
