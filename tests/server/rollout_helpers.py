@@ -83,7 +83,7 @@ class Load:
         self.servers = list(servers)
         self.route = route
         self.answers: list[tuple[int, str, float, int]] = []
-        """(status, variant, when, which server) of every request."""
+        """(status, variant, when, the server's port) of every request."""
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
         self._lock = threading.Lock()
@@ -106,7 +106,6 @@ class Load:
         while not self._stop.is_set():
             servers = self.servers
             server = servers[turn % len(servers)]
-            which = self.servers.index(server) if server in self.servers else -1
             turn += 1
             try:
                 status, headers, _ = server.request("POST", f"/v2/models/{self.route}/infer", X)
@@ -114,21 +113,26 @@ class Load:
                 status, headers = 0, {}
             with self._lock:
                 self.answers.append(
-                    (status, headers.get("X-Plugserve-Variant", ""), time.monotonic(), which)
+                    (status, headers.get("X-Plugserve-Variant", ""), time.monotonic(), server.port)
                 )
 
-    def failures(self) -> Counter[tuple[int, str]]:
+    def failures(self, but: ServerProcess | None = None) -> Counter[tuple[int, str]]:
+        """Failed requests by (status, variant); ``but``: leaving out those sent to it."""
         with self._lock:
-            return Counter((s, v) for s, v, _, _ in self.answers if s != 200)
+            return Counter(
+                (s, v)
+                for s, v, _, port in self.answers
+                if s != 200 and (but is None or port != but.port)
+            )
 
     def served(self) -> Counter[str]:
         with self._lock:
             return Counter(v for s, v, _, _ in self.answers if s == 200)
 
     def by_server(self, variant: str) -> Counter[int]:
-        """Requests (answered or failed) ``variant`` served, by server index."""
+        """Requests (answered or failed) ``variant`` served, by server port."""
         with self._lock:
-            return Counter(i for _, v, _, i in self.answers if v == variant)
+            return Counter(port for _, v, _, port in self.answers if v == variant)
 
 
 def until(check: Callable[[], bool], within: float, what: str = "") -> None:
