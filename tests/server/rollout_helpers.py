@@ -40,9 +40,13 @@ MODEL = """
                 raise RuntimeError(f"request {n} fails: one in {self.fail_every}")
             return {"y": np.asarray(inputs["x"]) * 2 + self.offset}
 
+    class Strict(Model):  # declares 5 columns: refuses (400) what the others take
+        def metadata(self):
+            return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 5]}]}
+
     @hookimpl
     def plugserve_create_component(plugin, config):
-        return Model(config)
+        return Strict(config) if config.get("strict") else Model(config)
 """
 
 X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
@@ -50,7 +54,7 @@ X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2
 
 def write_model(plugins_dir: Path, version: str, **config: float) -> None:
     """Version ``version`` of runner ``m``: ``y = 2x + offset``, after ``delay_s``,
-    failing every ``fail_every``-th request."""
+    failing every ``fail_every``-th request (``strict``: refusing the inputs others take)."""
     lines = "".join(f"{k} = {v}\n" for k, v in config.items())
     write_plugin(
         plugins_dir, "runner", "m", version, f"[config]\n{lines}[runner]\nmax_batch_size = 0\n",

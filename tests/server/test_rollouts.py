@@ -88,6 +88,22 @@ def test_a_canary_three_times_slower_is_rolled_back(
     assert not load.failures()
 
 
+def test_a_canary_refusing_what_the_stable_version_takes_is_rolled_back(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """Its 400s are its failures: the stable version answers the same requests."""
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0", strict=1)
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=0.5))
+    with Load([srv]) as load:
+        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
+    state = rollout(srv)
+    assert decisions(state) == [("roll_back", 0)], state
+    assert "error rate 100.00%" in state["status"]["reason"]
+    assert set(load.failures()) == {(400, CANARY)}
+
+
 def test_a_good_canary_reaches_100_percent_and_becomes_the_stable_version(
     tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
