@@ -130,6 +130,8 @@ class EtcdRouteStore(RouteStore):
         """Whether this replica held the rollout decider lease when it last looked."""
         self._published: tuple[int, bytes] | None = None
         self._bad_figures: set[tuple[bytes, int]] = set()
+        self._replica_leases: dict[str, int] = {}
+        """The lease of each replica's record (a decider key must be under its holder's)."""
         self._publish = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.log = log.bind(replica=replica.id, prefix=location.prefix)
@@ -245,6 +247,7 @@ class EtcdRouteStore(RouteStore):
         record = self.replica.describe(self.registry)
         key = self.replicas_prefix + self.replica.id
         await self.client.put(key, json.dumps(record).encode(), lease=self._lease)
+        self._replica_leases[self.replica.id] = self._lease
 
     def _on_lifecycle(self, event: LifecycleEvent) -> None:
         if event.outcome in ("loaded", "reloaded", "unloaded", "failed"):
@@ -261,6 +264,7 @@ class EtcdRouteStore(RouteStore):
         """Everything under the prefix, as read at ``revision``: replaces what we had."""
         self._seen = {}
         self.replicas = {}
+        self._replica_leases = {}
         invalid_replicas, self.invalid_replicas = self.invalid_replicas, {}
         routes = dict(self.registry.runtime_routes)
         present = set()
@@ -368,6 +372,7 @@ class EtcdRouteStore(RouteStore):
     ) -> None:
         """A replica's record: kept when it is one, else listed as invalid with its reason."""
         self.replicas.pop(replica_id, None)
+        self._replica_leases.pop(replica_id, None)
         before = self.invalid_replicas.pop(replica_id, None)
         if was is not None:
             before = was.get(replica_id)
@@ -375,6 +380,7 @@ class EtcdRouteStore(RouteStore):
             return
         try:
             self.replicas[replica_id] = _replica_record(kv.value)
+            self._replica_leases[replica_id] = kv.lease
             return
         except Exception as exc:  # outside data, as for routes
             error = _clipped(f"replicas.{replica_id}: {_reason(exc)}")
@@ -486,10 +492,11 @@ class EtcdRouteStore(RouteStore):
         return leading
 
     def _abandoned(self, current: KeyValue) -> bool:
-        """Whether the decider key is no replica's to hold: not under a lease (written by
-        hand), or naming no replica of the fleet (whose lease would take it with it)."""
+        """Whether the decider key is no replica's to hold: not under the lease of the
+        replica it names (written by hand, or by this replica under a lease it no longer
+        has): the lease of a replica's record is the one its key must be under."""
         holder = current.value.decode("utf-8", errors="replace")
-        return not current.lease or holder not in self.replicas
+        return not current.lease or self._replica_leases.get(holder) != current.lease
 
     async def publish_figures(self, windows: Mapping[str, tuple[str, WindowFigures]]) -> None:
         """This replica's rollout windows, for the decider (under its lease: they go with it)."""

@@ -22,6 +22,8 @@ from typing import Any
 from plugserve.registry.routing.figures import VariantFigures, WindowFigures
 from plugserve.registry.routing.rollout import Rollout
 
+Z_99 = 2.326
+"""The one-sided 99 % point of the normal distribution."""
 SHOWN_OUTPUTS = 5
 """Outputs a shadow breach's reason names, those that differ most first."""
 
@@ -102,11 +104,29 @@ def _reference(rollout: Rollout, stable: VariantFigures) -> dict[str, Any] | Non
     return rollout.status.baseline
 
 
+def _more_errors(
+    canary: VariantFigures, stable_rate: float, stable_requests: float, margin: float
+) -> bool:
+    """Whether the canary's error rate is above the stable version's by more than
+    ``margin``, and by more than chance would make it: a one-sided two-proportion z-test
+    at 99 % (a few dozen canary requests vary by far more than a 1 % margin)."""
+    excess = canary.error_rate - stable_rate - margin
+    if excess <= 0:
+        return False
+    n = canary.requests
+    pooled = (canary.errors + stable_rate * stable_requests) / (n + stable_requests)
+    spread = math.sqrt(pooled * (1 - pooled) * (1 / n + 1 / stable_requests))
+    return excess > Z_99 * spread
+
+
 def _breach(
     rollout: Rollout, canary: VariantFigures, reference: dict[str, Any] | None
 ) -> str | None:
     stable_rate = float(reference.get("error_rate", 0.0)) if reference else 0.0
-    if canary.error_rate > stable_rate + rollout.max_error_rate:
+    # Without the stable version's count (none this window, no baseline), as many as the
+    # canary's: the test then asks as much of the canary as of an equal sample.
+    stable_requests = float((reference or {}).get("requests") or canary.requests)
+    if _more_errors(canary, stable_rate, stable_requests, rollout.max_error_rate):
         return (
             f"error rate {canary.error_rate:.2%} ({canary.errors} of {canary.requests}) against "
             f"the stable version's {stable_rate:.2%}: more than {rollout.max_error_rate:.2%} above"

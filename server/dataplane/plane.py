@@ -174,14 +174,16 @@ class DataPlane:
             rollout = entry.spec.rollout
             if rollout is not None and rollout.active:
                 windows[name] = rollout.key
-                self._load_canary(rollout.canary)
+                for version in (rollout.stable, rollout.canary):
+                    self._load_version(version)
         self.rollouts = bool(windows)
         self.windows.keep(windows)
 
-    def _load_canary(self, canary: Ref) -> None:
-        """A rollout's canary that loads on its first request is loaded now: while it is
-        not, it takes no share of the route, and no request would ever load it."""
-        record = self.registry.records.get(("runner", canary.name, str(canary.version)))
+    def _load_version(self, ref: Ref) -> None:
+        """A rollout's version (stable or canary) that loads on its first request is loaded
+        now: while it is not, it takes no share of the route (the other takes it all), and
+        no request would ever load it."""
+        record = self.registry.records.get(("runner", ref.name, str(ref.version)))
         if record is None or record.state != "available":
             return
         try:

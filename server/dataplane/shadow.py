@@ -4,14 +4,14 @@ the answer, and the two answers compared; the canary's answer is never returned.
 A copy is taken (its inputs copied before the live run, which may change them in place)
 as the stable version's request starts, and queued once its answer is made. The copies
 run one at a time (``CONCURRENCY``), off the request path, at the canary runner's lowest
-priority level (where it has several), only while the canary has no live request of its
-own in flight, and within ``TIMEOUT_S``. They take what the process has to spare: a
-request that has other live requests beside it is copied at ``BUSY_SHARE`` at most,
-whatever the rollout's share (the copies it would have had are counted as ``skipped``,
-as are those beyond a full queue). A saturated server thus compares fewer copies, about
-one in fifty requests, rather than answer its live requests later for them.
-Each comparison counts in the route's rollout window (``registry/routing/figures.py``):
-agreed or not, and the largest difference per output.
+priority level (where it has several), each within ``TIMEOUT_S``. They take what the
+process has to spare: a request that has other live requests beside it is copied at
+``BUSY_SHARE`` at most, whatever the rollout's share, and the copies waiting hold
+``QUEUE_BYTES`` of inputs and answers at most (copies past either, or past a full queue,
+are counted as ``skipped``). A saturated server thus compares fewer copies, about one in
+fifty requests, rather than answer its live requests later for them. Each comparison
+counts in the route's rollout window (``registry/routing/figures.py``): agreed or not,
+and the largest difference per output.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ShadowCopy:
     data: Any
     ctx: RequestContext
     size: int
-    """What it holds: its inputs, and as much again for the live answer kept with it."""
+    """What it holds: its inputs, then the live answer kept with it too."""
 
 
 class ShadowTraffic:
@@ -90,7 +90,7 @@ class ShadowTraffic:
         draw = random.random()
         if draw >= rollout.shadow:
             return None
-        size = 2 * (ctx.body_bytes or _nbytes(data))
+        size = ctx.body_bytes or _nbytes(data)
         if (draw >= BUSY_SHARE and self.busy()) or self._held + size > QUEUE_BYTES:
             self.windows.window(route, rollout.key).shadow.skipped += 1
             self._count(route, "skipped")
@@ -104,8 +104,13 @@ class ShadowTraffic:
 
     def offer(self, copy: ShadowCopy, answer: Any) -> None:
         """Queue ``copy`` to run with the live ``answer`` to compare; dropped when full."""
+        extra = _nbytes(answer)
         try:
+            if self._held + extra > QUEUE_BYTES:
+                raise asyncio.QueueFull
             self._queue.put_nowait((copy, answer))
+            copy.size += extra
+            self._held += extra
         except asyncio.QueueFull:
             self._held -= copy.size
             window = self.windows.get(copy.route, copy.rollout.key)
@@ -147,8 +152,7 @@ class ShadowTraffic:
             return
         figures = self.windows.window(copy.route, rollout.key).shadow
         target = entry.by_version.get(str(rollout.canary.version)) if entry else None
-        if not isinstance(target, Chain) or target.runner.in_flight:
-            # Not ready here, or busy with live requests, which a copy must not delay.
+        if not isinstance(target, Chain):  # not ready here
             figures.skipped += 1
             self._count(copy.route, "skipped")
             return

@@ -21,7 +21,7 @@ from plugserve.server import __version__
 from plugserve.server.http.auth import ADMIN_PREFIX, check_page_address
 from plugserve.server.http.auth import admin_only as protected
 from plugserve.server.http.bodies import BODIES, read_control
-from plugserve.server.rollouts.controller import ACTIONS, ROLLOUTS, operate
+from plugserve.server.rollouts.controller import ACTIONS, ROLLOUTS, check_status, operate
 from plugserve.server.state import METRICS, REGISTRY, ROUTE_STORE, SETTINGS
 
 PROFILING = web.AppKey("profiling", asyncio.Lock)
@@ -126,7 +126,9 @@ async def put_route(request: web.Request) -> web.Response:
     last saw).
     """
     spec = await route_entry(request)
-    stored = await request.app[ROUTE_STORE].put(spec, if_match(request))
+    store = request.app[ROUTE_STORE]
+    check_status(store.registry.runtime_routes.get(spec.name), spec)
+    stored = await store.put(spec, if_match(request))
     return put_answer(stored, request.app[REGISTRY].routes.entries[spec.name].describe())
 
 

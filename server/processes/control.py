@@ -34,7 +34,13 @@ from plugserve.server.processes.shared_runners import RUNNERS
 from plugserve.server.processes.shared_runners import metrics_text as runner_metrics
 from plugserve.server.processes.tree_budget import TreeBudget
 from plugserve.server.processes.unix import Reply, UnixClient
-from plugserve.server.rollouts.controller import ACTIONS, ROLLOUTS, RolloutController, operate
+from plugserve.server.rollouts.controller import (
+    ACTIONS,
+    ROLLOUTS,
+    RolloutController,
+    check_status,
+    operate,
+)
 from plugserve.server.runtime.metrics import (
     Metrics,
     RolloutCollector,
@@ -272,7 +278,9 @@ async def _described(pool: WorkerPool, name: str) -> dict[str, Any] | None:
 async def put_route(request: web.Request) -> web.Response:
     spec = await admin.route_entry(request)
     pool = request.app[POOL]
-    stored = await request.app[STORE].put(spec, admin.if_match(request))
+    store = request.app[STORE]
+    check_status(store.registry.runtime_routes.get(spec.name), spec)
+    stored = await store.put(spec, admin.if_match(request))
     await pool.settled()
     return admin.put_answer(stored, await _described(pool, spec.name) or {})
 

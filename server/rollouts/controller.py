@@ -168,6 +168,31 @@ class RolloutController:
         }
 
 
+def check_status(current: RouteSpec | None, new: RouteSpec) -> None:
+    """A ``PUT`` carrying the status of the rollout the route has (the same id) keeps it
+    where it stands, so the status must be the stored one (read again if the rollout moved
+    on since), and the canary and stable versions the same (others are a new rollout: a
+    ``PUT`` without a status). Raises :class:`Conflict`."""
+    ours = None if current is None else current.rollout
+    theirs = new.rollout
+    if ours is None or theirs is None or ours.status.id != theirs.status.id:
+        return
+    revision = 0 if current is None or current.revision is None else current.revision
+    if (ours.canary, ours.stable) != (theirs.canary, theirs.stable):
+        raise Conflict(
+            f"route {new.name!r}: a rollout of another canary or stable version is a new "
+            "rollout: PUT it without a status",
+            revision=revision,
+        )
+    moved = (ours.status.window, ours.status.step, ours.status.state)
+    if (theirs.status.window, theirs.status.step, theirs.status.state) != moved:
+        raise Conflict(
+            f"route {new.name!r}: its rollout moved on since this status was read "
+            f"(now step {ours.status.step}, {ours.status.state}): read it again",
+            revision=revision,
+        )
+
+
 ACTIONS = {
     "pause": ("running",),
     "resume": ("paused",),

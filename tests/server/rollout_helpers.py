@@ -52,12 +52,14 @@ MODEL = """
 X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
 
 
-def write_model(plugins_dir: Path, version: str, **config: float) -> None:
+def write_model(plugins_dir: Path, version: str, on_demand: bool = False, **config: float) -> None:
     """Version ``version`` of runner ``m``: ``y = 2x + offset``, after ``delay_s``,
     failing every ``fail_every``-th request (``strict``: refusing the inputs others take)."""
     lines = "".join(f"{k} = {v}\n" for k, v in config.items())
+    load = 'load = "on_demand"\n' if on_demand else ""
     write_plugin(
-        plugins_dir, "runner", "m", version, f"[config]\n{lines}[runner]\nmax_batch_size = 0\n",
+        plugins_dir, "runner", "m", version,
+        f"[config]\n{lines}[runner]\nmax_batch_size = 0\n{load}",
         files={"plugin.py": MODEL},
     )  # fmt: skip
 

@@ -50,7 +50,7 @@ def replicas(
 async def _put(etcd: EtcdProcess, key: str, value: bytes) -> None:
     client = EtcdClient((etcd.endpoint,))
     try:
-        await client.put(key, value)
+        await client.put(key, value, lease=await client.grant(3600))
     finally:
         await client.close()
 
@@ -114,8 +114,9 @@ def test_the_deciding_replica_killed_another_goes_on_and_a_restart_of_all_resume
 def test_a_failing_canary_is_rolled_back_for_the_whole_fleet_from_every_replicas_figures(
     tmp_path: Path, models_dir: Path, etcd: EtcdProcess, server: Callable[..., ServerProcess]
 ) -> None:
-    # A decider key written by hand (under no lease, naming no replica) holds nobody back.
-    asyncio.run(_put(etcd, "/rollouts/rollouts/decider", b"ghost"))
+    # A decider key written by hand (naming a replica, under a lease not that replica's)
+    # holds nobody back.
+    asyncio.run(_put(etcd, "/rollouts/rollouts/decider", b"r0"))
     fleet = replicas(tmp_path, models_dir, etcd, server, fail_every=20)
     policy = {"canary": CANARY, "steps": [10, 50, 100], "min_requests": 90, "min_seconds": 600}
     put_rollout(fleet[0], {"runner": STABLE, "rollout": policy})

@@ -228,6 +228,48 @@ def test_a_restart_resumes_a_rollout_from_the_step_it_stood_at(
     assert state["status"]["history"][: len(stood["history"])] == stood["history"]
 
 
+def test_versions_that_load_on_demand_are_loaded_and_compared(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_model(tmp_path / "plugins", "1.0.0", on_demand=True)
+    write_model(tmp_path / "plugins", "2.0.0", on_demand=True)
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(steps=[10, 100], min_requests=20, min_seconds=600))
+    with Load([srv]) as load:
+        until(lambda: rollout(srv).get("window") is not None, 30, "a window")
+        until(lambda: load.served()[STABLE] > 200, 60, "the stable version serving")
+    served = load.served()
+    assert served[CANARY] < served[STABLE] / 3, served  # 10 %, not all of it
+    assert rollout(srv)["status"]["state"] == "running"
+
+
+def test_a_put_carrying_a_status_keeps_the_rollout_only_where_it_stands(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0")
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(steps=[10, 50, 90], min_requests=10, min_seconds=0.3))
+    read = json.loads(srv.request("GET", "/admin/routes")[2])["routes"]
+    (entry_read,) = [{"runner": STABLE, "rollout": r["rollout"]} for r in read if r["name"] == "m"]
+    for key in ("decided_here", "window"):
+        entry_read["rollout"].pop(key, None)
+    with Load([srv]):
+        until(lambda: rollout(srv)["status"]["step"] >= 1, 60, "a step")
+    status, _, body = srv.request("PUT", "/admin/routes/m", entry_read)  # a stale status
+    assert status == 409 and b"moved on" in body, body
+    now = rollout(srv)
+    for key in ("decided_here", "window"):
+        now.pop(key, None)
+    other = {"runner": STABLE, "rollout": {**now, "canary": "m@3.0.0"}}
+    status, _, body = srv.request("PUT", "/admin/routes/m", other)
+    assert status == 409 and b"new rollout" in body, body
+    longer = {"runner": STABLE, "rollout": {**now, "min_seconds": 3600}}
+    put_rollout(srv, longer)
+    kept = rollout(srv)
+    assert kept["status"] == now["status"] and kept["min_seconds"] == 3600
+
+
 def test_bad_rollouts_are_refused_with_the_field_named(
     tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:

@@ -51,6 +51,16 @@ def test_errors_roll_back_at_once_past_min_requests_whatever_the_time() -> None:
     assert decide(r, window((900, 45, 0.01), (100, 5, 0.01)), r.status.since) is None
 
 
+def test_an_error_excess_within_chance_is_no_breach() -> None:
+    """Clients sending bad input to both: 7 of 34 against 13 % of 300 is chance."""
+    r = rollout(min_requests=30)
+    noisy = window((300, 40, 0.01), (34, 7, 0.01))
+    assert decide(r, noisy, r.status.since) is None
+    worse = window((300, 40, 0.01), (100, 40, 0.01))
+    decision = decide(r, worse, r.status.since)
+    assert decision is not None and decision.decision == "roll_back"
+
+
 def test_latency_breaches_are_judged_only_with_enough_samples() -> None:
     r = rollout()
     slow = decide(r, window((900, 0, 0.010), (100, 0, 0.030)), r.status.since)
