@@ -22,7 +22,8 @@ the same two runner versions (answering alike): ``plain`` (the stable version, i
 canary at weight 0) and ``shadowed`` (a rollout held at its shadow-only step, copying
 ``--share`` of the stable version's requests to the canary), driven by wrk in
 interleaved rounds at ``--connections``; prints the medians side by side and the
-copies compared and skipped.
+copies compared and skipped. ``--share 0`` gives the second route no rollout: the
+difference then is the machine's noise between two routes alike.
 """
 
 from __future__ import annotations
@@ -223,9 +224,10 @@ def shadow(duration: int, rounds: int, connections: int, share: float) -> None:
         ).wait_ready()  # fmt: skip
         held = {"canary": "add@2.0.0", "steps": [0, 100], "shadow": share,
                 "min_requests": 10**7, "min_seconds": 86400}  # fmt: skip
-        status, _, body = proc.request(
-            "PUT", "/admin/routes/shadowed", {"runner": "add@1.0.0", "rollout": held}
-        )
+        entry = {"runner": "add@1.0.0", "rollout": held}
+        if not share:  # --share 0: both routes alike, the noise between them measured
+            entry = {"runner": {"add@1.0.0": 100, "add@2.0.0": 0}}
+        status, _, body = proc.request("PUT", "/admin/routes/shadowed", entry)
         assert status == 200, body
         try:
             scripts = {route: lua(root, route) for route in ("plain", "shadowed")}
@@ -237,8 +239,10 @@ def shadow(duration: int, rounds: int, connections: int, share: float) -> None:
                     results.setdefault(route, []).append(
                         wrk(proc.url, scripts[route], connections, duration)
                     )
-            _, _, body = proc.request("GET", "/admin/routes/shadowed/rollout")
-            window = json.loads(body)["rollout"]["window"]
+            window = None
+            if share:
+                _, _, body = proc.request("GET", "/admin/routes/shadowed/rollout")
+                window = json.loads(body)["rollout"]["window"]
         finally:
             proc.stop()
     print(f"c={connections}, shadow share {share:g}, {rounds} rounds of {duration} s, medians")
