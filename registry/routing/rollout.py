@@ -21,6 +21,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from hashlib import blake2b
 from itertools import pairwise
 from typing import Any, Literal
@@ -110,9 +111,10 @@ class Rollout:
     """Two numeric outputs agree when every element is within ``atol + rtol * |stable|``."""
     status: Status = field(default_factory=lambda: Status(secrets.token_hex(6)))
 
-    @property
+    @cached_property
     def key(self) -> str:
-        """The figures window's key: this rollout's id and window."""
+        """The figures window's key: this rollout's id and window (read on every request of
+        its route: made once per rollout, which a change replaces whole)."""
         return f"{self.status.id}/{self.status.window}"
 
     @property

@@ -161,7 +161,7 @@ class DataPlane:
         self.shadow = ShadowTraffic(
             lambda: self.registry.routes,
             self.windows,
-            lambda route, outcome: metrics.shadow.labels(route, outcome).inc(),
+            metrics.shadowed,
             lambda: drain.active > 1,  # the request asking is one
         )
         self.rollouts = False

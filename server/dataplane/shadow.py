@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import structlog
 
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components import batch_policy
+from plugserve.registry.execution.graph import derived_context
 from plugserve.registry.routing.figures import Windows
 from plugserve.registry.routing.rollout import Rollout
 from plugserve.registry.routing.routes import RouteTable
@@ -184,20 +186,14 @@ class ShadowTraffic:
 
 
 def _shadow_context(ctx: RequestContext, chain: Chain) -> RequestContext:
-    """The copy's ``ctx``: the request's, at the canary runner's lowest priority, no deadline."""
+    """The copy's ``ctx``: another run of the request's, at the canary runner's lowest
+    priority level, with no deadline."""
     section = chain.runner.manifest.runner
     levels = batch_policy(section).priority_levels if section is not None else 1
-    return RequestContext(
-        request_id=ctx.request_id,
-        route=ctx.route,
-        parameters=ctx.parameters,
-        headers=ctx.headers,
-        content_type=ctx.content_type,
-        protocol=ctx.protocol,
+    return dataclasses.replace(
+        derived_context(ctx, ctx.parameters),
         priority=levels if levels > 1 else None,
-        tenant=ctx.tenant,
-        body_bytes=ctx.body_bytes,
-        router=ctx.router,
+        deadline=None,
     )
 
 

@@ -155,6 +155,7 @@ class Metrics:
         )
 
         self._decisions: Counter | None = None
+        self._shadow_children: dict[tuple[str, str], Counter] = {}
         self.shadow = Counter(
             "plugserve_shadow_requests",
             "Shadow copies of a rollout's stable requests run on its canary, by outcome: "
@@ -162,6 +163,13 @@ class Metrics:
             ["route", "outcome"],
             registry=self.registry,
         )
+
+    def shadowed(self, route: str, outcome: str) -> None:
+        """One shadow copy's outcome (its series found once, as :meth:`observe`'s)."""
+        child = self._shadow_children.get((route, outcome))
+        if child is None:
+            child = self._shadow_children[(route, outcome)] = self.shadow.labels(route, outcome)
+        child.inc()
 
     def decisions(self) -> Counter:
         """The rollout decisions made by this process (registered when first asked: a
