@@ -162,7 +162,7 @@ class DataPlane:
             lambda: self.registry.routes,
             self.windows,
             metrics.shadowed,
-            lambda: drain.active > 1,  # the request asking is one
+            drain,
         )
         self.rollouts = False
         """Whether some route has a rollout under way (its requests are counted)."""
@@ -178,6 +178,7 @@ class DataPlane:
                     self._load_version(version)
         self.rollouts = bool(windows)
         self.windows.keep(windows)
+        self.shadow.routes_changed()
 
     def _load_version(self, ref: Ref) -> None:
         """A rollout's version (stable or canary) that loads on its first request is loaded

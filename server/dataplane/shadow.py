@@ -4,14 +4,16 @@ the answer, and the two answers compared; the canary's answer is never returned.
 A copy is taken (its inputs copied before the live run, which may change them in place)
 as the stable version's request starts, and queued once its answer is made. The copies
 run one at a time (``CONCURRENCY``), off the request path, at the canary runner's lowest
-priority level (where it has several), each within ``TIMEOUT_S``. They take what the
-process has to spare: a request that has other live requests beside it is copied at
-``BUSY_SHARE`` at most, whatever the rollout's share, and the copies waiting hold
-``QUEUE_BYTES`` of inputs and answers at most (copies past either, or past a full queue,
-are counted as ``skipped``). A saturated server thus compares fewer copies, about one in
-fifty requests, rather than answer its live requests later for them. Each comparison
-counts in the route's rollout window (``registry/routing/figures.py``): agreed or not,
-and the largest difference per output.
+priority level (where it has several), each within ``TIMEOUT_S``. They take the time the
+process has to spare: a copy starts when no live request is in flight; while live
+requests never stop, the copies' own run time is held to ``BUSY_TIME_SHARE`` of the
+process's time (after a copy that ran for ``t``, the next waits ``t / BUSY_TIME_SHARE``
+for the process to fall idle before it starts anyway). Copies wait in a queue of
+``QUEUE`` copies and ``QUEUE_BYTES`` of inputs and answers at most; a copy past either
+is not taken and counts as ``skipped``. A saturated server thus compares fewer copies
+rather than answer its live requests later for them. Each comparison counts in the
+route's rollout window (``registry/routing/figures.py``): agreed or not, and the largest
+difference per output.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import asyncio
 import contextlib
 import dataclasses
 import random
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
@@ -43,8 +46,8 @@ QUEUE = 64
 """Copies waiting, at most; more are dropped."""
 TIMEOUT_S = 30.0
 """A copy the canary has not answered within this long counts as failed."""
-BUSY_SHARE = 0.02
-"""The most of the requests copied while others are in flight beside them."""
+BUSY_TIME_SHARE = 0.01
+"""The share of the process's time copies may run while live requests never stop."""
 
 
 INLINE_COMPARE_BYTES = 256 * 2**10
@@ -63,6 +66,25 @@ class ShadowCopy:
     """What it holds: its inputs, then the live answer kept with it too."""
 
 
+class Live(Protocol):
+    """The live requests in flight in the process (``server/runtime/shutdown.py``'s
+    ``Drain``)."""
+
+    @property
+    def active(self) -> int: ...
+
+    def idle(self) -> Awaitable[None]:
+        """Done once no live request is in flight."""
+        ...
+
+
+class _Idle:
+    active = 0
+
+    async def idle(self) -> None:
+        return None
+
+
 class ShadowTraffic:
     """The shadow copies of one process's requests."""
 
@@ -71,29 +93,40 @@ class ShadowTraffic:
         table: Callable[[], RouteTable],
         windows: Windows,
         counted: Callable[[str, str], None] | None = None,
-        busy: Callable[[], bool] = lambda: False,
+        live: Live | None = None,
     ) -> None:
         self._table = table
         self.windows = windows
         self.counted = counted
-        self.busy = busy
-        """Whether other live requests are in flight in this process now."""
+        self.live: Live = _Idle() if live is None else live
+        self._unbusy_at = 0.0
+        """``time.monotonic()`` from when the next copy starts even with live requests in
+        flight (``BUSY_TIME_SHARE``)."""
+        self._shadowing: dict[str, tuple[Rollout, str]] = {}
+        """Route -> its rollout copying requests, and its stable version's variant."""
         self._held = 0
         """The bytes copies hold (:attr:`ShadowCopy.size`), from their copy to their end."""
         self._queue: asyncio.Queue[tuple[ShadowCopy, Any]] = asyncio.Queue(QUEUE)
         self._runners: list[asyncio.Task[None]] = []
 
+    def routes_changed(self) -> None:
+        """Find again the routes whose rollouts copy requests (on every change of routes)."""
+        self._shadowing = {
+            name: (rollout, str(rollout.stable))
+            for name, entry in self._table().entries.items()
+            if (rollout := entry.spec.rollout) is not None and rollout.shadowing
+        }
+
     def copy(self, route: str, chain: Chain, data: Any, ctx: RequestContext) -> ShadowCopy | None:
         """A copy of this request for its route's canary, if it is one of the share copied."""
-        entry = self._table().entries.get(route)
-        rollout = None if entry is None else entry.spec.rollout
-        if rollout is None or not rollout.shadowing or chain.variant != str(rollout.stable):
+        shadowing = self._shadowing.get(route)
+        if shadowing is None:
             return None
-        draw = random.random()
-        if draw >= rollout.shadow:
+        rollout, stable = shadowing
+        if chain.variant != stable or random.random() >= rollout.shadow:
             return None
         size = ctx.body_bytes or _nbytes(data)
-        if (draw >= BUSY_SHARE and self.busy()) or self._held + size > QUEUE_BYTES:
+        if self._queue.full() or self._held + size > QUEUE_BYTES:
             self.windows.window(route, rollout.key).shadow.skipped += 1
             self._count(route, "skipped")
             return None
@@ -138,37 +171,57 @@ class ShadowTraffic:
         while True:
             copy, answer = await self._queue.get()
             try:
-                await self._compare(copy, answer)
+                await self._turn()
+                started = time.monotonic()
+                queued = await self._compare(copy, answer)
+                self._spent(time.monotonic() - started - queued)
             except Exception:  # a bug here must not stop shadow traffic
                 log.exception("shadow_failed", route=copy.route)
             finally:
                 self._held -= copy.size
                 del copy, answer
 
-    async def _compare(self, copy: ShadowCopy, live: Any) -> None:
+    async def _turn(self) -> None:
+        """Until the process is idle, or the copies' share of its busy time allows one."""
+        wait = self._unbusy_at - time.monotonic()
+        if self.live.active and wait > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self.live.idle()
+
+    def _spent(self, seconds: float) -> None:
+        """A copy took ``seconds`` (its run and comparison, less its wait in a batcher's
+        queue): the next starts beside live requests only ``seconds / BUSY_TIME_SHARE``
+        from now."""
+        self._unbusy_at = time.monotonic() + max(seconds, 0.0) / BUSY_TIME_SHARE
+
+    async def _compare(self, copy: ShadowCopy, live: Any) -> float:
+        """Run ``copy`` on the canary and count how its answer compares with ``live``;
+        the seconds it waited in the canary's batcher queue."""
         rollout = copy.rollout
         entry = self._table().entries.get(copy.route)
         now = None if entry is None else entry.spec.rollout
         if now is None or now.key != rollout.key:
             self._count(copy.route, "skipped")  # the window moved on: nothing to count in
-            return
+            return 0.0
         figures = self.windows.window(copy.route, rollout.key).shadow
         target = entry.by_version.get(str(rollout.canary.version)) if entry else None
         if not isinstance(target, Chain):  # not ready here
             figures.skipped += 1
             self._count(copy.route, "skipped")
-            return
+            return 0.0
+        ctx = _shadow_context(copy.ctx, target)
         target.enter()
         try:
             async with asyncio.timeout(TIMEOUT_S):
-                answer = await target.run(copy.data, _shadow_context(copy.ctx, target))
+                answer = await target.run(copy.data, ctx)
         except Exception as exc:
             figures.record(False, {}, failed=True)
             self._count(copy.route, "failed")
             error = f"no answer within {TIMEOUT_S:g} s" if isinstance(exc, TimeoutError) else exc
             log.info("shadow_canary_failed", route=copy.route, canary=str(rollout.canary),
                      error=str(error)[:300])  # fmt: skip
-            return
+            return ctx.timings.get("queue", 0.0)
         finally:
             target.leave()
         if _nbytes(live) > INLINE_COMPARE_BYTES:  # a long compare: off the event loop
@@ -179,6 +232,7 @@ class ShadowTraffic:
             agreed, differences = compare(live, answer, rollout.atol, rollout.rtol)
         figures.record(agreed, differences)
         self._count(copy.route, "agreed" if agreed else "differed")
+        return ctx.timings.get("queue", 0.0)
 
     def _count(self, route: str, outcome: str) -> None:
         if self.counted is not None:

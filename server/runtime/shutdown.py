@@ -67,6 +67,10 @@ class Drain:
         if self.active == 0:
             self._idle.set()
 
+    async def idle(self) -> None:
+        """Once no request is in flight."""
+        await self._idle.wait()
+
     def install(self) -> None:
         """Take SIGTERM and SIGINT over from aiohttp (which stops without draining)."""
         loop = asyncio.get_running_loop()

@@ -17,13 +17,15 @@ measures, with real requests, how long until every replica serves the new
 variant; then kills etcd under load, counts failed requests, restarts it and
 times until every replica is back in sync.
 
-``shadow``: whether shadow traffic slows the live answers. One server, two routes over
+``shadow``: whether shadow traffic slows the live answers. One server, three routes over
 the same two runner versions (answering alike): ``plain`` (the stable version, its
-canary at weight 0) and ``shadowed`` (a rollout held at its shadow-only step, copying
-``--share`` of the stable version's requests to the canary), driven by wrk in
-interleaved rounds at ``--connections``; prints the medians side by side and the
-copies compared and skipped. ``--share 0`` gives the second route no rollout: the
-difference then is the machine's noise between two routes alike.
+canary at weight 0), ``rollout`` (a rollout held at 1 %, no shadow traffic: its window
+counted) and ``shadowed`` (a rollout held at its shadow-only step, copying ``--share`` of
+the stable version's requests to the canary), driven by wrk in interleaved rounds at
+``--connections``; prints the medians side by side, the median of the rounds' ratios
+(``shadowed / rollout``: what shadow traffic costs; ``rollout / plain``: what counting
+a rollout's window costs) and the copies compared and skipped. ``--share 0`` makes
+``shadowed`` a second ``rollout``: its ratio then is the noise between two routes alike.
 """
 
 from __future__ import annotations
@@ -222,27 +224,30 @@ def shadow(duration: int, rounds: int, connections: int, share: float) -> None:
             "--plugins-dir", str(root / "plugins"), "--models-dir", str(root / "models"),
             "--log-level", "warning", log=root / "server.log",
         ).wait_ready()  # fmt: skip
-        held = {"canary": "add@2.0.0", "steps": [0, 100], "shadow": share,
-                "min_requests": 10**7, "min_seconds": 86400}  # fmt: skip
-        entry = {"runner": "add@1.0.0", "rollout": held}
-        if not share:  # --share 0: both routes alike, the noise between them measured
-            entry = {"runner": {"add@1.0.0": 100, "add@2.0.0": 0}}
-        status, _, body = proc.request("PUT", "/admin/routes/shadowed", entry)
-        assert status == 200, body
+        held = {"canary": "add@2.0.0", "min_requests": 10**7, "min_seconds": 86400}
+        rollouts = {
+            "rollout": {**held, "steps": [1, 100]},
+            "shadowed": {**held, "steps": [0, 100], "shadow": share} if share
+            else {**held, "steps": [1, 100]},  # --share 0: alike, the noise between two routes
+        }  # fmt: skip
+        for route, rollout in rollouts.items():
+            status, _, body = proc.request(
+                "PUT", f"/admin/routes/{route}", {"runner": "add@1.0.0", "rollout": rollout}
+            )
+            assert status == 200, body
         try:
-            scripts = {route: lua(root, route) for route in ("plain", "shadowed")}
+            scripts = {route: lua(root, route) for route in ("plain", "rollout", "shadowed")}
             results: dict[str, list[Result]] = {}
             for script in scripts.values():
                 wrk(proc.url, script, connections, 2)  # warm up
-            for i in range(rounds):  # ABBA: neither route always goes first
-                for route in sorted(scripts, reverse=bool(i % 2)):
+            for i in range(rounds):  # each route first in turn
+                order = list(scripts)[i % 3 :] + list(scripts)[: i % 3]
+                for route in order:
                     results.setdefault(route, []).append(
                         wrk(proc.url, scripts[route], connections, duration)
                     )
-            window = None
-            if share:
-                _, _, body = proc.request("GET", "/admin/routes/shadowed/rollout")
-                window = json.loads(body)["rollout"]["window"]
+            _, _, body = proc.request("GET", "/admin/routes/shadowed/rollout")
+            window = json.loads(body)["rollout"]["window"]
         finally:
             proc.stop()
     print(f"c={connections}, shadow share {share:g}, {rounds} rounds of {duration} s, medians")
@@ -254,9 +259,17 @@ def shadow(duration: int, rounds: int, connections: int, share: float) -> None:
             f"{statistics.median(r.p50_ms for r in rs):.2f} | "
             f"{statistics.median(r.p99_ms for r in rs):.2f} | {sum(r.errors for r in rs)} |"
         )
-    plain, shadowed = (statistics.median(r.p99_ms for r in results[k]) for k in scripts)
-    print(f"p99 shadowed / plain: {shadowed / plain:.3f}")
-    print("shadow copies (last window):", json.dumps(window and window["shadow"]))
+    for a, b in (("shadowed", "rollout"), ("rollout", "plain")):
+        ratios = {
+            field: statistics.median(
+                getattr(x, field) / getattr(y, field)
+                for x, y in zip(results[a], results[b], strict=True)
+            )
+            for field in ("rps", "p50_ms", "p99_ms")
+        }
+        print(f"{a} / {b}, median of the rounds' ratios: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))  # fmt: skip
+    print("shadow copies (last window):", json.dumps(window["shadow"] if share else None))
 
 
 def main() -> None:

@@ -1,13 +1,19 @@
 """How two answers are compared: within tolerance per output, and anything else different
-(shape, type, a missing output) as different as can be."""
+(shape, type, a missing output) as different as can be; when copies may run beside the
+live requests of the process."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 
 import numpy as np
 
-from plugserve.server.dataplane.shadow import _copied, compare
+from plugserve.registry.routing.figures import Windows
+from plugserve.registry.routing.routes import RouteTable
+from plugserve.server.dataplane.shadow import BUSY_TIME_SHARE, ShadowTraffic, _copied, compare
+from plugserve.server.runtime.shutdown import Drain
 
 
 def test_numbers_agree_within_tolerance_and_the_largest_difference_is_kept() -> None:
@@ -40,3 +46,38 @@ def test_a_copy_keeps_the_inputs_as_they_came() -> None:
     copy = _copied(data)
     data["x"] += 1  # a stage writing into its input
     assert copy["x"].tolist() == [1.0, 1.0, 1.0]
+
+
+def _traffic(drain: Drain) -> ShadowTraffic:
+    return ShadowTraffic(RouteTable, Windows(), live=drain)
+
+
+async def test_a_copy_starts_at_once_while_no_live_request_is_in_flight() -> None:
+    drain = Drain(timeout_s=5)
+    traffic = _traffic(drain)
+    traffic._spent(60.0)  # a long copy just ran: beside live requests, the next would wait
+    await asyncio.wait_for(traffic._turn(), 0.5)
+
+
+async def test_a_copy_waits_for_the_process_to_fall_idle() -> None:
+    drain = Drain(timeout_s=5)
+    traffic = _traffic(drain)
+    traffic._spent(60.0)
+    drain.enter()  # a live request in flight
+    turn = asyncio.create_task(traffic._turn())
+    await asyncio.sleep(0.2)
+    assert not turn.done()
+    drain.leave()
+    await asyncio.wait_for(turn, 0.5)
+
+
+async def test_beside_live_requests_that_never_stop_copies_take_their_share_of_time() -> None:
+    drain = Drain(timeout_s=5)
+    traffic = _traffic(drain)
+    drain.enter()
+    await asyncio.wait_for(traffic._turn(), 0.5)  # nothing ran yet: nothing to wait for
+    traffic._spent(0.003)
+    started = time.monotonic()
+    await asyncio.wait_for(traffic._turn(), 5)
+    waited = time.monotonic() - started
+    assert 0.8 * 0.003 / BUSY_TIME_SHARE <= waited < 2.0, waited
