@@ -6,11 +6,12 @@ as the stable version's request starts, and queued once its answer is made. The 
 run one at a time (``CONCURRENCY``), off the request path, at the canary runner's lowest
 priority level (where it has several), each within ``TIMEOUT_S``. They take the time the
 process has to spare: a copy starts when no live request is in flight; while live
-requests never stop, the copies' own run time is held to ``BUSY_TIME_SHARE`` of the
-process's time (after a copy that ran for ``t``, the next waits ``t / BUSY_TIME_SHARE``
-for the process to fall idle before it starts anyway). Copies wait in a queue of
-``QUEUE`` copies and ``QUEUE_BYTES`` of inputs and answers at most; a copy past either
-is not taken and counts as ``skipped``. A saturated server thus compares fewer copies
+requests never stop, the copies' own time is held to ``BUSY_TIME_SHARE`` of the
+process's time (after a copy that took ``t``, counted up to ``CHARGE_CAP_S``, the next
+waits up to ``t / BUSY_TIME_SHARE`` for the process to fall idle, then starts anyway).
+Copies wait in a queue of ``QUEUE`` copies and ``QUEUE_BYTES`` of inputs and answers at
+most; a request past either is not copied (a copy is dropped whose answer would pass
+the bound), and counts as ``skipped``. A saturated server thus compares fewer copies
 rather than answer its live requests later for them. Each comparison counts in the
 route's rollout window (``registry/routing/figures.py``): agreed or not, and the largest
 difference per output.
@@ -48,6 +49,9 @@ TIMEOUT_S = 30.0
 """A copy the canary has not answered within this long counts as failed."""
 BUSY_TIME_SHARE = 0.01
 """The share of the process's time copies may run while live requests never stop."""
+CHARGE_CAP_S = 1.0
+"""The most of one copy's time counted against ``BUSY_TIME_SHARE``: a copy that waited
+long (timed out in a queue, on a hung canary) waited for its answer, not the process."""
 
 
 INLINE_COMPARE_BYTES = 256 * 2**10
@@ -104,6 +108,7 @@ class ShadowTraffic:
         flight (``BUSY_TIME_SHARE``)."""
         self._shadowing: dict[str, tuple[Rollout, str]] = {}
         """Route -> its rollout copying requests, and its stable version's variant."""
+        self._closed = False
         self._held = 0
         """The bytes copies hold (:attr:`ShadowCopy.size`), from their copy to their end."""
         self._queue: asyncio.Queue[tuple[ShadowCopy, Any]] = asyncio.Queue(QUEUE)
@@ -130,8 +135,9 @@ class ShadowTraffic:
             self.windows.window(route, rollout.key).shadow.skipped += 1
             self._count(route, "skipped")
             return None
+        copied = _copied(data)
         self._held += size
-        return ShadowCopy(route, rollout, _copied(data), ctx, size)
+        return ShadowCopy(route, rollout, copied, ctx, size)
 
     def release(self, copy: ShadowCopy) -> None:
         """A copy that will not be offered (its live request failed)."""
@@ -141,7 +147,7 @@ class ShadowTraffic:
         """Queue ``copy`` to run with the live ``answer`` to compare; dropped when full."""
         extra = _nbytes(answer)
         try:
-            if self._held + extra > QUEUE_BYTES:
+            if self._closed or self._held + extra > QUEUE_BYTES:
                 raise asyncio.QueueFull
             self._queue.put_nowait((copy, answer))
             copy.size += extra
@@ -160,6 +166,7 @@ class ShadowTraffic:
             ]
 
     async def close(self) -> None:
+        self._closed = True
         for task in self._runners:
             task.cancel()
         for task in self._runners:
@@ -191,9 +198,10 @@ class ShadowTraffic:
 
     def _spent(self, seconds: float) -> None:
         """A copy took ``seconds`` (its run and comparison, less its wait in a batcher's
-        queue): the next starts beside live requests only ``seconds / BUSY_TIME_SHARE``
-        from now."""
-        self._unbusy_at = time.monotonic() + max(seconds, 0.0) / BUSY_TIME_SHARE
+        queue; ``CHARGE_CAP_S`` at most): the next starts beside live requests only
+        ``seconds / BUSY_TIME_SHARE`` from now."""
+        charged = min(max(seconds, 0.0), CHARGE_CAP_S)
+        self._unbusy_at = time.monotonic() + charged / BUSY_TIME_SHARE
 
     async def _compare(self, copy: ShadowCopy, live: Any) -> float:
         """Run ``copy`` on the canary and count how its answer compares with ``live``;

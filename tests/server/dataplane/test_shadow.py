@@ -11,8 +11,17 @@ import time
 import numpy as np
 
 from plugserve.registry.routing.figures import Windows
+from plugserve.registry.routing.rollout import parse_rollout
 from plugserve.registry.routing.routes import RouteTable
-from plugserve.server.dataplane.shadow import BUSY_TIME_SHARE, ShadowTraffic, _copied, compare
+from plugserve.registry.types import RequestContext
+from plugserve.server.dataplane.shadow import (
+    BUSY_TIME_SHARE,
+    CHARGE_CAP_S,
+    ShadowCopy,
+    ShadowTraffic,
+    _copied,
+    compare,
+)
 from plugserve.server.runtime.shutdown import Drain
 
 
@@ -81,3 +90,23 @@ async def test_beside_live_requests_that_never_stop_copies_take_their_share_of_t
     await asyncio.wait_for(traffic._turn(), 5)
     waited = time.monotonic() - started
     assert 0.8 * 0.003 / BUSY_TIME_SHARE <= waited < 2.0, waited
+
+
+async def test_a_copy_that_waited_long_holds_the_next_back_by_its_capped_charge_only() -> None:
+    drain = Drain(timeout_s=5)
+    traffic = _traffic(drain)
+    drain.enter()
+    traffic._spent(30.0)  # a copy that timed out waiting in the canary's queue
+    started = time.monotonic()
+    assert traffic._unbusy_at - started <= CHARGE_CAP_S / BUSY_TIME_SHARE + 0.01
+
+
+async def test_no_copy_is_queued_once_shadow_traffic_is_closed() -> None:
+    traffic = _traffic(Drain(timeout_s=5))
+    await traffic.close()
+    traffic._held = 10  # a copy taken before the close, offered after it
+    rollout = parse_rollout({"canary": "m@2.0.0", "steps": [0, 100], "shadow": 0.5}, "m@1.0.0")
+    ctx = RequestContext(request_id="r", route="m", parameters={}, headers={}, content_type="")
+    copy = ShadowCopy("m", rollout, {}, ctx, 10)
+    traffic.offer(copy, {"y": np.zeros(4)})
+    assert traffic._held == 0 and traffic._queue.empty() and not traffic._runners
