@@ -161,8 +161,8 @@ class DataPlane:
         self.shadow = ShadowTraffic(
             lambda: self.registry.routes,
             self.windows,
-            metrics.shadowed,
             drain,
+            metrics.shadowed,
         )
         self.rollouts = False
         """Whether some route has a rollout under way (its requests are counted)."""

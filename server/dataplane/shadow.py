@@ -82,13 +82,6 @@ class Live(Protocol):
         ...
 
 
-class _Idle:
-    active = 0
-
-    async def idle(self) -> None:
-        return None
-
-
 class ShadowTraffic:
     """The shadow copies of one process's requests."""
 
@@ -96,13 +89,13 @@ class ShadowTraffic:
         self,
         table: Callable[[], RouteTable],
         windows: Windows,
+        live: Live,
         counted: Callable[[str, str], None] | None = None,
-        live: Live | None = None,
     ) -> None:
         self._table = table
         self.windows = windows
         self.counted = counted
-        self.live: Live = _Idle() if live is None else live
+        self.live = live
         self._unbusy_at = 0.0
         """``time.monotonic()`` from when the next copy starts even with live requests in
         flight (``BUSY_TIME_SHARE``)."""

@@ -38,6 +38,17 @@ def entry(**policy: Any) -> dict[str, Any]:
     return {"runner": STABLE, "rollout": {"canary": CANARY, **policy}}
 
 
+def decided(
+    srv: ServerProcess, policy: dict[str, Any], timeout_s: float = 60
+) -> tuple[dict[str, Any], Load]:
+    """Start the rollout ``policy`` and load the server until it is decided: the rollout
+    then, and the load's answers."""
+    put_rollout(srv, policy)
+    with Load([srv]) as load:
+        until(lambda: rollout(srv)["status"]["state"] != "running", timeout_s, "a decision")
+    return rollout(srv), load
+
+
 def decisions(state: dict[str, Any]) -> list[tuple[str, int]]:
     return [(d["decision"], d["step"]) for d in state["status"]["history"]]
 
@@ -48,10 +59,7 @@ def test_a_canary_failing_one_request_in_20_is_rolled_back_within_its_first_step
     write_model(tmp_path / "plugins", "1.0.0")
     write_model(tmp_path / "plugins", "2.0.0", fail_every=20)
     srv = start(server, tmp_path, models_dir)
-    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=60, min_seconds=600))
-    with Load([srv]) as load:
-        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
-    state = rollout(srv)
+    state, load = decided(srv, entry(steps=[10, 50, 100], min_requests=60, min_seconds=600))
     assert state["status"]["state"] == "rolled_back", state
     assert decisions(state) == [("roll_back", 0)]  # within the first step's window
     assert "error rate" in state["status"]["reason"], state["status"]["reason"]
@@ -78,10 +86,7 @@ def test_a_canary_three_times_slower_is_rolled_back(
     write_model(tmp_path / "plugins", "1.0.0", delay_s=0.01)
     write_model(tmp_path / "plugins", "2.0.0", delay_s=0.03)
     srv = start(server, tmp_path, models_dir)
-    put_rollout(srv, entry(steps=[20, 50, 100], min_requests=30, min_seconds=600))
-    with Load([srv]) as load:
-        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
-    state = rollout(srv)
+    state, load = decided(srv, entry(steps=[20, 50, 100], min_requests=30, min_seconds=600))
     assert state["status"]["state"] == "rolled_back", state
     assert decisions(state) == [("roll_back", 0)]
     assert "latency" in state["status"]["reason"], state["status"]["reason"]
@@ -95,10 +100,7 @@ def test_a_canary_refusing_what_the_stable_version_takes_is_rolled_back(
     write_model(tmp_path / "plugins", "1.0.0")
     write_model(tmp_path / "plugins", "2.0.0", strict=1)
     srv = start(server, tmp_path, models_dir)
-    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=0.5))
-    with Load([srv]) as load:
-        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
-    state = rollout(srv)
+    state, load = decided(srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=0.5))
     assert decisions(state) == [("roll_back", 0)], state
     assert "error rate 100.00%" in state["status"]["reason"]
     assert set(load.failures()) == {(400, CANARY)}
@@ -110,10 +112,9 @@ def test_a_good_canary_reaches_100_percent_and_becomes_the_stable_version(
     write_model(tmp_path / "plugins", "1.0.0")
     write_model(tmp_path / "plugins", "2.0.0")
     srv = start(server, tmp_path, models_dir)
-    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=0.5))
-    with Load([srv]) as load:
-        until(lambda: rollout(srv)["status"]["state"] != "running", 90, "a decision")
-    state = rollout(srv)
+    state, load = decided(
+        srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=0.5), timeout_s=90
+    )
     assert state["status"]["state"] == "promoted", state
     assert decisions(state) == [("advance", 0), ("advance", 1), ("promote", 2)]
     assert not load.failures()  # no request failed because of a step
@@ -131,10 +132,9 @@ def test_shadow_traffic_stops_a_canary_whose_answers_differ_before_it_serves_any
     write_model(tmp_path / "plugins", "1.0.0")
     write_model(tmp_path / "plugins", "2.0.0", offset=0.5)
     srv = start(server, tmp_path, models_dir)
-    put_rollout(srv, entry(steps=[0, 10, 100], shadow=0.5, min_requests=20, min_seconds=600))
-    with Load([srv]) as load:
-        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
-    state = rollout(srv)
+    state, load = decided(
+        srv, entry(steps=[0, 10, 100], shadow=0.5, min_requests=20, min_seconds=600)
+    )
     assert state["status"]["state"] == "rolled_back", state
     assert decisions(state) == [("roll_back", 0)]
     reason = state["status"]["reason"]
@@ -153,10 +153,7 @@ def test_shadow_traffic_agrees_with_a_canary_that_answers_the_same(
     write_model(tmp_path / "plugins", "1.0.0")
     write_model(tmp_path / "plugins", "2.0.0")
     srv = start(server, tmp_path, models_dir)
-    put_rollout(srv, entry(steps=[0, 100], shadow=0.5, min_requests=20, min_seconds=0.5))
-    with Load([srv]) as load:
-        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
-    state = rollout(srv)
+    state, load = decided(srv, entry(steps=[0, 100], shadow=0.5, min_requests=20, min_seconds=0.5))
     assert decisions(state) == [("advance", 0), ("promote", 1)], state
     shadow = state["status"]["history"][0]["figures"]["shadow"]
     assert shadow["compared"] >= 20 and shadow["agreed"] == shadow["compared"]
