@@ -127,7 +127,8 @@ class Rollout:
 
     @property
     def shadowing(self) -> bool:
-        return self.shadow > 0 and self.active
+        """Whether stable requests are copied to the canary now (not while paused)."""
+        return self.shadow > 0 and self.running
 
     @property
     def weight(self) -> int:

@@ -123,7 +123,7 @@ class ShadowTraffic:
         rollout, stable = shadowing
         if chain.variant != stable or random.random() >= rollout.shadow:
             return None
-        size = ctx.body_bytes or _nbytes(data)
+        size = _nbytes(data) or ctx.body_bytes or 0  # what the copy holds: arrays as decoded
         if self._queue.full() or self._held + size > QUEUE_BYTES:
             self.windows.window(route, rollout.key).shadow.skipped += 1
             self._count(route, "skipped")

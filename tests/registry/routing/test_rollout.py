@@ -109,3 +109,12 @@ def test_a_rollout_in_the_routes_file_is_refused(tmp_path: Any) -> None:
     )
     with pytest.raises(RoutesFileError, match=r"routes\.m\.rollout: a rollout is a runtime entry"):
         load_routes_file(path)
+
+
+def test_shadow_copies_are_taken_only_while_the_rollout_runs() -> None:
+    rollout = spec(steps=[0, 100], shadow=0.1).rollout
+    paused = rollout.decided("pause", "hold", None, "operator")
+    resumed = paused.decided("resume", "go", None, "operator")
+    aborted = resumed.decided("abort", "stop", None, "operator")
+    assert [r.shadowing for r in (rollout, paused, resumed, aborted)] == [True, False, True, False]
+    assert not spec().rollout.shadowing  # no shadow share
