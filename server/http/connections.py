@@ -352,15 +352,14 @@ class Connection(asyncio.Protocol):
         the connection handed to aiohttp when it is not one the fast path takes."""
         fast, buffer = self.fast, self.buffer
         assert fast is not None
-        if self.paused and self.transport is not None:
-            self.paused = False
-            self.transport.resume_reading()
         framed = self.framed
         if framed is None:
             end = buffer.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
             if end < 0:
                 if len(buffer) > MAX_HEAD_BYTES:
                     self._hand_over()
+                else:
+                    self._read_on()
                 return
             head = bytes(buffer[: end + 4])
             taken = fast.take(head[:end])
@@ -373,6 +372,7 @@ class Connection(asyncio.Protocol):
             self.waiting_since = None
         length = framed.length
         if len(buffer) < length:
+            self._read_on()
             return  # the body is on its way (body_timeout_s bounds it)
         if len(buffer) == length:  # nothing of a next request behind it: one copy
             body = bytes(buffer)
@@ -381,6 +381,8 @@ class Connection(asyncio.Protocol):
             with memoryview(buffer) as view:
                 body = bytes(view[:length])
             del buffer[:length]
+        if len(buffer) < PAUSE_BYTES:
+            self._read_on()
         request = FastRequest(framed.path, framed.segment, framed.headers, body, self.remote)
         assert self.loop is not None
         self.task = self.loop.create_task(self._serve(framed, request))
@@ -420,6 +422,13 @@ class Connection(asyncio.Protocol):
         except Exception:
             log.exception("fast_path_failed", path=request.path)
             self.close()
+
+    def _read_on(self) -> None:
+        """Read from the client again, if a full buffer had paused it: only once what it
+        sent ahead is below ``PAUSE_BYTES`` (or the next request needs more of it)."""
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
 
     def _hand_over(self) -> None:
         """aiohttp's protocol takes the connection from here on, with what came of it.

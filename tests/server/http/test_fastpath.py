@@ -7,6 +7,7 @@ without (``fast_path = false``) take the same bytes. aiohttp's answers carry its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess, write_add_runner
+from tests.helpers import ServerProcess, rss_mib, write_add_runner
 from tests.server.http.test_connections import connect, start
 
 Server = Callable[..., ServerProcess]
@@ -274,3 +275,44 @@ def test_a_stopping_server_closes_its_idle_fast_path_connections(
         assert sock.recv(65536) == b""  # closed by the server as it stops
     assert srv.proc.wait(30) == 0
     assert "Traceback" not in srv.log()
+
+
+def test_a_client_sending_ahead_of_its_answers_is_held_at_the_pause_mark(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    """One keep-alive connection pipelining 32 KiB requests as fast as the socket takes them,
+    its answers read as they come: the server reads at most ``PAUSE_BYTES`` ahead of the
+    request it serves (and the kernel's socket buffers), so the client's sends wait, and the
+    server's memory stays flat."""
+    fast, _ = servers
+    request = post("/v2/models/add/infer", JSON_BODY + b" " * 32_000)
+    before = rss_mib(fast.proc.pid)
+    sent = answered = 0
+    stop = time.monotonic() + 3.0
+
+    def send(sock: socket.socket) -> None:
+        nonlocal sent
+        batch = request * 32
+        with contextlib.suppress(OSError):
+            while time.monotonic() < stop and sent < 1 << 30:
+                sock.sendall(batch)
+                sent += len(batch)
+
+    peak = before
+    with connect(fast) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 256 * 1024)
+        sender = threading.Thread(target=send, args=(sock,), daemon=True)
+        sender.start()
+        buffer = bytearray()
+        while time.monotonic() < stop:
+            status, _, _ = read_response(sock, buffer)
+            assert status == 200
+            answered += 1
+            if answered % 256 == 0:
+                peak = max(peak, rss_mib(fast.proc.pid))
+        ahead_mib = (sent - answered * len(request)) / (1 << 20)
+        sock.shutdown(socket.SHUT_RDWR)
+    sender.join(10)
+    assert answered > 100
+    assert ahead_mib < 48, f"the server took {ahead_mib:.0f} MiB ahead of its answers"
+    assert peak - before < 96, f"RSS {before:.0f} -> {peak:.0f} MiB"
