@@ -24,8 +24,10 @@ break the protocol, end the connection with ``GOAWAY``.
 from __future__ import annotations
 
 import asyncio
-import base64
+import collections
 import contextlib
+import heapq
+import itertools
 import socket
 import time
 import zlib
@@ -36,10 +38,11 @@ import grpc
 import hpack
 import structlog
 
-from plugserve.server.grpc_api import wire
+from plugserve.server.grpc_api import heads, wire
 from plugserve.server.grpc_api.admission import CURRENT_CALL, Admission, Ended, TrackedCall
 from plugserve.server.grpc_api.calls import MAX_DETAILS
 from plugserve.server.grpc_api.handlers import Method, Undecodable, refusal
+from plugserve.server.grpc_api.heads import Head
 from plugserve.server.grpc_api.wire import END_HEADERS, END_STREAM, Error, Frame, Setting
 from plugserve.server.http.connections import bind
 
@@ -62,11 +65,10 @@ empty DATA, frames of unknown types) a connection may send in a second before it
 with ``ENHANCE_YOUR_CALM`` (a reset flood is the "rapid reset" attack)."""
 CLOSE_WAIT_S = 10.0
 """How long a closing connection's last bytes may wait for its client to read them."""
-RESERVED = frozenset(
-    {b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
-)
-"""Headers gRPC reads itself: not part of a call's metadata."""
 UNAVAILABLE_STOPPING = "the server is stopping"
+ANSWER_PROGRESS_BYTES = 16 << 10
+"""How much of an answer that waits for the client's window must be sent for the wait's
+bound (``body_timeout_s``) to start again."""
 DEADLINE_SLACK_S = 0.002
 """How near its deadline a call whose handler stopped counts as ended by it (as grpc.aio's,
 ``service.DEADLINE_SLACK_S``)."""
@@ -76,57 +78,23 @@ class Aborted(grpc.aio.AbortError):  # type: ignore[misc]
     """A call's status, set by :meth:`Context.abort`."""
 
 
-class Context:
-    """What the servicer methods use of grpc.aio's ``ServicerContext``, for one stream."""
-
-    __slots__ = ("code", "details", "stream", "trailing")
-
-    def __init__(self, stream: Stream) -> None:
-        self.stream = stream
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.trailing: tuple[tuple[str, str], ...] = ()
-
-    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        return self.stream.metadata
-
-    def peer(self) -> str:
-        return self.stream.connection.peer
-
-    def time_remaining(self) -> float | None:
-        deadline = self.stream.deadline
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-    def set_trailing_metadata(self, metadata: Any) -> None:
-        self.trailing = tuple((str(k), str(v)) for k, v in metadata)
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        if self.stream.status_sent:
-            raise Aborted("the call's status was already sent")
-        self.code, self.details = code, details
-        raise Aborted(details)
-
-    async def write(self, message: Any) -> None:
-        stream = self.stream
-        if stream.status_sent or stream.reset:
-            raise ConnectionResetError("the call is over")
-        await stream.connection.send_message(stream, stream.method.serialize(message))
-
-    def done(self) -> bool:
-        return self.stream.status_sent or self.stream.reset
-
-
 class Stream:
-    """One call: its request bytes, its task, its windows and its status."""
+    """One call: its request bytes, its task, its windows and its status; and what the
+    servicer methods use of grpc.aio's ``ServicerContext`` (the stream is the call's context,
+    so that an ended call leaves no reference cycle for the collector to find)."""
 
     __slots__ = (
+        "code",
         "connection",
-        "context",
+        "credit",
         "data",
         "deadline",
         "deadline_timer",
+        "details",
         "encoding",
+        "expected",
         "headers_sent",
+        "held",
         "id",
         "messages",
         "metadata",
@@ -135,10 +103,12 @@ class Stream:
         "queued",
         "remote_closed",
         "reset",
-        "send_window",
+        "starved",
         "status_sent",
         "task",
         "tracked",
+        "trailing",
+        "waiter",
     )
 
     def __init__(self, connection: Connection, stream_id: int, method: Method) -> None:
@@ -149,20 +119,34 @@ class Stream:
         self.deadline: float | None = None
         self.deadline_timer: asyncio.TimerHandle | None = None
         self.encoding = "identity"
+        self.expected: int | None = None
+        """The DATA bytes still to come, as ``content-length`` declared (``None``: none did)."""
         self.data = bytearray()
+        self.held = 0
+        """Bytes of ``data`` counted against the process's byte budget."""
         self.messages: asyncio.Queue[Any] | None = None
         self.queued = 0
         """Bytes of a streaming call's messages that its handler has not taken yet."""
         self.owed = 0
         """Bytes received on the stream whose window is not given back yet."""
-        self.send_window = connection.peer_initial_window
+        self.credit = 0
+        """The stream's send window less the client's ``INITIAL_WINDOW_SIZE`` (the window
+        is :meth:`Connection.window_of`): a change of that setting is one assignment, not a
+        change to every open stream."""
+        self.waiter: asyncio.Future[None] | None = None
+        """The answer's writer waiting for window, if it waits."""
+        self.starved = 0
+        """Nonzero while the writer waits for the stream's own window: its entry in the
+        connection's queue of such streams (``Connection.starved``)."""
         self.remote_closed = False
         self.reset = False
         self.status_sent = False
         self.headers_sent = False
         self.task: asyncio.Task[None] | None = None
         self.tracked: TrackedCall | None = None
-        self.context = Context(self)
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.trailing: tuple[tuple[str, str], ...] = ()
 
     def cancel(self, msg: Any = None) -> bool:
         """End the call (admission's sweep or eviction, with ``tracked.ended`` set): its task
@@ -173,6 +157,35 @@ class Stream:
         if ended is not None:
             self.connection.finish(self, ended.code, ended.message)
         return True
+
+    # -- what the servicer methods use of grpc.aio's ServicerContext -------------------
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return self.metadata
+
+    def peer(self) -> str:
+        return self.connection.peer
+
+    def time_remaining(self) -> float | None:
+        deadline = self.deadline
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        self.trailing = tuple((str(k), str(v)) for k, v in metadata)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        if self.status_sent:
+            raise Aborted("the call's status was already sent")
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+    async def write(self, message: Any) -> None:
+        if self.status_sent or self.reset:
+            raise ConnectionResetError("the call is over")
+        await self.connection.send_message(self, self.method.serialize(message))
+
+    def done(self) -> bool:
+        return self.status_sent or self.reset
 
 
 class Compressed:
@@ -215,14 +228,20 @@ class Connection(asyncio.Protocol):
         self.streams: dict[int, Stream] = {}
         self.last_stream = 0
         self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
-        self.blocks: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        self.blocks: dict[bytes, Head] = {}
         self.continuing: tuple[int, int, bytearray] | None = None  # stream, flags, block
         self.peer_initial_window = wire.DEFAULT_WINDOW
         self.peer_max_frame = wire.DEFAULT_FRAME_SIZE
         self.send_window = wire.DEFAULT_WINDOW
         self.receive_window = server.connection_window
         self.receive_owed = 0
-        self.window_waiters: list[asyncio.Future[None]] = []
+        self.waiting: collections.deque[Stream] = collections.deque()
+        """Streams whose answer waits for the connection's window, first come first."""
+        self.starved: list[tuple[int, int, Stream]] = []
+        """Streams whose answer waits for the stream's own window: a heap by their credit
+        (the largest first), so that a larger ``INITIAL_WINDOW_SIZE`` wakes exactly the
+        writers it unblocks. Entries whose stream moved on are dropped as they surface."""
+        self.starving = itertools.count(1)
         self.writable = asyncio.Event()
         self.writable.set()
         self.going_away = False
@@ -282,7 +301,12 @@ class Connection(asyncio.Protocol):
                 stream.task.cancel()
         self.streams.clear()
         self.writable.set()
-        self._wake_windows()
+        for stream in self.waiting:
+            _wake(stream)
+        for _, _, stream in self.starved:
+            _wake(stream)
+        self.waiting.clear()
+        self.starved.clear()
         if not self.finished.done():
             self.finished.set_result(None)
 
@@ -442,17 +466,14 @@ class Connection(asyncio.Protocol):
         if len(payload) % 6:
             raise wire.ConnectionError_(Error.FRAME_SIZE_ERROR, "bad SETTINGS")
         self._flooding()
+        initial_window = None
         for offset in range(0, len(payload), 6):
             key = int.from_bytes(payload[offset : offset + 2], "big")
             value = int.from_bytes(payload[offset + 2 : offset + 6], "big")
             if key == Setting.INITIAL_WINDOW_SIZE:
                 if value > wire.MAX_WINDOW:
                     raise wire.ConnectionError_(Error.FLOW_CONTROL_ERROR, "window too large")
-                delta = value - self.peer_initial_window
-                self.peer_initial_window = value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-                self._wake_windows()
+                initial_window = value  # the last one counts: applied once, below
             elif key == Setting.HEADER_TABLE_SIZE:
                 self.table_update = b"\x20"  # dynamic table size update: 0
             elif key == Setting.MAX_FRAME_SIZE:
@@ -461,7 +482,26 @@ class Connection(asyncio.Protocol):
                 self.peer_max_frame = value
             elif key == Setting.ENABLE_PUSH and value > 1:
                 raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad ENABLE_PUSH")
+        if initial_window is not None:
+            self._initial_window(initial_window)
         self._write(wire.frame(Frame.SETTINGS, wire.ACK, 0))
+
+    def _initial_window(self, value: int) -> None:
+        """The client's new ``INITIAL_WINDOW_SIZE``: every stream's window moves by the
+        change at once (each is the setting plus its own credit); the writers a larger one
+        unblocks, and only those, are queued for the connection's window."""
+        self.peer_initial_window = value
+        starved = self.starved
+        while starved and value - starved[0][0] > 0:
+            _, entry, stream = heapq.heappop(starved)
+            if stream.starved == entry:
+                stream.starved = 0
+                self.waiting.append(stream)
+        self._wake_next()
+
+    def window_of(self, stream: Stream) -> int:
+        """The stream's send window."""
+        return self.peer_initial_window + stream.credit
 
     def _window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -477,23 +517,59 @@ class Connection(asyncio.Protocol):
             self.send_window += increment
             if self.send_window > wire.MAX_WINDOW:
                 raise wire.ConnectionError_(Error.FLOW_CONTROL_ERROR, "window past 2^31-1")
-        else:
-            stream = self.streams.get(stream_id)
-            if stream is None:
-                return
-            if not increment or stream.send_window + increment > wire.MAX_WINDOW:
-                self._reset(
-                    stream, Error.PROTOCOL_ERROR if not increment else Error.FLOW_CONTROL_ERROR
-                )
-                return
-            stream.send_window += increment
-        self._wake_windows()
+            self._wake_next()
+            return
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return
+        window = self.window_of(stream) + increment
+        if not increment or window > wire.MAX_WINDOW:
+            self._reset(stream, Error.PROTOCOL_ERROR if not increment else Error.FLOW_CONTROL_ERROR)
+            return
+        stream.credit += increment
+        if stream.starved and window > 0:  # its writer can go on, once the connection can
+            stream.starved = 0
+            self.waiting.append(stream)
+            self._wake_next()
 
-    def _wake_windows(self) -> None:
-        waiters, self.window_waiters = self.window_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+    def _wake_next(self) -> None:
+        """Wake the writer first in line for the connection's window, while there is any:
+        one a window change, each writer waking the next as it stops. A writer whose stream
+        has no window (the client lowered ``INITIAL_WINDOW_SIZE`` meanwhile) goes back to
+        wait for it, counted as a frame that asks work for nothing."""
+        waiting = self.waiting
+        while waiting and self.send_window > 0:
+            stream = waiting.popleft()
+            waiter = stream.waiter
+            if waiter is None or waiter.done():
+                continue
+            if self.window_of(stream) <= 0:
+                self._starve(stream)
+                if not self._charged():
+                    return
+                continue
+            waiter.set_result(None)
+            return
+
+    def _starve(self, stream: Stream) -> None:
+        """Queue the stream's writer to wait for the stream's own window."""
+        stream.starved = entry = next(self.starving)
+        starved = self.starved
+        if len(starved) > 2 * len(self.streams) + 64:  # entries of streams that moved on
+            starved[:] = [e for e in starved if e[2].starved == e[1]]
+            heapq.heapify(starved)
+        heapq.heappush(starved, (-stream.credit, entry, stream))
+
+    def _charged(self) -> bool:
+        """Count work a client caused outside a frame's handling against its flood bound;
+        ``False`` once that ended the connection."""
+        try:
+            self._flooding()
+        except wire.ConnectionError_ as exc:
+            self.go_away(exc.code, exc.reason)
+            self.close()
+            return False
+        return True
 
     def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id % 2:
@@ -520,8 +596,8 @@ class Connection(asyncio.Protocol):
             self.continuing = None
             self._header_block(stream_id, first_flags, bytes(block))
 
-    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        """The block's headers: looked up when the same bytes came under the same table."""
+    def _decode(self, block: bytes) -> Head:
+        """The block's head: looked up when the same bytes came under the same table."""
         known = self.blocks.get(block)
         if known is not None:
             return known
@@ -533,74 +609,83 @@ class Connection(asyncio.Protocol):
             raise wire.ConnectionError_(Error.ENHANCE_YOUR_CALM, "header list too large") from None
         except hpack.HPACKError as exc:
             raise wire.ConnectionError_(Error.COMPRESSION_ERROR, type(exc).__name__) from None
+        head = heads.read(headers)
         if (table.maxsize, tuple(table.dynamic_entries)) != before:
             self.blocks.clear()  # entries kept meant what they meant under the old table
         elif len(block) <= BLOCK_KEPT_BYTES:
             if len(self.blocks) >= BLOCKS_KEPT:
                 del self.blocks[next(iter(self.blocks))]
-            self.blocks[block] = headers
-        return headers
+            self.blocks[block] = head
+        return head
 
     def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
-        headers = self._decode(block)
+        head = self._decode(block)
         stream = self.streams.get(stream_id)
         if stream is not None:  # the client's trailers: they end its side
             if not flags & END_STREAM:
                 raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "trailers must end the stream")
-            self._remote_end(stream)
+            if stream.remote_closed:
+                self._reset(stream, Error.STREAM_CLOSED)
+            elif head.as_trailers is not None:
+                self._malformed(stream, head.as_trailers)
+            else:
+                self._remote_end(stream)
             return
         if stream_id <= self.last_stream:
             return  # a stream ended here already (answered or reset): its late frames are ignored
         self.last_stream = stream_id
-        if self.going_away:
-            self._write(wire.rst_stream(stream_id, Error.REFUSED_STREAM))
+        if self.going_away or len(self.streams) >= MAX_STREAMS:
+            self._refused(stream_id, Error.REFUSED_STREAM)
             return
-        if len(self.streams) >= MAX_STREAMS:
-            self._write(wire.rst_stream(stream_id, Error.REFUSED_STREAM))
+        if head.malformed is not None:
+            log.debug("grpc_malformed_request", peer=self.peer, reason=head.malformed)
+            self._refused(stream_id, Error.PROTOCOL_ERROR)
             return
-        self._open(stream_id, flags, headers)
+        if head.size > MAX_HEADER_LIST:
+            self._write_headers(
+                stream_id,
+                wire.RESPONSE_START
+                + wire.trailers(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                    f"the call's metadata is {head.size} bytes, more than "
+                    f"MAX_HEADER_LIST_SIZE = {MAX_HEADER_LIST}",
+                    (),
+                ),
+                True,
+            )
+            if not flags & END_STREAM:
+                self._write(wire.rst_stream(stream_id, Error.NO_ERROR))
+            return
+        self._open(stream_id, flags, head)
 
-    def _open(self, stream_id: int, flags: int, headers: list[tuple[bytes, bytes]]) -> None:
-        method = path = content_type = None
-        metadata: list[tuple[str, str | bytes]] = []
-        timeout = encoding = None
-        for name, value in headers:
-            if name[:1] == b":":
-                if name == b":path":
-                    path = value
-                elif name == b":method":
-                    method = value
-                continue
-            if name == b"content-type":
-                content_type = value
-            elif name == b"grpc-timeout":
-                timeout = value
-            elif name == b"grpc-encoding":
-                encoding = value
-            if name in RESERVED:
-                continue
-            key = name.decode("latin-1")
-            if key.endswith("-bin"):
-                try:
-                    metadata.append((key, base64.b64decode(value + b"==")))
-                except ValueError:
-                    continue
-            else:
-                metadata.append((key, value.decode("latin-1")))
-        if method != b"POST":
+    def _refused(self, stream_id: int, code: Error) -> None:
+        """Reset a stream the client opened, unopened: a reset the client made the server send,
+        counted as its own resets are (``FLOOD_PER_S``)."""
+        self._flooding()
+        self._write(wire.rst_stream(stream_id, code))
+
+    def _malformed(self, stream: Stream, reason: str) -> None:
+        """End a call whose request is malformed (RFC 9113 §8.1.1): its stream reset
+        ``PROTOCOL_ERROR``."""
+        log.debug("grpc_malformed_request", peer=self.peer, reason=reason)
+        self._reset(stream, Error.PROTOCOL_ERROR)
+
+    def _open(self, stream_id: int, flags: int, head: Head) -> None:
+        if head.method != b"POST":
             self._write_headers(stream_id, b"\x08\x03405", True)  # :status 405 (indexed name)
             return
-        if path is None:
-            self._write_headers(stream_id, b"\x8c", True)  # :status 400 (static entry 12)
-            return
+        content_type = head.content_type
         if content_type is None or not content_type.startswith(b"application/grpc"):
             self._write_headers(stream_id, b"\x08\x03415", True)  # :status 415, indexed name
             return
+        path, timeout, encoding = head.path, head.timeout, head.encoding
+        assert path is not None  # a well-formed head has one
         served = self.server.methods.get(path.decode("latin-1"))
         if served is None:
             served = self.server.unknown
         stream = Stream(self, stream_id, served)
-        stream.metadata = tuple(metadata)
+        stream.metadata = head.metadata
+        stream.expected = head.length
         self.streams[stream_id] = stream
         if self.timer is not None:
             self.timer.cancel()
@@ -630,7 +715,7 @@ class Connection(asyncio.Protocol):
             served.path, stream, served.client_streaming, served.server_streaming
         )
         if isinstance(tracked, str):
-            stream.context.trailing = (("retry-after", "1"),)
+            stream.trailing = (("retry-after", "1"),)
             self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, tracked)
             return
         stream.tracked = tracked
@@ -742,7 +827,7 @@ class Connection(asyncio.Protocol):
         try:
             body = await self.server.offload(lambda: inflate(stream.encoding, message.body, limit))
         except Ended as exc:
-            await stream.context.abort(exc.code, exc.message)
+            await stream.abort(exc.code, exc.message)
         return stream.method.parse(body)
 
     def _remote_end(self, stream: Stream) -> None:
@@ -774,7 +859,7 @@ class Connection(asyncio.Protocol):
     async def _serve(self, stream: Stream, request: Any) -> None:
         """Run the call's behaviour; send its answer, or its status."""
         CURRENT_CALL.set(stream.tracked)
-        method, context = stream.method, stream.context
+        method, context = stream.method, stream
         code, details = grpc.StatusCode.OK, ""
         answer = None
         try:
@@ -862,40 +947,14 @@ class Connection(asyncio.Protocol):
                 Frame.HEADERS, END_HEADERS, stream.id, self._block(wire.RESPONSE_START)
             )
             stream.headers_sent = True
-        view = memoryview(data)
-        while True:
-            if stream.reset or stream.status_sent or self.closed():
-                raise ConnectionResetError("the call is over")
-            allowed = min(stream.send_window, self.send_window, self.peer_max_frame)
-            if len(view) <= allowed:
-                break
-            if allowed > 0:
-                chunk = bytes(view[:allowed])
-                view = view[allowed:]
-                stream.send_window -= allowed
-                self.send_window -= allowed
-                self._write(head + wire.frame(Frame.DATA, 0, stream.id, chunk))
-                self.earned += 2
-                head = b""
-                continue
-            if head:
-                self._write(head)
-                head = b""
-            waiter = asyncio.get_running_loop().create_future()
-            self.window_waiters.append(waiter)
-            tracked = stream.tracked
-            began = tracked if tracked is not None and tracked.writing_since is None else None
-            if began is not None:
-                began.write_began()  # bounded by body_timeout_s, as a stream's write
-            try:
-                await waiter
-            finally:
-                if began is not None:
-                    began.write_ended()
-        size = len(view)
-        stream.send_window -= size
+        if stream.reset or stream.status_sent or self.closed():
+            raise ConnectionResetError("the call is over")
+        if len(data) > min(self.window_of(stream), self.send_window, self.peer_max_frame):
+            data, head = await self._send_within_windows(stream, data, head)
+        size = len(data)
+        stream.credit -= size
         self.send_window -= size
-        out = head + wire.frame(Frame.DATA, 0, stream.id, bytes(view))
+        out = head + wire.frame(Frame.DATA, 0, stream.id, data)
         self.earned += 2
         if last:
             out += wire.frame(
@@ -911,8 +970,68 @@ class Connection(asyncio.Protocol):
         if not self.writable.is_set():
             await self.writable.wait()
 
+    async def _send_within_windows(
+        self, stream: Stream, data: bytes, head: bytes
+    ) -> tuple[bytes, bytes]:
+        """Send ``data`` as the client's windows allow, waiting for them, up to a last piece
+        that fits them; that piece, and ``head`` if it is still unsent.
+
+        While the client reads too little of the answer, the call's write is bounded by
+        ``body_timeout_s`` (admission's sweep), from the moment the writer first waits
+        until ``ANSWER_PROGRESS_BYTES`` (or the rest) have been sent: a client that lets a
+        byte through now and then does not keep the call open."""
+        view = memoryview(data)
+        began: TrackedCall | None = None
+        progress = 0
+        try:
+            while True:
+                if stream.reset or stream.status_sent or self.closed():
+                    raise ConnectionResetError("the call is over")
+                allowed = min(self.window_of(stream), self.send_window, self.peer_max_frame)
+                if len(view) <= allowed:
+                    return bytes(view), head
+                if allowed > 0:
+                    chunk = bytes(view[:allowed])
+                    view = view[allowed:]
+                    stream.credit -= allowed
+                    self.send_window -= allowed
+                    self._write(head + wire.frame(Frame.DATA, 0, stream.id, chunk))
+                    self.earned += 2
+                    head = b""
+                    progress += allowed
+                    if began is not None and progress >= ANSWER_PROGRESS_BYTES:
+                        began.write_ended()
+                        began = None
+                    continue
+                if head:
+                    self._write(head)
+                    head = b""
+                tracked = stream.tracked
+                if began is None and tracked is not None and tracked.writing_since is None:
+                    began, progress = tracked, 0
+                    began.write_began()
+                await self._window(stream)
+        finally:
+            if began is not None:
+                began.write_ended()
+            self._wake_next()  # what window is left is the next writer's
+
+    async def _window(self, stream: Stream) -> None:
+        """Wait until the stream's writer is woken for window (``_wake_next``)."""
+        waiter = stream.waiter = asyncio.get_running_loop().create_future()
+        if self.window_of(stream) <= 0:
+            self._starve(stream)
+        else:
+            self.waiting.append(stream)
+        self._wake_next()
+        try:
+            await waiter
+        finally:
+            stream.waiter = None
+            stream.starved = 0
+
     def _status_block(self, stream: Stream, code: int, details: str) -> bytes:
-        trailing = stream.context.trailing
+        trailing = stream.trailing
         if code == 0 and not trailing:
             return wire.STATUS_OK
         if len(details) > MAX_DETAILS:
@@ -939,6 +1058,10 @@ class Connection(asyncio.Protocol):
         self._forget(stream)
 
     def _reset(self, stream: Stream, code: Error) -> None:
+        """Reset a stream for a frame the client should not have sent on it: counted, as a
+        client's own reset is, against ``FLOOD_PER_S`` (a client that makes the server reset
+        its calls, "MadeYouReset", is ended as a reset flood is)."""
+        self._flooding()
         self._write(wire.rst_stream(stream.id, code))
         stream.reset = True
         if stream.task is not None:
@@ -1000,7 +1123,7 @@ async def _requests(stream: Stream) -> AsyncIterator[Any]:
         if isinstance(message, Compressed):
             message = await stream.connection._inflated(stream, message)
         if isinstance(message, Undecodable):
-            await stream.context.abort(
+            await stream.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, refusal(stream.method.what, message)
             )
         yield message
@@ -1015,6 +1138,12 @@ def _drop_buffers(stream: Stream) -> None:
         while not queue.empty():
             queue.get_nowait()
         queue.put_nowait(None)  # a handler still reading finds the end
+
+
+def _wake(stream: Stream) -> None:
+    waiter = stream.waiter
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 def _unpadded(flags: int, payload: bytes) -> bytes:
