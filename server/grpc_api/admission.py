@@ -110,7 +110,7 @@ class TrackedCall:
 
     def __init__(self, pool: set[TrackedCall], task: Cancellable, streaming: bool) -> None:
         self.pool = pool
-        self.task = task
+        self.task: Cancellable | None = task
         self.streaming = streaming
         """Whether the client sends a stream of requests (``ModelStreamInfer``)."""
         self.since = time.monotonic()
@@ -161,7 +161,7 @@ class TrackedCall:
         """Stop the call's handler, which then sends ``code`` and ``message``. The call counts
         against its limit until its handler has ended: a status that waits for its client
         to read keeps it counted."""
-        if self.ended is None:
+        if self.ended is None and self.task is not None:
             self.ended = Ended(code, message)
             self.task.cancel()
 
@@ -170,6 +170,7 @@ class TrackedCall:
         if self.counted:
             self.counted = False
             self.pool.discard(self)
+            self.task = None  # a call's context may outlive it: it holds nothing of the call
 
 
 CURRENT_CALL: contextvars.ContextVar[TrackedCall | None] = contextvars.ContextVar(

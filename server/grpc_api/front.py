@@ -56,6 +56,10 @@ MAX_STREAMS = 4096
 """``MAX_CONCURRENT_STREAMS``; admission refuses calls past ``max_connections`` first."""
 MAX_HEADER_LIST = 16 << 10
 """``MAX_HEADER_LIST_SIZE``, as gRPC's core: larger metadata is refused."""
+HPACK_BOMB_BYTES = 4 * MAX_HEADER_LIST
+"""A header block that decodes to more than this ends its connection ``ENHANCE_YOUR_CALM`` (an
+HPACK bomb: its decoding stops there, so the connection's table is lost); one over
+``MAX_HEADER_LIST`` and within this refuses its call alone."""
 BLOCKS_KEPT = 64
 BLOCK_KEPT_BYTES = 1024
 """Header blocks remembered per connection, and the largest remembered."""
@@ -63,6 +67,8 @@ FLOOD_PER_S = 1000
 """Frames that ask work but carry no call (pings, settings, stream resets, priorities,
 empty DATA, frames of unknown types) a connection may send in a second before it is ended
 with ``ENHANCE_YOUR_CALM`` (a reset flood is the "rapid reset" attack)."""
+LINGER_S = 2.0
+"""How long a connection ended for an error reads (and drops) what its client still sends."""
 CLOSE_WAIT_S = 10.0
 """How long a closing connection's last bytes may wait for its client to read them."""
 UNAVAILABLE_STOPPING = "the server is stopping"
@@ -227,7 +233,7 @@ class Connection(asyncio.Protocol):
         self.settled = False
         self.streams: dict[int, Stream] = {}
         self.last_stream = 0
-        self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
+        self.decoder = hpack.Decoder(max_header_list_size=HPACK_BOMB_BYTES)
         self.blocks: dict[bytes, Head] = {}
         self.continuing: tuple[int, int, bytearray] | None = None  # stream, flags, block
         self.peer_initial_window = wire.DEFAULT_WINDOW
@@ -245,6 +251,8 @@ class Connection(asyncio.Protocol):
         self.writable = asyncio.Event()
         self.writable.set()
         self.going_away = False
+        self.ending = False
+        """The connection ends for an error (:meth:`_end`)."""
         self.timer: asyncio.TimerHandle | None = None
         self.flood = (0.0, 0)
         self.earned = 0
@@ -291,6 +299,12 @@ class Connection(asyncio.Protocol):
         self.server.connections.discard(self)
         if self.timer is not None:
             self.timer.cancel()
+        self._drop_streams()
+        if not self.finished.done():
+            self.finished.set_result(None)
+
+    def _drop_streams(self) -> None:
+        """End every call at once: the connection is gone, or ends for an error."""
         for stream in list(self.streams.values()):
             stream.reset = True
             if stream.deadline_timer is not None:
@@ -299,6 +313,7 @@ class Connection(asyncio.Protocol):
             self._release(stream)
             if stream.task is not None:
                 stream.task.cancel()
+                stream.task = None
         self.streams.clear()
         self.writable.set()
         for stream in self.waiting:
@@ -307,15 +322,13 @@ class Connection(asyncio.Protocol):
             _wake(stream)
         self.waiting.clear()
         self.starved.clear()
-        if not self.finished.done():
-            self.finished.set_result(None)
 
     def pause_writing(self) -> None:
         """The client reads slower than answers come: nothing more is read from it (what
         is not flow-controlled, statuses and acknowledgements, cannot pile up) until it
         catches up."""
         self.writable.clear()
-        if self.transport is not None and not self.transport.is_closing():
+        if self.transport is not None and not self.closed():
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
@@ -327,20 +340,38 @@ class Connection(asyncio.Protocol):
         """Close once what is written is sent; a client that reads none of it for
         ``CLOSE_WAIT_S`` is cut off."""
         transport = self.transport
-        if transport is not None and not transport.is_closing():
+        if transport is not None and not transport.is_closing() and not self.ending:
             transport.close()
             asyncio.get_running_loop().call_later(CLOSE_WAIT_S, transport.abort)
 
     def go_away(self, code: Error = Error.NO_ERROR, reason: str = "") -> None:
         """Take no new calls: ``GOAWAY``, and the connection closes once its calls are done
-        (at once for an error)."""
-        if self.transport is None or self.transport.is_closing():
+        (for an error, its calls end at once: :meth:`_end`)."""
+        transport = self.transport
+        if transport is None or self.closed():
             return
         if not self.going_away or code != Error.NO_ERROR:
-            self.transport.write(wire.goaway(self.last_stream, code, reason))
+            transport.write(wire.goaway(self.last_stream, code, reason))
         self.going_away = True
-        if code != Error.NO_ERROR or not self.streams:
+        if code != Error.NO_ERROR:
+            self._end(transport)
+        elif not self.streams:
             self.close()
+
+    def _end(self, transport: asyncio.Transport) -> None:
+        """End the connection for an error, its ``GOAWAY`` written: every call ends, the
+        server's side closes after what is written, and what the client still sends is
+        read and dropped for up to ``LINGER_S``, so that the client reads the ``GOAWAY``
+        (closing with its bytes unread would reset the connection, and its kernel would
+        drop the ``GOAWAY`` unread)."""
+        self.ending = True
+        self.buffer.clear()
+        self._drop_streams()
+        self.writable.set()
+        if transport.can_write_eof():
+            transport.write_eof()
+        transport.resume_reading()
+        asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
 
     def _idle(self) -> None:
         """No call open: the idle timeout starts (``grpc_idle_timeout_s``)."""
@@ -356,6 +387,8 @@ class Connection(asyncio.Protocol):
     # -- frames in --------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self.ending:
+            return  # the connection ends for an error: what still comes is dropped
         buffer = self.buffer
         buffer += data
         try:
@@ -373,9 +406,7 @@ class Connection(asyncio.Protocol):
             log.debug(
                 "grpc_connection_error", peer=self.peer, code=exc.code.name, reason=exc.reason
             )
-            self.buffer.clear()
             self.go_away(exc.code, exc.reason)
-            self.close()
 
     def _frames(self) -> None:
         buffer = self.buffer
@@ -398,7 +429,7 @@ class Connection(asyncio.Protocol):
             del buffer[:position]
 
     def closed(self) -> bool:
-        return self.transport is None or self.transport.is_closing()
+        return self.ending or self.transport is None or self.transport.is_closing()
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self.continuing is not None and kind != Frame.CONTINUATION:
@@ -567,7 +598,6 @@ class Connection(asyncio.Protocol):
             self._flooding()
         except wire.ConnectionError_ as exc:
             self.go_away(exc.code, exc.reason)
-            self.close()
             return False
         return True
 
@@ -626,8 +656,8 @@ class Connection(asyncio.Protocol):
                 raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "trailers must end the stream")
             if stream.remote_closed:
                 self._reset(stream, Error.STREAM_CLOSED)
-            elif head.as_trailers is not None:
-                self._malformed(stream, head.as_trailers)
+            elif head.as_trailers is not None or stream.expected:
+                self._malformed(stream, head.as_trailers or "DATA short of content-length")
             else:
                 self._remote_end(stream)
             return
@@ -748,6 +778,11 @@ class Connection(asyncio.Protocol):
             if stream is not None:
                 self._reset(stream, Error.STREAM_CLOSED)
             return
+        if stream.expected is not None:  # content-length, which DATA must match (§8.1.1)
+            stream.expected -= len(data)
+            if stream.expected < 0 or (flags & END_STREAM and stream.expected):
+                self._malformed(stream, "DATA that does not match content-length")
+                return
         stream.data += data
         if stream.messages is None:  # unary: the message is bounded by max_body_bytes
             received = len(stream.data)
@@ -912,7 +947,7 @@ class Connection(asyncio.Protocol):
 
     def _write(self, data: bytes) -> None:
         transport = self.transport
-        if transport is not None and not transport.is_closing():
+        if transport is not None and not self.ending and not transport.is_closing():
             transport.write(data)
 
     def _block(self, block: bytes) -> bytes:
@@ -1047,9 +1082,10 @@ class Connection(asyncio.Protocol):
             block = wire.RESPONSE_START + block
             stream.headers_sent = True
         self._write_headers(stream.id, block, True)
+        task = stream.task
         self._done(stream)
-        if stream.task is not None and stream.task is not asyncio.current_task():
-            stream.task.cancel()
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
 
     def _done(self, stream: Stream) -> None:
         stream.status_sent = True
@@ -1083,12 +1119,15 @@ class Connection(asyncio.Protocol):
         if stream.messages is not None and stream.owed:
             self._give_back(stream.owed)  # the connection's share; the stream is gone
         self._release(stream)
+        stream.task = None  # its frames refer to the stream: no cycle left behind
         if not self.streams:
             self._idle()
 
     def _release(self, stream: Stream) -> None:
-        if stream.tracked is not None:
-            stream.tracked.release()
+        tracked = stream.tracked
+        if tracked is not None:
+            tracked.release()
+            stream.tracked = None  # it refers to the stream (its task): no cycle left behind
 
     def consumed(self, stream: Stream, size: int) -> None:
         """A streaming call's handler took a message of ``size`` bytes."""
