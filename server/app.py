@@ -24,6 +24,7 @@ from plugserve.server.dataplane.cache import RESPONSE_CACHE, ResponseCache
 from plugserve.server.dataplane.plane import DATA_PLANE, DataPlane
 from plugserve.server.http import auth
 from plugserve.server.http.bodies import BODIES, LARGE_BODY_BYTES, Bodies
+from plugserve.server.http.budget import ByteBudget
 from plugserve.server.http.connections import KEEPALIVE_TIMEOUT_S
 from plugserve.server.http.fastpath import FAST_PATH, FastPath
 from plugserve.server.http.middleware import ERROR_SHAPES, request_middleware
@@ -204,6 +205,7 @@ def create_app(
         settings.body_threads,
         settings.max_large_bodies,
         settings.max_json_bytes,
+        ByteBudget(settings.request_bytes),
     )
     app.on_cleanup.append(_close_bodies)
     # Workers share one table of shared memory regions (server/triton/shm_table.py), which

@@ -50,6 +50,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "max_connections": (1, 1_000_000),
     "body_threads": (1, 64),
     "max_large_bodies": (1, 10_000),
+    "request_bytes_budget": (0, 2**44),
     "workers": (1, 1024),
     "worker_stall_timeout_s": (0, 86_400),
     "runner_stall_timeout_s": (0, 86_400),
@@ -164,7 +165,14 @@ class Settings:
     body_threads: int = 2
     """Threads that parse large request bodies and encode large responses."""
     max_large_bodies: int = 8
-    """Large bodies (over 256 KiB, or compressed) parsed or waiting at once; more get 429."""
+    """Large bodies (over 256 KiB, or compressed) parsed or waiting at once; more get 429.
+    gRPC's large or compressed request messages have as many places of their own (more are
+    refused ``RESOURCE_EXHAUSTED``)."""
+    request_bytes_budget: int = 0
+    """Bytes of requests a process holds while they arrive, and that compressed ones inflate
+    to, HTTP's large bodies and gRPC's messages together (``server/http/budget.py``); each
+    protocol at most three quarters of it. Past it a request is refused: HTTP 503, gRPC
+    ``RESOURCE_EXHAUSTED``. 0: eight times ``max_body_bytes``."""
     # -- data plane access (docs/security.md) --
     inference_token: str | None = dataclasses.field(default=None, repr=False)
     """With a value, every data-plane call but health and ``/metrics`` needs it (or the
@@ -193,6 +201,11 @@ class Settings:
     few ms a batch, ``registry/execution/components/inline.py``), ``off`` on a thread each,
     or ``auto``: on the loop when every usable core has a worker of its own (``workers``
     > 1 and at least one per core), where a thread only adds hand-offs."""
+
+    @property
+    def request_bytes(self) -> int:
+        """The request byte budget in force (``request_bytes_budget``, or its default)."""
+        return self.request_bytes_budget or 8 * self.max_body_bytes
 
     @property
     def worker_count(self) -> int:
@@ -480,6 +493,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "max_connections": int,
         "body_threads": int,
         "max_large_bodies": int,
+        "request_bytes_budget": int,
         "max_json_bytes": int,
         "workers": (int, str),
         "worker_stall_timeout_s": (int, float),

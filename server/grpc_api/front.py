@@ -30,8 +30,7 @@ import heapq
 import itertools
 import socket
 import time
-import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import grpc
@@ -39,9 +38,9 @@ import hpack
 import structlog
 
 from plugserve.server.grpc_api import heads, wire
-from plugserve.server.grpc_api.admission import CURRENT_CALL, Admission, Ended, TrackedCall
+from plugserve.server.grpc_api.admission import CURRENT_CALL, Admission, TrackedCall
 from plugserve.server.grpc_api.calls import MAX_DETAILS
-from plugserve.server.grpc_api.handlers import Method, Undecodable, refusal
+from plugserve.server.grpc_api.handlers import Method, Reader, Undecodable, Unparsed, parsed
 from plugserve.server.grpc_api.heads import Head
 from plugserve.server.grpc_api.wire import END_HEADERS, END_STREAM, Error, Frame, Setting
 from plugserve.server.http.connections import bind
@@ -194,33 +193,6 @@ class Stream:
         return self.status_sent or self.reset
 
 
-class Compressed:
-    """A request message still compressed (``grpc-encoding``)."""
-
-    __slots__ = ("body",)
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-
-
-def inflate(encoding: str, body: bytes, limit: int) -> bytes:
-    """A gzip or deflate message, at most ``limit`` bytes once inflated; :class:`Ended`
-    with the call's status if it cannot be read."""
-    inflater = zlib.decompressobj(31 if encoding == "gzip" else 15)
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise Ended(grpc.StatusCode.INTERNAL, f"the message does not decompress: {exc}") from None
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise Ended(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"Received message larger than max (more than {limit} bytes inflated)",
-        )
-    if not inflater.eof or inflater.unused_data:
-        raise Ended(grpc.StatusCode.INTERNAL, f"the message is not one whole {encoding} stream")
-    return out
-
-
 class Connection(asyncio.Protocol):
     """One client's HTTP/2 connection to the native gRPC server."""
 
@@ -310,6 +282,7 @@ class Connection(asyncio.Protocol):
             if stream.deadline_timer is not None:
                 stream.deadline_timer.cancel()
             _drop_buffers(stream)
+            self._unhold(stream)
             self._release(stream)
             if stream.task is not None:
                 stream.task.cancel()
@@ -791,6 +764,8 @@ class Connection(asyncio.Protocol):
                 self._give_back(size)
                 self._too_large(stream, max(declared, received - 5))
                 return
+            if not flags & END_STREAM and not self._hold(stream):
+                return
             self._give_back(size)
             stream.owed += size  # the stream's window, given back for a large message
             if stream.owed >= STREAM_WINDOW // 2:
@@ -799,9 +774,31 @@ class Connection(asyncio.Protocol):
         else:
             stream.owed += size
             self._parse_messages(stream)
+            if stream.id not in self.streams or not self._hold(stream):
+                return
             self._settle(stream)
         if flags & END_STREAM:
             self._remote_end(stream)
+
+    def _hold(self, stream: Stream) -> bool:
+        """Count what the stream holds of requests (a message still arriving, messages its
+        handler has not taken) against the process's byte budget; ``False``, the call ended
+        ``RESOURCE_EXHAUSTED``, past it."""
+        held = len(stream.data) + stream.queued
+        more = held - stream.held
+        budget = self.server.budget
+        if more > 0 and not budget.take("grpc", more):
+            self.finish(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, budget.refusal())
+            return False
+        if more < 0:
+            budget.give("grpc", -more)
+        stream.held = held
+        return True
+
+    def _unhold(self, stream: Stream) -> None:
+        if stream.held:
+            self.server.budget.give("grpc", stream.held)
+            stream.held = 0
 
     def _give_back(self, size: int, stream: Stream | None = None) -> None:
         """Window taken by ``size`` bytes that are read: given back to the client in halves."""
@@ -844,26 +841,16 @@ class Connection(asyncio.Protocol):
             stream.queued += 5 + size
 
     def _message(self, stream: Stream, compressed: int, body: bytes) -> Any:
-        """The request message of ``body``; a compressed one as :class:`Compressed`, to be
-        inflated off the event loop (``None``, with the call ended, if it cannot be)."""
+        """The request message of ``body``; a large or compressed one as :class:`Unparsed`,
+        to be read off the event loop (``None``, with the call ended, if it cannot be)."""
         if not compressed:
-            return stream.method.parse(body)
+            return self.server.reader.deferred(stream.method, body)
         if stream.encoding == "identity":
             self.finish(
                 stream, grpc.StatusCode.INTERNAL, "a compressed message without grpc-encoding"
             )
             return None
-        return Compressed(body)
-
-    async def _inflated(self, stream: Stream, message: Compressed) -> Any:
-        """A compressed message, inflated on the body threads (a bomb holds no event loop)
-        and parsed; :class:`Aborted` with the call's status if it cannot be."""
-        limit = self.server.max_message
-        try:
-            body = await self.server.offload(lambda: inflate(stream.encoding, message.body, limit))
-        except Ended as exc:
-            await stream.abort(exc.code, exc.message)
-        return stream.method.parse(body)
+        return Unparsed(body, stream.encoding)
 
     def _remote_end(self, stream: Stream) -> None:
         """The client has sent all of the call."""
@@ -898,10 +885,8 @@ class Connection(asyncio.Protocol):
         code, details = grpc.StatusCode.OK, ""
         answer = None
         try:
-            if isinstance(request, Compressed):
-                request = await self._inflated(stream, request)
-            if isinstance(request, Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(method.what, request))
+            if isinstance(request, Unparsed | Undecodable):
+                request = await parsed(method, request, context, self.server.reader)
             answer = await method.behaviour(request, context)
         except Aborted:
             code, details = context.code or grpc.StatusCode.UNKNOWN, context.details
@@ -1114,6 +1099,7 @@ class Connection(asyncio.Protocol):
         if self.streams.pop(stream.id, None) is None:
             return
         _drop_buffers(stream)
+        self._unhold(stream)
         if stream.deadline_timer is not None:
             stream.deadline_timer.cancel()
         if stream.messages is not None and stream.owed:
@@ -1132,6 +1118,8 @@ class Connection(asyncio.Protocol):
     def consumed(self, stream: Stream, size: int) -> None:
         """A streaming call's handler took a message of ``size`` bytes."""
         stream.queued -= size
+        if stream.id in self.streams:
+            self._hold(stream)
         self._settle(stream)
 
     def _settle(self, stream: Stream) -> None:
@@ -1159,12 +1147,8 @@ async def _requests(stream: Stream) -> AsyncIterator[Any]:
             return
         message, size = item
         stream.connection.consumed(stream, size)
-        if isinstance(message, Compressed):
-            message = await stream.connection._inflated(stream, message)
-        if isinstance(message, Undecodable):
-            await stream.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, refusal(stream.method.what, message)
-            )
+        if isinstance(message, Unparsed | Undecodable):
+            message = await parsed(stream.method, message, stream, stream.connection.server.reader)
         yield message
 
 
@@ -1207,11 +1191,12 @@ class NativeServer:
         max_message: int,
         handshake_timeout_s: float,
         idle_timeout_s: float,
-        offload: Callable[[Callable[[], bytes]], Awaitable[bytes]],
+        reader: Reader,
     ) -> None:
         self.methods = {m.path: m for m in methods}
-        self.offload = offload
-        """Runs work off the event loop (the body threads): inflating a message."""
+        self.reader = reader
+        """Reads large and compressed messages off the event loop (the body threads)."""
+        self.budget = reader.budget
         self.unknown = Method("", "", lambda b: b, lambda m: b"", _unknown, False, False)
         self.admission = admission
         self.max_message = max_message

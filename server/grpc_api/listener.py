@@ -25,8 +25,7 @@ from plugserve.registry.errors import ConfigError
 from plugserve.server.config import Settings
 from plugserve.server.grpc_api.admission import Admission, CallLimits
 from plugserve.server.grpc_api.front import NativeServer
-from plugserve.server.grpc_api.service import add_to_server, served_methods
-from plugserve.server.http.bodies import BODIES
+from plugserve.server.grpc_api.service import add_to_server, reader, served_methods
 from plugserve.server.http.connections import DEFAULT_MAX_CONNECTIONS
 from plugserve.server.state import SETTINGS
 
@@ -65,7 +64,7 @@ async def _serve(app: web.Application, shared: bool) -> AsyncIterator[None]:
             settings.max_body_bytes,
             settings.header_timeout_s,
             settings.grpc_idle_timeout_s,
-            app[BODIES].run,
+            reader(app),
         )
         await native.start(settings.host, settings.grpc_port, shared)
         stop: Callable[[float], Awaitable[None]] = native.stop

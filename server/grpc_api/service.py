@@ -35,7 +35,7 @@ from plugserve.registry.errors import (
 from plugserve.registry.execution.chain import Chain
 from plugserve.server.dataplane.outcomes import log_failure
 from plugserve.server.dataplane.plane import DATA_PLANE, Inference, Served
-from plugserve.server.grpc_api import handlers, tensors
+from plugserve.server.grpc_api import handlers, prescan, tensors
 from plugserve.server.grpc_api.admission import CURRENT_CALL, TrackedCall, end_with
 from plugserve.server.grpc_api.calls import Call, error_details, grpc_code
 from plugserve.server.grpc_api.generated import grpc_service_pb2 as pb
@@ -624,15 +624,23 @@ def served_methods(app: web.Application, port: int | None = None) -> list[handle
 
 
 def _methods(service: InferenceService) -> list[handlers.Method]:
+    infer = pb.ModelInferRequest.DESCRIPTOR
+    checks = {infer.full_name: prescan.bounds(infer, service.app[SETTINGS].limits)}
     return [
-        *handlers.methods(pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], service),
+        *handlers.methods(pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], service, checks),
         *handlers.methods(health_pb2.DESCRIPTOR.services_by_name["Health"], HealthService(service)),
     ]
+
+
+def reader(app: web.Application) -> handlers.Reader:
+    """How ``app``'s gRPC engine reads large and compressed request messages."""
+    bodies = app[BODIES]
+    return handlers.Reader(app[SETTINGS].max_body_bytes, bodies.read_message, bodies.budget)
 
 
 def add_to_server(server: Any, app: web.Application, port: int | None = None) -> InferenceService:
     """Register the inference and health services of ``app`` on a ``grpc.aio`` server that
     listens on ``port``."""
     service = InferenceService(app, port)
-    handlers.register(server, _methods(service))
+    handlers.register(server, _methods(service), reader(app))
     return service

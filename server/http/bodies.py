@@ -26,6 +26,7 @@ from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
 from plugserve.registry.errors import PayloadTooLarge, TooManyRequests, UnreadableBody
+from plugserve.server.http.budget import ByteBudget
 
 T = TypeVar("T")
 
@@ -53,16 +54,30 @@ def json_too_large(size: int, limit: int) -> PayloadTooLarge:
 
 class Slot:
     """One of the ``max_large_bodies`` places a large body holds from its first byte read
-    until it is parsed (or its request ends); released once."""
+    until it is parsed (or its request ends), with the body's bytes counted against the
+    process's byte budget meanwhile; released once."""
 
-    __slots__ = ("_bodies",)
+    __slots__ = ("_bodies", "held")
 
     def __init__(self, bodies: Bodies) -> None:
         self._bodies: Bodies | None = bodies
+        self.held = 0
+
+    def hold(self, size: int) -> None:
+        """Count ``size`` more bytes of the body; 503 past the byte budget."""
+        bodies = self._bodies
+        if bodies is None:
+            return
+        if not bodies.budget.take("http", size):
+            raise bodies.budget.unavailable()
+        self.held += size
 
     def release(self) -> None:
-        if self._bodies is not None:
-            self._bodies.large -= 1
+        bodies = self._bodies
+        if bodies is not None:
+            bodies.large -= 1
+            bodies.budget.give("http", self.held)
+            self.held = 0
             self._bodies = None
 
 
@@ -90,13 +105,21 @@ class Bodies:
     """
 
     def __init__(
-        self, max_body_bytes: int, threads: int, max_large: int, max_json_bytes: int | None = None
+        self,
+        max_body_bytes: int,
+        threads: int,
+        max_large: int,
+        max_json_bytes: int | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         self.max_body_bytes = max_body_bytes
         self.max_json_bytes = max_body_bytes if max_json_bytes is None else max_json_bytes
         self.max_large = max_large
         self.large = 0
         """Large bodies being parsed or waiting for a thread."""
+        self.messages = 0
+        """gRPC messages (large or compressed) being read on the threads or waiting for one."""
+        self.budget = budget if budget is not None else ByteBudget(8 * max_body_bytes)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="plugserve-body")
 
     async def read(self, request: web.BaseRequest, json: bool = False) -> bytes:
@@ -117,6 +140,9 @@ class Bodies:
                 self.take(request)
             content = request.content
             first = await content.readany()
+            slot = request.get(SLOT)
+            if slot is not None:
+                slot.hold(len(first))
             if not content.at_eof():
                 body = await self._read_rest(request, bytearray(first))
             elif len(first) > limit:  # the usual case: the whole body came with the headers
@@ -152,8 +178,12 @@ class Bodies:
             body += chunk
             if len(body) > limit:
                 raise too_large(limit)
-            if len(body) > LARGE_BODY_BYTES and request.get(SLOT) is None:
+            slot = request.get(SLOT)
+            if slot is not None:
+                slot.hold(len(chunk))
+            elif len(body) > LARGE_BODY_BYTES:
                 self.take(request)  # chunked, of no declared length: large after all
+                request[SLOT].hold(len(body))
 
     def check_json(self, size: int) -> None:
         """413 for a JSON text of ``size`` bytes, over ``max_json_bytes``."""
@@ -196,6 +226,30 @@ class Bodies:
         """Run ``work()`` on the pool (encoding a large response); not counted."""
         future: Future[T] = self._pool.submit(work)
         return await asyncio.wrap_future(future)
+
+    async def read_message(self, work: Callable[[], T]) -> T:
+        """Run ``work()`` on the pool for a gRPC request message (a large one parsed, a
+        compressed one inflated): at most ``max_large_bodies`` at once, running or waiting,
+        apart from HTTP's (so that neither protocol's floods hold the other's place);
+        :class:`TooManyRequests` beyond. The place is freed when the thread is done."""
+        if self.messages >= self.max_large:
+            raise TooManyRequests(
+                f"{self.messages} large or compressed gRPC messages are being read, the "
+                f"limit (max_large_bodies = {self.max_large}); try again shortly",
+                retry_after_s=1,
+            )
+        self.messages += 1
+        loop = asyncio.get_running_loop()
+        try:
+            future: Future[T] = self._pool.submit(work)
+        except BaseException:
+            self.messages -= 1
+            raise
+        future.add_done_callback(lambda _: _call_soon(loop, self._message_read))
+        return await asyncio.wrap_future(future)
+
+    def _message_read(self) -> None:
+        self.messages -= 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -22,7 +22,8 @@ from hyperframe.frame import (
 
 from plugserve.server.grpc_api.admission import Admission, CallLimits
 from plugserve.server.grpc_api.front import Connection, NativeServer, Stream
-from plugserve.server.grpc_api.handlers import Method
+from plugserve.server.grpc_api.handlers import Method, Reader
+from plugserve.server.http.budget import ByteBudget
 from tests import h2peer
 
 PATH = "/test.Echo/Call"
@@ -41,7 +42,8 @@ async def native() -> AsyncIterator[NativeServer]:
     async def offload(work: Any) -> Any:
         return work()
 
-    server = NativeServer([method], admission, 1 << 20, 10.0, 60.0, offload)
+    reader = Reader(1 << 20, offload, ByteBudget(8 << 20))
+    server = NativeServer([method], admission, 1 << 20, 10.0, 60.0, reader)
     await server.start("127.0.0.1", 0, False)
     yield server
     await server.stop(0.1)
