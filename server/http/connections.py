@@ -35,7 +35,13 @@ from aiohttp.web_runner import GracefulExit
 from multidict import CIMultiDictProxy
 
 from plugserve.registry.errors import ConfigError
-from plugserve.server.http.framing import MAX_HEAD_BYTES, FastFront, FastRequest, Route
+from plugserve.server.http.framing import (
+    MAX_HEAD_BYTES,
+    FastFront,
+    FastRequest,
+    Route,
+    could_be_taken,
+)
 from plugserve.server.runtime.logs import REQUEST_CHAIN, REQUEST_ID
 
 log = structlog.get_logger("plugserve.server")
@@ -356,7 +362,7 @@ class Connection(asyncio.Protocol):
         if framed is None:
             end = buffer.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
             if end < 0:
-                if len(buffer) > MAX_HEAD_BYTES:
+                if len(buffer) > MAX_HEAD_BYTES or not could_be_taken(buffer):
                     self._hand_over()
                 else:
                     self._read_on()
@@ -365,6 +371,9 @@ class Connection(asyncio.Protocol):
             taken = fast.take(head[:end])
             if taken is None:
                 self._hand_over()
+                return
+            if len(buffer) < end + 4 + taken[4] and not taken[0].known(taken[2]):
+                self._hand_over()  # aiohttp answers 404 now, not once the body is in
                 return
             del buffer[: end + 4]
             self.framed = framed = Framed(*taken, head)

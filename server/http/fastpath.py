@@ -27,6 +27,7 @@ import email.utils
 import http
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -69,10 +70,12 @@ class FastPath:
     _date: tuple[int, str] = (0, "")
     _heads: dict[bytes, Taken] = field(default_factory=dict)
 
-    def add_post(self, prefix: str, suffix: str, handler: FastHandler) -> None:
+    def add_post(
+        self, prefix: str, suffix: str, handler: FastHandler, known: Callable[[str], bool]
+    ) -> None:
         """Serve ``POST {prefix}{segment}{suffix}`` (one path segment, no query) with
-        ``handler``."""
-        self.routes.append(Route(prefix.encode(), suffix.encode(), handler))
+        ``handler``; ``known(segment)`` says whether the segment names something served."""
+        self.routes.append(Route(prefix.encode(), suffix.encode(), handler, known))
 
     def take(self, head: bytes) -> Taken | None:
         """What :func:`~plugserve.server.http.framing.take` makes of a request head, within

@@ -76,11 +76,14 @@ answered or counted anything of it."""
 
 @dataclass(slots=True)
 class Route:
-    """``POST {prefix}{segment}{suffix}``, served by ``handler``."""
+    """``POST {prefix}{segment}{suffix}``, served by ``handler``; ``known(segment)`` says
+    whether the segment names something served (aiohttp answers 404 to one that does not
+    as soon as the head is in, before the body)."""
 
     prefix: bytes
     suffix: bytes
     handler: FastHandler
+    known: Callable[[str], bool]
 
 
 class FastFront(Protocol):
@@ -91,6 +94,14 @@ class FastFront(Protocol):
     def take(self, head: bytes) -> Taken | None: ...
 
     async def serve(self, route: Route, request: FastRequest) -> tuple[bytes, bool] | None: ...
+
+
+def could_be_taken(start: bytes | bytearray) -> bool:
+    """Whether the first bytes of a head whose end has not come could still be one the fast
+    path takes: aiohttp answers some heads before their end (bytes that are no request
+    line, bare line feeds), and the fast path does as aiohttp does."""
+    line = start[:6]
+    return b"POST /".startswith(line) and start.count(b"\n") == start.count(b"\r\n")
 
 
 def take(routes: list[Route], head: bytes, max_body_bytes: int) -> Taken | None:
@@ -133,6 +144,6 @@ def take(routes: list[Route], head: bytes, max_body_bytes: int) -> Taken | None:
         elif key in _SINGLETONS and key in headers:
             return None  # aiohttp refuses a second one: its 400
         headers.add(name.decode("ascii"), value.decode("ascii"))
-    if length is None or length > max_body_bytes:
-        return None
+    if length is None or length > max_body_bytes or "host" not in headers:
+        return None  # HTTP/1.1 without Host: aiohttp's 400
     return route, target.decode("ascii"), segment.decode("ascii"), CIMultiDictProxy(headers), length

@@ -169,7 +169,8 @@ def add_fast_routes(app: web.Application, fast: FastPath) -> None:
         payload, out = await plane.infer(request, "v2", read, answer, request.route)
         return FastAnswer(200, out, payload)
 
-    fast.add_post("/v2/models/", "/infer", serve)
+    registry = app[REGISTRY]
+    fast.add_post("/v2/models/", "/infer", serve, lambda route: route in registry.routes.entries)
 
 
 async def repository_index(request: web.Request) -> web.Response:

@@ -16,7 +16,7 @@ async def _handler(request: FastRequest) -> FastAnswer | None:
 
 def _fast() -> FastPath:
     fast = FastPath(max_body_bytes=1000, keepalive_timeout_s=75.0)
-    fast.add_post("/v2/models/", "/infer", _handler)
+    fast.add_post("/v2/models/", "/infer", _handler, lambda route: True)
     return fast
 
 
