@@ -66,6 +66,10 @@ FLOOD_PER_S = 1000
 """Frames that ask work but carry no call (pings, settings, stream resets, priorities,
 empty DATA, frames of unknown types) a connection may send in a second before it is ended
 with ``ENHANCE_YOUR_CALM`` (a reset flood is the "rapid reset" attack)."""
+CLOSED_KEPT = 1024
+"""Closed streams whose way of closing is remembered, to answer their late frames."""
+CLIENT_ENDED, CLIENT_RESET, SERVER_ENDED = 1, 2, 3
+"""How a stream closed: the client sent all of it, the client reset it, the server ended it."""
 LINGER_S = 2.0
 """How long a connection ended for an error reads (and drops) what its client still sends."""
 CLOSE_WAIT_S = 10.0
@@ -223,6 +227,13 @@ class Connection(asyncio.Protocol):
         self.writable = asyncio.Event()
         self.writable.set()
         self.going_away = False
+        self.ended_streams: dict[int, int] = {}
+        """How the last ``CLOSED_KEPT`` streams closed, by id (RFC 9113 §5.1's closed state)."""
+        self.forgotten = 0
+        """The highest id of a closed stream no longer remembered: one not open above it
+        and not remembered was never opened."""
+        self.self_dependent = 0
+        """A stream whose HEADERS made it depend on itself (its block is decoded first)."""
         self.ending = False
         """The connection ends for an error (:meth:`_end`)."""
         self.timer: asyncio.TimerHandle | None = None
@@ -423,14 +434,18 @@ class Connection(asyncio.Protocol):
         elif kind == Frame.WINDOW_UPDATE:
             self._window_update(stream_id, payload)
         elif kind == Frame.PING:
-            if stream_id or len(payload) != 8:
-                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad PING")
+            if stream_id:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "PING on a stream")
+            if len(payload) != 8:
+                raise wire.ConnectionError_(Error.FRAME_SIZE_ERROR, "a PING not of 8 octets")
             if not flags & wire.ACK:
                 self._flooding()
                 self._write(wire.frame(Frame.PING, wire.ACK, 0, payload))
         elif kind == Frame.RST_STREAM:
-            if not stream_id or len(payload) != 4:
-                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad RST_STREAM")
+            if not stream_id:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "RST_STREAM on stream 0")
+            if len(payload) != 4:
+                raise wire.ConnectionError_(Error.FRAME_SIZE_ERROR, "an RST_STREAM not of 4 octets")
             self._flooding()
             stream = self.streams.get(stream_id)
             if stream is not None:
@@ -438,13 +453,21 @@ class Connection(asyncio.Protocol):
             elif stream_id > self.last_stream:
                 raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
         elif kind == Frame.GOAWAY:
+            if stream_id:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "GOAWAY on a stream")
+            if len(payload) < 8:
+                raise wire.ConnectionError_(Error.FRAME_SIZE_ERROR, "a GOAWAY under 8 octets")
             self.going_away = True
             if not self.streams:
                 self.close()
         elif kind == Frame.PRIORITY:
-            if len(payload) != 5 or not stream_id:
-                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad PRIORITY")
+            if not stream_id:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "PRIORITY on stream 0")
             self._flooding()
+            if len(payload) != 5:
+                self._stream_error(stream_id, Error.FRAME_SIZE_ERROR)
+            elif _depends_on(payload) == stream_id:
+                self._stream_error(stream_id, Error.PROTOCOL_ERROR)
         elif kind == Frame.PUSH_PROMISE:
             raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "a client may not push")
         else:  # other frame types are ignored, as HTTP/2 says, but not without end
@@ -525,7 +548,9 @@ class Connection(asyncio.Protocol):
             return
         stream = self.streams.get(stream_id)
         if stream is None:
-            return
+            if stream_id > self.last_stream:
+                raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
+            return  # a closed stream's: allowed for a while (RFC 9113 §5.1)
         window = self.window_of(stream) + increment
         if not increment or window > wire.MAX_WINDOW:
             self._reset(stream, Error.PROTOCOL_ERROR if not increment else Error.FLOW_CONTROL_ERROR)
@@ -581,6 +606,8 @@ class Connection(asyncio.Protocol):
         if flags & wire.PRIORITY:
             if len(block) < 5:
                 raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "bad HEADERS priority")
+            if _depends_on(block) == stream_id:
+                self.self_dependent = stream_id  # a stream error, once its block is decoded
             block = block[5:]
         if not flags & END_HEADERS:
             self.continuing = (stream_id, flags, bytearray(block))
@@ -622,7 +649,13 @@ class Connection(asyncio.Protocol):
         return head
 
     def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
-        head = self._decode(block)
+        head = self._decode(block)  # always: the connection's table must follow the client's
+        if self.self_dependent == stream_id:
+            self.self_dependent = 0
+            if stream_id > self.last_stream:
+                self.last_stream = stream_id
+            self._stream_error(stream_id, Error.PROTOCOL_ERROR)  # RFC 9113 §5.3.1
+            return
         stream = self.streams.get(stream_id)
         if stream is not None:  # the client's trailers: they end its side
             if not flags & END_STREAM:
@@ -635,7 +668,8 @@ class Connection(asyncio.Protocol):
                 self._remote_end(stream)
             return
         if stream_id <= self.last_stream:
-            return  # a stream ended here already (answered or reset): its late frames are ignored
+            self._on_closed(stream_id, "HEADERS")
+            return
         self.last_stream = stream_id
         if self.going_away or len(self.streams) >= MAX_STREAMS:
             self._refused(stream_id, Error.REFUSED_STREAM)
@@ -658,14 +692,49 @@ class Connection(asyncio.Protocol):
             )
             if not flags & END_STREAM:
                 self._write(wire.rst_stream(stream_id, Error.NO_ERROR))
+            self._closed(stream_id, CLIENT_ENDED if flags & END_STREAM else SERVER_ENDED)
             return
         self._open(stream_id, flags, head)
 
     def _refused(self, stream_id: int, code: Error) -> None:
         """Reset a stream the client opened, unopened: a reset the client made the server send,
         counted as its own resets are (``FLOOD_PER_S``)."""
+        self._stream_error(stream_id, code)
+
+    def _stream_error(self, stream_id: int, code: Error) -> None:
+        """A stream error (RFC 9113 §5.4.2): the stream reset with ``code``, the connection
+        and its other calls going on; counted as a reset the client made the server send."""
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            self._reset(stream, code)
+            return
         self._flooding()
         self._write(wire.rst_stream(stream_id, code))
+        self._closed(stream_id, SERVER_ENDED)
+
+    def _on_closed(self, stream_id: int, kind: str) -> None:
+        """A DATA or HEADERS frame on a stream at or below the last one opened, not open
+        (RFC 9113 §5.1): after the client's END_STREAM a connection error, after its reset a
+        stream error, both ``STREAM_CLOSED``; ignored after the server ended the stream (the
+        client may have sent it before it knew); HEADERS on an id never opened is a
+        connection error ``PROTOCOL_ERROR`` (§5.1.1), as far back as closed streams are
+        remembered."""
+        how = self.ended_streams.get(stream_id)
+        if how == CLIENT_ENDED:
+            raise wire.ConnectionError_(Error.STREAM_CLOSED, f"{kind} on a closed stream")
+        if how == CLIENT_RESET:
+            self._stream_error(stream_id, Error.STREAM_CLOSED)
+        elif how is None and kind == "HEADERS" and stream_id > self.forgotten:
+            raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "a stream id lower than one used")
+
+    def _closed(self, stream_id: int, how: int) -> None:
+        """Remember how a stream closed (the last ``CLOSED_KEPT`` of them)."""
+        closed = self.ended_streams
+        closed[stream_id] = how
+        if len(closed) > CLOSED_KEPT:
+            oldest = next(iter(closed))
+            del closed[oldest]
+            self.forgotten = max(self.forgotten, oldest)
 
     def _malformed(self, stream: Stream, reason: str) -> None:
         """End a call whose request is malformed (RFC 9113 §8.1.1): its stream reset
@@ -676,10 +745,12 @@ class Connection(asyncio.Protocol):
     def _open(self, stream_id: int, flags: int, head: Head) -> None:
         if head.method != b"POST":
             self._write_headers(stream_id, b"\x08\x03405", True)  # :status 405 (indexed name)
+            self._closed(stream_id, CLIENT_ENDED if flags & END_STREAM else SERVER_ENDED)
             return
         content_type = head.content_type
         if content_type is None or not content_type.startswith(b"application/grpc"):
             self._write_headers(stream_id, b"\x08\x03415", True)  # :status 415, indexed name
+            self._closed(stream_id, CLIENT_ENDED if flags & END_STREAM else SERVER_ENDED)
             return
         path, timeout, encoding = head.path, head.timeout, head.encoding
         assert path is not None  # a well-formed head has one
@@ -750,6 +821,8 @@ class Connection(asyncio.Protocol):
                 raise wire.ConnectionError_(Error.PROTOCOL_ERROR, "DATA on an idle stream")
             if stream is not None:
                 self._reset(stream, Error.STREAM_CLOSED)
+            else:
+                self._on_closed(stream_id, "DATA")
             return
         if stream.expected is not None:  # content-length, which DATA must match (§8.1.1)
             stream.expected -= len(data)
@@ -1076,6 +1149,9 @@ class Connection(asyncio.Protocol):
         stream.status_sent = True
         if not stream.remote_closed:
             self._write(wire.rst_stream(stream.id, Error.NO_ERROR))
+            self._closed(stream.id, SERVER_ENDED)
+        else:
+            self._closed(stream.id, CLIENT_ENDED)
         self._forget(stream)
 
     def _reset(self, stream: Stream, code: Error) -> None:
@@ -1087,12 +1163,14 @@ class Connection(asyncio.Protocol):
         stream.reset = True
         if stream.task is not None:
             stream.task.cancel()
+        self._closed(stream.id, SERVER_ENDED)
         self._forget(stream)
 
     def _client_reset(self, stream: Stream) -> None:
         stream.reset = True
         if stream.task is not None:
             stream.task.cancel()
+        self._closed(stream.id, CLIENT_RESET)
         self._forget(stream)
 
     def _forget(self, stream: Stream) -> None:
@@ -1161,6 +1239,11 @@ def _drop_buffers(stream: Stream) -> None:
         while not queue.empty():
             queue.get_nowait()
         queue.put_nowait(None)  # a handler still reading finds the end
+
+
+def _depends_on(priority: bytes) -> int:
+    """The stream a priority block (RFC 9113 §5.3) says its stream depends on."""
+    return int.from_bytes(priority[:4], "big") & 0x7FFFFFFF
 
 
 def _wake(stream: Stream) -> None:
