@@ -64,7 +64,9 @@ def test_a_canary_failing_one_request_in_20_is_rolled_back_within_its_first_step
     assert decisions(state) == [("roll_back", 0)]  # within the first step's window
     assert "error rate" in state["status"]["reason"], state["status"]["reason"]
     figures = state["status"]["history"][0]["figures"]
-    assert figures["canary"]["requests"] >= 60 and figures["canary"]["error_rate"] > 0.03
+    # Each worker's canary fails its own every 20th request: with two, the window may hold
+    # two failures in up to 79 requests (2.5 %).
+    assert figures["canary"]["requests"] >= 60 and figures["canary"]["error_rate"] > 0.02
     assert figures["stable"]["errors"] == 0
     # The only failures are the canary's own: none because the weight moved.
     assert set(load.failures()) == {(500, CANARY)}, load.failures()
