@@ -5,8 +5,8 @@ grpc.aio runs each call through gRPC's C core, its poller thread and several
 Cython coroutines: about 200 µs of CPU a call here before any of plugserve's
 code (docs/performance.md). This server reads the HTTP/2 frames of its
 connections itself (an :class:`asyncio.Protocol`, as the HTTP fast path does) and
-calls the same servicer methods (``service.py``) with a context that offers what
-they use of grpc.aio's (:class:`Context`), under the same call admission
+calls the same servicer methods (``service.py``) with each call's :class:`Stream` as the
+context (it offers what they use of grpc.aio's), under the same call admission
 (:class:`plugserve.server.grpc_api.admission.Admission`): a unary call runs as one
 task once its message is in, and its answer leaves in one write.
 
@@ -17,8 +17,15 @@ is given back as its messages are taken, so a client that floods a stream waits)
 with its dynamic table (the ``hpack`` package; a header block seen before under the
 same table is looked up, not decoded again); ``PING``, ``GOAWAY`` and
 ``RST_STREAM`` both ways; ``GOAWAY`` to a connection with no call for
-``grpc_idle_timeout_s``. Floods of pings, settings or resets, and frames that
-break the protocol, end the connection with ``GOAWAY``.
+``grpc_idle_timeout_s``. A malformed request (``heads.py``) resets its own stream.
+
+What a client can make it do is bounded by what it sends, not by the connection's
+state: a window change is one assignment and wakes only the answers it unblocks; frames
+that ask work but carry no call, and resets the server sends for a client's frames, count
+against one flood bound (``FLOOD_PER_S``); messages are read off the event loop when large
+or compressed, within the process's byte budget (``server/http/budget.py``). Floods and
+frames that break the protocol end the connection with ``GOAWAY``
+(docs/security.md, "The protocol layers under attack").
 """
 
 from __future__ import annotations
@@ -64,8 +71,10 @@ BLOCK_KEPT_BYTES = 1024
 """Header blocks remembered per connection, and the largest remembered."""
 FLOOD_PER_S = 1000
 """Frames that ask work but carry no call (pings, settings, stream resets, priorities,
-empty DATA, frames of unknown types) a connection may send in a second before it is ended
-with ``ENHANCE_YOUR_CALM`` (a reset flood is the "rapid reset" attack)."""
+empty DATA, frames of unknown types), resets the server sends for a client's frames, and
+answers woken for a window the client took back, a connection may cause in a second before
+it is ended with ``ENHANCE_YOUR_CALM`` (a reset flood is the "rapid reset" attack; resets
+the client makes the server send, "MadeYouReset")."""
 CLOSED_KEPT = 1024
 """Closed streams whose way of closing is remembered, to answer their late frames."""
 CLIENT_ENDED, CLIENT_RESET, SERVER_ENDED = 1, 2, 3
@@ -1231,8 +1240,8 @@ async def _requests(stream: Stream) -> AsyncIterator[Any]:
 
 
 def _drop_buffers(stream: Stream) -> None:
-    """What an ended stream received and nobody will read: freed now, not when the cyclic
-    collector next finds the stream (its context refers back to it)."""
+    """What an ended stream received and nobody will read: freed now, not when its handler's
+    task lets go of the stream."""
     stream.data.clear()
     queue = stream.messages
     if queue is not None:

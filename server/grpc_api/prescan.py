@@ -91,14 +91,8 @@ def _walk(body: bytes, top: Descriptor, counted: dict[int, str], limits: Limits)
                     why = _bytes_elements(body, start, position, limits.max_bytes_elements)
                     if why is not None:
                         return why
-            elif kind == VARINT:
-                _, position = _varint(body, position)
-            elif kind == FIXED64:
-                position += 8
-            elif kind == FIXED32:
-                position += 4
             else:
-                raise Malformed
+                position = _skip(body, position, kind)
         if position != end:
             raise Malformed
     return None
@@ -120,15 +114,20 @@ def _bytes_elements(body: bytes, position: int, end: int, limit: int) -> str | N
                         f"a tensor's bytes_contents has more than {limit} elements "
                         "(max_bytes_elements)"
                     )
-        elif kind == VARINT:
-            _, position = _varint(body, position)
-        elif kind == FIXED64:
-            position += 8
-        elif kind == FIXED32:
-            position += 4
         else:
-            raise Malformed
+            position = _skip(body, position, kind)
     return None
+
+
+def _skip(body: bytes, position: int, kind: int) -> int:
+    """Past the value of a field of wire type ``kind`` other than length-delimited."""
+    if kind == VARINT:
+        return _varint(body, position)[1]
+    if kind == FIXED64:
+        return position + 8
+    if kind == FIXED32:
+        return position + 4
+    raise Malformed
 
 
 def _varint(body: bytes, position: int) -> tuple[int, int]:

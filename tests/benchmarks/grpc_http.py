@@ -6,6 +6,7 @@
                                          [--no-generator-check] [--no-mlserver] [--mlserver-json]
                                          [--no-triton] [--no-auto]
                                          [--grpc-engine native grpcio]
+                                         [--baseline OTHER_CHECKOUT]
 
 Issue 15's target, in one run on one machine: the serving benchmark's medium
 MLP (tests/benchmarks/serving.py: 256 -> 1024 -> 1024 -> 1024 -> 10, FP32,
@@ -440,10 +441,16 @@ def measure(cases: list[Case], args: argparse.Namespace, work: Path) -> dict[Key
 
 
 def start_plugserve(
-    plugins: Path, workers: int, work: Path, frame: Path, script: Path, engine: str = "grpcio"
+    plugins: Path,
+    workers: int,
+    work: Path,
+    frame: Path,
+    script: Path,
+    engine: str = "grpcio",
+    checkout: Path | None = None,
 ) -> tuple[Server, int, list[Case]]:
-    """A plugserve with ``--workers`` and ``--grpc-engine``, its gRPC port, and its two
-    cases."""
+    """A plugserve with ``--workers`` and ``--grpc-engine`` (of ``checkout``, another copy of
+    plugserve, if given: named ``-baseline``), its gRPC port, and its two cases."""
     port, grpc_port = free_port(), free_port()
     command = [sys.executable, "-m", "plugserve", "serve", "--plugins-dir", str(plugins),
                "--models-dir", str(plugins.parent / "models"), "--port", str(port),
@@ -451,7 +458,8 @@ def start_plugserve(
     command += ["--workers", str(workers)] if workers else []  # 0: as installed
     command += ["--grpc-engine", engine]
     name = (f"plugserve-w{workers}" if workers else "plugserve-auto") + _suffix(engine)
-    server = Server(command, port, work / f"{name}.log")
+    name += "" if checkout is None else "-baseline"
+    server = Server(command, port, work / f"{name}.log", checkout=checkout)
     return server, grpc_port, [
         Case(name, "grpc", f"http://127.0.0.1:{grpc_port}{MODEL_INFER}", frame, server,
              plugserve_counter(port), port, workers),
@@ -497,9 +505,12 @@ def start_all(args: argparse.Namespace, work: Path, run: Run) -> None:
                  bare_grpc),
         ]  # fmt: skip
     counts = [*args.workers, *([] if args.no_auto else [0])]
-    for engine, n in itertools.product(args.grpc_engine, counts):
+    checkouts = [None, *([] if args.baseline is None else [args.baseline.resolve()])]
+    for engine, n, checkout in itertools.product(args.grpc_engine, counts, checkouts):
         folder = plugins if n else as_installed
-        server, grpc_port, cases = start_plugserve(folder, n, work, raw_frame, binary, engine)
+        server, grpc_port, cases = start_plugserve(
+            folder, n, work, raw_frame, binary, engine, checkout
+        )
         run.servers.append(server)  # stopped in finally even if never ready
         server.wait("/v2/health/ready", 120)
         if n == 0:  # as installed: a worker per usable core
@@ -714,6 +725,9 @@ def main() -> None:
     parser.add_argument("--mlserver-json", action="store_true", help="also MLServer's HTTP JSON")
     parser.add_argument("--grpc-engine", nargs="+", default=["native"],
                         choices=["grpcio", "native"], help="one plugserve per engine and count")  # fmt: skip
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout of plugserve (a git worktree): each plugserve "
+                        "also from there, named -baseline, served in turns")  # fmt: skip
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="plugserve-grpc-bench-"))
     run = Run()
