@@ -1,14 +1,17 @@
 """An HTTP/2 peer built from independent implementations: frames by ``hyperframe``, header
 blocks by ``hpack`` (the packages the ``h2`` library is made of), never the server's own
-``plugserve.server.grpc_api.wire``. The conformance and attack tests speak to real servers
-through it, frame by frame, as a hostile or careless client would."""
+``plugserve.server.grpc_api.wire``. The conformance and attack tests, and the hostile soak
+(``tests/benchmarks/hostile_h2.py``), speak to real servers through it, frame by frame, as a
+hostile or careless client would; :class:`Attacker` reads in a thread while its owner
+writes."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import hpack
 from hyperframe.frame import (
@@ -23,6 +26,7 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+INITIAL_WINDOW_SIZE = SettingsFrame.INITIAL_WINDOW_SIZE
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 SERVER_LIVE = "/inference.GRPCInferenceService/ServerLive"
@@ -293,3 +297,146 @@ def frames_in(data: bytes) -> list[Frame]:
         frames.append(frame)
         position += 9 + length
     return frames
+
+
+# -- attacking connections ----------------------------------------------------------------
+
+
+def wait(until: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not until():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class Attacker:
+    """A :class:`Peer` whose frames are read in a thread (as a client reads what it is sent)
+    while the test writes on a copy of its socket, so that a write never waits on a read."""
+
+    def __init__(self, port: int, settings: dict[int, int] | None = None) -> None:
+        self.peer = Peer(port, settings=settings)
+        # The server's SETTINGS first: the peer acknowledges them from the reading thread.
+        self.peer.read(5, until=lambda p: any(isinstance(f, SettingsFrame) for f in p.frames))
+        self.out = self.peer.sock.dup()
+        self.out.settimeout(5)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        self.peer.read(600, until=lambda p: self.done.is_set())
+
+    def send(self, *frames: Frame | bytes) -> bool:
+        """Frames (or bytes) in one write; false once the server has closed or stopped reading."""
+        try:
+            self.out.sendall(b"".join(f if isinstance(f, bytes) else f.serialize() for f in frames))
+        except OSError:
+            return False
+        return True
+
+    @property
+    def over(self) -> bool:
+        return self.peer.goaway is not None or self.peer.closed
+
+    def ended(self, stream: int) -> bool:
+        """Whether the server has ended ``stream`` (status, reset or GOAWAY)."""
+        peer = self.peer
+        return stream in peer.ended or stream in peer.resets or self.over
+
+    def goaway(self, seconds: float = 5.0) -> int | None:
+        """The error code of the server's GOAWAY, waited for ``seconds``."""
+        wait(lambda: self.over, seconds)
+        return None if self.peer.goaway is None else self.peer.goaway.error_code
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+        self.out.close()
+        self.peer.close()
+
+
+def call_block(peer: Peer, path: str = MODEL_INFER, extra: Iterable[tuple[str, str]] = ()) -> bytes:
+    """A call's header block, as the peer's encoder writes the next one."""
+    return peer.block(grpc_headers(path, tuple(extra)))
+
+
+def repeated_block(peer: Peer) -> bytes:
+    """The header block of a ModelInfer call once its headers are in the dynamic table: the
+    same few bytes for every call after (the first block is sent on a stream here)."""
+    first = call_block(peer)
+    peer.send(HeadersFrame(peer.open(), first, flags=["END_HEADERS"]))
+    return call_block(peer)
+
+
+def whole_call(stream: int, block: bytes, body: bytes, end: bool = True) -> bytes:
+    """A call in one HEADERS and one DATA frame (END_STREAM if ``end``), serialized."""
+    flags = ["END_STREAM"] if end else []
+    headers = HeadersFrame(stream, block, flags=["END_HEADERS"])
+    return headers.serialize() + DataFrame(stream, body, flags=flags).serialize()
+
+
+class Window:
+    """The server's flow-control windows toward an attacker's peer (its SETTINGS and
+    WINDOW_UPDATE frames, as read), to upload large messages without overrunning them."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.seen = 0
+        self.connection = 65_535
+        self.initial = 65_535
+        self.streams: dict[int, int] = {}
+
+    def room(self, stream: int) -> int:
+        for frame in self.peer.frames[self.seen :]:
+            if isinstance(frame, SettingsFrame) and INITIAL_WINDOW_SIZE in frame.settings:
+                value = frame.settings[INITIAL_WINDOW_SIZE]
+                self.streams = {s: w + value - self.initial for s, w in self.streams.items()}
+                self.initial = value
+            elif isinstance(frame, WindowUpdateFrame):
+                if frame.stream_id:
+                    self.streams[frame.stream_id] = (
+                        self.streams.get(frame.stream_id, self.initial) + frame.window_increment
+                    )
+                else:
+                    self.connection += frame.window_increment
+        self.seen = len(self.peer.frames)
+        return min(self.connection, self.streams.setdefault(stream, self.initial))
+
+
+def upload(attacker: Attacker, bodies: dict[int, memoryview], end: bool, deadline: float) -> None:
+    """Each stream's body in DATA frames of at most 16 KiB as the server's windows allow, the
+    streams in turn (one the server ends is dropped), until all is sent or ``deadline``."""
+    window = Window(attacker.peer)
+    sent = dict.fromkeys(bodies, 0)
+    while sent and time.monotonic() < deadline and not attacker.over:
+        moved = False
+        for stream in list(sent):
+            body = bodies[stream]
+            if attacker.ended(stream):
+                del sent[stream]
+                continue
+            size = min(window.room(stream), 16_384, len(body) - sent[stream])
+            if size <= 0:
+                continue
+            last = end and sent[stream] + size == len(body)
+            chunk = body[sent[stream] : sent[stream] + size]
+            if not attacker.send(DataFrame(stream, chunk, flags=["END_STREAM"] if last else [])):
+                return
+            window.connection -= size
+            window.streams[stream] -= size
+            sent[stream] += size
+            moved = True
+            if sent[stream] == len(body):
+                del sent[stream]
+        if not moved:
+            time.sleep(0.005)
+
+
+def silent_calls(attacker: Attacker, count: int) -> list[int]:
+    """``count`` ModelInfer calls opened (HEADERS without END_STREAM) that send nothing more."""
+    block = repeated_block(attacker.peer)
+    streams = [attacker.peer.open() for _ in range(count)]
+    attacker.send(*[HeadersFrame(s, block, flags=["END_HEADERS"]) for s in streams])
+    return streams

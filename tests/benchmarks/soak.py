@@ -22,9 +22,14 @@ The hostile mix also sends what each client of a shared server must survive: pro
 many MiB to the bundled chat and embeddings routes over OpenAI's API and Triton's generate,
 tensors that ONNX Runtime refuses (shapes its declared inputs admit), silent gRPC
 ``ModelStreamInfer`` calls above the call limit, and gRPC streams that never read their
-answers (``tests/benchmarks/hostile_grpc.py``). Good traffic goes over HTTP and gRPC, and a
-prober asks ``/v2/health/live``, gRPC ``ServerLive`` and ``grpc.health.v1`` every 0.25 s
-(target: never refused, never over 2 s). ``--workers N`` runs the supervisor with N workers;
+answers (``tests/benchmarks/hostile_grpc.py``), and, one at a time, the protocol attacks of
+``tests/benchmarks/hostile_h2.py``: HTTP/2 floods, MadeYouReset, window storms and dribbles,
+oversized and malformed headers, gzip bombs and unfinished messages on the gRPC port, and an
+HTTP/1.1 connection pipelining far ahead of its answers (``--no-h2`` leaves them out). Good
+traffic goes over HTTP and gRPC, and a prober asks ``/v2/health/live``, gRPC ``ServerLive``
+and ``grpc.health.v1`` every 0.25 s (target: never refused, never over 2 s). The server's
+RSS is sampled every second; its peak must stay within the start's RSS and, per worker, the
+request byte budget and ``RSS_SLACK_MIB``. ``--workers N`` runs the supervisor with N workers;
 ``--isolated`` puts the ONNX runners in runner processes (``isolation = "process"``).
 """
 
@@ -49,7 +54,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from tests.benchmarks import hostile, hostile_grpc
+from tests.benchmarks import hostile, hostile_grpc, hostile_h2
 from tests.helpers import (
     ROOT,
     ServerProcess,
@@ -353,6 +358,11 @@ def percentile(values: list[float], q: float) -> float:
 SOAK_CONFIG = "max_connections = 512\n"
 """Below the idle gRPC streams the hostile mix holds (600), so that they reach the call
 limit, and above what the HTTP hostile kinds hold (about 230 connections)."""
+REQUEST_BYTES_MIB = 8 * 64
+"""The request byte budget of each worker (the default: eight times ``max_body_bytes``)."""
+RSS_SLACK_MIB = 256
+"""What a worker may hold past its request byte budget: parsed JSON bodies (within
+``max_json_bytes``), answers being written, the allocator's free lists."""
 
 
 def main() -> None:
@@ -369,6 +379,8 @@ def main() -> None:
                         help="hostile connections held with unfinished headers")  # fmt: skip
     parser.add_argument("--idle-streams", type=int, default=hostile_grpc.GrpcMix.idle_streams,
                         help="silent gRPC streams held at any time")  # fmt: skip
+    parser.add_argument("--no-h2", dest="h2", action="store_false",
+                        help="leave the protocol attacks (hostile_h2.py) out of --hostile")  # fmt: skip
     args = parser.parse_args()
     answers, outcomes, health = Answers(), hostile.Outcomes(), Health()
     with tempfile.TemporaryDirectory() as tmp:
@@ -383,7 +395,7 @@ def main() -> None:
                                "--log-level", "warning", log=root / "server.log")  # fmt: skip
         try:
             server.wait_ready(60)
-            samples, churn_log = soak(server, plugins, args, answers, outcomes, health)
+            samples, churn_log, peak = soak(server, plugins, args, answers, outcomes, health)
         finally:
             code = server.stop()
         log_lines = server.log().splitlines()
@@ -391,14 +403,21 @@ def main() -> None:
             kept = Path(tempfile.gettempdir()) / f"plugserve-soak-{os.getpid()}.log"
             shutil.copy(root / "server.log", kept)
             print(f"the server's log, which has errors: {kept}")
-    report(args, answers, outcomes, health, samples, churn_log, code, log_lines)
-    raise SystemExit(1 if answers.failed() or health.refused() else 0)
+    bound = rss_bound(args, samples)
+    report(args, answers, outcomes, health, samples, churn_log, code, log_lines, peak, bound)
+    raise SystemExit(1 if answers.failed() or health.refused() or peak.rss_mib > bound else 0)
+
+
+def rss_bound(args: argparse.Namespace, samples: list[tuple[str, Sample]]) -> float:
+    """The most the server's processes may hold: the start's RSS and, for each worker, its
+    request byte budget and ``RSS_SLACK_MIB``."""
+    return samples[0][1].rss_mib + args.workers * (REQUEST_BYTES_MIB + RSS_SLACK_MIB)
 
 
 def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers: Answers,
-         outcomes: hostile.Outcomes, health: Health) -> tuple[list[tuple[str, Sample]], list[str]]:  # fmt: skip
+         outcomes: hostile.Outcomes, health: Health) -> tuple[list[tuple[str, Sample]], list[str], Sample]:  # fmt: skip
     """Run the load, the churn, the prober and (with ``--hostile``) the hostile mix;
-    sample the server's processes."""
+    sample the server's processes (and, every second, their peak RSS)."""
     pid, began = server.proc.pid, time.monotonic()
     stop, hostile_stop = threading.Event(), threading.Event()
     threads = [threading.Thread(target=client, args=(server.port, stop, i, answers), daemon=True)
@@ -420,11 +439,17 @@ def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers
     churner = threading.Thread(target=churn, args=(plugins, stop, args.reload_every, churn_log),
                                daemon=True)  # fmt: skip
     churner.start()
+    peak = [samples[0][1]]
+    sampler = threading.Thread(target=sample_peak, args=(pid, began, stop, peak), daemon=True)
+    sampler.start()
     if args.hostile:
         mix = hostile.Mix(half_open=args.half_open)
         threads += hostile.start(server.port, hostile_stop, outcomes, mix)
         grpc_mix = hostile_grpc.GrpcMix(idle_streams=args.idle_streams)
         threads += hostile_grpc.start_hostile(server.grpc_port, hostile_stop, outcomes, grpc_mix)
+        if args.h2:
+            threads += hostile_h2.start(server.grpc_port, server.port, hostile_stop, outcomes,
+                                        hostile_h2.H2Mix())  # fmt: skip
     deadline = time.monotonic() + args.minutes * 60
     every = max(5.0, args.minutes * 60 / 8)
     while time.monotonic() < deadline:
@@ -435,7 +460,7 @@ def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers
         samples.append(("during", Sample.take(pid, began)))
     hostile_stop.set()
     stop.set()
-    for t in [*threads, churner]:
+    for t in [*threads, churner, sampler]:
         t.join(70)
     hung = [t.name for t in [*threads, churner] if t.is_alive()]
     if hung:
@@ -443,12 +468,20 @@ def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers
     time.sleep(3)  # let the server close what the clients closed
     if server.proc.poll() is None:
         samples.append(("after (3 s)", Sample.take(pid, began)))
-    return samples, churn_log
+    return samples, churn_log, peak[0]
+
+
+def sample_peak(pid: int, began: float, stop: threading.Event, peak: list[Sample]) -> None:
+    """Keep in ``peak[0]`` the sample of the largest RSS, taken every second until stopped."""
+    while not stop.wait(1.0):
+        sample = Sample.take(pid, began)
+        if sample.rss_mib > peak[0].rss_mib:
+            peak[0] = sample
 
 
 def report(args: argparse.Namespace, answers: Answers, outcomes: hostile.Outcomes,
            health: Health, samples: list[tuple[str, Sample]], churn_log: list[str], code: int,
-           log_lines: list[str]) -> None:  # fmt: skip
+           log_lines: list[str], peak: Sample, bound: float) -> None:  # fmt: skip
     good = answers.good()
     served = sum(answers.counts.values())
     mode = "WITH the hostile mix" if args.hostile else "good traffic only (no --hostile)"
@@ -489,14 +522,18 @@ def report(args: argparse.Namespace, answers: Answers, outcomes: hostile.Outcome
         for kind, table in outcomes.by_kind().items():
             print(f"  {kind}: " + ", ".join(f"{o}: {n}" for o, n in table.items()))
             for outcome, n in table.items():
-                if outcome.startswith(("5", "timeout", "reset", "still held past")):
+                if outcome.startswith(("5", "timeout", "reset", "still held past", "client error")):
                     suspect[outcome.split(" ")[0]] += n
         print(f"hostile attempts a hardened server should not give (5xx, timeout, reset, "
-              f"held to the end): {dict(suspect) or 'none'}")  # fmt: skip
+              f"held to the end, an attack's own error): {dict(suspect) or 'none'}")  # fmt: skip
     print("server processes (RSS MiB / open fds / threads, summed):")
     for label, sample in samples:
         print(f"  {sample.at_s:7.1f} s  {label:<14} {sample.rss_mib:8.1f}  {sample.fds:6d}  "
               f"{sample.threads:4d}")  # fmt: skip
+    within = "within it" if peak.rss_mib <= bound else "OVER IT"
+    print(f"peak RSS (sampled every 1 s) {peak.rss_mib:.1f} MiB at {peak.at_s:.0f} s; bound "
+          f"{bound:.0f} MiB (the start's RSS + {args.workers} x ({REQUEST_BYTES_MIB} MiB request "
+          f"byte budget + {RSS_SLACK_MIB} MiB)): {within}")  # fmt: skip
     levels = Counter(word for line in log_lines for word in ("[error", "[critical", "Traceback")
                      if word in line)  # fmt: skip
     print(f"server exit code {code}; log: {len(log_lines)} lines, {dict(levels) or 'no errors'}")
