@@ -532,7 +532,7 @@ class Connection(asyncio.Protocol):
             _, entry, stream = heapq.heappop(starved)
             if stream.starved == entry:
                 stream.starved = 0
-                self.waiting.append(stream)
+                self._queue(stream)
         self._wake_next()
 
     def window_of(self, stream: Stream) -> int:
@@ -565,10 +565,14 @@ class Connection(asyncio.Protocol):
             self._reset(stream, Error.PROTOCOL_ERROR if not increment else Error.FLOW_CONTROL_ERROR)
             return
         stream.credit += increment
-        if stream.starved and window > 0:  # its writer can go on, once the connection can
+        if not stream.starved:
+            return
+        if window > 0:  # its writer can go on, once the connection can
             stream.starved = 0
-            self.waiting.append(stream)
+            self._queue(stream)
             self._wake_next()
+        else:
+            self._starve(stream)  # still short: queued again under its new credit
 
     def _wake_next(self) -> None:
         """Wake the writer first in line for the connection's window, while there is any:
@@ -767,6 +771,7 @@ class Connection(asyncio.Protocol):
         if served is None:
             served = self.server.unknown
         stream = Stream(self, stream_id, served)
+        stream.remote_closed = bool(flags & END_STREAM)  # a refusal below sends no reset
         stream.metadata = head.metadata
         stream.expected = head.length
         self.streams[stream_id] = stream
@@ -836,6 +841,7 @@ class Connection(asyncio.Protocol):
         if stream.expected is not None:  # content-length, which DATA must match (§8.1.1)
             stream.expected -= len(data)
             if stream.expected < 0 or (flags & END_STREAM and stream.expected):
+                self._give_back(size)
                 self._malformed(stream, "DATA that does not match content-length")
                 return
         stream.data += data
@@ -846,9 +852,9 @@ class Connection(asyncio.Protocol):
                 self._give_back(size)
                 self._too_large(stream, max(declared, received - 5))
                 return
+            self._give_back(size)
             if not flags & END_STREAM and not self._hold(stream):
                 return
-            self._give_back(size)
             stream.owed += size  # the stream's window, given back for a large message
             if stream.owed >= STREAM_WINDOW // 2:
                 self._write(wire.window_update(stream.id, stream.owed))
@@ -969,6 +975,8 @@ class Connection(asyncio.Protocol):
         try:
             if isinstance(request, Unparsed | Undecodable):
                 request = await parsed(method, request, context, self.server.reader)
+            if stream.messages is None:
+                self._unhold(stream)  # the message is parsed: its bytes are the request's now
             answer = await method.behaviour(request, context)
         except Aborted:
             code, details = context.code or grpc.StatusCode.UNKNOWN, context.details
@@ -1085,6 +1093,7 @@ class Connection(asyncio.Protocol):
         view = memoryview(data)
         began: TrackedCall | None = None
         progress = 0
+        waited = False
         try:
             while True:
                 if stream.reset or stream.status_sent or self.closed():
@@ -1112,25 +1121,42 @@ class Connection(asyncio.Protocol):
                 if began is None and tracked is not None and tracked.writing_since is None:
                     began, progress = tracked, 0
                     began.write_began()
-                await self._window(stream)
+                await self._window(stream, waited)
+                waited = True
         finally:
             if began is not None:
                 began.write_ended()
             self._wake_next()  # what window is left is the next writer's
 
-    async def _window(self, stream: Stream) -> None:
-        """Wait until the stream's writer is woken for window (``_wake_next``)."""
-        waiter = stream.waiter = asyncio.get_running_loop().create_future()
-        if self.window_of(stream) <= 0:
-            self._starve(stream)
-        else:
-            self.waiting.append(stream)
-        self._wake_next()
+    async def _window(self, stream: Stream, again: bool) -> None:
+        """Wait until the stream's writer is woken for window (``_wake_next``); a writer
+        woken ``again`` keeps its place at the head of the line. Writers of one stream share
+        its wait."""
+        waiter = stream.waiter
+        if waiter is None or waiter.done():
+            waiter = stream.waiter = asyncio.get_running_loop().create_future()
+            if self.window_of(stream) <= 0:
+                self._starve(stream)
+            elif again:
+                self.waiting.appendleft(stream)
+            else:
+                self._queue(stream)
+            self._wake_next()
         try:
             await waiter
         finally:
-            stream.waiter = None
-            stream.starved = 0
+            if stream.waiter is waiter:
+                stream.waiter = None
+                stream.starved = 0
+
+    def _queue(self, stream: Stream) -> None:
+        """Queue the stream's writer for the connection's window."""
+        waiting = self.waiting
+        if len(waiting) > 2 * len(self.streams) + 64:  # entries of writers that moved on
+            live = [s for s in waiting if s.waiter is not None and not s.waiter.done()]
+            waiting.clear()
+            waiting.extend(live)
+        waiting.append(stream)
 
     def _status_block(self, stream: Stream, code: int, details: str) -> bytes:
         trailing = stream.trailing
@@ -1185,6 +1211,7 @@ class Connection(asyncio.Protocol):
     def _forget(self, stream: Stream) -> None:
         if self.streams.pop(stream.id, None) is None:
             return
+        _wake(stream)  # a writer waiting for window: the call is over
         _drop_buffers(stream)
         self._unhold(stream)
         if stream.deadline_timer is not None:

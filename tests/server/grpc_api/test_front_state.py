@@ -5,6 +5,7 @@ client whose frames are built by ``hyperframe`` and ``hpack`` (tests/h2peer.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,6 +28,7 @@ from plugserve.server.http.budget import ByteBudget
 from tests import h2peer
 
 PATH = "/test.Echo/Call"
+LARGE = "/test.Echo/Large"
 ANSWER = b"a" * 4096
 
 
@@ -34,19 +36,33 @@ async def _answer(request: Any, context: Any) -> bytes:
     return ANSWER
 
 
+async def _large(request: Any, context: Any) -> bytes:
+    return b"b" * 100_000
+
+
 @pytest.fixture
 async def native() -> AsyncIterator[NativeServer]:
-    method = Method(PATH, "Bytes", lambda b: b, lambda m: m, _answer, False, False)
+    async with serving(ByteBudget(8 << 20)) as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def serving(budget: ByteBudget) -> AsyncIterator[NativeServer]:
+    methods = [
+        Method(path, "Bytes", lambda b: b, lambda m: m, behaviour, False, False)
+        for path, behaviour in ((PATH, _answer), (LARGE, _large))
+    ]
     admission = Admission(CallLimits(max_calls=10_000, idle_timeout_s=60, send_timeout_s=60))
 
     async def offload(work: Any) -> Any:
         return work()
 
-    reader = Reader(1 << 20, offload, ByteBudget(8 << 20))
-    server = NativeServer([method], admission, 1 << 20, 10.0, 60.0, reader)
+    server = NativeServer(methods, admission, 1 << 20, 10.0, 60.0, Reader(1 << 20, offload, budget))
     await server.start("127.0.0.1", 0, False)
-    yield server
-    await server.stop(0.1)
+    try:
+        yield server
+    finally:
+        await server.stop(0.1)
 
 
 def port_of(server: NativeServer) -> int:
@@ -76,11 +92,11 @@ class Client:
     def send(self, *frames: Frame) -> None:
         self.writer.write(b"".join(f.serialize() for f in frames))
 
-    def call(self, *more: Frame) -> int:
+    def call(self, *more: Frame, path: str = PATH) -> int:
         """A whole call (and ``more`` frames after it); its stream id."""
         stream = self.next_stream
         self.next_stream += 2
-        block = self.encoder.encode(h2peer.grpc_headers(PATH))
+        block = self.encoder.encode(h2peer.grpc_headers(path))
         self.send(
             HeadersFrame(stream, block, flags=["END_HEADERS"]),
             DataFrame(stream, h2peer.message(b"x"), flags=["END_STREAM"]),
@@ -151,9 +167,9 @@ async def test_a_window_update_wakes_only_the_writers_it_unblocks(
     resumed = 0
     wait = Connection._window
 
-    async def counted(self: Connection, stream: Stream) -> None:
+    async def counted(self: Connection, stream: Stream, again: bool) -> None:
         nonlocal resumed
-        await wait(self, stream)
+        await wait(self, stream, again)
         resumed += 1
 
     monkeypatch.setattr(Connection, "_window", counted)
@@ -178,3 +194,44 @@ async def test_a_window_update_wakes_only_the_writers_it_unblocks(
     await asyncio.sleep(0.1)
     assert resumed == before
     client.writer.close()
+
+
+async def test_calls_refused_for_the_byte_budget_give_the_connection_window_back() -> None:
+    """Messages past the byte budget end their calls RESOURCE_EXHAUSTED; what their frames
+    took of the connection's receive window is given back, so the connection goes on."""
+    async with serving(ByteBudget(64 << 10)) as server:  # gRPC's share: 48 KiB
+        client = await Client.connect(port_of(server))
+        message = h2peer.message(bytes(200_000))
+        for _ in range(20):
+            stream = client.next_stream
+            client.next_stream += 2
+            client.send(
+                HeadersFrame(stream, client.encoder.encode(h2peer.grpc_headers(PATH)),
+                             flags=["END_HEADERS"]),
+                *h2peer.data_frames(stream, message[:100_000], end=False),
+            )  # fmt: skip
+        frames = await client.read(0.5)
+        statuses = [f for f in frames if isinstance(f, HeadersFrame)]
+        assert len(statuses) == 20  # each refused (trailers-only)
+        (connection,) = server.connections
+        assert connection.receive_window + connection.receive_owed == server.connection_window
+        assert server.budget.held["grpc"] == 0
+        client.writer.close()
+
+
+async def test_a_larger_window_wakes_a_writer_whose_credit_changed_while_it_waited() -> None:
+    """A writer waits with its stream's window at 0; the client lowers INITIAL_WINDOW_SIZE to
+    0 (window -65,535), gives the stream 40,000 (-25,535), then raises the setting to 30,000:
+    the window is 4,465 and the writer sends that much."""
+    async with serving(ByteBudget(8 << 20)) as server:
+        client = await Client.connect(port_of(server), {4: 65_535})
+        stream = client.call(path=LARGE)
+        sent = sum(len(f.data) for f in await client.read(0.3) if isinstance(f, DataFrame))
+        assert sent == 65_535
+        client.send(SettingsFrame(0, settings={4: 0}))
+        client.send(WindowUpdateFrame(stream, window_increment=40_000))
+        await asyncio.sleep(0.1)
+        client.send(SettingsFrame(0, settings={4: 30_000}))
+        more = sum(len(f.data) for f in await client.read(0.3) if isinstance(f, DataFrame))
+        assert more == 4_465
+        client.writer.close()

@@ -49,20 +49,47 @@ def test_nested_fields_count_towards_the_bound() -> None:
     assert why is not None and str(MAX_FIELDS) in why
 
 
-def test_bytes_contents_past_max_bytes_elements_are_refused_only_when_they_could_be() -> None:
+def test_contents_past_their_fields_are_refused_only_when_they_could_be() -> None:
+    limit = 1000 + MAX_FIELDS  # max_bytes_elements, and the other fields a message may have
     message = service_pb2.ModelInferRequest(model_name="add")
-    tensor = message.inputs.add(name="s", datatype="BYTES", shape=[1001])
-    tensor.contents.bytes_contents.extend([b"ab"] * 1001)
+    tensor = message.inputs.add(name="s", datatype="BYTES", shape=[limit + 1])
+    tensor.contents.bytes_contents.extend([b"ab"] * (limit + 1))
     assert check(message.SerializeToString()) == (
-        "a tensor's bytes_contents has more than 1000 elements (max_bytes_elements)"
+        f"a tensor's contents has more than {limit} fields (max_bytes_elements elements of "
+        "bytes_contents, and numbers sent packed)"
     )
-    del tensor.contents.bytes_contents[1000:]
+    del tensor.contents.bytes_contents[limit:]
     assert check(message.SerializeToString()) is None
     packed = service_pb2.ModelInferRequest(model_name="add")
     packed.inputs.add(name="f", datatype="FP32", shape=[100_000]).contents.fp32_contents.extend(
         [1.0] * 100_000
     )
     assert check(packed.SerializeToString()) is None  # one field, however long
+    unpacked = b"".join(b"\x08\x01" for _ in range(3 * limit))  # bool_contents, one by one
+    contents = b"\x2a" + _varint(len(unpacked)) + unpacked
+    tensor_bytes = b"\x0a\x01b\x12\x04BOOL" + contents
+    body = b"\x0a\x03add\x2a" + _varint(len(tensor_bytes)) + tensor_bytes
+    assert check(body) is not None
+
+
+def test_a_group_is_refused_however_it_hides_what_follows() -> None:
+    body = b"\x0a\x03add" + b"\x9b\x06\x9c\x06" + b"\x2a\x00" * 8_000  # group 99, then inputs
+    assert check(body) == "the request holds a group, a field of no ModelInferRequest"
+
+
+def test_the_field_bound_grows_with_max_inputs() -> None:
+    wide = bounds(REQUEST, Limits(max_inputs=2000))
+    body = request(inputs=1000, rows=1).SerializeToString()
+    assert check(body) is not None and wide(body) is None
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def test_a_malformed_message_is_left_to_the_parser() -> None:
