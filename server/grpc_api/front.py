@@ -79,6 +79,8 @@ CLOSED_KEPT = 1024
 """Closed streams whose way of closing is remembered, to answer their late frames."""
 CLIENT_ENDED, CLIENT_RESET, SERVER_ENDED = 1, 2, 3
 """How a stream closed: the client sent all of it, the client reset it, the server ended it."""
+SLICE_S = 0.005
+"""How long one connection's frames may hold the event loop before others' turn."""
 LINGER_S = 2.0
 """How long a connection ended for an error reads (and drops) what its client still sends."""
 CLOSE_WAIT_S = 10.0
@@ -236,6 +238,8 @@ class Connection(asyncio.Protocol):
         self.writable = asyncio.Event()
         self.writable.set()
         self.going_away = False
+        self.yielding = False
+        """The frames received wait for the event loop's next round (:meth:`_frames`)."""
         self.ended_streams: dict[int, int] = {}
         """How the last ``CLOSED_KEPT`` streams closed, by id (RFC 9113 §5.1's closed state)."""
         self.forgotten = 0
@@ -382,8 +386,13 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.ending:
             return  # the connection ends for an error: what still comes is dropped
+        self.buffer += data
+        if not self.yielding:
+            self._read()
+
+    def _read(self) -> None:
+        """Handle the frames received, a slice of time at a time (:meth:`_frames`)."""
         buffer = self.buffer
-        buffer += data
         try:
             if not self.preface:
                 if len(buffer) < len(wire.PREFACE):
@@ -402,11 +411,18 @@ class Connection(asyncio.Protocol):
             self.go_away(exc.code, exc.reason)
 
     def _frames(self) -> None:
+        """Handle the whole frames in the buffer; after ``SLICE_S`` of them, the rest waits
+        for the event loop's next round (reading paused meanwhile), so that a client whose
+        frames cost much (large header blocks) holds the loop a slice at a time."""
         buffer = self.buffer
         position, size = 0, len(buffer)
         limit = wire.DEFAULT_FRAME_SIZE
+        started = time.perf_counter()
         try:
             while size - position >= wire.FRAME_HEADER and not self.closed():
+                if time.perf_counter() - started > SLICE_S:
+                    self._yield()
+                    return
                 length = int.from_bytes(buffer[position : position + 3], "big")
                 if length > limit:
                     raise wire.ConnectionError_(Error.FRAME_SIZE_ERROR, "frame too large")
@@ -420,6 +436,24 @@ class Connection(asyncio.Protocol):
                 self._frame(kind, flags, stream_id, payload)
         finally:
             del buffer[:position]
+
+    def _yield(self) -> None:
+        """Let the event loop go round before the next frames are handled."""
+        transport = self.transport
+        if self.yielding or transport is None:
+            return
+        self.yielding = True
+        transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self._go_on)
+
+    def _go_on(self) -> None:
+        self.yielding = False
+        transport = self.transport
+        if transport is None or self.closed():
+            return
+        self._read()
+        if not self.yielding and self.writable.is_set():
+            transport.resume_reading()
 
     def closed(self) -> bool:
         return self.ending or self.transport is None or self.transport.is_closing()

@@ -39,6 +39,7 @@ from tests.h2peer import (
     COMPRESSION_ERROR,
     ENHANCE_YOUR_CALM,
     PROTOCOL_ERROR,
+    STREAM_CLOSED,
     Attacker,
     call_block,
     data_frames,
@@ -460,7 +461,8 @@ def test_madeyoureset_cve_2025_8671(target: ServerProcess) -> None:
     """Failure 5. A whole call (HEADERS, DATA with END_STREAM), then one more DATA frame on
     the now half-closed stream, so that the server resets it (STREAM_CLOSED): no RST_STREAM
     from the client, 30,000 and more calls a second on one connection. The server must end
-    that connection with ENHANCE_YOUR_CALM and not grow. (Found: no GOAWAY, RSS +570 MiB,
+    that connection (ENHANCE_YOUR_CALM, or STREAM_CLOSED for a frame on a call it has
+    answered already) and not grow. (Found: no GOAWAY, RSS +570 MiB,
     probes 8-10 s.)"""
     attacker = Attacker(target.grpc_port)
     peer = attacker.peer
@@ -484,8 +486,8 @@ def test_madeyoureset_cve_2025_8671(target: ServerProcess) -> None:
     attacker.close()
     print(f"sent {sent} calls ({rate:.0f}/s), server resets {len(peer.resets)}, GOAWAY {code}")
     watch.check(rss_mib=150)
-    if NATIVE:
-        assert code == ENHANCE_YOUR_CALM
+    if NATIVE:  # a reset flood; or a late DATA frame on a call already answered (RFC 9113 §5.1)
+        assert code in (ENHANCE_YOUR_CALM, STREAM_CLOSED)
 
 
 @grpcio_fails("gRPC's core holds each message as it comes: RSS +1290 MiB, none refused")

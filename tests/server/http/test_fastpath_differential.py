@@ -500,7 +500,7 @@ BOUNDED = settings(
 )  # fmt: skip
 
 
-@settings(BOUNDED, max_examples=50)
+@settings(BOUNDED, max_examples=25)
 @given(sent=streams(hostile=False))
 def test_valid_pipelines_are_answered_alike(
     servers: tuple[ServerProcess, ...], pool: concurrent.futures.ThreadPoolExecutor, sent: bytes
@@ -508,7 +508,7 @@ def test_valid_pipelines_are_answered_alike(
     differential(servers, pool, sent)
 
 
-@settings(BOUNDED, max_examples=150)
+@settings(BOUNDED, max_examples=90)
 @given(sent=streams(hostile=True))
 def test_hostile_streams_are_answered_alike(
     servers: tuple[ServerProcess, ...], pool: concurrent.futures.ThreadPoolExecutor, sent: bytes
