@@ -719,11 +719,11 @@ class Connection(asyncio.Protocol):
             return
         self.last_stream = stream_id
         if self.going_away or len(self.streams) >= MAX_STREAMS:
-            self._refused(stream_id, Error.REFUSED_STREAM)
+            self._stream_error(stream_id, Error.REFUSED_STREAM)
             return
         if head.malformed is not None:
             log.debug("grpc_malformed_request", peer=self.peer, reason=head.malformed)
-            self._refused(stream_id, Error.PROTOCOL_ERROR)
+            self._stream_error(stream_id, Error.PROTOCOL_ERROR)
             return
         if head.size > MAX_HEADER_LIST:
             self._write_headers(
@@ -742,11 +742,6 @@ class Connection(asyncio.Protocol):
             self._closed(stream_id, CLIENT_ENDED if flags & END_STREAM else SERVER_ENDED)
             return
         self._open(stream_id, flags, head)
-
-    def _refused(self, stream_id: int, code: Error) -> None:
-        """Reset a stream the client opened, unopened: a reset the client made the server send,
-        counted as its own resets are (``FLOOD_PER_S``)."""
-        self._stream_error(stream_id, code)
 
     def _stream_error(self, stream_id: int, code: Error) -> None:
         """A stream error (RFC 9113 §5.4.2): the stream reset with ``code``, the connection
