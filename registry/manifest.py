@@ -26,10 +26,19 @@ from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES, PluginType, Ref,
 from plugserve.registry.versions import Version
 
 MANIFEST_NAME = "plugin.toml"
+MAX_MANIFEST_BYTES = 1024 * 1024
+"""Largest ``plugin.toml`` read: a manifest is a few KiB; data files (labels, models) lie
+beside it."""
 
 _PLUGIN_KEYS = {"name", "version", "type", "module", "description", "requires"}
 _ROUTE_KEYS = {"name", "preprocess", "postprocess", "rate_limit", "openai"}
-_TABLES = {"plugin", "config", "runner", "route"}
+_TABLES = {"plugin", "config", "runner", "route", "processor"}
+_PROCESSOR_KEYS = {"cost"}
+COSTS = ("content", "size")
+"""``[processor] cost``: what a synchronous call's cost follows. ``content``: what the
+request holds (compressed data, a count it asks for), so every call runs on the processor's
+thread; ``size``: at most in proportion to the call's size (the request's bytes and the
+tensors it is handed), so calls measured cheap for their size may run on the event loop."""
 RUNNER_KEYS = frozenset(
     {
         "backend",
@@ -104,7 +113,7 @@ class StateSpec:
 
 
 BATCHING_KEYS = frozenset({"inputs", "outputs"})
-INPUT_BATCHING_KEYS = frozenset({"axis", "shared", "ragged", "pad_value", "lengths"})
+INPUT_BATCHING_KEYS = frozenset({"axis", "shared", "ragged", "ragged_axes", "pad_value", "lengths"})
 RAGGED = ("pad", "concat")
 """``ragged``: pad each request's tensor to the batch's largest, or concatenate them flat."""
 MAX_AXIS = 15
@@ -119,14 +128,17 @@ class InputBatching:
     shared: bool = False
     """One value for the whole batch: requests whose values differ never batch together."""
     ragged: str | None = None
-    """``pad``: requests may differ beyond the batch axis, padded with ``pad_value`` to the
+    """``pad``: requests may differ on the ``ragged_axes``, padded with ``pad_value`` to the
     batch's largest; ``concat``: each request's tensor flattened and concatenated (a
     request is then one row)."""
+    ragged_axes: tuple[int, ...] = ()
+    """A padded input's axes whose sizes may differ between requests, in the order its
+    ``lengths`` gives them; requests that differ on any other axis never share a batch."""
     pad_value: float = 0.0
     lengths: str | None = None
-    """A ragged input's companion input, made by the server (INT64, one value per row):
-    each row's length along the input's last axis (``pad``), or each request's element
-    count (``concat``)."""
+    """A ragged input's companion input, made by the server (INT64): each row's size on its
+    ragged axis (``pad`` with one ragged axis: shape ``[N]``), on each of its ``k`` ragged
+    axes (``pad`` with several: ``[N, k]``), or each request's element count (``concat``)."""
 
 
 DEFAULT_INPUT_BATCHING = InputBatching()
@@ -244,6 +256,18 @@ class RouteSection:
 
 
 @dataclass(frozen=True)
+class ProcessorSection:
+    """The ``[processor]`` table of a preprocessor or postprocessor."""
+
+    cost: str = "content"
+    """One of ``COSTS``: whether a call's cost is bounded by its size (``size``)."""
+
+    @property
+    def sized(self) -> bool:
+        return self.cost == "size"
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A validated ``plugin.toml`` and the folder it was read from."""
 
@@ -259,6 +283,7 @@ class Manifest:
     checked against the server's environment at load."""
     runner: RunnerSection | None = None
     route: RouteSection = field(default_factory=RouteSection)
+    processor: ProcessorSection = field(default_factory=ProcessorSection)
 
     @property
     def key(self) -> tuple[PluginType, str, Version]:
@@ -287,7 +312,7 @@ def load_manifest(
     """
     path = folder / MANIFEST_NAME
     try:
-        raw = checks.read_toml(path)
+        raw = checks.read_toml(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise ManifestError(path, "no plugin.toml in the plugin folder") from None
     except checks.ValueProblem as exc:
@@ -312,7 +337,7 @@ def manifest_problems(folder: Path, check_layout: bool = True) -> tuple[Manifest
         problems = [first.message]
         field, message = first.fields.get("field"), first.message
     try:
-        raw: Any = copy.deepcopy(checks.read_toml(folder / MANIFEST_NAME))
+        raw: Any = copy.deepcopy(checks.read_toml(folder / MANIFEST_NAME, MAX_MANIFEST_BYTES))
     except (FileNotFoundError, checks.ValueProblem):
         return None, problems  # unreadable: the one problem there is
     while len(problems) < MAX_PROBLEMS and _set_aside(raw, field, message):
@@ -425,6 +450,8 @@ def _parse(raw: Mapping[str, Any], folder: Path, p: _Fields, check_layout: bool)
         for table in ("runner", "route"):
             if table in raw:
                 raise ManifestError(path, f"only runners have a [{table}] table", table)
+    elif "processor" in raw:
+        raise ManifestError(path, "only processors have a [processor] table", "processor")
     elif runner is not None and runner.backend is None and module is None:
         raise ManifestError(path, "a runner needs a backend or a module", "runner.backend")
     if kind != "runner" and module is None:
@@ -441,7 +468,17 @@ def _parse(raw: Mapping[str, Any], folder: Path, p: _Fields, check_layout: bool)
         config=MappingProxyType(dict(p.table(raw, "config"))),
         runner=runner,
         route=_route_section(p, raw) if kind == "runner" else RouteSection(),
+        processor=_processor_section(p, raw),
     )
+
+
+def _processor_section(p: _Fields, raw: Mapping[str, Any]) -> ProcessorSection:
+    table = p.table(raw, "processor")
+    p.no_unknown_keys(table, "processor", _PROCESSOR_KEYS)
+    cost = p.string(table, "processor.cost") or "content"
+    if cost not in COSTS:
+        raise ManifestError(p.path, f"must be one of {', '.join(COSTS)}", "processor.cost")
+    return ProcessorSection(cost=cost)
 
 
 def _check_layout(path: Path, folder: Path, kind: str, name: str, version: str) -> None:
@@ -504,15 +541,24 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
 
 
 def _requires(p: _Fields, plugin: Mapping[str, Any]) -> tuple[str, ...]:
-    from packaging.requirements import InvalidRequirement, Requirement
+    """PEP 508 requirements, each parsed whole and its marker evaluated here, as the loader
+    evaluates it: a requirement that parses but whose marker cannot be evaluated (``~=``
+    on a name that is no version) is this file's error, not the load's."""
+    from packaging.requirements import Requirement
 
     texts = p.string_list(plugin, "plugin.requires")
-    for text in texts:
+    for index, text in enumerate(texts):
+        where = f"plugin.requires[{index}]"
         try:
-            Requirement(text)
-        except InvalidRequirement as exc:
-            raise ManifestError(p.path, f"{text!r} is not a requirement: {exc}",
-                                "plugin.requires") from None  # fmt: skip
+            requirement = Requirement(text)
+        except ValueError as exc:  # InvalidRequirement (specifier, marker, URL)
+            raise ManifestError(p.path, f"{text!r} is not a requirement: {exc}", where) from None
+        try:
+            if requirement.marker is not None:
+                requirement.marker.evaluate()
+        except ValueError as exc:  # UndefinedComparison, UndefinedEnvironmentName, InvalidVersion
+            raise ManifestError(p.path, f"{text!r} has a marker that cannot be evaluated: "
+                                f"{type(exc).__name__}: {exc}", where) from None  # fmt: skip
     return tuple(texts)
 
 
@@ -587,6 +633,8 @@ def _batching(p: _Fields, runner: Mapping[str, Any]) -> BatchingSection | None:
         return None
     table = p.table(runner, "runner.batching")
     p.no_unknown_keys(table, "runner.batching", BATCHING_KEYS)
+    for kind in ("inputs", "outputs"):
+        tensor_names(table.get(kind), f"runner.batching.{kind}")
     inputs = {
         name: _input_batching(p, raw, f"runner.batching.inputs.{name}")
         for name, raw in p.table(table, "runner.batching.inputs").items()
@@ -620,18 +668,40 @@ def _input_batching(p: _Fields, raw: Any, where: str) -> InputBatching:
     if ragged is None and ("pad_value" in table or "lengths" in table):
         raise ManifestError(p.path, "pad_value and lengths are for a ragged input",
                             f"{where}.ragged")  # fmt: skip
+    axis = p.integer(table, f"{where}.axis", 0, 0, MAX_AXIS)
+    ragged_axes = _ragged_axes(p, table, f"{where}.ragged_axes", ragged, axis)
     if ragged == "concat" and "lengths" not in table:
         raise ManifestError(p.path, "a concatenated input needs its lengths input, which "
                             "tells the runner where each request's elements end",
                             f"{where}.lengths")  # fmt: skip
     pad_value = table.get("pad_value", 0.0)
     return InputBatching(
-        axis=p.integer(table, f"{where}.axis", 0, 0, MAX_AXIS),
+        axis=axis,
         shared=shared,
         ragged=ragged,
+        ragged_axes=ragged_axes,
         pad_value=checks.number(pad_value, f"{where}.pad_value", low=-checks.MAX_NUMBER),
         lengths=p.string(table, f"{where}.lengths"),
     )
+
+
+def _ragged_axes(
+    p: _Fields, table: Mapping[str, Any], where: str, ragged: str | None, axis: int
+) -> tuple[int, ...]:
+    """A padded input's ragged axes: required, distinct, none its batch axis."""
+    if ragged != "pad":
+        if "ragged_axes" in table:
+            raise ManifestError(p.path, 'ragged_axes are for ragged = "pad"', where)
+        return ()
+    raw = table.get("ragged_axes")
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_AXIS:
+        raise ManifestError(p.path, "a padded input names the axes that may differ between "
+                            "requests: a list such as [1]", where)  # fmt: skip
+    axes = tuple(checks.integer(a, where, low=0, high=MAX_AXIS) for a in raw)
+    if len(set(axes)) != len(axes) or axis in axes:
+        raise ManifestError(p.path, f"must be distinct axes other than the batch axis {axis}",
+                            where)  # fmt: skip
+    return axes
 
 
 def _state(p: _Fields, raw: Any, where: str) -> StateSpec:
@@ -676,11 +746,29 @@ STATE_DATATYPES = ("BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16",
 """What a state may hold: any numeric v2 datatype."""
 
 
+MAX_TENSOR_NAME = 256
+
+
+def tensor_name(value: Any, field: str) -> str:
+    """A tensor's name as a manifest gives it (a table's key, a state's input): a string of
+    at most :data:`MAX_TENSOR_NAME` characters without control characters, so that it
+    reads the same in logs, metadata and every file written from it."""
+    return checks.text(value, field, max_length=MAX_TENSOR_NAME)
+
+
+def tensor_names(table: Any, field: str) -> None:
+    """Check the keys of a table keyed by tensor name (what is not a table is the
+    table's own check's to refuse)."""
+    if isinstance(table, Mapping):
+        for name in table:
+            tensor_name(name, field)
+
+
 def _formats(p: _Fields, table: Mapping[str, Any]) -> Mapping[str, str]:
     """``formats = { image = "FORMAT_NCHW" }``: the layout of image inputs, by input name."""
     formats = {}
     for name, value in p.table(table, "runner.formats").items():
-        where = f"runner.formats.{checks.text(name, 'runner.formats', max_length=256)}"
+        where = f"runner.formats.{tensor_name(name, 'runner.formats')}"
         if value not in FORMATS:
             raise ManifestError(p.path, f"must be one of {', '.join(FORMATS)}", where)
         formats[name] = value
@@ -691,7 +779,7 @@ def _label_files(p: _Fields, table: Mapping[str, Any], folder: Path) -> dict[str
     """``labels = { scores = "labels.txt" }``: a file in the plugin folder per output."""
     files = {}
     for name, value in p.table(table, "runner.labels").items():
-        where = f"runner.labels.{checks.text(name, 'runner.labels', max_length=256)}"
+        where = f"runner.labels.{tensor_name(name, 'runner.labels')}"
         relative = checks.relative_path(checks.text(value, where), where)
         _check_relative(p.path, folder, relative, where)
         if not (folder / relative).is_file():

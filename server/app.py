@@ -14,6 +14,7 @@ from plugserve.registry.execution import tracing
 from plugserve.registry.execution.components import LOOP_BUDGET_S
 from plugserve.registry.execution.isolation.groups import ProcessSettings
 from plugserve.registry.execution.isolation.host import RunnerHost
+from plugserve.registry.execution.layout import TensorBounds
 from plugserve.registry.fleet.etcd_store import EtcdLocation, EtcdRouteStore
 from plugserve.registry.fleet.route_store import Replica, RouteStore, RouteTarget
 from plugserve.registry.lifecycle.registry import Registry
@@ -163,6 +164,11 @@ def rollout_controller(
     return RolloutController(store, figures, interval_s, counted)
 
 
+def tensor_bounds(settings: Settings) -> TensorBounds:
+    """What one tensor may hold, and so each tensor a batch merges its requests into."""
+    return TensorBounds(settings.max_tensor_elements, settings.max_bytes_elements)
+
+
 def process_settings(settings: Settings) -> ProcessSettings:
     """How this server starts runner processes (``isolation = "process"``)."""
     return ProcessSettings(
@@ -170,6 +176,7 @@ def process_settings(settings: Settings) -> ProcessSettings:
         settings.log_level,
         settings.event_loop,
         stall_timeout_s=settings.runner_stall_timeout_s,
+        tensor_bounds=tensor_bounds(settings),
     )
 
 
@@ -239,6 +246,7 @@ def create_app(
                 worker.supervisor, worker.index, worker.pid, own.gpus
             )
     _isolated_runners(app[REGISTRY], settings, worker)
+    app[REGISTRY].loader.tensor_bounds = tensor_bounds(settings)
     if settings.runners_on_loop and (worker is not None or settings.inline_runners == "on"):
         app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S  # auto: one of several workers only
     fleet = worker.fleet_health if worker is not None and worker.spec.fleet else None

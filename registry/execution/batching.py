@@ -15,6 +15,10 @@ Requests queue per runner instance and leave it in batches:
 - Requests join a batch only when their inputs agree on names, dtypes and
   every dimension after the first; a request larger than ``max_batch_size``
   runs alone. Each response is exactly its own slice of the batch's outputs.
+- Each tensor a batch merges its requests into keeps the bounds of one request's
+  tensor (:attr:`Scheduler.bounds`: ``max_tensor_elements``, ``max_bytes_elements``),
+  counted from shapes as the batch forms: a request that would take one past them
+  closes the batch and opens the next, which it fits alone.
 - With ``preferred_batch_sizes``, a batch is cut to the largest preferred size
   it can fill.
 - Order: priority level first (v2 ``priority``, 1 highest), then start-time
@@ -60,7 +64,13 @@ from plugserve.registry.errors import (
     Unavailable,
 )
 from plugserve.registry.execution import tracing
-from plugserve.registry.execution.layout import BatchLayout, why_apart
+from plugserve.registry.execution.layout import (
+    BatchLayout,
+    Footprint,
+    TensorBounds,
+    footprint,
+    why_apart,
+)
 
 log = structlog.get_logger("plugserve.batching")
 
@@ -201,10 +211,15 @@ class Scheduler:
         """The runner's declared batching (``[runner.batching]``); ``None``: every row on
         axis 0 (:func:`signature`)."""
         self._signature = signature
+        self.bounds = TensorBounds()
+        """What each tensor a batch merges into may hold: those of one request's tensor."""
         self.apart = 0
         """Batches cut while queued requests could not join them (``why_apart``)."""
         self.apart_why: str | None = None
         self._reasons: set[str] = set()
+        self.held: Callable[[], int] = lambda: 0
+        """Requests of this runner held before its queue (waiting for their sequence's
+        turn): they count against ``max_queue_size`` too (:meth:`check_room`)."""
         self._gathering = False
         self._company = False
         self._this_turn = False  # a request ran at once in this turn of the loop
@@ -212,6 +227,17 @@ class Scheduler:
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    def check_room(self) -> None:
+        """429 when ``max_queue_size`` requests wait: queued here, or held before the queue
+        (:attr:`held`)."""
+        bound = self.policy.max_queue_size
+        if bound and len(self._queue) + self.held() >= bound:
+            raise TooManyRequests(
+                f"runner {self.label} has {len(self._queue) + self.held()} requests queued, "
+                "its max_queue_size",
+                retry_after_s=RETRY_AFTER_S,
+            )
 
     def declare(self, layout: BatchLayout) -> None:
         """Batch by ``layout`` (the runner's ``[runner.batching]``)."""
@@ -308,11 +334,7 @@ class Scheduler:
         policy = self.policy
         if self._closed:
             raise Unavailable(f"runner {self.label} is shutting down")
-        if policy.max_queue_size and len(self._queue) >= policy.max_queue_size:
-            raise TooManyRequests(
-                f"runner {self.label} has {len(self._queue)} requests queued, its max_queue_size",
-                retry_after_s=RETRY_AFTER_S,
-            )
+        self.check_room()
         level = self._level(priority)
         rows, sig = self._signature(inputs)
         now = self.clock()
@@ -403,10 +425,16 @@ class Scheduler:
         batch, rows = [head], head.rows
         limit = policy.max_batch_size
         apart = None
+        closed = False  # the next request would take a merged tensor past self.bounds
         if limit and head.signature is not None and head.rows < limit:
+            kept: Footprint | None = None
             for request in ordered[1:]:
                 if request.signature == head.signature:
                     if rows + request.rows <= limit:
+                        kept = kept or footprint(self.layout, head.inputs, self.bounds)
+                        if not kept.admits(request.inputs):
+                            closed = True
+                            break
                         batch.append(request)
                         rows += request.rows
                         if rows == limit:
@@ -417,7 +445,7 @@ class Scheduler:
             apart = ordered[1]
         oldest = min(r.arrival for r in self._queue)
         due = oldest + policy.max_queue_delay_s
-        ready = not limit or rows >= limit or self._running == 0 or now >= due
+        ready = not limit or rows >= limit or closed or self._running == 0 or now >= due
         if not ready:
             return None, due
         if apart is not None and rows < limit:

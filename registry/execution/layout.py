@@ -8,23 +8,31 @@ batching.signature`). A :class:`BatchLayout` reads the declared table instead:
   requests are concatenated along it, and outputs declared the same way split along it.
 - ``shared = true``: one value for the whole batch (a sample rate, a threshold): it
   reaches the runner once, and requests whose values differ never batch together.
-- ``ragged = "pad"``: requests may differ beyond the batch axis; each is padded with
-  ``pad_value`` to the batch's largest, and ``lengths`` (INT64, a value per row) tells
-  the runner each row's length along the last axis.
+- ``ragged = "pad"``: requests may differ on the declared ``ragged_axes`` (and must agree
+  on every other axis); each is padded with ``pad_value`` to the batch's largest, and
+  ``lengths`` (INT64) gives each row's size on each ragged axis: ``[N]`` for one ragged
+  axis, ``[N, k]`` for ``k``.
 - ``ragged = "concat"``: each request's tensor is flattened and concatenated; ``lengths``
   holds each request's element count, and each request is one row.
 
-:func:`why_apart` says, in words, why two requests could not share a batch.
+Every tensor a batch merges its requests into keeps the bounds of one request's tensor
+(:class:`TensorBounds`): a :class:`Footprint` counts what the merged tensors will hold as
+requests join a forming batch, so one that would take a tensor past its bound starts the
+next batch instead, before anything is allocated. :func:`why_apart` says, in words, why
+two requests could not share a batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any
 
 import numpy as np
 
+from plugserve.registry.errors import InvalidInput
 from plugserve.registry.manifest import DEFAULT_INPUT_BATCHING, BatchingSection, InputBatching
 
 Arrays = Mapping[str, np.ndarray]
@@ -32,6 +40,22 @@ Signature = tuple[Any, ...] | None
 
 SHARED_BYTES_KEPT = 256
 """A shared value up to this size is compared by its bytes; a larger one by a digest."""
+RAGGED = -1
+"""A padded input's ragged axis (and its batch axis) in its batching signature."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorBounds:
+    """What one tensor may hold: the server's ``max_tensor_elements`` and, for a BYTES
+    tensor, ``max_bytes_elements``. A request's tensors are checked against them as they
+    are decoded; each tensor a batch merges several requests into keeps them too."""
+
+    max_elements: int = 1 << 26
+    max_bytes_elements: int = 1 << 20
+
+    def elements(self, dtype: np.dtype[Any]) -> int:
+        """The most elements a tensor of ``dtype`` may hold."""
+        return self.max_bytes_elements if dtype.kind == "O" else self.max_elements
 
 
 class BatchLayout:
@@ -71,10 +95,10 @@ class BatchLayout:
                 parts.append((name, array.dtype.str, "concat"))
                 count = 1
             else:
-                if array.ndim <= spec.axis:
+                if array.ndim <= max((spec.axis, *spec.ragged_axes)):
                     return rows or 1, None
                 count = array.shape[spec.axis]
-                shape: Any = array.ndim if spec.ragged == "pad" else _beyond(array, spec.axis)
+                shape = _fixed(array, spec) if spec.ragged == "pad" else _beyond(array, spec.axis)
                 parts.append((name, array.dtype.str, shape))
             if rows is None:
                 rows = count
@@ -86,7 +110,8 @@ class BatchLayout:
         return self.signature(inputs)[0]
 
     def merge(self, parts: Sequence[Arrays]) -> dict[str, np.ndarray]:
-        """The inputs of one execution of ``parts`` (requests of one signature)."""
+        """The inputs of one execution of ``parts`` (requests of one signature); a padded
+        input without its batch axis or a ragged axis is the request's mistake (400)."""
         first = parts[0]
         merged: dict[str, np.ndarray] = {}
         for name in first:
@@ -99,17 +124,19 @@ class BatchLayout:
                 assert spec.lengths is not None  # the manifest requires it
                 merged[spec.lengths] = np.array([a.size for a in arrays], dtype=np.int64)
             elif spec.ragged == "pad":
+                _check_padded(name, first[name], spec)
                 merged[name] = _padded(arrays, spec)
                 if spec.lengths:
-                    merged[spec.lengths] = np.repeat(
-                        np.array([a.shape[-1] for a in arrays], dtype=np.int64),
-                        [a.shape[spec.axis] for a in arrays],
-                    )
+                    merged[spec.lengths] = _lengths(arrays, spec)
             elif len(arrays) == 1:
                 merged[name] = arrays[0]
             else:
                 merged[name] = np.concatenate(arrays, axis=spec.axis)
         return merged
+
+    def footprint(self, first: Arrays, bounds: TensorBounds) -> Footprint:
+        """What a batch that ``first`` opens will merge into, kept within ``bounds``."""
+        return Footprint(self, bounds, first)
 
     def split(self, outputs: Arrays, counts: Sequence[int]) -> list[dict[str, np.ndarray]]:
         """Each request's slice of a batch's ``outputs``; ``ValueError`` naming an output
@@ -136,6 +163,93 @@ class BatchLayout:
             )
             offset = end
         return answers
+
+
+class Footprint:
+    """The size of each tensor a forming batch merges into, kept as requests join it.
+
+    :meth:`admits` says whether one more request keeps every merged tensor within its
+    bound (:class:`TensorBounds`), from shapes alone, before anything is allocated. A
+    padded input's batch holds its rows times the largest size of each other axis, so
+    requests that are each small but wide on different axes multiply; any other input's
+    holds the sum of its requests' elements; a shared input is one request's.
+    """
+
+    __slots__ = ("_bounds", "_elements", "_layout", "_shapes")
+
+    def __init__(self, layout: BatchLayout, bounds: TensorBounds, first: Arrays) -> None:
+        self._layout = layout
+        self._bounds = bounds
+        self._elements: dict[str, int] = {}
+        """Inputs concatenated: their elements so far."""
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        """Padded inputs: their merged shape so far."""
+        for name, array in first.items():
+            spec = layout.input(name)
+            if spec.ragged == "pad":
+                self._shapes[name] = array.shape
+            elif not spec.shared:
+                self._elements[name] = array.size
+
+    def admits(self, inputs: Arrays) -> bool:
+        """Whether ``inputs`` (a request of the batch's signature) may join the batch:
+        counted in if so; the batch is left as it was if not."""
+        elements: dict[str, int] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, array in inputs.items():
+            kept = self._elements.get(name)
+            if kept is not None:
+                count = elements[name] = kept + array.size
+            elif name in self._shapes:
+                shape = shapes[name] = _padded_shape(
+                    self._shapes[name], array.shape, self._layout.input(name).axis
+                )
+                count = math.prod(shape)
+            else:  # shared
+                continue
+            if count > self._bounds.elements(array.dtype):
+                return False
+        self._elements.update(elements)
+        self._shapes.update(shapes)
+        return True
+
+
+def _padded_shape(kept: tuple[int, ...], shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """A padded batch's shape once a request of ``shape`` joins it: rows added on ``axis``,
+    the largest size of each other axis."""
+    return tuple(
+        k + s if d == axis else max(k, s) for d, (k, s) in enumerate(zip(kept, shape, strict=True))
+    )
+
+
+def footprint(layout: BatchLayout | None, first: Arrays, bounds: TensorBounds) -> Footprint:
+    """What a batch that ``first`` opens will merge into (``layout`` ``None``: every input's
+    rows on axis 0)."""
+    return (layout or _DEFAULT).footprint(first, bounds)
+
+
+def _fixed(array: np.ndarray, spec: InputBatching) -> tuple[int, ...]:
+    """A padded input's shape with its batch and ragged axes as :data:`RAGGED`: requests
+    batch when the rest agrees."""
+    free = {spec.axis, *spec.ragged_axes}
+    return tuple(RAGGED if d in free else size for d, size in enumerate(array.shape))
+
+
+def _check_padded(name: str, array: np.ndarray, spec: InputBatching) -> None:
+    needed = max((spec.axis, *spec.ragged_axes)) + 1
+    if array.ndim < needed:
+        raise InvalidInput(
+            f"input {name!r} has {array.ndim} dimensions; its batch axis {spec.axis} and "
+            f"ragged axes {list(spec.ragged_axes)} need at least {needed}"
+        )
+
+
+def _lengths(arrays: Sequence[np.ndarray], spec: InputBatching) -> np.ndarray:
+    """Each row's size on each ragged axis: ``[N]`` for one ragged axis, ``[N, k]`` for
+    ``k``."""
+    sizes = np.array([[a.shape[d] for d in spec.ragged_axes] for a in arrays], dtype=np.int64)
+    rows = np.repeat(sizes, [a.shape[spec.axis] for a in arrays], axis=0)
+    return rows[:, 0] if len(spec.ragged_axes) == 1 else rows
 
 
 def _padded(arrays: Sequence[np.ndarray], spec: InputBatching) -> np.ndarray:
@@ -180,6 +294,11 @@ def why_apart(layout: BatchLayout | None, one: Arrays, other: Arrays | None) -> 
                     "different values never batch together"
                 )
             continue
+        if spec.ragged == "pad" and spec.ragged_axes and array.ndim <= max(spec.ragged_axes):
+            return (
+                f"padded input {name!r} has {array.ndim} dimensions and no ragged axis "
+                f"{max(spec.ragged_axes)}"
+            )
         if spec.ragged != "concat" and array.ndim <= spec.axis:
             return (
                 f"input {name!r} has {array.ndim} dimensions and no batch axis {spec.axis}: "
@@ -196,6 +315,12 @@ def why_apart(layout: BatchLayout | None, one: Arrays, other: Arrays | None) -> 
             return (
                 f"ragged input {name!r} has {array.ndim} dimensions in one request and "
                 f"{theirs.ndim} in another"
+            )
+        if spec.ragged == "pad" and _fixed(theirs, spec) != _fixed(array, spec):
+            return (
+                f"padded input {name!r} has shape {list(array.shape)} in one request and "
+                f"{list(theirs.shape)} in another: only its ragged_axes "
+                f"{list(spec.ragged_axes)} may differ"
             )
         if spec.ragged is None and _beyond(theirs, spec.axis) != _beyond(array, spec.axis):
             return (

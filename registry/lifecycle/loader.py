@@ -33,6 +33,7 @@ from plugserve.registry.execution.components.streaming import StreamingRunner
 from plugserve.registry.execution.isolation.groups import Runners, RunnerSpec
 from plugserve.registry.execution.isolation.host import RunnerHost
 from plugserve.registry.execution.isolation.remote import RemoteRunner
+from plugserve.registry.execution.layout import TensorBounds
 from plugserve.registry.execution.streaming import stream_kind
 from plugserve.registry.manifest import Manifest, check_runner_keys, load_manifest
 from plugserve.registry.models import MODELS_SCHEME, resolve_model
@@ -84,6 +85,9 @@ class Loader:
         """Seconds: the loop budget of the batched runners this loads in a worker
         (:meth:`BatchedRunner.run_on_loop`: a worker with a core of its own,
         ``inline_runners``); their schedulers ``gather``."""
+        self.tensor_bounds = TensorBounds()
+        """What one tensor may hold (``max_tensor_elements``, ``max_bytes_elements``): so
+        may each tensor the batched runners this loads merge their requests into."""
         self._loads = itertools.count(1)
 
     def roots(self, folder: Path) -> Roots:
@@ -108,10 +112,7 @@ class Loader:
         manifest for this load (not for an isolated runner, whose processes read
         the file).
         """
-        await asyncio.to_thread(self.roots(folder).check_tree, folder)
-        manifest = load_manifest(folder, overrides, self.check_layout)
-        check_requirements(manifest)
-        await asyncio.to_thread(verify_checksums, folder, self.fingerprinter, manifest.label)
+        manifest = await asyncio.to_thread(self.checked_manifest, folder, overrides)
         if manifest.runner is not None and manifest.runner.isolated:
             if overrides:
                 raise PluginLoadError(
@@ -149,6 +150,8 @@ class Loader:
             raise
         if self.loop_budget and not in_process and isinstance(loaded, BatchedRunner):
             loaded.run_on_loop(self.loop_budget)
+        if isinstance(loaded, BatchedRunner):
+            loaded.scheduler.bounds = self.tensor_bounds
         try:
             await loaded.warmup(deadline - time.monotonic())
         except Exception as exc:
@@ -159,6 +162,19 @@ class Loader:
                 f"{manifest.label}: warmup failed: {type(exc).__name__}: {exc}"
             ) from exc
         return loaded
+
+    def checked_manifest(
+        self, folder: Path, overrides: Mapping[str, Any] | None = None
+    ) -> Manifest:
+        """What :meth:`load` does with ``folder`` before any plugin code runs: its tree
+        checked against the symlink rule, its manifest read and checked, its requirements
+        and ``SHA256SUMS`` checked. Blocking, and as costly as the files are large: called
+        on a thread, never on the event loop."""
+        self.roots(folder).check_tree(folder)
+        manifest = load_manifest(folder, overrides, self.check_layout)
+        check_requirements(manifest)
+        verify_checksums(folder, self.fingerprinter, manifest.label)
+        return manifest
 
     async def _load_isolated(self, manifest: Manifest, content: str | None) -> IsolatedRunner:
         """Start the version's runner processes (loaded and warmed there) and stand for them."""
@@ -248,6 +264,18 @@ class Loader:
         except PluginLoadError as exc:
             raise PluginLoadError(f"{manifest.label}: {exc.message}") from None
 
+    def preflight(self, folder: Path, overrides: Mapping[str, Any] | None = None) -> int:
+        """What a load of ``folder`` can be known to need before it begins: its files and
+        manifest checked as :meth:`checked_manifest` does, and its model resolved
+        (:class:`PluginLoadError` otherwise); the bytes its model files take, the least it
+        can hold resident. Blocking: called on a thread."""
+        model = self.model_path(self.checked_manifest(folder, overrides))
+        if model is None:
+            return 0
+        if model.is_dir():
+            return sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
+        return model.stat().st_size if model.is_file() else 0
+
     def model_name(self, manifest: Manifest) -> str | None:
         """The model repository name a runner uses (``models:<name>...``), if any."""
         model = manifest.runner.model if manifest.runner else None
@@ -311,15 +339,22 @@ def check_requirements(manifest: Manifest) -> None:
 
     missing = []
     for text in manifest.requires:
-        wanted = Requirement(text)
-        if wanted.marker is not None and not wanted.marker.evaluate():
-            continue
+        try:  # the manifest check parsed it and evaluated its marker
+            wanted = Requirement(text)
+            if wanted.marker is not None and not wanted.marker.evaluate():
+                continue
+        except ValueError as exc:
+            raise PluginLoadError(f"{manifest.label}: requires {text!r}: {exc}") from None
         try:
             have = importlib.metadata.version(wanted.name)
         except importlib.metadata.PackageNotFoundError:
             missing.append((text, "not installed"))
             continue
-        if wanted.specifier and not wanted.specifier.contains(have, prereleases=True):
+        try:
+            met = wanted.specifier.contains(have, prereleases=True)
+        except ValueError:  # an installed version that is not PEP 440 meets no specifier
+            met = not wanted.specifier
+        if not met:
             missing.append((text, f"{have} installed"))
     if missing:
         listed = "; ".join(f"{text} ({why})" for text, why in missing)

@@ -50,6 +50,7 @@ from plugserve.registry.execution.isolation.wire import (
     get_tensors,
     put_tensors,
 )
+from plugserve.registry.execution.layout import TensorBounds
 from plugserve.registry.lifecycle.loader import Loader
 from plugserve.registry.plugins.hooks import PluginHooks
 from plugserve.server.runtime import heap
@@ -89,6 +90,11 @@ class RunnerProcess:
             plugins_dir=None if plugins_dir is None else Path(plugins_dir),
             load_timeout=float(spec["load_timeout"]),
             close_timeout=float(spec["close_timeout"]),
+        )
+        bounds = TensorBounds()
+        loader.tensor_bounds = TensorBounds(
+            int(spec.get("max_tensor_elements", bounds.max_elements)),
+            int(spec.get("max_bytes_elements", bounds.max_bytes_elements)),
         )
         try:
             loaded = await loader.load(Path(spec["folder"]), in_process=True)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from plugserve.registry.execution.layout import TensorBounds
+
 
 @dataclass(frozen=True)
 class RunnerSpec:
@@ -63,6 +65,8 @@ class ProcessSettings:
     """Each connection's shared memory, each way; a tensor that does not fit goes inline."""
     stall_timeout_s: float = 60.0
     """A process whose event loop has not answered for this long is killed (0: never)."""
+    tensor_bounds: TensorBounds = field(default_factory=TensorBounds)
+    """What one tensor may hold, and so each tensor a process's batches merge into."""
 
 
 def describe_exit(returncode: int | None) -> str:

@@ -180,6 +180,8 @@ class RunnerHost:
             "log_level": settings.log_level,
             "event_loop": settings.event_loop,
             "shm_bytes": settings.shm_bytes,
+            "max_tensor_elements": settings.tensor_bounds.max_elements,
+            "max_bytes_elements": settings.tensor_bounds.max_bytes_elements,
         }
         proc.stdin.write(orjson.dumps(request) + b"\n")  # stdin stays open: the lifeline
         try:

@@ -63,7 +63,9 @@ def test_split_refuses_an_output_without_the_batch_on_its_axis() -> None:
 
 
 def test_padded_inputs_batch_across_widths_with_their_lengths() -> None:
-    padded = layout(crop=InputBatching(ragged="pad", pad_value=-1.0, lengths="width"))
+    padded = layout(
+        crop=InputBatching(ragged="pad", ragged_axes=(2,), pad_value=-1.0, lengths="width")
+    )
     a = {"crop": np.ones((1, 2, 3), np.float32)}
     b = {"crop": np.full((2, 2, 5), 2.0, np.float32)}
     assert padded.signature(a)[1] == padded.signature(b)[1]
