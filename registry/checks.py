@@ -147,21 +147,21 @@ def shallow(value: Any, field: str = "", *, max_depth: int = MAX_DEPTH) -> None:
             stack.extend((child, depth + 1) for child in children)
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    """Read a UTF-8 TOML file of at most :data:`MAX_FILE_BYTES`, no deeper than :data:`MAX_DEPTH`.
+def read_toml(path: Path, max_bytes: int = MAX_FILE_BYTES) -> dict[str, Any]:
+    """Read a UTF-8 TOML file of at most ``max_bytes``, no deeper than :data:`MAX_DEPTH`.
 
     Raises ``FileNotFoundError`` when it is absent (each source decides what
     that means) and :class:`ValueProblem` for anything else that is wrong.
     """
     try:
         with path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+            data = f.read(max_bytes + 1)
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise ValueProblem("", f"cannot read: {exc.strerror or exc}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueProblem("", f"larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB")
+    if len(data) > max_bytes:
+        raise ValueProblem("", f"larger than {max_bytes / (1024 * 1024):g} MiB")
     return parse_toml(data)
 
 

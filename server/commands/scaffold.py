@@ -1,46 +1,27 @@
-"""``plugserve new``: a working plugin package to start from (manifest, module, a test)."""
+"""``plugserve new``: a working plugin package to start from (manifest, module, a test).
+
+Every file is written by a writer that escapes what it holds: manifests by tomli_w (read
+back and compared with the data they hold before they are written), modules from
+templates whose pasted names are checked plugin names, identifiers or ``repr()`` texts, and
+compiled before they are written.
+"""
 
 from __future__ import annotations
 
+import keyword
 import os
 import shutil
+import tomllib
+import unicodedata
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import tomli_w
 
 from plugserve.registry.errors import ConfigError
 from plugserve.registry.refs import NAME_PATTERN, is_valid_name
 from plugserve.registry.versions import Version
-
-RUNNER_MANIFEST = """\
-[plugin]
-name = "{name}"
-version = "{version}"
-type = "runner"
-module = "plugin.py"
-description = "TODO: say what {name} computes"
-
-[config]                    # handed to plugserve_create_component
-factor = 2.0
-
-[runner]
-max_batch_size = 8          # requests batched into one infer() call; 0 turns batching off
-max_queue_delay_ms = 1.0    # how long a batch waits to fill
-
-[route]                     # served at /predict/{name} and /v2/models/{name}/infer
-name = "{name}"
-# preprocess = ["scale"]    # stages from <plugins>/preprocessor, in order (name or name@1.2.3)
-# postprocess = ["label"]   # stages from <plugins>/postprocessor
-"""
-
-PROCESSOR_MANIFEST = """\
-[plugin]
-name = "{name}"
-version = "{version}"
-type = "{kind}"
-module = "plugin.py"
-description = "TODO: say what {name} does"
-
-[config]                    # handed to plugserve_create_component
-"""
 
 RUNNER_MODULE = '''\
 """{name}: a runner that multiplies its input by ``[config] factor``.
@@ -144,7 +125,7 @@ class InvalidInput(ValueError):
 def create():
     manifest = tomllib.loads((HERE / "plugin.toml").read_text())
     module_file = HERE / manifest["plugin"]["module"]
-    spec = importlib.util.spec_from_file_location("{name}_plugin", module_file)
+    spec = importlib.util.spec_from_file_location({module!r}, module_file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     plugin = types.SimpleNamespace(
@@ -191,56 +172,141 @@ def test_it_passes_the_data_through():
 METHODS = {"preprocessor": "process", "postprocessor": "format"}
 
 
+def toml_table(name: str, values: Mapping[str, Any]) -> str:
+    """``[name]`` and its keys as tomli_w writes them: every string quoted and escaped."""
+    return tomli_w.dumps({name: dict(values)})
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as TOML writes it on one line (a string quoted, its newlines escaped), for
+    a comment that shows what a model holds."""
+    return tomli_w.dumps({"v": value}).removeprefix("v = ").removesuffix("\n")
+
+
+def comment(*lines: str) -> str:
+    """Comment lines, each ``# `` and one line of text; a line that could end the comment
+    (a control character: a newline, a carriage return) is refused."""
+    for line in lines:
+        if any(unicodedata.category(char) == "Cc" for char in line):
+            raise ConfigError(f"{line!r}: a comment line holds a control character")
+    return "".join(f"# {line}\n" if line else "#\n" for line in lines)
+
+
+def manifest_text(parts: Sequence[str], data: Mapping[str, Any]) -> str:
+    """The manifest ``parts`` (tables from :func:`toml_table`, comments from
+    :func:`comment`) make, once it reads back as exactly ``data``."""
+    text = "".join(parts)
+    if tomllib.loads(text) != data:
+        raise ConfigError("the manifest written does not read back as the data it holds")
+    return text
+
+
+def python_text(text: str, filename: str) -> str:
+    """``text`` once it compiles as Python (names pasted into it are identifiers or reprs)."""
+    try:
+        compile(text, filename, "exec")
+    except SyntaxError as exc:
+        raise ConfigError(f"{filename}: the module written does not compile: {exc}") from None
+    return text
+
+
+def class_name(name: str) -> str:
+    """A Python class name made from plugin name ``name`` (``my-stage``: ``MyStage``);
+    ``Stage`` before it where that alone is no identifier (``1st``, ``none``)."""
+    cls = "".join(part.capitalize() for part in name.replace("-", "_").split("_"))
+    if not cls.isidentifier() or keyword.iskeyword(cls):
+        cls = f"Stage{cls}"
+    return cls
+
+
+def _plugin_table(name: str, version: str, kind: str, module: str | None) -> dict[str, str]:
+    verb = "computes" if kind == "runner" else "does"
+    table = {"name": name, "version": version, "type": kind}
+    if module is not None:
+        table["module"] = module
+    return {**table, "description": f"TODO: say what {name} {verb}"}
+
+
+CONFIG_NOTE = comment("[config] is handed to plugserve_create_component.")
+CHAIN_LINES = comment(
+    'preprocess = ["scale"]    # stages from <plugins>/preprocessor, in order (name or name@1.2.3)',
+    'postprocess = ["label"]   # stages from <plugins>/postprocessor',
+)
+
+
+def _route_parts(name: str) -> tuple[str, str, str]:
+    return (
+        comment(f"Served at /predict/{name} and /v2/models/{name}/infer."),
+        toml_table("route", {"name": name}),
+        CHAIN_LINES,
+    )
+
+
+def runner_manifest(name: str, version: str) -> str:
+    """A module runner's ``plugin.toml``."""
+    data: dict[str, dict[str, Any]] = {
+        "plugin": _plugin_table(name, version, "runner", "plugin.py"),
+        "config": {"factor": 2.0},
+        "runner": {"max_batch_size": 8, "max_queue_delay_ms": 1.0},
+        "route": {"name": name},
+    }
+    parts = [
+        toml_table("plugin", data["plugin"]),
+        "\n", CONFIG_NOTE, toml_table("config", data["config"]),
+        "\n", comment(
+            "max_batch_size: requests batched into one infer() call; 0 turns batching off.",
+            "max_queue_delay_ms: how long a batch waits to fill.",
+        ), toml_table("runner", data["runner"]),
+        "\n", *_route_parts(name),
+    ]  # fmt: skip
+    return manifest_text(parts, data)
+
+
+def processor_manifest(kind: str, name: str, version: str) -> str:
+    """A preprocessor's or postprocessor's ``plugin.toml``."""
+    data: dict[str, dict[str, Any]] = {
+        "plugin": _plugin_table(name, version, kind, "plugin.py"),
+        "config": {},
+    }
+    parts = [toml_table("plugin", data["plugin"]), "\n", CONFIG_NOTE, toml_table("config", {})]
+    return manifest_text(parts, data)
+
+
 def package_files(kind: str, name: str, version: str) -> dict[str, str]:
-    """The files of a new ``kind`` package: ``plugin.toml``, ``plugin.py``, ``test_plugin.py``."""
-    head = TEST_HEAD.format(name=name)
+    """The files of a new ``kind`` package: ``plugin.toml``, ``plugin.py``, ``test_plugin.py``.
+
+    Raises :class:`ConfigError` for a name plugserve refuses (it is pasted into the
+    modules' docstrings)."""
+    _check_name(name)
+    head = TEST_HEAD.format(name=name, module=f"{name}_plugin")
     if kind == "runner":
         return {
-            "plugin.toml": RUNNER_MANIFEST.format(name=name, version=version),
-            "plugin.py": RUNNER_MODULE.format(name=name),
-            "test_plugin.py": head + RUNNER_TEST,
+            "plugin.toml": runner_manifest(name, version),
+            "plugin.py": python_text(RUNNER_MODULE.format(name=name), "plugin.py"),
+            "test_plugin.py": python_text(head + RUNNER_TEST, "test_plugin.py"),
         }
     method = METHODS[kind]
     what = "the client's inputs" if kind == "preprocessor" else "the runner's outputs"
-    cls = "".join(part.capitalize() for part in name.replace("-", "_").split("_")) or "Stage"
+    module = PROCESSOR_MODULE.format(
+        name=name, kind=kind, method=method, what=what, cls=class_name(name)
+    )
     return {
-        "plugin.toml": PROCESSOR_MANIFEST.format(name=name, version=version, kind=kind),
-        "plugin.py": PROCESSOR_MODULE.format(
-            name=name, kind=kind, method=method, what=what, cls=cls
+        "plugin.toml": processor_manifest(kind, name, version),
+        "plugin.py": python_text(module, "plugin.py"),
+        "test_plugin.py": python_text(
+            head + PROCESSOR_TEST.format(method=method), "test_plugin.py"
         ),
-        "test_plugin.py": head + PROCESSOR_TEST.format(method=method),
     }
-
-
-ONNX_RUNNER_MANIFEST = """\
-[plugin]
-name = "{name}"
-version = "{version}"
-type = "runner"
-description = "TODO: say what {name} computes"
-
-[runner]                    # no module: the onnxruntime backend serves the model as it is
-backend = "onnxruntime"
-model = "{model}"
-max_batch_size = {max_batch_size}          # {batching}
-max_queue_delay_ms = 1.0    # how long a batch waits to fill
-
-# The model's tensors, as read from {model_file} (the server reads them itself at
-# load, checks requests against them and shows them as the route's metadata):
-{tensors}
-[route]                     # served at /predict/{name} and /v2/models/{name}/infer
-name = "{name}"
-# preprocess = ["scale"]    # stages from <plugins>/preprocessor, in order (name or name@1.2.3)
-# postprocess = ["label"]   # stages from <plugins>/postprocessor
-"""
 
 
 def onnx_runner_files(name: str, version: str, model: str, model_file: Path) -> dict[str, str]:
     """The manifest of a runner served by the onnxruntime backend from ``model`` (as the
     manifest names it: ``models:...`` or a path in the package), its tensors read from
-    ``model_file``. Batching is on when every tensor's first axis is dynamic."""
+    ``model_file`` and shown in a comment (each name as a TOML string). Batching is on
+    when every tensor's first axis is dynamic."""
     from plugserve.registry.backends.onnxruntime import ONNX_TO_V2
 
+    _check_name(name)
     try:
         import onnxruntime as ort
 
@@ -252,23 +318,43 @@ def onnx_runner_files(name: str, version: str, model: str, model_file: Path) -> 
         for tensor in tensors:
             dims = [d if isinstance(d, int) and d >= 0 else -1 for d in tensor.shape]
             datatype = ONNX_TO_V2.get(tensor.type, tensor.type)
-            lines.append(f"#   {kind:<6} {tensor.name} {datatype} {dims}")
+            lines.append(f"  {kind:<6} {toml_value(tensor.name)} {datatype} {dims}")
             batchable = batchable and bool(dims) and dims[0] == -1
     batching = (
-        "rows batched into one run (the first axis is dynamic)"
+        "rows batched into one run (the first axis is dynamic)."
         if batchable
-        else "0: a fixed first axis cannot batch"
+        else "0: a fixed first axis cannot batch."
     )
-    manifest = ONNX_RUNNER_MANIFEST.format(
-        name=name,
-        version=version,
-        model=model,
-        model_file=model_file.name,
-        max_batch_size=8 if batchable else 0,
-        batching=batching,
-        tensors="\n".join(lines) + "\n",
-    )
-    return {"plugin.toml": manifest}
+    source = toml_value(model_file.name)
+    runner: dict[str, Any] = {
+        "backend": "onnxruntime",
+        "model": model,
+        "max_batch_size": 8 if batchable else 0,
+        "max_queue_delay_ms": 1.0,
+    }
+    data: dict[str, dict[str, Any]] = {
+        "plugin": _plugin_table(name, version, "runner", None),
+        "runner": runner,
+        "route": {"name": name},
+    }
+    parts = [
+        toml_table("plugin", data["plugin"]),
+        "\n", comment(
+            "No module: the onnxruntime backend serves the model as it is.",
+            f"max_batch_size: {batching}",
+            "max_queue_delay_ms: how long a batch waits to fill.",
+            "The model's tensors (the server reads them itself at load, checks requests",
+            f"against them and shows them as the route's metadata), from {source}:",
+            *lines,
+        ), toml_table("runner", runner),
+        "\n", *_route_parts(name),
+    ]  # fmt: skip
+    return {"plugin.toml": manifest_text(parts, data)}
+
+
+def _check_name(name: str) -> None:
+    if not is_valid_name(name):
+        raise ConfigError(f"{name!r}: a plugin name must match {NAME_PATTERN}")
 
 
 def write_package(
@@ -286,8 +372,7 @@ def write_package(
     :class:`FileExistsError` when the folder exists (never overwritten) and
     :class:`ConfigError` for a name or version plugserve refuses.
     """
-    if not is_valid_name(name):
-        raise ConfigError(f"{name!r}: a plugin name must match {NAME_PATTERN}")
+    _check_name(name)
     try:
         Version.parse(version)
     except ValueError as exc:

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from plugserve.registry.errors import ConfigError, PlugserveError
 from plugserve.registry.lifecycle.loader import Loader
 from plugserve.registry.manifest import (
@@ -29,8 +31,11 @@ from plugserve.registry.manifest import (
 from plugserve.registry.plugins.hooks import PluginHooks
 from plugserve.registry.refs import PLUGIN_TYPES, Ref, is_ignored_name
 
+log = structlog.get_logger("plugserve.validate")
+
 VALID, INVALID, ERROR = 0, 1, 2
-"""Exit codes: the package is valid; it is not; the command could not check it (usage)."""
+"""Exit codes: the package is valid; it is not; the command could not check it (usage, or
+a failure of the check itself)."""
 OUTCOMES = {VALID: "valid", INVALID: "invalid", ERROR: "error"}
 
 
@@ -207,20 +212,46 @@ def validate_all(
     explicit_models: bool = True,
 ) -> list[Report]:
     """:func:`validate` each package, each one's chain also resolved among the others
-    (staged packages that name each other, validated together)."""
+    (staged packages that name each other, validated together). A package whose check
+    fails unexpectedly is reported as not checked (:func:`guarded`); the others are
+    still checked."""
     staged = []
     for path in paths:
         home = plugins_folder(Path(os.path.abspath(path)), plugins_dir)
-        manifest, _ = manifest_problems(Path(os.path.abspath(path)), home is not None)
+        try:
+            manifest, _ = manifest_problems(Path(os.path.abspath(path)), home is not None)
+        except Exception:  # its own check below reports it
+            manifest = None
         if manifest is not None:
             staged.append(manifest)
     return [
-        validate(
+        guarded(
             path, models_dir, plugins_dir, explicit_models,
             [m for m in staged if m.path != Path(os.path.abspath(path))],
         )
         for path in paths
     ]  # fmt: skip
+
+
+def guarded(
+    path: Path,
+    models_dir: Path,
+    plugins_dir: Path | None,
+    explicit_models: bool,
+    staged: Sequence[Manifest],
+) -> Report:
+    """:func:`validate`, whatever goes wrong inside it a problem of its report: outcome
+    ``error`` (exit 2, the package could not be checked), the exception named, never a
+    traceback. A usage error still raises :class:`ConfigError`."""
+    try:
+        return validate(path, models_dir, plugins_dir, explicit_models, staged)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        log.warning("validate_failed", path=str(path), error=f"{type(exc).__name__}: {exc}")
+        report = Report(Path(os.path.abspath(path)), models_dir, plugins_dir, code=ERROR)
+        report.problems.append(f"the check itself failed: {type(exc).__name__}: {exc}")
+        return report
 
 
 async def _load(report: Report, manifest: Manifest, home: Path | None) -> None:

@@ -1,9 +1,10 @@
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from plugserve.registry.errors import ManifestError
-from plugserve.registry.manifest import load_manifest
+from plugserve.registry.manifest import MAX_MANIFEST_BYTES, load_manifest
 from plugserve.registry.refs import Ref
 from plugserve.registry.versions import Version
 from tests.helpers import write_plugin
@@ -94,7 +95,7 @@ RUNNER = HEAD + "[runner]\nbackend='onnxruntime'\n"
         (RUNNER + "isolation='process'\ndevices=['cuda:0', 'cuda:1']\n", "runner.devices",
          "2 devices for 1 instance"),
         ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\nrequires=['numpy >>> 1']\n"
-         "[runner]\nbackend='onnxruntime'\n", "plugin.requires", "is not a requirement"),
+         "[runner]\nbackend='onnxruntime'\n", "plugin.requires[0]", "is not a requirement"),
         ("[plugin]\nname='iris'\nversion='1.0.0'\ntype='runner'\nrequires='numpy'\n"
          "[runner]\nbackend='onnxruntime'\n", "plugin.requires", "must be a list"),
         (RUNNER + "[runner.sequence]\nidle_timeout=1\n", "runner.sequence", "unknown key"),
@@ -300,3 +301,70 @@ initial = -1
     assert (state.shape, state.initial) == ((2, 64), -1.0)
     plain = load_manifest(_folder(plugins_dir, RUNNER.replace("1.0.0", "2.0.0"), version="2.0.0"))
     assert plain.runner is not None and plain.runner.sequence is None
+
+
+@pytest.mark.parametrize(
+    ("requirement", "message"),
+    [
+        ("numpy; python_version ~= 'abc'", "marker that cannot be evaluated: UndefinedComparison"),
+        ("numpy; os_name ~= '1'", "marker that cannot be evaluated: UndefinedComparison"),
+        ("numpy; python_full_version ~= 'x.y'", "marker that cannot be evaluated"),
+        ("numpy; python_version >= ", "is not a requirement"),
+        ("numpy; nonsense == '1'", "is not a requirement"),
+        ("numpy>=abc", "is not a requirement"),
+        ("numpy @ ", "is not a requirement"),
+    ],
+)
+def test_requirements_are_parsed_whole_and_their_markers_evaluated(
+    plugins_dir: Path, requirement: str, message: str
+) -> None:
+    """issue 48, failure 17: a requirement whose marker parses but cannot be evaluated
+    passed the manifest check and broke the load with a traceback."""
+    requires = tomli_w.dumps({"requires": ["pillow", requirement]})
+    folder = _folder(plugins_dir, HEAD + requires + "[runner]\nbackend='onnxruntime'\n")
+    with pytest.raises(ManifestError, match=message) as info:
+        load_manifest(folder)
+    assert info.value.fields["field"] == "plugin.requires[1]"
+
+
+def test_requirements_whose_markers_evaluate_load(plugins_dir: Path) -> None:
+    requires = ["numpy>=1", "pywin32; sys_platform == 'win32'", "x; python_version < '3.0'"]
+    text = HEAD + tomli_w.dumps({"requires": requires}) + "[runner]\nbackend='onnxruntime'\n"
+    assert load_manifest(_folder(plugins_dir, text)).requires == tuple(requires)
+
+
+@pytest.mark.parametrize(
+    ("table", "field"),
+    [
+        ('[runner.batching.inputs]\n"x\\ninstances = 1024" = { axis = 1 }\n',
+         "runner.batching.inputs"),
+        ('[runner.batching.outputs]\n"y\\u0000" = { axis = 1 }\n', "runner.batching.outputs"),
+        ('[runner.formats]\n"x\\r" = "FORMAT_NCHW"\n', "runner.formats"),
+        ('[runner.labels]\n"y\\t" = "labels.txt"\n', "runner.labels"),
+        ('[[runner.sequence.state]]\ninput = "s\\n"\noutput = "t"\ndatatype = "FP32"\n'
+         "shape = [1]\n", "runner.sequence.state[0].input"),
+    ],
+)  # fmt: skip
+def test_tensor_names_with_control_characters_are_refused(
+    plugins_dir: Path, table: str, field: str
+) -> None:
+    """issue 48, failure 16: a tensor name is written into logs, metadata and manifests:
+    one with a newline could pass as keys of its own."""
+    folder = _folder(plugins_dir, RUNNER + table)
+    (folder / "labels.txt").write_text("a\n")
+    with pytest.raises(ManifestError, match="control characters") as info:
+        load_manifest(folder)
+    assert info.value.fields["field"] == field
+
+
+def test_a_manifest_is_read_up_to_1_mib(plugins_dir: Path) -> None:
+    """issue 48, failure 18: a manifest is a few KiB; one of 11 MiB was parsed whole."""
+    assert MAX_MANIFEST_BYTES == 1024 * 1024
+    folder = _folder(plugins_dir, RUNNER)
+    padding = MAX_MANIFEST_BYTES - len(RUNNER) - 1
+    (folder / "plugin.toml").write_text(RUNNER + "#" * padding + "\n")
+    assert load_manifest(folder).name == "iris"  # exactly 1 MiB: read
+    (folder / "plugin.toml").write_text(RUNNER + "#" * (padding + 1) + "\n")
+    with pytest.raises(ManifestError, match="larger than 1 MiB") as info:
+        load_manifest(folder)
+    assert info.value.fields["file"] == str(folder / "plugin.toml")

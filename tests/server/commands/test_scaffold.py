@@ -3,11 +3,15 @@
 import json
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
+from plugserve.server.commands.scaffold import package_files
 from tests.helpers import ServerProcess, add_model
 from tests.server.test_cli import plugserve
 
@@ -86,7 +90,7 @@ def test_new_onnx_runner_is_a_manifest_with_the_models_tensors_that_serves(
     assert sorted(p.name for p in runner.iterdir()) == ["plugin.toml"]  # no module
     text = (runner / "plugin.toml").read_text()
     assert 'backend = "onnxruntime"' in text and 'model = "models:adder"' in text
-    assert "#   input  x FP32 [-1, 4]" in text and "#   output y FP32 [-1, 4]" in text
+    assert '#   input  "x" FP32 [-1, 4]' in text and '#   output "y" FP32 [-1, 4]' in text
     assert "max_batch_size = 8" in text  # the first axis is dynamic: it batches
     result = plugserve("validate", str(runner), "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stdout
@@ -118,3 +122,63 @@ def test_new_onnx_runner_refuses_what_it_cannot_read(
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "plugins").exists()
+
+
+def odd_names_model(path: Path, x: str, y: str) -> Path:
+    """An ONNX model passing FP32 ``[N, 2]`` input ``x`` through to output ``y``."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", [x], [y])], "odd",
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["N", 2])],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_new_writes_what_a_model_names_as_data_never_as_keys(tmp_path: Path) -> None:
+    """issue 48, failure 16: a tensor name holding a newline wrote ``instances = 1024``
+    into the manifest's [runner], and validate called it valid."""
+    x, y = 'x"\\\ninstances = 1024\n#', "y\r\n[route]\nname = 'other'"
+    odd_names_model(tmp_path / "models/odd/1/model.onnx", x, y)
+    runner = new(tmp_path, "runner", "odd", "--backend", "onnxruntime", "--model", "models:odd")
+    text = (runner / "plugin.toml").read_text()
+    assert tomllib.loads(text) == {
+        "plugin": {"name": "odd", "version": "1.0.0", "type": "runner",
+                   "description": "TODO: say what odd computes"},
+        "runner": {"backend": "onnxruntime", "model": "models:odd", "max_batch_size": 8,
+                   "max_queue_delay_ms": 1.0},
+        "route": {"name": "odd"},
+    }  # fmt: skip
+    # Shown in a comment, each name a TOML string (its escapes are JSON's here).
+    assert f"#   input  {json.dumps(x)} FP32 [-1, 2]\n" in text
+    assert f"#   output {json.dumps(y)} FP32 [-1, 2]\n" in text
+    result = plugserve("validate", str(runner), "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metadata = json.loads(result.stdout)["metadata"]
+    assert [t["name"] for t in metadata["inputs"] + metadata["outputs"]] == [x, y]
+
+
+@pytest.mark.parametrize("name", ["none", "true", "1st", "a--b_c", "class", "lambda"])
+@pytest.mark.parametrize("kind", ["runner", "preprocessor", "postprocessor"])
+def test_every_file_new_writes_reads_back_whatever_the_name(kind: str, name: str) -> None:
+    """A valid plugin name that is a keyword once capitalized (``none``: ``None``) or starts
+    with a digit made ``class None:``, a module that did not compile."""
+    files = package_files(kind, name, "1.0.0")
+    manifest = tomllib.loads(files["plugin.toml"])
+    assert manifest["plugin"]["name"] == name and manifest["plugin"]["type"] == kind
+    for module in ("plugin.py", "test_plugin.py"):
+        compile(files[module], module, "exec")
+
+
+def test_a_processor_named_none_validates_and_passes_its_tests(tmp_path: Path) -> None:
+    folder = new(tmp_path, "preprocessor", "none")
+    result = plugserve("validate", str(folder), "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_plugin.py"],
+        cwd=folder, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert tests.returncode == 0, tests.stdout + tests.stderr

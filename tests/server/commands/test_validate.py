@@ -232,3 +232,50 @@ def test_staged_packages_that_name_each_other_validate_together(tmp_path: Path) 
     assert text_report.returncode == 0
     assert "runner/iris@2.0.0: valid" in text_report.stdout
     assert "preprocessor/scale@2.0.0: valid" in text_report.stdout
+
+
+def test_a_requirement_whose_marker_cannot_be_evaluated_is_a_manifest_problem(
+    tmp_path: Path,
+) -> None:
+    """issue 48, failure 17: ``python_version ~= 'abc'`` passed the manifest check and
+    `validate --json` died with a traceback, printing no JSON."""
+    folder = staged_iris(tmp_path)
+    manifest = folder / "plugin.toml"
+    requires = "requires = [\"numpy; python_version ~= 'abc'\"]\n"
+    manifest.write_text(manifest.read_text().replace("[runner]", requires + "\n[runner]", 1))
+    result = plugserve("validate", str(folder), "--models-dir", str(ROOT / "models"), "--json")
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    (problem,) = report["problems"]
+    assert "plugin.requires[0]" in problem and "cannot be evaluated" in problem, problem
+
+
+def test_a_check_that_fails_unexpectedly_is_reported_never_a_traceback(tmp_path: Path) -> None:
+    """Whatever goes wrong inside the check (here the file system's own error: a model that
+    is a symlink to itself) is that package's problem, outcome error and exit 2, in the
+    JSON report; the other packages are still checked."""
+    loop = tmp_path / "build" / "loop"
+    loop.mkdir(parents=True)
+    (loop / "plugin.toml").write_text(
+        '[plugin]\nname = "loop"\nversion = "1.0.0"\ntype = "runner"\n'
+        '[runner]\nbackend = "onnxruntime"\nmodel = "m.onnx"\n'
+    )
+    (loop / "m.onnx").symlink_to("m.onnx")
+    iris = staged_iris(tmp_path)
+    common = ("--models-dir", str(ROOT / "models"), "--json")
+    result = plugserve("validate", str(loop), *common)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["outcome"] == "error" and report["path"] == str(loop)
+    (problem,) = report["problems"]
+    assert "the check itself failed: OSError" in problem, problem
+    both = plugserve(
+        "validate", str(loop), str(iris), *common, "--plugins-dir", str(ROOT / "plugins")
+    )
+    assert both.returncode == 2 and "Traceback" not in both.stderr, both.stderr
+    outcomes = [p["outcome"] for p in json.loads(both.stdout)["packages"]]
+    assert outcomes == ["error", "valid"]
+    text = plugserve("validate", str(loop), "--models-dir", str(ROOT / "models"))
+    assert text.returncode == 2 and "not checked" in text.stdout and "Traceback" not in text.stderr
