@@ -160,7 +160,8 @@ def test_a_slow_sync_preprocessor_runs_off_the_event_loop_and_a_cheap_one_inline
     thread; a cheap one's calls, once measured, still run inline (counted in /admin/plugins
     ``inline_executions``), and a request far bigger than those measured does not."""
     for name, nap in (("rows", 0), ("nap", 2)):
-        write_plugin(plugins_dir, "preprocessor", name, "1.0.0", f"[config]\nnap = {nap}\n",
+        write_plugin(plugins_dir, "preprocessor", name, "1.0.0",
+                     f'[processor]\ncost = "size"\n[config]\nnap = {nap}\n',
                      {"plugin.py": ROWS})  # fmt: skip
         write_add_runner(plugins_dir, f"add-{name}", "1.0.0",
                          route=f'[route]\npreprocess = ["{name}"]\n')  # fmt: skip
@@ -214,7 +215,8 @@ def test_a_big_grpc_text_in_typed_contents_is_measured_by_its_bytes(
     contents plus its decoded arrays' nbytes, and a BYTES tensor sent in typed contents
     (``bytes_contents``) is an object array of 8 bytes an element, however long its texts:
     after cheap calls, a 4 MiB text ran inline on the event loop. Its size is the message's."""
-    write_plugin(plugins_dir, "preprocessor", "texts", "1.0.0", "", {"plugin.py": TEXTS})
+    write_plugin(plugins_dir, "preprocessor", "texts", "1.0.0", '[processor]\ncost = "size"\n',
+                 {"plugin.py": TEXTS})  # fmt: skip
     write_add_runner(plugins_dir, "add-texts", "1.0.0", route='[route]\npreprocess = ["texts"]\n')
     srv = server("--plugins-dir", str(plugins_dir))
 

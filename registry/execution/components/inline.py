@@ -4,7 +4,9 @@ A thread hop costs more than a cheap call (waking a worker and then the loop,
 100 us or more on a busy 2-core machine). A batched runner's executions
 (:class:`ExecutionCosts`) and a processor's calls (:class:`CallCosts`) that
 their last costs show cheap for their size run inline; any other goes to a
-thread.
+thread. Past costs speak for the next call only where its cost follows its size: a
+processor says so in its manifest (``[processor] cost = "size"``); one that does not
+(compressed input: a few bytes can decode to megapixels) always runs on its thread.
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ PROCESS_BUDGET_S = 0.002
 """The longest a synchronous processor call (``process``, ``format``) should hold the event
 loop. A call runs there when none of the processor's last ``LOOP_COSTS_KEPT`` calls took
 longer, all but ``LOOP_SPIKES_ALLOWED`` of them took at most a quarter of it, no call of it
-is running on its thread, and the request (:attr:`RequestContext.body_bytes`) is at most
-twice the largest one among those quick calls that succeeded; any other call runs on the
-processor's own thread."""
+is running on its thread, and the call's size (:func:`call_bytes`) is at most twice the
+largest one among those quick calls that succeeded; any other call runs on the processor's
+own thread. Only a processor that declares its cost bounded by its size
+(``[processor] cost = "size"``) is so predicted."""
+CALL_MAX_ELEMENTS = 1024
+"""A call handed an array of more texts or objects than this has no measured size: their
+lengths are not summed on the event loop."""
 
 
 class ExecutionCosts:
@@ -100,12 +106,12 @@ class CallCosts:
 
     def __init__(self) -> None:
         self.calls: deque[tuple[int, float]] = deque(maxlen=LOOP_COSTS_KEPT)
-        """(request bytes, seconds) of the last calls; 0 bytes for a call that failed."""
+        """(call bytes, seconds) of the last calls; 0 bytes for a call that failed."""
 
     def runs_inline(self, size: int | None, busy: bool) -> bool:
-        """Whether a call for a request of ``size`` bytes runs on the event loop
+        """Whether a call of ``size`` bytes (:func:`call_bytes`) runs on the event loop
         (``PROCESS_BUDGET_S``): never while a call runs on the processor's thread (``busy``),
-        nor for a request of unknown size."""
+        nor for a call of unknown size."""
         known = self.calls
         if busy or size is None or len(known) < LOOP_COSTS_KEPT:
             return False
@@ -121,9 +127,31 @@ class CallCosts:
         return fast >= LOOP_COSTS_KEPT - LOOP_SPIKES_ALLOWED and size <= 2 * largest
 
     def record(self, size: int, took: float) -> None:
-        """A call took ``took`` seconds for a request of ``size`` bytes (0: it raised; a
+        """A call of ``size`` bytes took ``took`` seconds (0: it raised; a
         quick refusal says nothing of what a request that size costs when processed)."""
         self.calls.append((size, took))
+
+
+def call_bytes(data: object, body_bytes: int | None) -> int | None:
+    """A processor call's size: its request's bytes (``ctx.body_bytes``) plus those of the
+    arrays, bytes and texts it is handed (``data``, or the values of a mapping), which an
+    earlier stage may have made far larger than the request (an image decoded from a few
+    bytes). ``None`` where unknown: the request's size, or an array of more than
+    ``CALL_MAX_ELEMENTS`` objects."""
+    if body_bytes is None:
+        return None
+    values = data.values() if isinstance(data, Mapping) else (data,)
+    total = body_bytes
+    for value in values:
+        if isinstance(value, np.ndarray):
+            if value.dtype.kind == "O":
+                if value.size > CALL_MAX_ELEMENTS:
+                    return None
+                total += sum(len(v) for v in value.flat if isinstance(v, bytes | str))
+            total += value.nbytes
+        elif isinstance(value, bytes | bytearray | memoryview | str):
+            total += len(value)
+    return total
 
 
 def numeric_bytes(inputs: Mapping[str, np.ndarray]) -> int:

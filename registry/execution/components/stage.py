@@ -12,7 +12,7 @@ from typing import Any
 
 from plugserve.registry.errors import InvalidInput, PlugserveError
 from plugserve.registry.execution.components.base import LoadedPlugin
-from plugserve.registry.execution.components.inline import CallCosts
+from plugserve.registry.execution.components.inline import CallCosts, call_bytes
 from plugserve.registry.types import RequestContext
 
 STAGE_METHOD = {"preprocessor": "process", "postprocessor": "format"}
@@ -23,20 +23,24 @@ class Stage(LoadedPlugin):
     """A processor between the request and the runner, or between the runner and the answer.
 
     A synchronous processor's calls run on its own thread, one call at a time (as on the
-    loop: a processor is never called concurrently with itself), except calls proven
-    cheap for requests of their size (``PROCESS_BUDGET_S``), which run inline: a cheap
-    stage is slower behind a thread hop. An ``async`` processor's calls run on the loop.
+    loop: a processor is never called concurrently with itself). Where its manifest
+    declares its cost bounded by its size (``[processor] cost = "size"``), calls proven
+    cheap for their size (``PROCESS_BUDGET_S``) run inline: a cheap stage is slower behind
+    a thread hop. An ``async`` processor's calls run on the loop.
     """
 
     _method: Callable[..., Any] = field(init=False, repr=False)
     _is_async: bool = field(init=False, repr=False)
-    _costs: CallCosts = field(init=False, default_factory=CallCosts, repr=False)
+    _costs: CallCosts | None = field(init=False, default=None, repr=False)
+    """The last calls' costs, where they predict the next (``[processor] cost = "size"``)."""
 
     def __post_init__(self) -> None:
         self._method = self._method_named(STAGE_METHOD[self.manifest.type])
         self._is_async = inspect.iscoroutinefunction(self._method)
         if not self._is_async:  # one thread: calls in order, never two at once
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=self.label)
+            if self.manifest.processor.sized:
+                self._costs = CallCosts()
 
     def describe(self) -> dict[str, Any]:
         """A synchronous processor's calls that ran on the event loop, not on its thread."""
@@ -50,12 +54,16 @@ class Stage(LoadedPlugin):
         try:
             if self._is_async:
                 return await self._method(data, ctx)
-            size = ctx.body_bytes
-            if self._costs.runs_inline(size, bool(self.executing)):
+            costs = self._costs
+            if costs is None:
+                return await self._on_thread(contextvars.copy_context().run, self._method, data,
+                                             ctx)  # fmt: skip
+            size = call_bytes(data, ctx.body_bytes)
+            if costs.runs_inline(size, bool(self.executing)):
                 self.inline_executions += 1
-                return self._timed(data, ctx, size)
-            return await self._on_thread(contextvars.copy_context().run, self._timed, data, ctx,
-                                         size)  # fmt: skip
+                return self._timed(costs, data, ctx, size)
+            return await self._on_thread(contextvars.copy_context().run, self._timed, costs, data,
+                                         ctx, size)  # fmt: skip
         except InvalidInput as exc:
             raise self._refused(exc) from None
         except PlugserveError:
@@ -63,8 +71,8 @@ class Stage(LoadedPlugin):
         except Exception as exc:
             self._raise_fault(exc)
 
-    def _timed(self, data: Any, ctx: RequestContext, size: int | None) -> Any:
-        """A call, its cost recorded with the request's size (none for a call that raised:
+    def _timed(self, costs: CallCosts, data: Any, ctx: RequestContext, size: int | None) -> Any:
+        """A call, its cost recorded with its size (none for a call that raised:
         a quick refusal says nothing of what a request that size costs when processed)."""
         started = time.perf_counter()
         seen = 0
@@ -73,4 +81,4 @@ class Stage(LoadedPlugin):
             seen = size or 0
             return result
         finally:
-            self._costs.record(seen, time.perf_counter() - started)
+            costs.record(seen, time.perf_counter() - started)

@@ -4,12 +4,13 @@ letterbox, scale and normalize, lay out; and what it refuses."""
 from __future__ import annotations
 
 import io
+import struct
 import tomllib
 from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
 from plugserve.registry.errors import InvalidInput
 from tests.plugins.bundled import context, create_component, folder
@@ -24,7 +25,9 @@ def encoded(width: int, height: int, color: Any, kind: str = "PNG", mode: str = 
 def decoder(**config: Any) -> Any:
     component = create_component("preprocessor", "image_decode")
     if config:  # the bundled defaults, with these changed
-        defaults = tomllib.loads((folder("preprocessor", "image_decode") / "plugin.toml").read_text())
+        defaults = tomllib.loads(
+            (folder("preprocessor", "image_decode") / "plugin.toml").read_text()
+        )
         module = type(component)
         component = module({**defaults["config"], **config}, InvalidInput)
     return component
@@ -88,7 +91,7 @@ def test_what_is_not_an_image_is_a_clear_400(data: Any, message: str) -> None:
 
 def test_a_decompression_bomb_is_refused_before_it_is_decoded() -> None:
     bomb = encoded(4000, 4000, 0, mode="L")  # 16 MP, a few KiB of PNG
-    with pytest.raises(InvalidInput, match="over 1000000 pixels"):
+    with pytest.raises(InvalidInput, match="over max_pixels = 1000000 pixels"):
         decoder(max_pixels=1_000_000).process(images(bomb), context())
 
 
@@ -97,3 +100,133 @@ def test_images_of_different_sizes_without_a_size_are_refused() -> None:
         decoder(size=[]).process(
             images(encoded(4, 4, (0, 0, 0)), encoded(5, 4, (0, 0, 0))), context()
         )
+
+
+def gif(screen: int, frames: int = 1) -> bytes:
+    """A GIF of ``frames`` 1x1 frames on a ``screen`` x ``screen`` logical screen, built byte
+    by byte (35 bytes for one frame): Pillow decodes each frame onto the whole screen."""
+    out = b"GIF89a" + struct.pack("<HHBBB", screen, screen, 0, 0, 0)  # no global palette
+    for _ in range(frames):
+        out += b"\x2c" + struct.pack("<HHHHB", 0, 0, 1, 1, 0x80)  # 1x1, a local palette
+        out += b"\x00\x00\x00\xff\xff\xff" + b"\x02\x02\x44\x01\x00"  # LZW: clear, 0, end
+    return out + b"\x3b"
+
+
+def test_max_pixels_bounds_the_request_from_headers_before_any_image_is_decoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Six 35-byte GIFs, each 36 MP on screen and under max_pixels (40 MP), are 216 MP of
+    decoding in a 430-byte request: refused, naming max_pixels, before any is decoded."""
+    loads: list[object] = []
+    real = ImageFile.ImageFile.load
+
+    def load(image: ImageFile.ImageFile) -> Any:
+        loads.append(image)
+        return real(image)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    with pytest.raises(
+        InvalidInput, match=r"over max_pixels = 40000000 pixels \(image 1: 6000x6000"
+    ):
+        decoder().process(images(*[gif(6000)] * 6), context())
+    assert loads == []
+
+
+def test_every_frame_of_an_animated_image_counts_toward_max_pixels() -> None:
+    decoder(max_pixels=1000, size=[2, 2]).process(images(gif(20, frames=2)), context())
+    with pytest.raises(InvalidInput, match=r"20x20, 3 frame\(s\); 1200"):
+        decoder(max_pixels=1000).process(images(gif(20, frames=3)), context())
+
+
+def saved(image: Image.Image, kind: str, **options: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, kind, **options)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("image", "kind", "expected"),
+    [
+        (Image.new("I;16", (4, 4), 4096), "PNG", 4096 / 65535),  # 1/16 of full scale
+        (Image.new("I;16", (4, 4), 4096), "TIFF", 4096 / 65535),
+        (Image.new("F", (4, 4), 0.5), "TIFF", 0.5),  # a float image: 1.0 is full scale
+    ],
+)
+def test_deep_images_reach_the_model_scaled_to_their_full_scale(
+    image: Image.Image, kind: str, expected: float
+) -> None:
+    blob = saved(image, kind)
+    for mode, channels in (("RGB", 3), ("L", 1), ("RGBA", 4)):
+        out = decoder(mode=mode, size=[8, 8]).process(images(blob), context())["image"]
+        assert out.shape == (1, channels, 8, 8)
+        np.testing.assert_allclose(out[0, :3], expected, rtol=1e-4)
+        if mode == "RGBA":
+            np.testing.assert_allclose(out[0, 3], 1.0)  # opaque
+    raw = decoder(mode="L", size=[], datatype="UINT8").process(images(blob), context())["image"]
+    assert raw.dtype == np.uint8 and raw.flatten().tolist() == [round(expected * 255)] * 16
+
+
+def test_a_letterboxed_deep_image_is_padded_with_fill() -> None:
+    blob = saved(Image.new("I;16", (8, 4), 65535), "PNG")
+    out = decoder(mode="RGB", size=[8, 8], resize="letterbox", fill=51).process(
+        images(blob), context()
+    )["image"]
+    np.testing.assert_allclose(out[0, :, 0, 0], 0.2, rtol=1e-5)  # 51 / 255 above
+    np.testing.assert_allclose(out[0, :, 4, 4], 1.0, rtol=1e-5)
+
+
+def test_exif_orientation_turns_the_image_as_a_person_sees_it() -> None:
+    """A phone's photo: stored 4 wide and 2 high, left half red, with EXIF Orientation 6
+    (shown turned 90 degrees clockwise): the model gets it 2 wide, 4 high, red on top."""
+    stored = Image.new("RGB", (4, 2), (0, 0, 255))
+    stored.paste((255, 0, 0), (0, 0, 2, 2))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation
+    ctx = context()
+    out = decoder(size=[], resize="letterbox").process(
+        images(saved(stored, "PNG", exif=exif)), ctx
+    )["image"]
+    assert out.shape == (1, 3, 4, 2)
+    assert out[0, :, 0, 0].tolist() == [1.0, 0.0, 0.0]
+    assert out[0, :, 3, 1].tolist() == [0.0, 0.0, 1.0]
+    assert ctx.state["image_decode"][0]["width"] == 2
+
+
+def two_idat_png() -> tuple[bytes, int]:
+    """A PNG of noise whose image data fills two IDAT chunks, and where the second starts."""
+    noise = np.random.default_rng(0).integers(0, 256, (200, 200, 3), dtype=np.uint8)
+    data = saved(Image.fromarray(noise), "PNG")
+    at, found = 8, []
+    while at < len(data):
+        length, kind = struct.unpack(">I4s", data[at : at + 8])
+        if kind == b"IDAT":
+            found.append(at)
+        at += 12 + length
+    assert len(found) >= 2
+    return data, found[1]
+
+
+@pytest.mark.parametrize("into", [4, 5, 6, 7])
+def test_a_png_cut_inside_a_chunk_header_after_image_data_is_a_400(into: int) -> None:
+    """Pillow raises SyntaxError for it, "broken PNG file": a 400, never a 500."""
+    data, second = two_idat_png()
+    with pytest.raises(InvalidInput, match="image 0 cannot be decoded"):
+        decoder().process(images(data[: second + into]), context())
+
+
+@pytest.mark.parametrize("kind", ["PNG", "GIF", "JPEG", "TIFF", "WEBP", "BMP"])
+def test_any_truncated_or_corrupt_file_is_a_400_or_an_image(kind: str) -> None:
+    noise = np.random.default_rng(1).integers(0, 256, (24, 24, 3), dtype=np.uint8)
+    data = saved(Image.fromarray(noise), kind)
+    broken = [data[:cut] for cut in range(0, len(data), max(1, len(data) // 40))]
+    for at in range(0, len(data), max(1, len(data) // 40)):
+        flipped = bytearray(data)
+        flipped[at] ^= 0xA5
+        broken.append(bytes(flipped))
+    component = decoder(size=[8, 8], max_pixels=4096)
+    for blob in broken:
+        try:
+            out = component.process(images(blob), context())["image"]
+        except InvalidInput:
+            continue
+        assert out.shape == (1, 3, 8, 8)

@@ -318,3 +318,101 @@ async def test_a_streaming_runner_called_for_one_answer_refuses_in_no_protocol_s
             assert word not in message
     finally:
         await registry.close()
+
+
+MEAN_RUNNER = """
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Mean:
+        def infer(self, inputs):
+            image = inputs["image"]
+            return {"y": image.reshape(image.shape[0], -1).mean(axis=1, keepdims=True)}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return Mean()
+"""
+
+PASS_ON = """
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class PassOn:
+        def process(self, data, ctx):
+            return data
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return PassOn()
+"""
+
+
+async def _inline_of(cli: Any, name: str) -> int:
+    plugins = (await (await cli.get("/admin/plugins")).json())["plugins"]
+    return int(next(p["inline_executions"] for p in plugins if p["name"] == name))
+
+
+def _gif(screen: int) -> bytes:
+    """35 bytes: one 1x1 frame on a ``screen`` x ``screen`` logical screen (decoded whole)."""
+    import struct
+
+    head = b"GIF89a" + struct.pack("<HHBBB", screen, screen, 0, 0, 0)
+    frame = b"\x2c" + struct.pack("<HHHHB", 0, 0, 1, 1, 0x80) + b"\x00\x00\x00\xff\xff\xff"
+    return head + frame + b"\x02\x02\x44\x01\x00\x3b"
+
+
+async def test_only_a_processor_declaring_its_cost_by_size_runs_on_the_event_loop(
+    plugins_dir: Path, client: Callable[..., Any]
+) -> None:
+    """``image_decode`` (no ``[processor] cost``: a few bytes can decode to megapixels)
+    runs every call on its thread, however cheap its last ones; the processor after it
+    (``cost = "size"``) runs cheap calls inline, but not one handed a 2.25 MP image decoded
+    from a 35-byte GIF: a call's size counts the tensors it is handed."""
+    from tests.plugins.bundled import folder
+
+    source = (folder("preprocessor", "image_decode") / "plugin.py").read_text()
+    write_plugin(plugins_dir, "preprocessor", "image_decode", "1.0.0",
+                 '[config]\nsize = []\nmode = "L"\n', {"plugin.py": source})  # fmt: skip
+    write_plugin(plugins_dir, "preprocessor", "after", "1.0.0",
+                 '[processor]\ncost = "size"\n', {"plugin.py": PASS_ON})  # fmt: skip
+    write_plugin(plugins_dir, "runner", "see", "1.0.0",
+                 '[route]\npreprocess = ["image_decode", "after"]\n',
+                 {"plugin.py": MEAN_RUNNER})  # fmt: skip
+    cli = await client()
+    import io
+
+    from PIL import Image
+
+    small = io.BytesIO()
+    Image.new("L", (4, 4), 255).save(small, "PNG")
+
+    async def predict(body: bytes) -> None:
+        resp = await cli.post("/predict/see", data=body, headers={"Content-Type": "image/png"})
+        assert resp.status == 200, await resp.text()
+
+    for sent in range(48):  # a call descheduled past the budget keeps the next eight off
+        await predict(small.getvalue())
+        if sent >= 11 and await _inline_of(cli, "after"):
+            break
+    cheap = await _inline_of(cli, "after")
+    assert cheap > 0
+    assert await _inline_of(cli, "image_decode") == 0
+    await predict(_gif(1500))
+    assert await _inline_of(cli, "after") == cheap
+    assert await _inline_of(cli, "image_decode") == 0
+
+
+def test_a_call_s_size_is_its_request_s_bytes_and_what_it_is_handed() -> None:
+    from plugserve.registry.execution.components.inline import CALL_MAX_ELEMENTS, call_bytes
+
+    image = np.zeros((1, 3, 224, 224), np.float32)
+    assert call_bytes({"image": image, "k": 3}, 35) == 35 + image.nbytes
+    assert call_bytes(b"abcd", 4) == 8
+    texts = np.array(["ab", "cde"], dtype=object)
+    assert call_bytes({"text": texts}, 10) == 10 + 5 + texts.nbytes
+    assert call_bytes({"text": np.array(["a"] * (CALL_MAX_ELEMENTS + 1), dtype=object)}, 1) is None
+    assert call_bytes({"x": image}, None) is None

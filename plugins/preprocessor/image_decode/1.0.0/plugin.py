@@ -2,11 +2,19 @@
 
 The input holds one encoded image per element (BYTES: tritonclient's binary data, v2 JSON
 with ``"parameters": {"content_type": "base64"}``, or a ``/predict`` body of one image).
-Each is decoded by Pillow, converted to ``mode``, resized to ``size`` (stretched, or
-letterboxed: scaled to fit with its aspect kept, centred, the rest ``fill``), scaled,
-normalized per channel and laid out as ``layout``: images of any size leave as one
-``[N, C, H, W]`` (or ``[N, H, W, C]``) tensor, so they batch together in the runner.
-Other inputs pass through. For a letterboxed image, ``ctx.state["image_decode"]`` holds
+Each is decoded by Pillow as a person sees it (its EXIF orientation applied), converted
+to ``mode``, resized to ``size`` (stretched, or letterboxed: scaled to fit with its aspect
+kept, centred, the rest ``fill``), scaled, normalized per channel and laid out as
+``layout``: images of any size leave as one ``[N, C, H, W]`` (or ``[N, H, W, C]``) tensor,
+so they batch together in the runner. Other inputs pass through.
+
+Pixel values are in 8-bit units (0..255) before ``scale``, whatever the file's depth: a
+16-bit image's values times 255/65535, a floating-point one's (1.0: full scale) times 255,
+kept as floats until ``datatype`` says otherwise.
+
+``max_pixels`` bounds a request: the pixels of all its images, every frame of an animated
+one counted, read from their headers before any is decoded. Whatever Pillow raises for a
+file it cannot read (truncated, corrupt, a decompression bomb) is a 400 naming the image. For a letterboxed image, ``ctx.state["image_decode"]`` holds
 one ``{"width", "height", "scale", "pad_x", "pad_y"}`` per image (its size before, and how
 it was placed), for a postprocessor to map boxes back.
 """
@@ -16,11 +24,18 @@ import warnings
 
 import numpy as np
 import pluggy
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 hookimpl = pluggy.HookimplMarker("plugserve")
 
 DTYPES = {"FP32": np.float32, "FP16": np.float16, "UINT8": np.uint8}
+DEEP = {"I": 255 / 65535, "I;16": 255 / 65535, "I;16B": 255 / 65535, "I;16L": 255 / 65535,
+        "I;16N": 255 / 65535, "F": 255.0}
+"""Pillow's modes of more than 8 bits a channel, and what turns their values into 8-bit
+units (Pillow reads 16-bit PNG and TIFF grey as ``I;16`` or ``I``)."""
+DEEP_MODES = {"L": 1, "LA": 1, "RGB": 3, "RGBA": 3}
+"""The target modes a deep image is converted to without losing its depth: its grey
+repeated, alpha opaque."""
 
 
 class ImageDecode:
@@ -58,10 +73,21 @@ class ImageDecode:
         encoded = np.asarray(data[self.input], dtype=object).reshape(-1)
         if encoded.size == 0:
             raise ctx.InvalidInput(f"input {self.input!r} holds no image")
-        placed, images = [], []
+        opened, pixels = [], 0
         for i, blob in enumerate(encoded):
-            image, where = self._decode(blob, i, ctx)
-            images.append(image)
+            image, frames = self._open(blob, i, ctx)
+            pixels += image.width * image.height * frames
+            if pixels > self.max_pixels:
+                raise ctx.InvalidInput(
+                    f"the images are over max_pixels = {self.max_pixels} pixels (image {i}: "
+                    f"{image.width}x{image.height}, {frames} frame(s); {pixels} with those "
+                    "before it)"
+                )
+            opened.append(image)
+        placed, images = [], []
+        for i, image in enumerate(opened):
+            decoded, where = self._decode(image, i, ctx)
+            images.append(decoded)
             placed.append(where)
         shapes = {image.shape for image in images}
         if len(shapes) > 1:
@@ -78,29 +104,32 @@ class ImageDecode:
         out[self.output] = np.ascontiguousarray(batch)
         return out
 
-    def _decode(self, blob, index, ctx):
+    def _open(self, blob, index, ctx):
+        """The image, its header read and nothing decoded, and its frames."""
         if isinstance(blob, str):
             blob = blob.encode("latin-1")
         if not isinstance(blob, bytes | bytearray | memoryview):
             raise ctx.InvalidInput(f"image {index} is {type(blob).__name__}, not encoded bytes")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                image = Image.open(io.BytesIO(bytes(blob)))
-                if image.width * image.height > self.max_pixels:
-                    raise ctx.InvalidInput(
-                        f"image {index} is {image.width}x{image.height}: over "
-                        f"{self.max_pixels} pixels"
-                    )
-                image = image.convert(self.mode)
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombWarning,
-                Image.DecompressionBombError, ValueError) as exc:
-            raise ctx.InvalidInput(f"image {index} cannot be decoded: {exc}") from None
-        width, height = image.size
+        with _pillow_errors(index, ctx):
+            image = Image.open(io.BytesIO(bytes(blob)))
+            return image, getattr(image, "n_frames", 1)
+
+    def _decode(self, image, index, ctx):
+        with _pillow_errors(index, ctx):
+            ImageOps.exif_transpose(image, in_place=True)
+            if image.mode in DEEP and self.mode in DEEP_MODES:
+                bands = _deep_bands(image, self.mode)
+            else:
+                bands = [image.convert(self.mode)]
+        width, height = bands[0].size
         where = {"width": width, "height": height, "scale": 1.0, "pad_x": 0, "pad_y": 0}
-        if self.size is not None:
-            image, where = self._resized(image, where)
-        pixels = np.asarray(image)
+        if self.size is not None:  # a deep grey image's bands are one image: resized once
+            resized = {id(band): self._resized(band, where) for band in bands}
+            bands, where = [resized[id(band)][0] for band in bands], resized[id(bands[0])][1]
+        if len(bands) == 1:
+            pixels = np.asarray(bands[0])
+        else:
+            pixels = np.stack([np.asarray(band) for band in bands], axis=-1)
         if pixels.ndim == 2:
             pixels = pixels[:, :, np.newaxis]
         return self._values(pixels), where
@@ -112,13 +141,16 @@ class ImageDecode:
         scale = min(target_w / image.width, target_h / image.height)
         width = max(1, round(image.width * scale))
         height = max(1, round(image.height * scale))
-        canvas = Image.new(image.mode, (target_w, target_h), _fill(image.mode, self.fill))
+        fill = float(self.fill) if image.mode == "F" else _fill(image.mode, self.fill)
+        canvas = Image.new(image.mode, (target_w, target_h), fill)
         pad_x, pad_y = (target_w - width) // 2, (target_h - height) // 2
         canvas.paste(image.resize((width, height), Image.BILINEAR), (pad_x, pad_y))
         return canvas, {**where, "scale": scale, "pad_x": pad_x, "pad_y": pad_y}
 
     def _values(self, pixels):
         if self.datatype == "UINT8":
+            if pixels.dtype.kind == "f":  # a deep image's 8-bit units
+                return np.clip(np.rint(pixels), 0, 255).astype(np.uint8)
             return pixels.astype(np.uint8)
         values = pixels.astype(np.float32) * np.float32(self.scale)
         if self.mean.size:
@@ -129,6 +161,38 @@ class ImageDecode:
 
     def metadata(self):
         return {"inputs": [{"name": self.input, "datatype": "BYTES", "shape": [-1]}]}
+
+
+class _pillow_errors:
+    """Whatever Pillow raises for a file (its plugins raise ``SyntaxError``, ``OSError``,
+    ``ValueError``, ``EOFError``, ``struct.error``, ... for truncated or corrupt data; a
+    decompression bomb its own error or warning) as a 400 naming the image."""
+
+    def __init__(self, index, ctx):
+        self.index = index
+        self.ctx = ctx
+        self.warnings = warnings.catch_warnings()
+
+    def __enter__(self):
+        self.warnings.__enter__()
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+
+    def __exit__(self, kind, exc, tb):
+        self.warnings.__exit__(kind, exc, tb)
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        raise self.ctx.InvalidInput(f"image {self.index} cannot be decoded: {exc}") from None
+
+
+def _deep_bands(image, mode):
+    """A deep image (``DEEP``) in ``mode`` as one ``F`` image a channel, in 8-bit units."""
+    image.load()
+    units = np.asarray(image, dtype=np.float32) * np.float32(DEEP[image.mode])
+    grey = Image.fromarray(np.ascontiguousarray(units), "F")
+    bands = [grey] * DEEP_MODES[mode]
+    if mode.endswith("A"):
+        bands.append(Image.new("F", grey.size, 255.0))
+    return bands
 
 
 def _fill(mode, value):
