@@ -7,7 +7,10 @@ carrying its HTTP status. The server turns them into JSON in one middleware
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 MAX_RETRY_AFTER_S = 3600
@@ -175,6 +178,13 @@ class PluginError(PlugserveError):
         self.exc = exc
 
 
+class RoutesTooDeep(PlugserveError):
+    """Routes called routes (graph steps, ``ctx.infer``) deeper than the server allows: a
+    plugin calling routes in a loop. The server's or the plugin's fault, not the client's."""
+
+    status = 500
+
+
 class PluginLoadError(PlugserveError):
     """A plugin version could not be loaded (manifest, import, create, warmup).
 
@@ -237,3 +247,54 @@ class ConfigError(PlugserveError):
     """The server's configuration (flags, TOML file, environment) is invalid."""
 
     status = 500
+
+
+def one_error(exc: BaseException) -> BaseException:
+    """The one error a request ends with when it raised ``exc``: ``exc`` itself, or for an
+    exception group (a plugin's ``asyncio.TaskGroup``, say) :func:`first_error` of the
+    exceptions it holds, nested groups flattened."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    return first_error(_leaves(exc))
+
+
+def first_error(errors: Iterable[BaseException]) -> BaseException:
+    """Of the errors of stages that ran together for one request (a graph's wave, routes a
+    plugin called at once), the one the request ends with: the first of the highest rank.
+
+    1. the request's own end: a :class:`DeadlineExceeded`, or an ``asyncio.CancelledError``
+       (its client left, the server stops);
+    2. a fault of the server or of a plugin: a status of 500 or more, or any exception that
+       is no :class:`PlugserveError`;
+    3. the client's error (a status under 500), only when every error is one.
+
+    Every composition of stages, and every place that maps an error to a status (HTTP,
+    gRPC, the metrics, a stage's fault), goes through this rule.
+    """
+    return min(errors, key=_rank)
+
+
+@contextlib.contextmanager
+def ungrouped() -> Iterator[None]:
+    """Within it, an exception group raised is raised as its one error (:func:`one_error`)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        error = one_error(group)
+        raise error from error.__cause__  # its own cause, not the group it came in
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+def _rank(exc: BaseException) -> int:
+    if isinstance(exc, DeadlineExceeded | asyncio.CancelledError):
+        return 0
+    if not isinstance(exc, PlugserveError) or exc.status >= 500:
+        return 1
+    return 2

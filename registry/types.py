@@ -114,13 +114,19 @@ class RequestContext:
     """What :meth:`infer` calls (``registry/execution/graph.py``: ``RouteCaller``)."""
     depth: int = 0
     """How deep in routes calling routes this request is (0: the client's own)."""
+    shadow: bool = False
+    """A shadow copy of a client's request, run on a rollout's canary to compare its
+    answer (``server/dataplane/shadow.py``): it serves no client, and counts in no
+    runner's request statistics."""
 
     async def infer(self, route: str, inputs: Mapping[str, Any], version: str | None = None) -> Any:
         """Run another route's chain in this process on ``inputs`` (named tensors) and
         return its answer, as a v2 request to it would get it, without HTTP: with this
         request's deadline, priority and tenant, batched with that route's other requests.
-        ``version`` pins its runner version. Errors are the route's (404 for no such route,
-        503 while it is not ready, 400 for inputs it refuses)."""
+        ``version`` pins its runner version. Any route a client can call: one whose runner
+        loads on its first request loads as for a client's request, within this request's
+        deadline. Errors are the route's (404 for no such route, 503 while it is not ready,
+        400 for inputs it refuses, 504 past the deadline)."""
         if self.router is None:
             raise RuntimeError("ctx.infer is served by the server's data plane only")
         return await self.router(self, route, inputs, version)

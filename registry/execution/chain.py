@@ -116,8 +116,9 @@ class Chain:
         return self.stages[0].check_request(data, self.route) if _tensors(data) else data
 
     def _record(self, ok: bool, started: float, ctx: RequestContext) -> None:
-        """The request in the runner version's statistics."""
-        if self.runner.stats is not None:
+        """The request in the runner version's statistics (a shadow copy serves no client:
+        it is not counted)."""
+        if self.runner.stats is not None and not ctx.shadow:
             took = time.perf_counter() - started
             self.runner.stats.record_request(ok, took, ctx.timings, ctx.rows)
 

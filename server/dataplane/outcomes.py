@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from plugserve.registry.errors import PluginError, PlugserveError
+from plugserve.registry.errors import PluginError, PlugserveError, one_error
 
 CLIENT_CLOSED_REQUEST = 499
 """The status counted for a request whose client hung up before its answer (as nginx does)."""
@@ -25,7 +25,9 @@ log = structlog.get_logger("plugserve.server")
 
 
 def status_of(exc: BaseException) -> int:
-    """The status a request that raised ``exc`` is counted with."""
+    """The status a request that raised ``exc`` is counted with (an exception group's: its
+    one error's, :func:`~plugserve.registry.errors.one_error`)."""
+    exc = one_error(exc)
     if isinstance(exc, PlugserveError):
         return exc.status
     status = getattr(exc, "status", None)  # aiohttp's own HTTP errors (a body too large)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import sys
 import time
@@ -39,9 +40,11 @@ from plugserve.registry.execution.batching import priority_level
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components import batch_policy
 from plugserve.registry.execution.graph import RouteCaller
+from plugserve.registry.execution.sequences import is_sequence_id
 from plugserve.registry.lifecycle.registry import Key, Registry
 from plugserve.registry.refs import Ref
 from plugserve.registry.routing.figures import Windows
+from plugserve.registry.routing.variants import sticky_key
 from plugserve.registry.types import RequestContext
 from plugserve.server.dataplane.cache import ResponseCache
 from plugserve.server.dataplane.context import (
@@ -51,7 +54,7 @@ from plugserve.server.dataplane.context import (
     request_context,
 )
 from plugserve.server.dataplane.outcomes import status_of
-from plugserve.server.dataplane.pins import SequencePins
+from plugserve.server.dataplane.pins import SequencePins, sequence_key
 from plugserve.server.dataplane.shadow import ShadowTraffic
 from plugserve.server.runtime.logs import REQUEST_CHAIN
 from plugserve.server.runtime.metrics import Metrics
@@ -150,9 +153,7 @@ class DataPlane:
         self.metrics = metrics
         self.drain = drain
         self.cache = cache
-        self.router = RouteCaller(
-            lambda route, version: self.registry.routes.resolve(route, version)
-        )
+        self.router = RouteCaller(self.route_chain)
         """``ctx.infer``: a route called in-process by a plugin (``graph.py``)."""
         self.pins = SequencePins()
         """The chain each running sequence started on (``pins.py``)."""
@@ -235,7 +236,8 @@ class DataPlane:
                 rollout = entry.spec.rollout
                 if rollout is not None and rollout.active:
                     window = self.windows.window(entry.spec.name, rollout.key)
-                    window.variant(variant).record(status >= 400, _gated_time(served, took))
+                    placed_by = _placed_by(entry.spec.sticky, call, served)
+                    window.variant(variant).record(status, _gated_time(served, took), placed_by)
 
     async def _infer(
         self,
@@ -269,7 +271,8 @@ class DataPlane:
         # that its body is in: a client still uploading never holds a shutdown up.
         chain = self._resolve_or_needs(call, route, version, inference)
         if not isinstance(chain, Chain):  # what it needs loads on its first request
-            chain = await self._loaded(call, route, version, inference, chain, deadline)
+            resolve = functools.partial(self._resolve, call, route, version, inference)
+            chain = await self.loaded(resolve, chain, deadline)
         served.chain = chain
         drain = self.drain
         drain.enter()
@@ -283,15 +286,22 @@ class DataPlane:
         try:
             if deadline is None or inference.streams:
                 return await answer(served)
+            bound = asyncio.timeout(deadline)
             try:
-                async with asyncio.timeout(deadline):
+                async with bound:
                     return await answer(served)
             except TimeoutError:
                 # Stage errors arrive wrapped (PluginError): this can only be the deadline.
                 raise late(deadline) from None
+            except Exception:
+                if bound.expired():  # what a stage raised as the deadline stopped it
+                    raise late(deadline) from None
+                raise
         finally:
             chain.leave()
             drain.leave()
+            if version is None and inference.parameters:
+                self.pins.settle(route, inference.parameters)
             if span is not None:
                 span.__exit__(*sys.exc_info())
 
@@ -319,24 +329,33 @@ class DataPlane:
         except NotLoaded as exc:
             return exc.keys
 
-    async def _loaded(
-        self,
-        call: Incoming,
-        route: str,
-        version: str | None,
-        inference: Inference,
-        needs: tuple[Key, ...],
-        deadline_s: float | None,
+    async def loaded(
+        self, resolve: Callable[[], Chain], needs: tuple[Key, ...], deadline_s: float | None
     ) -> Chain:
-        """The chain, once what it needs has loaded: waiting for up to
-        :data:`DEMAND_ATTEMPTS` loads (a version evicted again before this request ran)."""
+        """``resolve()``'s chain, once ``needs`` (what it needs that loads on its first
+        request) has loaded: waiting for up to :data:`DEMAND_ATTEMPTS` loads (a version
+        evicted again before this request ran). The chain is returned in the step that
+        resolved it: its caller enters it before a reload can release it."""
         for _ in range(DEMAND_ATTEMPTS):
             await self.demand(needs, deadline_s)
-            found = self._resolve_or_needs(call, route, version, inference)
+            found = _resolved_or_needs(resolve)
             if isinstance(found, Chain):
                 return found
             needs = found
-        return self._resolve(call, route, version, inference)  # NotLoaded: a 503
+        return resolve()  # NotLoaded: a 503
+
+    async def route_chain(self, route: str, version: str | None, deadline_s: float | None) -> Chain:
+        """The chain serving ``route`` for ``ctx.infer``: resolved as a client's request to
+        it is, loading what loads on its first request through :meth:`loaded` (the memory
+        budget's evictions included), waiting at most ``deadline_s``."""
+        resolve = functools.partial(self._route, route, version)
+        found = _resolved_or_needs(resolve)
+        if isinstance(found, Chain):
+            return found
+        return await self.loaded(resolve, found, deadline_s)
+
+    def _route(self, route: str, version: str | None) -> Chain:
+        return self.registry.routes.resolve(route, version)
 
     async def demand(self, needs: tuple[Key, ...], deadline_s: float | None) -> None:
         """Load what a route needs that loads on its first request, waiting at most the
@@ -353,12 +372,7 @@ class DataPlane:
     async def chain_of(self, route: str, version: str | None) -> Chain:
         """The chain serving ``route`` for a metadata or configuration call: like a request,
         it loads what loads on its first request (a client reads the metadata first)."""
-        try:
-            return self.registry.routes.resolve(route, version)
-        except NotLoaded as exc:
-            needs = exc.keys
-        await self.demand(needs, None)  # out of the except: see _resolve_or_needs
-        return self.registry.routes.resolve(route, version)
+        return await self.route_chain(route, version, None)
 
     def admit(self, route: str, version: str | None) -> None:
         """404/503 for a route or version not served here, 429 for a route over its rate
@@ -377,6 +391,15 @@ class DataPlane:
             )
 
 
+def _resolved_or_needs(resolve: Callable[[], Chain]) -> Chain | tuple[Key, ...]:
+    """``resolve()``'s chain, or the versions it needs loaded first (see
+    :meth:`DataPlane._resolve_or_needs`: the :class:`NotLoaded` ends here)."""
+    try:
+        return resolve()
+    except NotLoaded as exc:
+        return exc.keys
+
+
 def _gated_time(served: Served, took: float) -> float:
     """What a rollout's latency gates judge of a request: its time, less its wait in the
     runner's queue (the version taking more of the traffic waits longer there: that is
@@ -384,6 +407,18 @@ def _gated_time(served: Served, took: float) -> float:
     ctx = getattr(served, "ctx", None)
     queued = 0.0 if ctx is None else ctx.timings.get("queue", 0.0)
     return max(took - queued, 0.0)
+
+
+def _placed_by(sticky: str | None, call: Incoming, served: Served) -> bytes | None:
+    """The key a weighted route placed the request by (its sticky header, else its
+    sequence): the client's choice, and so the cohort it counts in for a rollout."""
+    key = sticky_key(sticky, call.headers)
+    ctx = getattr(served, "ctx", None)
+    if key is None and ctx is not None:
+        sequence_id = ctx.parameters.get("sequence_id")
+        if is_sequence_id(sequence_id):
+            key = sequence_key(sequence_id)
+    return key
 
 
 DEMAND_ATTEMPTS = 3

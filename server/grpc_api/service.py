@@ -31,6 +31,7 @@ from plugserve.registry.errors import (
     PlugserveError,
     RepositoryPollFailed,
     Unavailable,
+    ungrouped,
 )
 from plugserve.registry.execution.chain import Chain
 from plugserve.server.dataplane.outcomes import log_failure
@@ -116,9 +117,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return call
 
     async def _answer(self, context: Any, method: str, work: Callable[[], Awaitable[T]]) -> T:
-        """Run ``work``; its :class:`PlugserveError` (or a fault) ends the call with a status."""
+        """Run ``work``; its :class:`PlugserveError` (or a fault) ends the call with a status
+        (an exception group's: its one error, :func:`one_error`)."""
         try:
-            return await work()
+            with ungrouped():
+                return await work()
         except PlugserveError as exc:
             log_failure(exc, rpc=method)
             if isinstance(exc, DeadlineExceeded) and _expired(context):
@@ -309,7 +312,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     await after
                 try:
                     call = self._call(context)
-                    response = await self._infer(call, request, send)
+                    with ungrouped():
+                        response = await self._infer(call, request, send)
                     if response is not None:
                         await send(_final(response, True))
                 except PlugserveError as exc:

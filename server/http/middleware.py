@@ -16,7 +16,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from plugserve.registry.errors import PlugserveError
+from plugserve.registry.errors import PlugserveError, one_error
 from plugserve.server.dataplane.outcomes import log_failure
 from plugserve.server.http.bodies import BODIES, release_slot, too_large
 from plugserve.server.http.connections import begin_request
@@ -150,14 +150,16 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 def failure(exc: Exception, path: str) -> PlugserveError:
     """The error answered for an exception a handler raised, logged at its level: a
-    :class:`PlugserveError` as it is, anything else a 500 whose details go to the log only."""
-    if not isinstance(exc, PlugserveError):
-        log_failure(exc, path=path)
+    :class:`PlugserveError` as it is (an exception group: its one error, :func:`one_error`),
+    anything else a 500 whose details go to the log only."""
+    raised = one_error(exc)
+    if not isinstance(raised, PlugserveError):
+        log_failure(raised, path=path)
         error = PlugserveError("internal server error")
         error.status = 500
         return error
-    log_failure(exc)
-    return exc
+    log_failure(raised)
+    return raised
 
 
 def _failure(request: web.Request, exc: Exception) -> web.Response:

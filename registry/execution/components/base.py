@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 
 from plugserve.registry.backends.refusals import ort_refusal
-from plugserve.registry.errors import InvalidInput, PluginError, PluginLoadError, PlugserveError
+from plugserve.registry.errors import (
+    InvalidInput,
+    PluginError,
+    PluginLoadError,
+    PlugserveError,
+    one_error,
+)
 from plugserve.registry.manifest import Manifest
 from plugserve.registry.plugins.calls import call_plugin
 from plugserve.registry.tensors.inputs import InputSpec, conform, input_specs
@@ -231,7 +237,8 @@ class LoadedPlugin(ABC):
     def _fault(self, exc: BaseException) -> PlugserveError:
         """What the client gets for ``exc`` raised in this plugin: its own error, a backend's
         refusal of the inputs (ONNX Runtime's, called by the plugin itself) as a 400, or a
-        500 naming the plugin."""
+        500 naming the plugin; of an exception group, its one error's (:func:`one_error`)."""
+        exc = one_error(exc)
         if isinstance(exc, InvalidInput):
             return self._refused(exc)
         if isinstance(exc, PlugserveError):
