@@ -9,9 +9,12 @@ the runner as an input with each request, and is replaced by the runner's matchi
 output, which the client never sees: it sends only its data.
 
 A sequence's requests run one at a time, in the order they arrive; requests of
-different sequences batch together (each state is one row of its batch). A sequence
-ends with its ``sequence_end`` request or after ``idle_timeout_s`` without one, and
-its state is dropped.
+different sequences batch together (each state is one row of its batch). A request
+waiting for its sequence's turn counts against the runner's ``max_queue_size`` as a
+queued one does (429 past it). A sequence ends with its ``sequence_end`` request or
+after ``idle_timeout_s`` without one, and its state is dropped; what watches the
+sequences (:meth:`SequenceHolder.watch`) hears of each end, so that nothing of an ended
+sequence is kept.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
 
 Arrays = Mapping[str, np.ndarray]
 SequenceId = int | str
+Ended = Callable[[SequenceId], None]
+"""Told the id of a sequence that no longer runs where it ran."""
 
 MAX_ID_CHARS = 256
 SWEEP_SLACK_S = 0.01
@@ -82,6 +87,15 @@ class Sequence:
         self.ended = False
 
 
+class QueueRoom(Protocol):
+    """The runner's queue (its ``Scheduler``), as far as a request waiting for its
+    sequence's turn asks it."""
+
+    def check_room(self) -> None:
+        """429 when ``max_queue_size`` requests wait already."""
+        ...
+
+
 class Sequences:
     """The live sequences of one runner version, and how a request of one runs."""
 
@@ -91,6 +105,7 @@ class Sequences:
         label: str,
         layout: BatchLayout | None = None,
         clock: Callable[[], float] = time.monotonic,
+        queue: QueueRoom | None = None,
     ) -> None:
         self.section = section
         self._controls = section.controls.names
@@ -98,8 +113,14 @@ class Sequences:
         """The runner's declared batching: the axis each state's row is on (default 0)."""
         self.label = label
         self.clock = clock
+        self.queue = queue
+        """The runner's queue, whose ``max_queue_size`` bounds the requests waiting for
+        their turn too."""
+        self.waiting = 0
+        """Requests waiting for their sequence's turn (its requests before them run)."""
         self._live: dict[SequenceId, Sequence] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._watchers: list[Ended] = []
         self.started = 0
         self.ended = 0
         self.expired = 0
@@ -114,6 +135,12 @@ class Sequences:
             return sequence_id in self._live
         except TypeError:
             return False
+
+    def watch(self, ended: Ended) -> None:
+        """Call ``ended(sequence_id)`` each time a sequence stops running here: its end,
+        its expiry, a start that failed, the runner's release (once per ``ended``)."""
+        if ended not in self._watchers:
+            self._watchers.append(ended)
 
     async def wait_ended(self, within: float) -> bool:
         """Wait until no sequence runs here (each ends, or expires after its idle timeout);
@@ -194,7 +221,8 @@ class Sequences:
             sequence, fresh = self._sequence_for(sequence_id, start)
             sequence.users += 1
             try:
-                async with sequence.turn:
+                await self._turn(sequence)
+                try:
                     if sequence.ended:  # ended while this request waited for its turn
                         if start or sequence_id in self._live:
                             # A start begins it again; a request queued behind that start
@@ -218,18 +246,35 @@ class Sequences:
                     if end:
                         self._end(sequence_id, sequence)
                         self.ended += 1
+                finally:
+                    sequence.turn.release()
             finally:
                 sequence.users -= 1
                 sequence.last = self.clock()
                 self._arm()
             return answer
 
+    async def _turn(self, sequence: Sequence) -> None:
+        """Wait for ``sequence``'s turn, counted in :attr:`waiting` while its requests
+        before this one run: 429 when the runner's queue has no room for one more."""
+        if sequence.users == 1:  # none before it: its turn at once
+            await sequence.turn.acquire()
+            return
+        if self.queue is not None:
+            self.queue.check_room()
+        self.waiting += 1
+        try:
+            await sequence.turn.acquire()
+        finally:
+            self.waiting -= 1
+
     def _sequence_for(self, sequence_id: SequenceId, start: bool) -> tuple[Sequence, bool]:
         """The live sequence ``sequence_id`` (a start makes it when there is none), and
         whether it was made now; 400 when it does not run, 429 past ``max_sequences``."""
         sequence = self._live.get(sequence_id)
         if sequence is not None and self._idle(sequence, self.clock()):
-            self._end(sequence_id, sequence)  # expired, and not yet swept
+            # Expired, and not yet swept; a start goes on under the same id at once.
+            self._end(sequence_id, sequence, told=not start)
             self.expired += 1
             sequence = None
         if sequence is not None:
@@ -282,10 +327,13 @@ class Sequences:
             state[spec.input] = np.array(value, dtype=V2_TO_NUMPY[spec.datatype], copy=True)
         return state, answer
 
-    def _end(self, sequence_id: SequenceId, sequence: Sequence) -> None:
+    def _end(self, sequence_id: SequenceId, sequence: Sequence, told: bool = True) -> None:
+        """``sequence`` no longer runs; its watchers are told unless ``told`` is false."""
         sequence.ended = True
         if self._live.get(sequence_id) is sequence:
             del self._live[sequence_id]
+            if told:
+                _tell(self._watchers, sequence_id)
 
     def _idle(self, sequence: Sequence, now: float) -> bool:
         return not sequence.users and now - sequence.last > self.section.idle_timeout_s
@@ -312,9 +360,15 @@ class Sequences:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for sequence in self._live.values():
+        live, self._live = self._live, {}
+        for sequence_id, sequence in live.items():
             sequence.ended = True
-        self._live.clear()
+            _tell(self._watchers, sequence_id)
+
+
+def _tell(watchers: list[Ended], sequence_id: SequenceId) -> None:
+    for ended in watchers:
+        ended(sequence_id)
 
 
 def _with_row(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
@@ -331,7 +385,13 @@ def _rows(inputs: Arrays) -> int:
 class SequenceHolder(Protocol):
     """What keeps a runner's sequences, as a request's placement asks it."""
 
-    def holds(self, sequence_id: Any) -> bool: ...
+    def holds(self, sequence_id: Any) -> bool:
+        """Whether ``sequence_id`` runs here."""
+        ...
+
+    def watch(self, ended: Ended) -> None:
+        """Call ``ended(sequence_id)`` each time a sequence stops running here."""
+        ...
 
 
 class SeenSequences:
@@ -340,12 +400,16 @@ class SeenSequences:
     worker saw them. It pins them to their runner version (``server/dataplane/pins.py``)
     and holds a reload's old processes until they end, as :class:`Sequences` does for a
     runner in the worker. A sequence whose requests all go through one worker (one
-    connection, as a streaming client's do) is seen whole."""
+    connection, as a streaming client's do) is seen whole. Its watchers hear of each
+    sequence it stops seeing: ended, refused, idle past its timeout (on a timer), or
+    its runner released (:meth:`clear`)."""
 
     def __init__(self, section: SequenceSection, clock: Callable[[], float] = time.monotonic):
         self.section = section
         self.clock = clock
         self._last: dict[SequenceId, float] = {}
+        self._watchers: list[Ended] = []
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def live(self) -> int:
@@ -358,6 +422,20 @@ class SeenSequences:
         except TypeError:  # an unhashable id is never one
             return False
         return last is not None and self.clock() - last <= self.section.idle_timeout_s
+
+    def watch(self, ended: Ended) -> None:
+        """As :meth:`Sequences.watch`."""
+        if ended not in self._watchers:
+            self._watchers.append(ended)
+
+    def clear(self) -> None:
+        """Forget every sequence (the runner is released)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        seen, self._last = self._last, {}
+        for sequence_id in seen:
+            _tell(self._watchers, sequence_id)
 
     def answered(self, parameters: Mapping[str, Any] | None, status: int) -> None:
         """A request of a sequence was answered with ``status``: what it tells of its
@@ -374,11 +452,13 @@ class SeenSequences:
         if status >= 500 and not start:
             return
         if status != 200 or end:
-            self._last.pop(sequence_id, None)
+            if self._last.pop(sequence_id, None) is not None:
+                _tell(self._watchers, sequence_id)
         elif start or sequence_id in self._last:
             self._last[sequence_id] = self.clock()
             if len(self._last) > self.section.max_sequences:
                 self._forget_idle()
+            self._arm()
 
     async def wait_ended(self, within: float) -> bool:
         """Wait until no sequence seen here runs (each ends or goes idle past its timeout);
@@ -390,8 +470,25 @@ class SeenSequences:
             await asyncio.sleep(min(0.05, self.section.idle_timeout_s))
         return True
 
+    def _arm(self) -> None:
+        """Forget the idle sequences once the idle timeout has passed, while some are seen."""
+        if self._timer is None and self._last:
+            self._timer = asyncio.get_running_loop().call_later(
+                self.section.idle_timeout_s + SWEEP_SLACK_S, self._on_timer
+            )
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._forget_idle()
+        if self._last:  # the next to go idle, a tick after it does
+            soonest = min(self._last.values()) + self.section.idle_timeout_s
+            self._timer = asyncio.get_running_loop().call_later(
+                max(soonest - self.clock(), 0.0) + SWEEP_SLACK_S, self._on_timer
+            )
+
     def _forget_idle(self) -> None:
         now, idle_s = self.clock(), self.section.idle_timeout_s
         for sequence_id, last in list(self._last.items()):
             if now - last > idle_s:
                 del self._last[sequence_id]
+                _tell(self._watchers, sequence_id)

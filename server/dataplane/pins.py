@@ -19,19 +19,26 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
 from plugserve.registry.execution.chain import Chain
-from plugserve.registry.execution.sequences import is_sequence_id
-
-MAX_PINS = 100_000
-"""Pins kept at most; past it, those of sequences that no longer run are dropped."""
+from plugserve.registry.execution.sequences import SequenceId, is_sequence_id
 
 
 class SequencePins:
+    """The chain each sequence running in this process started on, by route and id.
+
+    A pin lasts as long as its sequence runs in the pinned chain's runner: it is
+    dropped when the runner tells of the sequence's end (its ``sequence_end``, its
+    expiry, a failed start, the runner's release: :meth:`SequenceHolder.watch`), and
+    after a request of a sequence that the runner does not run (:meth:`settle`: a start
+    refused before it reached the runner). An ended sequence thus holds no chain, and a
+    reload's old version is released once its live sequences end.
+    """
+
     def __init__(self) -> None:
-        self._pins: dict[tuple[str, int | str], Chain] = {}
-        self._purge_at = MAX_PINS
+        self._pins: dict[SequenceId, dict[str, Chain]] = {}
+        """Sequence id -> route -> the chain it started on."""
 
     def __len__(self) -> int:
-        return len(self._pins)
+        return sum(map(len, self._pins.values()))
 
     def chain(
         self,
@@ -48,9 +55,8 @@ class SequencePins:
         sequence_id = parameters.get("sequence_id") if parameters else None
         if parameters is None or not _is_id(sequence_id):
             return resolve(None)  # not a sequence's request (the runner refuses a bad id)
-        key: tuple[str, int | str] = (route, sequence_id)
         start = parameters.get("sequence_start") is True
-        pinned = self._pins.get(key)
+        pinned = self._pinned(route, sequence_id)
         if pinned is not None and not start:
             kept = pinned.runner.live_sequences()
             if kept is not None and kept.holds(sequence_id):
@@ -58,22 +64,46 @@ class SequencePins:
         chain = resolve(sequence_key(sequence_id))
         kept = chain.runner.live_sequences()
         if kept is None or not (start or kept.holds(sequence_id)):
-            self._pins.pop(key, None)
+            self._drop(route, sequence_id)
             return chain
-        self._pins[key] = chain
-        if len(self._pins) > self._purge_at:
-            self._purge()
+        kept.watch(self.ended)
+        self._pins.setdefault(sequence_id, {})[route] = chain
         return chain
 
-    def _purge(self) -> None:
-        """Drop the pins of sequences that no longer run; the next purge waits until the
-        pins have doubled (amortized: sequences that all still run cost one scan, not one
-        a request)."""
-        for key, chain in list(self._pins.items()):
-            kept = chain.runner.live_sequences()
-            if kept is None or not kept.holds(key[1]):
-                del self._pins[key]
-        self._purge_at = max(MAX_PINS, 2 * len(self._pins))
+    def settle(self, route: str, parameters: Mapping[str, Any] | None) -> None:
+        """After a request on ``route`` with ``parameters``: its sequence's pin goes unless
+        the pinned runner runs the sequence."""
+        sequence_id = parameters.get("sequence_id") if parameters else None
+        if _is_id(sequence_id):
+            pinned = self._pinned(route, sequence_id)
+            if pinned is not None and not _runs(pinned, sequence_id):
+                self._drop(route, sequence_id)
+
+    def ended(self, sequence_id: SequenceId) -> None:
+        """A runner no longer runs ``sequence_id``: the pins to it go (a pin of the same id
+        to a runner that still runs it stays)."""
+        routes = self._pins.get(sequence_id)
+        if routes is None:
+            return
+        for route, chain in list(routes.items()):
+            if not _runs(chain, sequence_id):
+                del routes[route]
+        if not routes:
+            del self._pins[sequence_id]
+
+    def _pinned(self, route: str, sequence_id: SequenceId) -> Chain | None:
+        routes = self._pins.get(sequence_id)
+        return None if routes is None else routes.get(route)
+
+    def _drop(self, route: str, sequence_id: SequenceId) -> None:
+        routes = self._pins.get(sequence_id)
+        if routes is not None and routes.pop(route, None) is not None and not routes:
+            del self._pins[sequence_id]
+
+
+def _runs(chain: Chain, sequence_id: SequenceId) -> bool:
+    kept = chain.runner.live_sequences()
+    return kept is not None and kept.holds(sequence_id)
 
 
 def sequence_key(sequence_id: int | str) -> bytes:

@@ -15,6 +15,18 @@ the bound), and counts as ``skipped``. A saturated server thus compares fewer co
 rather than answer its live requests later for them. Each comparison counts in the
 route's rollout window (``registry/routing/figures.py``): agreed or not, and the largest
 difference per output.
+
+A request of a sequence means something only after the requests before it: on a runner
+that keeps sequences, whole sequences are copied or none of each. Whether a sequence is
+copied is drawn at its ``sequence_start`` (the rollout's ``shadow`` share) and kept to
+its end; a sequence already running when shadowing starts is not copied. A copy of a
+copied sequence that is skipped, or that the canary fails, ends its sequence's copying:
+the copies after it are not run (the canary's state would no longer follow the stable
+version's).
+
+A copy runs with ``ctx.shadow`` set: it serves no client, so it counts in neither
+version's request statistics (Triton's ``v2`` statistics count what clients were
+served); its outcomes have their own counter (``plugserve_shadow_requests_total``).
 """
 
 from __future__ import annotations
@@ -31,9 +43,11 @@ from typing import Any, Protocol
 import numpy as np
 import structlog
 
+from plugserve.registry.errors import InvalidInput
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components import batch_policy
 from plugserve.registry.execution.graph import derived_context
+from plugserve.registry.execution.sequences import SequenceHolder, SequenceId, sequence_of
 from plugserve.registry.routing.figures import Windows
 from plugserve.registry.routing.rollout import Rollout
 from plugserve.registry.routing.routes import RouteTable
@@ -61,6 +75,18 @@ QUEUE_BYTES = 64 * 2**20
 
 
 @dataclass(slots=True)
+class CopiedSequence:
+    """A sequence whose requests are copied, from its start to its end."""
+
+    rollout: str
+    """The key of the rollout it is copied for."""
+    holder: SequenceHolder
+    """The stable runner's sequences, where it runs."""
+    broken: bool = False
+    """A copy of it was not run: those after it are not run either."""
+
+
+@dataclass(slots=True)
 class ShadowCopy:
     route: str
     rollout: Rollout
@@ -68,6 +94,8 @@ class ShadowCopy:
     ctx: RequestContext
     size: int
     """What it holds: its inputs, then the live answer kept with it too."""
+    sequence: CopiedSequence | None = None
+    """The copied sequence it is a request of."""
 
 
 class Live(Protocol):
@@ -106,6 +134,8 @@ class ShadowTraffic:
         """The bytes copies hold (:attr:`ShadowCopy.size`), from their copy to their end."""
         self._queue: asyncio.Queue[tuple[ShadowCopy, Any]] = asyncio.Queue(QUEUE)
         self._runners: list[asyncio.Task[None]] = []
+        self._sequences: dict[SequenceId, dict[str, CopiedSequence]] = {}
+        """Sequence id -> route -> the copied sequence running under that id."""
 
     def routes_changed(self) -> None:
         """Find again the routes whose rollouts copy requests (on every change of routes)."""
@@ -121,16 +151,71 @@ class ShadowTraffic:
         if shadowing is None:
             return None
         rollout, stable = shadowing
-        if chain.variant != stable or random.random() >= rollout.shadow:
+        if chain.variant != stable:
+            return None
+        holder = chain.runner.live_sequences()
+        sequence = None
+        if holder is not None:  # a request of a sequence: copied with its whole sequence
+            sequence = self._copied_sequence(route, rollout, holder, ctx.parameters)
+            if sequence is None:
+                return None
+        elif random.random() >= rollout.shadow:
             return None
         size = _nbytes(data) or ctx.body_bytes or 0  # what the copy holds: arrays as decoded
         if self._queue.full() or self._held + size > QUEUE_BYTES:
             self.windows.window(route, rollout.key).shadow.skipped += 1
             self._count(route, "skipped")
+            if sequence is not None:
+                sequence.broken = True
             return None
         copied = _copied(data)
         self._held += size
-        return ShadowCopy(route, rollout, copied, ctx, size)
+        return ShadowCopy(route, rollout, copied, ctx, size, sequence)
+
+    def _copied_sequence(
+        self, route: str, rollout: Rollout, holder: SequenceHolder, parameters: Mapping[str, Any]
+    ) -> CopiedSequence | None:
+        """The copied sequence a request on ``route`` belongs to, if its sequence is one:
+        drawn at its start, kept to its end (``None`` for a request the runner refuses)."""
+        try:
+            sequence_id, start, end = sequence_of(parameters)
+        except InvalidInput:
+            return None
+        if sequence_id is None:
+            return None
+        try:
+            routes = self._sequences.setdefault(sequence_id, {})
+        except TypeError:  # an unhashable id: the runner refuses it
+            return None
+        if start:
+            routes.pop(route, None)
+            if random.random() < rollout.shadow:
+                routes[route] = CopiedSequence(rollout.key, holder)
+                holder.watch(self._sequence_ended)
+        sequence = routes.get(route)
+        if sequence is not None and (end or sequence.broken or sequence.rollout != rollout.key):
+            del routes[route]  # its last request, or no longer copied
+        if not routes:
+            del self._sequences[sequence_id]
+        if sequence is None or sequence.broken or sequence.rollout != rollout.key:
+            return None
+        return sequence
+
+    def _sequence_ended(self, sequence_id: SequenceId) -> None:
+        """A runner no longer runs ``sequence_id``: its copying ends where it ran."""
+        routes = self._sequences.get(sequence_id)
+        if routes is None:
+            return
+        for route, sequence in list(routes.items()):
+            if not sequence.holder.holds(sequence_id):
+                del routes[route]
+        if not routes:
+            del self._sequences[sequence_id]
+
+    @property
+    def copied_sequences(self) -> int:
+        """Sequences whose requests are being copied."""
+        return sum(map(len, self._sequences.values()))
 
     def release(self, copy: ShadowCopy) -> None:
         """A copy that will not be offered (its live request failed)."""
@@ -147,6 +232,8 @@ class ShadowTraffic:
             self._held += extra
         except asyncio.QueueFull:
             self._held -= copy.size
+            if copy.sequence is not None:
+                copy.sequence.broken = True
             window = self.windows.get(copy.route, copy.rollout.key)
             if window is not None:  # else the window moved on meanwhile: nothing to count in
                 window.shadow.skipped += 1
@@ -199,7 +286,7 @@ class ShadowTraffic:
     async def _compare(self, copy: ShadowCopy, live: Any) -> float:
         """Run ``copy`` on the canary and count how its answer compares with ``live``;
         the seconds it waited in the canary's batcher queue."""
-        rollout = copy.rollout
+        rollout, sequence = copy.rollout, copy.sequence
         entry = self._table().entries.get(copy.route)
         now = None if entry is None else entry.spec.rollout
         if now is None or now.key != rollout.key:
@@ -207,9 +294,11 @@ class ShadowTraffic:
             return 0.0
         figures = self.windows.window(copy.route, rollout.key).shadow
         target = entry.by_version.get(str(rollout.canary.version)) if entry else None
-        if not isinstance(target, Chain):  # not ready here
-            figures.skipped += 1
+        if not isinstance(target, Chain) or (sequence is not None and sequence.broken):
+            figures.skipped += 1  # not ready here, or its sequence's copying ended
             self._count(copy.route, "skipped")
+            if sequence is not None:
+                sequence.broken = True
             return 0.0
         ctx = _shadow_context(copy.ctx, target)
         target.enter()
@@ -217,6 +306,8 @@ class ShadowTraffic:
             async with asyncio.timeout(TIMEOUT_S):
                 answer = await target.run(copy.data, ctx)
         except Exception as exc:
+            if sequence is not None:
+                sequence.broken = True
             figures.record(False, {}, failed=True)
             self._count(copy.route, "failed")
             error = f"no answer within {TIMEOUT_S:g} s" if isinstance(exc, TimeoutError) else exc
@@ -241,14 +332,15 @@ class ShadowTraffic:
 
 
 def _shadow_context(ctx: RequestContext, chain: Chain) -> RequestContext:
-    """The copy's ``ctx``: another run of the request's, at the canary runner's lowest
-    priority level, with no deadline."""
+    """The copy's ``ctx``: another run of the request's, marked ``shadow``, at the canary
+    runner's lowest priority level, with no deadline."""
     section = chain.runner.manifest.runner
     levels = batch_policy(section).priority_levels if section is not None else 1
     return dataclasses.replace(
         derived_context(ctx, ctx.parameters),
         priority=levels if levels > 1 else None,
         deadline=None,
+        shadow=True,
     )
 
 

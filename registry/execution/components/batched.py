@@ -70,7 +70,10 @@ class BatchedRunner(Runner):
         if layout is not None:
             self.scheduler.declare(layout)
         sequence = runner.sequence
-        self.sequences = None if sequence is None else Sequences(sequence, self.label, layout)
+        if sequence is not None:
+            sequences = Sequences(sequence, self.label, layout, queue=self.scheduler)
+            self.scheduler.held = lambda: sequences.waiting
+            self.sequences = sequences
 
     @property
     def queued(self) -> int:

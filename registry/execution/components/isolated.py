@@ -68,4 +68,6 @@ class IsolatedRunner(Runner):
 
     async def close(self, within: float) -> None:
         """Close its connections and release its processes (they end once nobody uses them)."""
+        if self.seen is not None:
+            self.seen.clear()
         await self.remote.close()

@@ -7,16 +7,22 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
+import pytest
 
 from plugserve.registry.routing.figures import Windows
 from plugserve.registry.routing.rollout import parse_rollout
 from plugserve.registry.routing.routes import RouteTable
 from plugserve.registry.types import RequestContext
+from plugserve.server.dataplane import shadow
 from plugserve.server.dataplane.shadow import (
     BUSY_TIME_SHARE,
     CHARGE_CAP_S,
+    QUEUE_BYTES,
     ShadowCopy,
     ShadowTraffic,
     _copied,
@@ -110,3 +116,57 @@ async def test_no_copy_is_queued_once_shadow_traffic_is_closed() -> None:
     copy = ShadowCopy("m", rollout, {}, ctx, 10)
     traffic.offer(copy, {"y": np.zeros(4)})
     assert traffic._held == 0 and traffic._queue.empty() and not traffic._runners
+
+
+class Kept:
+    """The stable runner's live sequences, as ``Sequences.holds`` answers and ``watch``
+    tells."""
+
+    def __init__(self) -> None:
+        self.ids: set[object] = set()
+        self.watchers: list[Callable[[Any], None]] = []
+
+    def holds(self, sequence_id: object) -> bool:
+        return sequence_id in self.ids
+
+    def watch(self, ended: Callable[[Any], None]) -> None:
+        if ended not in self.watchers:
+            self.watchers.append(ended)
+
+
+async def test_a_sequence_is_copied_whole_or_not_at_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn at its start, kept to its end: a sequence running before shadowing began is
+    never copied, and once one of its copies is skipped, none after it is."""
+    traffic = _traffic(Drain(timeout_s=5))
+    rollout = parse_rollout({"canary": "m@2.0.0", "steps": [0, 100], "shadow": 0.5}, "m@1.0.0")
+    traffic._shadowing = {"m": (rollout, "m@1.0.0")}
+    kept = Kept()
+    chain = SimpleNamespace(variant="m@1.0.0", runner=SimpleNamespace(live_sequences=lambda: kept))
+    draws = iter([0.9, 0.1, 0.1, 0.1])  # one a start: "a" is not drawn, the others are
+    monkeypatch.setattr(f"{shadow.__name__}.random.random", lambda: next(draws))
+
+    def copied(sequence_id: str, **parameters: bool) -> bool:
+        ctx = RequestContext("r", "m", {"sequence_id": sequence_id, **parameters}, {}, "")
+        # A stand-in chain: the variant and the runner's sequences are what copy() reads.
+        copy = traffic.copy("m", chain, {"x": np.ones(4)}, ctx)  # type: ignore[arg-type]
+        if copy is not None:
+            traffic.release(copy)
+        return copy is not None
+
+    def whole(sequence_id: str) -> list[bool]:
+        return [copied(sequence_id, sequence_start=True), copied(sequence_id),
+                copied(sequence_id, sequence_end=True)]  # fmt: skip
+
+    assert not copied("running before", sequence_end=True)
+    assert whole("a") == [False, False, False]
+    assert whole("b") == [True, True, True]
+    assert not copied("b") and traffic.copied_sequences == 0  # ended: nothing kept
+    assert copied("c", sequence_start=True)
+    traffic._held = QUEUE_BYTES  # no room: the next copy is skipped
+    assert not copied("c")
+    traffic._held = 0
+    assert not copied("c") and not copied("c", sequence_end=True)
+    assert copied("d", sequence_start=True) and traffic.copied_sequences == 1
+    for ended in kept.watchers:  # "d" expired on the stable version
+        ended("d")
+    assert traffic.copied_sequences == 0 and not copied("d")
