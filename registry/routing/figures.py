@@ -1,6 +1,13 @@
 """A rollout window's figures: requests, errors and latency by variant, and the shadow
 comparisons; kept by each process, merged across workers and replicas by adding.
 
+What counts is what the version does, never what a client chooses: a request refused
+with a 4xx (bad input, a limit, a client that hung up) is the request's fault and is
+only tallied as ``refused``; a 5xx or a timeout is the version's failure; the latency
+of successful requests is its speed. Each variant's requests are kept in cohorts by
+the key that placed them (:func:`cohort_of`), so that the gates can leave out the
+cohort one client filled.
+
 Latency goes into a log-scale histogram (buckets 2^(1/8) apart, about 9 % wide, from
 10 µs to well past an hour) so that windows merge exactly and a percentile is read
 from the merged counts, within one bucket.
@@ -9,14 +16,22 @@ from the merged counts, within one bucket.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any
+
+from plugserve.registry.routing.variants import key_hash
 
 _BASE_S = 1e-5
 _PER_DOUBLING = 8
 _BUCKETS = 8 * 29  # 10 µs * 2**29 = 5,368 s
 _LOG_STEP = math.log(2) / _PER_DOUBLING
 MAX_OUTPUTS = 64
+COHORTS = 16
+"""A variant's window is counted in this many cohorts, by the request's sticky key (a
+sticky header's value or a sequence id, which place the request: the client's choice), at
+random without one. All of one key's requests fall in one cohort, which the gates can
+leave out (``gates.py``): one client never decides a window."""
 """Outputs whose largest difference is kept (a model with more: the first 64 seen)."""
 
 
@@ -34,22 +49,16 @@ def bucket_seconds(index: int) -> float:
 
 
 @dataclass
-class VariantFigures:
-    """One variant's requests in a window: how many, how many failed (5xx), and latency."""
+class Tally:
+    """Requests counted in a window: how many, how many failed (5xx: the server's fault),
+    and the latency of those that succeeded."""
 
     requests: int = 0
     errors: int = 0
     latency: dict[int, int] = field(default_factory=dict)
-    """Requests by latency bucket (:func:`bucket_of`)."""
+    """Successful requests by latency bucket (:func:`bucket_of`)."""
 
-    def record(self, failed: bool, seconds: float) -> None:
-        self.requests += 1
-        if failed:
-            self.errors += 1
-        bucket = bucket_of(seconds)
-        self.latency[bucket] = self.latency.get(bucket, 0) + 1
-
-    def add(self, other: VariantFigures) -> None:
+    def add(self, other: Tally) -> None:
         self.requests += other.requests
         self.errors += other.errors
         for bucket, count in other.latency.items():
@@ -59,18 +68,32 @@ class VariantFigures:
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
 
-    def quantile(self, q: float) -> float | None:
-        """The latency below which ``q`` of the requests fell (seconds), ``None`` without any."""
-        total = sum(self.latency.values())
-        if not total:
+    @property
+    def samples(self) -> int:
+        """Latencies counted (the successful requests)."""
+        return sum(self.latency.values())
+
+    def at_rank(self, rank: int) -> float | None:
+        """The ``rank``-th smallest latency (from 1; clamped to the samples), ``None``
+        without any."""
+        if not self.latency:
             return None
-        rank = max(1, math.ceil(q * total))
+        rank = max(1, rank)
         seen = 0
         for bucket in sorted(self.latency):
             seen += self.latency[bucket]
             if seen >= rank:
                 return bucket_seconds(bucket)
         return bucket_seconds(max(self.latency))
+
+    def quantile(self, q: float) -> float | None:
+        """The latency below which ``q`` of the successful requests fell (seconds)."""
+        return self.at_rank(math.ceil(q * self.samples))
+
+    def above(self, seconds: float) -> int:
+        """Latencies counted in buckets above the one of ``seconds``."""
+        edge = bucket_of(seconds)
+        return sum(count for bucket, count in self.latency.items() if bucket > edge)
 
     def summary(self) -> dict[str, Any]:
         p50, p99 = self.quantile(0.5), self.quantile(0.99)
@@ -90,10 +113,10 @@ class VariantFigures:
         }
 
     @classmethod
-    def from_json(cls, raw: Any) -> VariantFigures:
+    def from_json(cls, raw: Any) -> Tally:
         """From :meth:`as_json`, as another process sent it; raises ``ValueError``."""
         if not isinstance(raw, dict):
-            raise ValueError("variant figures must be an object")
+            raise ValueError("a tally must be an object")
         latency = raw.get("latency", {})
         if not isinstance(latency, dict):
             raise ValueError("latency must be an object")
@@ -102,6 +125,87 @@ class VariantFigures:
             _count(raw.get("errors")),
             {_bucket(k): _count(v) for k, v in latency.items()},
         )
+
+
+def cohort_of(key: bytes | None) -> int:
+    """The cohort of a request placed by ``key`` (its sticky header or sequence: the
+    client's choice), or of one placed at random (``None``: a random cohort)."""
+    if key is None:
+        return random.randrange(COHORTS)
+    return key_hash(key) % COHORTS
+
+
+@dataclass
+class VariantFigures:
+    """One variant's requests in a window, counted by cohort (:data:`COHORTS`), and the
+    requests it refused (4xx: the request's fault, never the version's, so never gated)."""
+
+    cohorts: dict[int, Tally] = field(default_factory=dict)
+    refused: int = 0
+
+    def record(self, status: int, seconds: float, key: bytes | None = None) -> None:
+        """A request answered ``status`` after ``seconds``, placed by ``key``: a 4xx is
+        refused, a 5xx an error, a success counts its latency."""
+        if 400 <= status < 500:
+            self.refused += 1
+            return
+        cohort = cohort_of(key)
+        tally = self.cohorts.get(cohort)
+        if tally is None:
+            tally = self.cohorts[cohort] = Tally()
+        tally.requests += 1
+        if status >= 500:
+            tally.errors += 1
+            return
+        bucket = bucket_of(seconds)
+        tally.latency[bucket] = tally.latency.get(bucket, 0) + 1
+
+    def add(self, other: VariantFigures) -> None:
+        self.refused += other.refused
+        for cohort, tally in other.cohorts.items():
+            self.cohorts.setdefault(cohort, Tally()).add(tally)
+
+    def total(self) -> Tally:
+        """Every cohort's requests together."""
+        out = Tally()
+        for tally in self.cohorts.values():
+            out.add(tally)
+        return out
+
+    @property
+    def requests(self) -> int:
+        return sum(t.requests for t in self.cohorts.values())
+
+    @property
+    def errors(self) -> int:
+        return sum(t.errors for t in self.cohorts.values())
+
+    def quantile(self, q: float) -> float | None:
+        """The latency below which ``q`` of the successful requests fell (seconds),
+        ``None`` without any."""
+        return self.total().quantile(q)
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.total().summary(), "refused": self.refused}
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "refused": self.refused,
+            "cohorts": {str(k): t.as_json() for k, t in self.cohorts.items()},
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any) -> VariantFigures:
+        """From :meth:`as_json`, as another process sent it; raises ``ValueError``."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("cohorts", {}), dict):
+            raise ValueError("variant figures must be an object of cohorts")
+        cohorts = {}
+        for key, tally in raw.get("cohorts", {}).items():
+            index = int(key)
+            if not 0 <= index < COHORTS:
+                raise ValueError(f"cohort {key!r} out of range")
+            cohorts[index] = Tally.from_json(tally)
+        return cls(cohorts, _count(raw.get("refused")))
 
 
 @dataclass

@@ -2,16 +2,18 @@
 
 A weighted route (``routes.py``) may carry a ``rollout``: a canary version of the
 route's runner and the steps of weight it climbs (``[5, 25, 50, 100]`` percent). Each
-step holds for ``min_requests`` canary requests and ``min_seconds``, gated by the
-canary's error rate and latency against the stable version's over the same window
-(``gates.py``); a breach rolls the weight back to 0 at once, the last step passed makes
-the canary the stable version. With ``shadow``, a share of the stable version's
-requests is also run on the canary, after the answer, and the outputs compared.
+step holds for ``min_requests`` requests of each version and ``min_seconds``, gated by
+the canary's error rate and latency against the stable version's over the same window
+(``gates.py``); a breach rolls the weight back to 0 at once, the last step below 100 %
+passed makes the canary the stable version (at 100 % the stable version takes no
+traffic: there is nothing left to compare with). With ``shadow``, a share of the stable
+version's requests is also run on the canary, after the answer, and the outputs compared.
 
 The rollout is part of the route's runtime entry, its ``status`` too, so it lives where
 runtime routes live (the runtime routes file, or etcd in fleet mode) and a restart
-resumes it. The route's weights follow from the status: the entry's ``runner`` table is
-written from it, never the other way round.
+resumes it at its step, in a new window (``restart``): a window's figures and its clock
+always begin together. The route's weights follow from the status: the entry's
+``runner`` table is written from it, never the other way round.
 """
 
 from __future__ import annotations
@@ -36,14 +38,46 @@ MAX_HISTORY = 32
 """Decisions kept in the status (the oldest go first)."""
 MAX_TEXT = 1000
 """The longest reason kept (a longer one is cut)."""
-_BASELINE = {"requests": (0, 2**63), "errors": (0, 2**63), "error_rate": (0, 1),
-             "p50_ms": (0, 1e12), "p99_ms": (0, 1e12)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A policy number's default and bounds."""
+
+    default: float
+    low: float
+    high: float
+    integer: bool = False
+    why: str | None = None
+    """Why ``low`` is the least: said to whoever asks for less."""
+
+
+MIN_REQUESTS = 50
+MIN_SECONDS = 5.0
+BOUNDS: dict[str, Bound] = {
+    "min_requests": Bound(
+        100, MIN_REQUESTS, 10_000_000, True,
+        "fewer tell a failing version from chance only when it fails most requests",
+    ),
+    "min_seconds": Bound(
+        30.0, MIN_SECONDS, 7 * 86400.0,
+        why="a shorter step spans too few of each replica's figures, or one burst of requests",
+    ),
+    "max_error_rate": Bound(0.01, 0.0, 1.0),
+    "max_latency_ratio": Bound(1.5, 1.1, 1000.0, why="a smaller margin is a busy CPU's noise"),
+    "latency_floor_ms": Bound(5.0, 1.0, 3_600_000.0, why="a smaller one is a busy CPU's noise"),
+    "shadow": Bound(0.0, 0.0, 1.0),
+    "min_agreement": Bound(0.99, 0.0, 1.0),
+    "atol": Bound(1e-5, 0.0, 1e30),
+    "rtol": Bound(1e-4, 0.0, 1e30),
+}  # fmt: skip
+"""Every number of a rollout's policy: its default and the bounds a ``PUT`` is held to."""
 _POLICY_KEYS = {
     "canary", "stable", "steps", "min_requests", "min_seconds", "max_error_rate",
     "max_latency_ratio", "latency_floor_ms", "shadow", "min_agreement", "atol", "rtol",
     "status",
 }  # fmt: skip
-_STATUS_KEYS = {"id", "state", "step", "window", "since", "reason", "history", "baseline"}
+_STATUS_KEYS = {"id", "state", "step", "window", "since", "reason", "history"}
 
 
 class RolloutError(ValueError):
@@ -61,19 +95,17 @@ class Status:
     step: int = 0
     """The index of the step whose weight the canary has."""
     window: int = 1
-    """The figures window: a new one at every step and resume (figures start again)."""
+    """The figures window: a new one at every step, resume and restart (figures start
+    again)."""
     since: float = 0.0
-    """When the window began (Unix time: every replica and restart reads the same)."""
+    """When the window began (Unix time: every replica reads the same)."""
     reason: str | None = None
     """Why it was paused or ended."""
     history: tuple[dict[str, Any], ...] = ()
     """Every decision (the last :data:`MAX_HISTORY`): when, what, why, and the figures."""
-    baseline: dict[str, Any] | None = None
-    """The stable version's figures of the last window it had enough requests in: what the
-    canary is held to when the stable version takes too few requests (at 100 %)."""
 
     def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        return {
             "id": self.id,
             "state": self.state,
             "step": self.step,
@@ -82,9 +114,6 @@ class Status:
             "reason": self.reason,
             "history": list(self.history),
         }
-        if self.baseline is not None:
-            out["baseline"] = self.baseline
-        return out
 
 
 @dataclass(frozen=True)
@@ -95,7 +124,10 @@ class Rollout:
     stable: Ref
     steps: tuple[int, ...]
     min_requests: int = 100
+    """Requests of each version a step's window needs before it compares them (at least
+    :data:`MIN_REQUESTS`)."""
     min_seconds: float = 30.0
+    """How long a step's window lasts at least (at least :data:`MIN_SECONDS`)."""
     max_error_rate: float = 0.01
     """A breach when the canary's error rate is above the stable version's by more."""
     max_latency_ratio: float = 1.5
@@ -164,11 +196,19 @@ class Rollout:
 
     # -- moves: each a new rollout, with a new window where the weights change -----------
 
+    @property
+    def last_step(self) -> bool:
+        """Whether passing this step promotes the canary: it is the last, or the next is
+        100 % (where the stable version takes no traffic to compare with)."""
+        step = self.status.step
+        return step == len(self.steps) - 1 or self.steps[step + 1] == 100
+
     def decided(
         self, decision: str, reason: str, figures: dict[str, Any] | None, by: str
     ) -> Rollout:
-        """The rollout after ``decision`` (``advance``, ``promote``, ``roll_back``, and the
-        operator's ``pause``, ``resume``, ``abort``), recorded in its history."""
+        """The rollout after ``decision`` (``advance``, ``promote``, ``roll_back``,
+        ``restart``: the same step in a new window, and the operator's ``pause``,
+        ``resume``, ``abort``), recorded in its history."""
         status = self.status
         now = time.time()
         reason = _clipped(reason)
@@ -193,17 +233,12 @@ class Rollout:
             state, why = ("rolled_back" if decision == "roll_back" else "aborted"), reason
         elif decision == "pause":
             state, why, window, since = "paused", reason, status.window, status.since
-        elif decision == "resume":
+        elif decision in ("resume", "restart"):
             state, why = "running", None
         else:
             raise ValueError(f"unknown decision {decision!r}")
         moved = replace(status, state=state, step=step, window=window, since=since, reason=why)
         return replace(self, status=replace(moved, history=history))
-
-    def with_baseline(self, baseline: dict[str, Any] | None) -> Rollout:
-        if baseline is None:
-            return self
-        return replace(self, status=replace(self.status, baseline=baseline))
 
 
 def parse_rollout(raw: Any, runner: Any, source: str = "admin") -> Rollout:
@@ -223,21 +258,21 @@ def parse_rollout(raw: Any, runner: Any, source: str = "admin") -> Rollout:
         raise RolloutError(f".canary: {canary} is not a version of the runner {stable.name}")
     if stable.version == canary.version:
         raise RolloutError(".canary: is the stable version itself")
-    shadow = _number(raw, "shadow", 0.0, 0.0, 1.0)
+    shadow = _bounded(raw, "shadow")
     steps = _steps(raw.get("steps"), shadow > 0)
     rollout = Rollout(
         canary,
         stable,
         steps,
-        min_requests=int(_number(raw, "min_requests", 100, 1, 10_000_000, integer=True)),
-        min_seconds=_number(raw, "min_seconds", 30.0, 0.0, 7 * 86400.0),
-        max_error_rate=_number(raw, "max_error_rate", 0.01, 0.0, 1.0),
-        max_latency_ratio=_number(raw, "max_latency_ratio", 1.5, 1.0, 1000.0),
-        latency_floor_ms=_number(raw, "latency_floor_ms", 5.0, 0.0, 3_600_000.0),
+        min_requests=int(_bounded(raw, "min_requests")),
+        min_seconds=_bounded(raw, "min_seconds"),
+        max_error_rate=_bounded(raw, "max_error_rate"),
+        max_latency_ratio=_bounded(raw, "max_latency_ratio"),
+        latency_floor_ms=_bounded(raw, "latency_floor_ms"),
         shadow=shadow,
-        min_agreement=_number(raw, "min_agreement", 0.99, 0.0, 1.0),
-        atol=_number(raw, "atol", 1e-5, 0.0, 1e30),
-        rtol=_number(raw, "rtol", 1e-4, 0.0, 1e30),
+        min_agreement=_bounded(raw, "min_agreement"),
+        atol=_bounded(raw, "atol"),
+        rtol=_bounded(raw, "rtol"),
     )
     if "status" in raw:
         return replace(rollout, status=_status(raw["status"], len(steps)))
@@ -291,18 +326,36 @@ def _steps(value: Any, shadowing: bool) -> tuple[int, ...]:
         raise RolloutError(".steps: percents from 0 to 100, each above the one before")
     if value[0] == 0 and not shadowing:
         raise RolloutError(".steps: a step of 0 % tries the canary on shadow traffic: set shadow")
+    if value[0] == 100:
+        raise RolloutError(
+            ".steps: at 100 % the stable version takes no traffic to compare the canary with: "
+            "give a step below it (the last step below 100 % passed promotes the canary)"
+        )
     return tuple(value)
 
 
+def _bounded(raw: dict[str, Any], key: str) -> float:
+    """``raw[key]`` within its :data:`BOUNDS` (their default when absent)."""
+    bound = BOUNDS[key]
+    return _number(raw, key, bound.default, bound.low, bound.high, bound.integer, bound.why)
+
+
 def _number(
-    raw: dict[str, Any], key: str, default: float, low: float, high: float, integer: bool = False
+    raw: dict[str, Any],
+    key: str,
+    default: float,
+    low: float,
+    high: float,
+    integer: bool = False,
+    why: str | None = None,
 ) -> float:
     value = raw.get(key, default)
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
         raise RolloutError(f".{key}: must be {'an integer' if integer else 'a number'}")
     if not low <= value <= high:
-        raise RolloutError(f".{key}: must be from {low:g} to {high:g}")
+        because = f" ({why})" if why is not None and value < low else ""
+        raise RolloutError(f".{key}: must be from {low:.12g} to {high:.12g}{because}")
     return float(value) if not integer else value
 
 
@@ -332,35 +385,8 @@ def _status(raw: Any, steps: int) -> Status:
         raise RolloutError(f".status.history: must be a list of at most {MAX_HISTORY} decisions")
     if not all(isinstance(h, dict) for h in history):
         raise RolloutError(".status.history: each decision is a table")
-    baseline = _baseline(raw.get("baseline"))
-    return Status(
-        ident,
-        state,
-        int(step),
-        int(window),
-        float(since),
-        reason,
-        tuple(history),
-        baseline,
-    )
+    return Status(ident, state, int(step), int(window), float(since), reason, tuple(history))
 
 
 def _clipped(text: str) -> str:
     return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
-
-
-def _baseline(raw: Any) -> dict[str, Any] | None:
-    """The stable version's figures the gates hold a canary to: known fields, each a
-    number within its bounds (``null`` for a latency not measured)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict) or set(raw) ^ set(_BASELINE):
-        raise RolloutError(f".status.baseline: a table of {sorted(_BASELINE)}")
-    for key, value in raw.items():
-        low, high = _BASELINE[key]
-        if value is None and key.endswith("_ms"):
-            continue
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not number or not math.isfinite(value) or not low <= value <= high:
-            raise RolloutError(f".status.baseline.{key}: must be a number from {low} to {high:g}")
-    return dict(raw)

@@ -38,7 +38,7 @@ from plugserve.registry.ratelimit import RateLimit
 from plugserve.registry.refs import NAME_PATTERN, Ref, is_valid_name
 from plugserve.registry.routing.records import VersionRecord
 from plugserve.registry.routing.rollout import Rollout, RolloutError, parse_rollout
-from plugserve.registry.routing.variants import Candidate, WeightedChoice, salt_of
+from plugserve.registry.routing.variants import Candidate, WeightedChoice, salt_of, sticky_key
 from plugserve.registry.versions import Version
 
 ROUTES_FILE = "routes.toml"
@@ -502,12 +502,7 @@ class RouteEntry:
                 if len(rejecting) < len(choice.candidates):
                     choice = choice.without(rejecting)
                 break
-        if self.spec.sticky is not None:
-            value = headers.get(self.spec.sticky)
-            if value:
-                # aiohttp keeps undecodable header bytes as surrogates: give them back as they came.
-                key = value.encode("utf-8", "surrogateescape")
-        return choice.pick(key).target
+        return choice.pick(sticky_key(self.spec.sticky, headers) or key).target
 
     def _alias(self, version: str) -> Chain | None:
         """``N`` (ASCII digits) not found as such: the highest ready release ``N.x.y``, so

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 from itertools import accumulate
@@ -50,6 +50,18 @@ def key_score(hashed: int, salt: int, weight: float) -> float:
     # A uniform number in (0, 1): never 0 (log would fail) nor 1 (score would be infinite).
     unit = (z + 0.5) / _SCALE
     return weight / -math.log(unit)
+
+
+def sticky_key(header: str | None, headers: Mapping[str, str]) -> bytes | None:
+    """The sticky key of a request sending ``headers``, on a route whose sticky header is
+    ``header``: the header's value as the client sent it (``None`` without one)."""
+    if header is None:
+        return None
+    value = headers.get(header)
+    if not value:
+        return None
+    # aiohttp keeps undecodable header bytes as surrogates: give them back as they came.
+    return value.encode("utf-8", "surrogateescape")
 
 
 def salt_of(label: str) -> int:

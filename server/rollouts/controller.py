@@ -8,6 +8,11 @@ supervisor (which merges every worker's figures). In fleet mode every replica ru
 publishes its own figures to etcd, and only the one holding the decider lease
 (``EtcdRouteStore.lead``) decides, from every replica's figures; when it stops, another
 takes the lease and goes on from the step the store holds.
+
+A window is decided only on figures counted from its start by the processes deciding it:
+one that began before this controller started (a restart, a replica taking the lease
+after its own restart) lost what was counted before, so its figures and its clock start
+again together, in a new window at the same step (``restart``).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class RolloutController:
         self.last: dict[str, tuple[str, WindowFigures]] = {}
         """The figures each rollout was last decided on (key, figures), for the admin API."""
         self.deciding = False
+        self.started = time.time()
+        """When this controller (and the figures it is handed) began counting."""
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -123,11 +130,15 @@ class RolloutController:
         rollout = spec.rollout
         assert rollout is not None
         self.last[spec.name] = (rollout.key, figures)
+        if rollout.status.since < self.started:
+            why = "the window began before this server counted it: its figures begin again"
+            await self._write(spec, rollout.decided("restart", why, None, self.by), "restart")
+            return
         decision = decide(rollout, figures, now)
         if decision is None:
             return
         moved = rollout.decided(decision.decision, decision.reason, decision.figures, self.by)
-        await self._write(spec, moved.with_baseline(decision.baseline), decision.decision)
+        await self._write(spec, moved, decision.decision)
 
     async def _write(self, spec: RouteSpec, rollout: Rollout, decision: str) -> bool:
         try:

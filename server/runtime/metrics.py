@@ -320,7 +320,8 @@ def budget_families(state: dict[str, Any] | None) -> Iterator[Metric]:
     )
     yield GaugeMetricFamily(
         "plugserve_memory_resident_bytes",
-        "Measured memory of the versions resident under the budget.",
+        "Memory of the versions resident under the budget: their measured costs, and what"
+        " the processes holding them use beyond those.",
         value=state["resident_bytes"],
     )
     yield GaugeMetricFamily(
@@ -416,7 +417,7 @@ def decisions_counter(registry: CollectorRegistry) -> Counter:
     return Counter(
         "plugserve_rollout_decisions",
         "Rollout decisions made here, by route: advance, promote, roll_back (the gates'), "
-        "pause, resume, abort (an operator's).",
+        "restart (a window begun again), pause, resume, abort (an operator's).",
         ["route", "decision"],
         registry=registry,
     )

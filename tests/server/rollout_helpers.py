@@ -23,7 +23,8 @@ MODEL = """
     hookimpl = pluggy.HookimplMarker("plugserve")
 
     class Model:
-        def __init__(self, config):
+        def __init__(self, config, invalid):
+            self.invalid = invalid
             self.delay_s = config.get("delay_s", 0.0)
             self.fail_every = config.get("fail_every", 0)
             self.offset = config.get("offset", 0.0)
@@ -36,6 +37,11 @@ MODEL = """
                 n = self.count
             if self.delay_s:
                 time.sleep(self.delay_s)
+            first = float(np.asarray(inputs["x"]).flat[0])
+            if first == 0:
+                raise self.invalid("x starts with 0: every version refuses it")
+            if first < 0:
+                raise RuntimeError("x starts below 0: every version fails it")
             if self.fail_every and n % self.fail_every == 0:
                 raise RuntimeError(f"request {n} fails: one in {self.fail_every}")
             return {"y": np.asarray(inputs["x"]) * 2 + self.offset}
@@ -46,10 +52,15 @@ MODEL = """
 
     @hookimpl
     def plugserve_create_component(plugin, config):
-        return Strict(config) if config.get("strict") else Model(config)
+        return (Strict if config.get("strict") else Model)(config, plugin.InvalidInput)
 """
 
 X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+REFUSED = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0, 2, 3, 4]}]}
+"""Refused by every version, once placed on one (400): the model refuses an ``x`` starting
+with 0."""
+CRASHING = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [-1, 2, 3, 4]}]}
+"""Failed by every version (500): the model raises on a negative ``x``."""
 
 
 def write_model(plugins_dir: Path, version: str, on_demand: bool = False, **config: float) -> None:
@@ -139,6 +150,52 @@ class Load:
         """Requests (answered or failed) ``variant`` served, by server port."""
         with self._lock:
             return Counter(port for _, v, _, port in self.answers if v == variant)
+
+
+class Client:
+    """One client sending ``bodies`` in turn with one sticky header value until stopped: the
+    statuses it got, by variant."""
+
+    def __init__(
+        self, server: ServerProcess, header: dict[str, str], bodies: Sequence[dict[str, Any]]
+    ) -> None:
+        self.server, self.header, self.bodies = server, header, list(bodies)
+        self.statuses: Counter[tuple[int, str]] = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._send) for _ in range(2)]
+
+    def __enter__(self) -> Client:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+    def _send(self) -> None:
+        turn = 0
+        while not self._stop.is_set():
+            body = self.bodies[turn % len(self.bodies)]
+            turn += 1
+            status, headers, _ = self.server.request(
+                "POST", "/v2/models/m/infer", body, self.header
+            )
+            with self._lock:
+                self.statuses[status, headers.get("X-Plugserve-Variant", "")] += 1
+
+
+def key_on(server: ServerProcess, variant: str, header: str = "x-user") -> dict[str, str]:
+    """A sticky header value the route places on ``variant``, found as a client would: by
+    asking."""
+    for i in range(1000):
+        value = {header: f"probe-{i}"}
+        status, headers, _ = server.request("POST", "/v2/models/m/infer", X, value)
+        if status == 200 and headers.get("X-Plugserve-Variant") == variant:
+            return value
+    raise AssertionError(f"no key lands on {variant}")
 
 
 def until(check: Callable[[], bool], within: float, what: str = "") -> None:

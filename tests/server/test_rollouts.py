@@ -1,11 +1,13 @@
 """Rollouts that decide themselves, on a real server under real requests: a failing or
 slow canary rolled back within its first step, a good one promoted, shadow traffic
-stopping a canary whose answers differ, an operator's pause, resume and abort, and a
-restart resuming a rollout where it stood."""
+stopping a canary whose answers differ, an operator's pause, resume and abort, a
+restart resuming a rollout where it stood in a window of its own, and a client choosing
+its variant with a sticky header unable to change the outcome."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,11 @@ import pytest
 
 from tests.helpers import ServerProcess
 from tests.server.rollout_helpers import (
+    CRASHING,
+    REFUSED,
+    Client,
     Load,
+    key_on,
     put_rollout,
     rollout,
     until,
@@ -34,8 +40,9 @@ def start(server: Callable[..., ServerProcess], tmp_path: Path, models_dir: Path
                   "--config", str(config))  # fmt: skip
 
 
-def entry(**policy: Any) -> dict[str, Any]:
-    return {"runner": STABLE, "rollout": {"canary": CANARY, **policy}}
+def entry(sticky: str | None = None, **policy: Any) -> dict[str, Any]:
+    route = {"runner": STABLE, "rollout": {"canary": CANARY, **policy}}
+    return route if sticky is None else {**route, "sticky": sticky}
 
 
 def decided(
@@ -88,23 +95,34 @@ def test_a_canary_three_times_slower_is_rolled_back(
     write_model(tmp_path / "plugins", "1.0.0", delay_s=0.01)
     write_model(tmp_path / "plugins", "2.0.0", delay_s=0.03)
     srv = start(server, tmp_path, models_dir)
-    state, load = decided(srv, entry(steps=[20, 50, 100], min_requests=30, min_seconds=600))
+    state, load = decided(srv, entry(steps=[20, 50, 100], min_requests=50, min_seconds=600))
     assert state["status"]["state"] == "rolled_back", state
     assert decisions(state) == [("roll_back", 0)]
     assert "latency" in state["status"]["reason"], state["status"]["reason"]
     assert not load.failures()
 
 
-def test_a_canary_refusing_what_the_stable_version_takes_is_rolled_back(
+def test_a_canary_refusing_what_the_stable_version_takes_holds_its_first_step(
     tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
-    """Its 400s are its failures: the stable version answers the same requests."""
+    """A 400 is the request's fault, never counted as a version's: a canary refusing every
+    request never has a request counted, so it never passes a step; its window shows the
+    refusals for the operator to abort it."""
     write_model(tmp_path / "plugins", "1.0.0")
     write_model(tmp_path / "plugins", "2.0.0", strict=1)
     srv = start(server, tmp_path, models_dir)
-    state, load = decided(srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=0.5))
-    assert decisions(state) == [("roll_back", 0)], state
-    assert "error rate 100.00%" in state["status"]["reason"]
+    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=50, min_seconds=5))
+
+    def refused() -> int:
+        window = rollout(srv)["window"] or {"variants": {}}
+        return int(window["variants"].get(CANARY, {}).get("refused", 0))
+
+    with Load([srv]) as load:
+        until(lambda: refused() >= 100, 60, "the canary's refusals in the window")
+        time.sleep(6)  # past min_seconds
+    state = rollout(srv)
+    assert state["status"]["state"] == "running" and state["status"]["step"] == 0, state
+    assert state["window"]["variants"][CANARY]["requests"] == 0
     assert set(load.failures()) == {(400, CANARY)}
 
 
@@ -115,10 +133,11 @@ def test_a_good_canary_reaches_100_percent_and_becomes_the_stable_version(
     write_model(tmp_path / "plugins", "2.0.0")
     srv = start(server, tmp_path, models_dir)
     state, load = decided(
-        srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=0.5), timeout_s=90
+        srv, entry(steps=[10, 50, 100], min_requests=50, min_seconds=5), timeout_s=90
     )
     assert state["status"]["state"] == "promoted", state
-    assert decisions(state) == [("advance", 0), ("advance", 1), ("promote", 2)]
+    # At 100 % the stable version takes no traffic: the step below it decides.
+    assert decisions(state) == [("advance", 0), ("promote", 1)]
     assert not load.failures()  # no request failed because of a step
     with Load([srv]) as after:
         until(lambda: len(after.answers) >= 100, 30)
@@ -135,7 +154,7 @@ def test_shadow_traffic_stops_a_canary_whose_answers_differ_before_it_serves_any
     write_model(tmp_path / "plugins", "2.0.0", offset=0.5)
     srv = start(server, tmp_path, models_dir)
     state, load = decided(
-        srv, entry(steps=[0, 10, 100], shadow=0.5, min_requests=20, min_seconds=600)
+        srv, entry(steps=[0, 10, 100], shadow=0.5, min_requests=50, min_seconds=600)
     )
     assert state["status"]["state"] == "rolled_back", state
     assert decisions(state) == [("roll_back", 0)]
@@ -143,7 +162,7 @@ def test_shadow_traffic_stops_a_canary_whose_answers_differ_before_it_serves_any
     assert "shadow traffic: 0 of" in reason and "y 0.5" in reason, reason
     assert set(load.served()) == {STABLE} and not load.failures()  # never answered by it
     shadow = state["status"]["history"][0]["figures"]["shadow"]
-    assert shadow["compared"] >= 20 and shadow["agreed"] == 0
+    assert shadow["compared"] >= 50 and shadow["agreed"] == 0
     assert shadow["largest_difference"] == {"y": 0.5}
     _, _, metrics = srv.request("GET", "/metrics")
     assert 'plugserve_shadow_requests_total{outcome="differed",route="m"}' in metrics.decode()
@@ -155,10 +174,10 @@ def test_shadow_traffic_agrees_with_a_canary_that_answers_the_same(
     write_model(tmp_path / "plugins", "1.0.0")
     write_model(tmp_path / "plugins", "2.0.0")
     srv = start(server, tmp_path, models_dir)
-    state, load = decided(srv, entry(steps=[0, 100], shadow=0.5, min_requests=20, min_seconds=0.5))
-    assert decisions(state) == [("advance", 0), ("promote", 1)], state
+    state, load = decided(srv, entry(steps=[0, 100], shadow=0.5, min_requests=50, min_seconds=5))
+    assert decisions(state) == [("promote", 0)], state
     shadow = state["status"]["history"][0]["figures"]["shadow"]
-    assert shadow["compared"] >= 20 and shadow["agreed"] == shadow["compared"]
+    assert shadow["compared"] >= 50 and shadow["agreed"] == shadow["compared"]
     assert shadow["largest_difference"] == {"y": 0.0}
     assert not load.failures()
 
@@ -169,7 +188,7 @@ def test_an_operator_pauses_resumes_and_aborts_a_rollout(
     write_model(tmp_path / "plugins", "1.0.0")
     write_model(tmp_path / "plugins", "2.0.0")
     srv = start(server, tmp_path, models_dir)
-    put_rollout(srv, entry(steps=[10, 50, 90], min_requests=10, min_seconds=0.3))
+    put_rollout(srv, entry(steps=[10, 50, 90], min_requests=50, min_seconds=5))
     status, _, body = srv.request("POST", "/admin/routes/m/rollout/pause",
                                   {"reason": "holding for the release"})  # fmt: skip
     assert status == 200, body
@@ -203,28 +222,34 @@ def test_an_operator_pauses_resumes_and_aborts_a_rollout(
     assert metrics.count("# TYPE plugserve_rollout_decisions_total counter") == 1
 
 
-def test_a_restart_resumes_a_rollout_from_the_step_it_stood_at(
+def test_a_restart_resumes_a_rollout_at_its_step_in_a_window_of_its_own(
     tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
+    """The figures counted before a restart are lost with it: the step's window and its
+    clock begin again together, so ``min_seconds`` runs from the restart."""
     write_model(tmp_path / "plugins", "1.0.0")
     write_model(tmp_path / "plugins", "2.0.0")
     saved = str(tmp_path / "routes.json")
     srv = start(server, tmp_path, models_dir, runtime_routes_file=saved)
-    put_rollout(srv, entry(steps=[10, 50, 100], min_requests=20, min_seconds=3))
+    put_rollout(srv, entry(steps=[10, 50, 90], min_requests=50, min_seconds=5))
     with Load([srv]):
         until(lambda: rollout(srv)["status"]["step"] >= 1, 60, "one step")
-    srv.stop()  # well within the step's 3 s
+    srv.stop()  # well within the step's 5 s
     (saved_entry,) = json.loads(Path(saved).read_text())["routes"].values()
     stood = saved_entry["entry"]["rollout"]["status"]  # as the file holds it once stopped
+    time.sleep(max(0.0, stood["since"] + 5.5 - time.time()))  # the stored window's 5 s gone
+    restarted = time.time()
     again = start(server, tmp_path, models_dir, runtime_routes_file=saved)
-    assert rollout(again)["status"] == stood and stood["state"] == "running"
     with Load([again]) as load:
-        until(lambda: rollout(again)["status"]["state"] != "running", 60, "promotion")
+        until(lambda: rollout(again)["status"]["step"] >= 2, 60, "the next step")
     assert not load.failures()
     state = rollout(again)
-    assert state["status"]["state"] == "promoted"
-    assert decisions(state) == [("advance", 0), ("advance", 1), ("promote", 2)]
+    assert state["status"]["state"] == "running"
     assert state["status"]["history"][: len(stood["history"])] == stood["history"]
+    after = state["status"]["history"][len(stood["history"]) :]
+    assert [(d["decision"], d["step"]) for d in after] == [("restart", 1), ("advance", 1)], after
+    assert after[1]["at"] - restarted >= 5, (after, restarted)
+    assert after[1]["at"] - after[0]["at"] >= 5
 
 
 def test_versions_that_load_on_demand_are_loaded_and_compared(
@@ -233,7 +258,7 @@ def test_versions_that_load_on_demand_are_loaded_and_compared(
     write_model(tmp_path / "plugins", "1.0.0", on_demand=True)
     write_model(tmp_path / "plugins", "2.0.0", on_demand=True)
     srv = start(server, tmp_path, models_dir)
-    put_rollout(srv, entry(steps=[10, 100], min_requests=20, min_seconds=600))
+    put_rollout(srv, entry(steps=[10, 100], min_requests=50, min_seconds=600))
     with Load([srv]) as load:
         until(lambda: rollout(srv).get("window") is not None, 30, "a window")
         until(lambda: load.served()[STABLE] > 200, 60, "the stable version serving")
@@ -248,7 +273,7 @@ def test_a_put_carrying_a_status_keeps_the_rollout_only_where_it_stands(
     write_model(tmp_path / "plugins", "1.0.0")
     write_model(tmp_path / "plugins", "2.0.0")
     srv = start(server, tmp_path, models_dir)
-    put_rollout(srv, entry(steps=[10, 50, 90], min_requests=10, min_seconds=0.3))
+    put_rollout(srv, entry(steps=[10, 50, 90], min_requests=50, min_seconds=5))
     read = json.loads(srv.request("GET", "/admin/routes")[2])["routes"]
     (entry_read,) = [{"runner": STABLE, "rollout": r["rollout"]} for r in read if r["name"] == "m"]
     for key in ("decided_here", "window"):
@@ -280,6 +305,7 @@ def test_bad_rollouts_are_refused_with_the_field_named(
         ".rollout.canary": entry(steps=[10], canary="other@2.0.0"),
         ".rollout.shadow": entry(steps=[10], shadow=2),
         ".rollout.min_requests": entry(steps=[10], min_requests=0),
+        ".rollout.min_seconds: must be from 5": entry(steps=[10], min_seconds=0),
         ".rollout: unknown key": entry(steps=[10], speed=1),
         ".rollout.steps: a step of 0": entry(steps=[0, 100]),
         ".runner": {
@@ -293,3 +319,40 @@ def test_bad_rollouts_are_refused_with_the_field_named(
         assert field in json.loads(answer)["error"], (field, answer)
     status, _, answer = srv.request("PUT", "/admin/routes/m", entry(steps=[10]))
     assert status == 200, answer
+
+
+def test_a_client_choosing_the_canary_by_its_sticky_key_cannot_roll_it_back(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """One client finds a header value the canary serves and sends with it input every
+    version refuses (400) or fails (500): neither counts against the canary (a 400 is the
+    request's fault; one key's requests are one cohort, which the gates leave out)."""
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0")
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(sticky="x-user", steps=[25, 50, 100], min_requests=50, min_seconds=5))
+    attacker = key_on(srv, CANARY)
+    with Client(srv, attacker, [REFUSED, CRASHING]) as client, Load([srv]):
+        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
+    state = rollout(srv)
+    assert decisions(state) == [("advance", 0), ("promote", 1)], state
+    # (Its 500s open the canary's circuit breaker now and then: its share, the attacker's
+    # requests with it, goes to the stable version meanwhile.)
+    assert client.statuses[400, CANARY] > 50 and client.statuses[500, CANARY] > 5, client.statuses
+
+
+def test_bad_input_on_the_stable_versions_key_does_not_pass_a_failing_canary(
+    tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """The mirror: 400s sent on a key the stable version serves do not raise its error
+    rate to the level of a canary failing one request in five."""
+    write_model(tmp_path / "plugins", "1.0.0")
+    write_model(tmp_path / "plugins", "2.0.0", fail_every=5)
+    srv = start(server, tmp_path, models_dir)
+    put_rollout(srv, entry(sticky="x-user", steps=[25, 50, 100], min_requests=50, min_seconds=5))
+    mirror = key_on(srv, STABLE)
+    with Client(srv, mirror, [REFUSED]) as client, Load([srv]):
+        until(lambda: rollout(srv)["status"]["state"] != "running", 60, "a decision")
+    state = rollout(srv)
+    assert decisions(state) == [("roll_back", 0)], state
+    assert client.statuses[400, STABLE] > 50, client.statuses
