@@ -18,8 +18,10 @@ batching.signature`). A :class:`BatchLayout` reads the declared table instead:
 Every tensor a batch merges its requests into keeps the bounds of one request's tensor
 (:class:`TensorBounds`): a :class:`Footprint` counts what the merged tensors will hold as
 requests join a forming batch, so one that would take a tensor past its bound starts the
-next batch instead, before anything is allocated. :func:`why_apart` says, in words, why
-two requests could not share a batch.
+next batch instead, before anything is allocated. A padded tensor also holds at most
+:data:`PAD_WASTE` times the elements its requests sent (or :data:`PAD_FLOOR` elements), so
+small requests never pad into a large batch. :func:`why_apart` says, in words, why two
+requests could not share a batch.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ SHARED_BYTES_KEPT = 256
 """A shared value up to this size is compared by its bytes; a larger one by a digest."""
 RAGGED = -1
 """A padded input's ragged axis (and its batch axis) in its batching signature."""
+PAD_WASTE = 4
+"""A padded batch's tensor holds at most this many times the elements its requests sent."""
+PAD_FLOOR = 1 << 16
+"""Elements a padded batch's tensor may hold whatever its requests sent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,11 +177,13 @@ class Footprint:
     :meth:`admits` says whether one more request keeps every merged tensor within its
     bound (:class:`TensorBounds`), from shapes alone, before anything is allocated. A
     padded input's batch holds its rows times the largest size of each other axis, so
-    requests that are each small but wide on different axes multiply; any other input's
-    holds the sum of its requests' elements; a shared input is one request's.
+    requests that are each small but wide on different axes multiply: it is also kept
+    within :data:`PAD_WASTE` times the elements its requests sent (any size up to
+    :data:`PAD_FLOOR`). Any other input's holds the sum of its requests' elements; a
+    shared input is one request's.
     """
 
-    __slots__ = ("_bounds", "_elements", "_layout", "_shapes")
+    __slots__ = ("_bounds", "_elements", "_layout", "_sent", "_shapes")
 
     def __init__(self, layout: BatchLayout, bounds: TensorBounds, first: Arrays) -> None:
         self._layout = layout
@@ -184,10 +192,13 @@ class Footprint:
         """Inputs concatenated: their elements so far."""
         self._shapes: dict[str, tuple[int, ...]] = {}
         """Padded inputs: their merged shape so far."""
+        self._sent: dict[str, int] = {}
+        """Padded inputs: the elements their requests sent so far."""
         for name, array in first.items():
             spec = layout.input(name)
             if spec.ragged == "pad":
                 self._shapes[name] = array.shape
+                self._sent[name] = array.size
             elif not spec.shared:
                 self._elements[name] = array.size
 
@@ -196,6 +207,7 @@ class Footprint:
         counted in if so; the batch is left as it was if not."""
         elements: dict[str, int] = {}
         shapes: dict[str, tuple[int, ...]] = {}
+        sent: dict[str, int] = {}
         for name, array in inputs.items():
             kept = self._elements.get(name)
             if kept is not None:
@@ -205,12 +217,16 @@ class Footprint:
                     self._shapes[name], array.shape, self._layout.input(name).axis
                 )
                 count = math.prod(shape)
+                real = sent[name] = self._sent[name] + array.size
+                if count > max(PAD_FLOOR, PAD_WASTE * real):
+                    return False
             else:  # shared
                 continue
             if count > self._bounds.elements(array.dtype):
                 return False
         self._elements.update(elements)
         self._shapes.update(shapes)
+        self._sent.update(sent)
         return True
 
 

@@ -134,8 +134,36 @@ def test_max_pixels_bounds_the_request_from_headers_before_any_image_is_decoded(
 
 def test_every_frame_of_an_animated_image_counts_toward_max_pixels() -> None:
     decoder(max_pixels=1000, size=[2, 2]).process(images(gif(20, frames=2)), context())
-    with pytest.raises(InvalidInput, match=r"20x20, 3 frame\(s\); 1200"):
-        decoder(max_pixels=1000).process(images(gif(20, frames=3)), context())
+    with pytest.raises(InvalidInput, match=r"20x20, 3 frame\(s\), made 2x2; 1200"):
+        decoder(max_pixels=1000, size=[2, 2]).process(images(gif(20, frames=3)), context())
+
+
+def test_many_tiny_images_count_what_they_become_before_any_is_decoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """2000 copies of a 35-byte 1x1 GIF (70 KB) would each become 3 x 224 x 224 floats
+    (1.2 GB in all): each counts 224 x 224 pixels toward max_pixels, refused before any
+    is decoded."""
+
+    def load(image: ImageFile.ImageFile) -> Any:
+        raise AssertionError("an image was decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    with pytest.raises(
+        InvalidInput,
+        match=r"over max_pixels = 40000000 pixels \(image 797: 1x1, 1 frame\(s\), made 224x224",
+    ):
+        decoder().process(images(*[gif(1)] * 2000), context())
+
+
+def test_the_output_holds_at_most_max_pixels_times_the_channels() -> None:
+    tiny = encoded(1, 1, (9, 9, 9))
+    out = decoder(size=[8, 8], max_pixels=128).process(images(tiny, tiny), context())["image"]
+    assert out.shape == (2, 3, 8, 8) and out.size == 3 * 128
+    with pytest.raises(InvalidInput, match="over max_pixels = 128 pixels"):
+        decoder(size=[8, 8], max_pixels=128).process(images(tiny, tiny, tiny), context())
+    no_size = decoder(size=[], max_pixels=2).process(images(tiny, tiny), context())["image"]
+    assert no_size.shape == (2, 3, 1, 1)
 
 
 def saved(image: Image.Image, kind: str, **options: Any) -> bytes:

@@ -15,7 +15,13 @@ import pytest
 from plugserve.registry.errors import InvalidInput, ManifestError
 from plugserve.registry.execution.batching import BatchPolicy, Scheduler
 from plugserve.registry.execution.components.batched import BatchedRunner
-from plugserve.registry.execution.layout import BatchLayout, TensorBounds, footprint, why_apart
+from plugserve.registry.execution.layout import (
+    PAD_FLOOR,
+    BatchLayout,
+    TensorBounds,
+    footprint,
+    why_apart,
+)
 from plugserve.registry.lifecycle.loader import Loader
 from plugserve.registry.manifest import BatchingSection, InputBatching, load_manifest
 from plugserve.registry.plugins.hooks import PluginHooks
@@ -127,6 +133,30 @@ def test_the_footprint_counts_padding_concatenation_and_bytes_elements() -> None
     assert not texts.admits(strings)
     shared = layout(sr=InputBatching(shared=True))
     assert shared.footprint({"sr": np.zeros(800)}, BOUND).admits({"sr": np.zeros(800)})
+
+
+async def test_small_requests_never_pad_into_a_batch_many_times_their_size() -> None:
+    """Two requests of 5,000 elements (40 KB together), wide on different axes, within the
+    server's default bound padded together (2 x 5000 x 5000, 200 MB): each runs alone."""
+    runner = Held()
+    scheduler = Scheduler(runner.execute, BatchPolicy(max_batch_size=8), "runner/pad@1.0.0")
+    scheduler.declare(PADDED)
+    tall, flat = x((1, 5000, 1), 2.0), x((1, 1, 5000), 3.0)
+    assert scheduler.bounds.max_elements >= 2 * 5000 * 5000
+    answers = await queued_behind_one(scheduler, runner, [x((1, 1, 1)), tall, flat])
+    assert [b["x"].shape for b in runner.batches] == [(1, 1, 1), (1, 5000, 1), (1, 1, 5000)]
+    assert [a["y"].tolist() for a in answers] == [[2.0 * 5000], [3.0 * 5000], [1.0]]
+
+
+def test_a_padded_batch_holds_at_most_pad_waste_times_what_its_requests_sent() -> None:
+    """PAD_WASTE is 4: the padded tensor holds at most 4 times the elements sent."""
+    wide = PAD_FLOOR  # one request of PAD_FLOOR elements, 1 row
+    kept = PADDED.footprint(x((1, 1, wide)), TensorBounds())
+    assert kept.admits(x((1, 2, 1)))  # 2 x 2 x wide: within 4 x (wide + 2) sent
+    assert not kept.admits(x((1, 4, 1)))  # 3 x 4 x wide: past 4 x (wide + 6)
+    assert kept.admits(x((1, 1, wide)))  # the refusal left the batch as it was
+    small = PADDED.footprint(x((1, 100, 1)), TensorBounds())  # below PAD_FLOOR: padded
+    assert small.admits(x((1, 1, 100)))  # 2 x 100 x 100 for 200 sent
 
 
 FRAMES = layout(x=InputBatching(ragged="pad", ragged_axes=(1,), lengths="frames"))

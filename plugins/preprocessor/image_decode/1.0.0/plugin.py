@@ -12,11 +12,14 @@ Pixel values are in 8-bit units (0..255) before ``scale``, whatever the file's d
 16-bit image's values times 255/65535, a floating-point one's (1.0: full scale) times 255,
 kept as floats until ``datatype`` says otherwise.
 
-``max_pixels`` bounds a request: the pixels of all its images, every frame of an animated
-one counted, read from their headers before any is decoded. Whatever Pillow raises for a
-file it cannot read (truncated, corrupt, a decompression bomb) is a 400 naming the image. For a letterboxed image, ``ctx.state["image_decode"]`` holds
-one ``{"width", "height", "scale", "pad_x", "pad_y"}`` per image (its size before, and how
-it was placed), for a postprocessor to map boxes back.
+``max_pixels`` bounds a request: each of its images counts the larger of the pixels it
+decodes to (every frame of an animated one) and those it becomes once resized to ``size``
+(a 1x1 image counts all of ``size``), read from their headers before any is decoded. So
+the output tensor holds at most ``max_pixels`` times the channels of ``mode`` values. Whatever Pillow raises for a
+file it cannot read (truncated, corrupt, a decompression bomb) is a 400 naming the image.
+For a letterboxed image, ``ctx.state["image_decode"]`` holds one ``{"width", "height",
+"scale", "pad_x", "pad_y"}`` per image (its size before, and how it was placed), for a
+postprocessor to map boxes back.
 """
 
 import io
@@ -76,12 +79,13 @@ class ImageDecode:
         opened, pixels = [], 0
         for i, blob in enumerate(encoded):
             image, frames = self._open(blob, i, ctx)
-            pixels += image.width * image.height * frames
+            pixels += self._pixels(image, frames)
             if pixels > self.max_pixels:
+                made = f", made {self.size[0]}x{self.size[1]}" if self.size else ""
                 raise ctx.InvalidInput(
                     f"the images are over max_pixels = {self.max_pixels} pixels (image {i}: "
-                    f"{image.width}x{image.height}, {frames} frame(s); {pixels} with those "
-                    "before it)"
+                    f"{image.width}x{image.height}, {frames} frame(s){made}; {pixels} with "
+                    "those before it)"
                 )
             opened.append(image)
         placed, images = [], []
@@ -113,6 +117,12 @@ class ImageDecode:
         with _pillow_errors(index, ctx):
             image = Image.open(io.BytesIO(bytes(blob)))
             return image, getattr(image, "n_frames", 1)
+
+    def _pixels(self, image, frames):
+        """What an image costs, in pixels: those decoded (every frame) or those it becomes
+        (``size``), the larger."""
+        decoded = image.width * image.height * frames
+        return decoded if self.size is None else max(decoded, self.size[0] * self.size[1])
 
     def _decode(self, image, index, ctx):
         with _pillow_errors(index, ctx):
