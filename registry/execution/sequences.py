@@ -383,7 +383,15 @@ def _rows(inputs: Arrays) -> int:
 
 
 class SequenceHolder(Protocol):
-    """What keeps a runner's sequences, as a request's placement asks it."""
+    """What keeps a runner's sequences, as a request's placement and shadow traffic ask it."""
+
+    section: SequenceSection
+    """The runner's ``[runner.sequence]``: its ``max_sequences`` and ``idle_timeout_s``."""
+
+    @property
+    def live(self) -> int:
+        """The sequences running here."""
+        ...
 
     def holds(self, sequence_id: Any) -> bool:
         """Whether ``sequence_id`` runs here."""

@@ -12,17 +12,26 @@ waits up to ``t / BUSY_TIME_SHARE`` for the process to fall idle, then starts an
 Copies wait in a queue of ``QUEUE`` copies and ``QUEUE_BYTES`` of inputs and answers at
 most; a request past either is not copied (a copy is dropped whose answer would pass
 the bound), and counts as ``skipped``. A saturated server thus compares fewer copies
-rather than answer its live requests later for them. Each comparison counts in the
-route's rollout window (``registry/routing/figures.py``): agreed or not, and the largest
-difference per output.
+rather than answer its live requests later for them. A copy the canary refuses for want
+of room (429: its queue, its ``max_sequences``) counts as ``skipped`` too. Each
+comparison counts in the route's rollout window (``registry/routing/figures.py``): agreed
+or not, and the largest difference per output.
 
 A request of a sequence means something only after the requests before it: on a runner
 that keeps sequences, whole sequences are copied or none of each. Whether a sequence is
 copied is drawn at its ``sequence_start`` (the rollout's ``shadow`` share) and kept to
 its end; a sequence already running when shadowing starts is not copied. A copy of a
 copied sequence that is skipped, or that the canary fails, ends its sequence's copying:
-the copies after it are not run (the canary's state would no longer follow the stable
-version's).
+the copies after it are not run, and count as ``skipped`` (the canary's state would no
+longer follow the stable version's). A copy is skipped, never failed, where the canary
+cannot run it as the stable version ran its request: its turn would come after the
+canary lets the sequence expire (``IDLE_SHARE`` of its ``idle_timeout_s`` after the copy
+before it: copies are paced, live requests are not), the canary no longer runs the
+sequence, or has no room. A copied start runs only while the canary runs fewer than half
+its ``max_sequences``, so that copies leave its live clients room. A route copies at
+most its stable runner's ``max_sequences`` sequences at once; a copied sequence is
+forgotten when the stable runner ends it (``SequenceHolder.watch``) and when a request
+leaves it not running there (a start refused before the runner took it).
 
 A copy runs with ``ctx.shadow`` set: it serves no client, so it counts in neither
 version's request statistics (Triton's ``v2`` statistics count what clients were
@@ -43,7 +52,7 @@ from typing import Any, Protocol
 import numpy as np
 import structlog
 
-from plugserve.registry.errors import InvalidInput
+from plugserve.registry.errors import InvalidInput, PlugserveError
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components import batch_policy
 from plugserve.registry.execution.graph import derived_context
@@ -63,6 +72,10 @@ TIMEOUT_S = 30.0
 """A copy the canary has not answered within this long counts as failed."""
 BUSY_TIME_SHARE = 0.01
 """The share of the process's time copies may run while live requests never stop."""
+IDLE_SHARE = 0.9
+"""A copy of a sequence runs within this share of the canary's ``idle_timeout_s`` after
+the copy before it ended, or is skipped (the canary's clock for it starts a little
+earlier, as its runner finishes)."""
 CHARGE_CAP_S = 1.0
 """The most of one copy's time counted against ``BUSY_TIME_SHARE``: a copy that waited
 long (timed out in a queue, on a hung canary) waited for its answer, not the process."""
@@ -78,12 +91,20 @@ QUEUE_BYTES = 64 * 2**20
 class CopiedSequence:
     """A sequence whose requests are copied, from its start to its end."""
 
+    sequence_id: SequenceId
+    route: str
     rollout: str
     """The key of the rollout it is copied for."""
     holder: SequenceHolder
     """The stable runner's sequences, where it runs."""
     broken: bool = False
     """A copy of it was not run: those after it are not run either."""
+    started: bool = False
+    """The stable version answered a request of it (until then its start may be refused
+    before the runner holds it)."""
+    due: float | None = None
+    """``time.monotonic()`` by which its next copy runs on the canary, or is skipped
+    (``None``: none has run there yet)."""
 
 
 @dataclass(slots=True)
@@ -136,6 +157,8 @@ class ShadowTraffic:
         self._runners: list[asyncio.Task[None]] = []
         self._sequences: dict[SequenceId, dict[str, CopiedSequence]] = {}
         """Sequence id -> route -> the copied sequence running under that id."""
+        self._copying: dict[str, int] = {}
+        """Route -> its copied sequences (at most its stable runner's ``max_sequences``)."""
 
     def routes_changed(self) -> None:
         """Find again the routes whose rollouts copy requests (on every change of routes)."""
@@ -159,14 +182,18 @@ class ShadowTraffic:
             sequence = self._copied_sequence(route, rollout, holder, ctx.parameters)
             if sequence is None:
                 return None
+            if sequence.broken:  # its copying ended: the rest of it is not run
+                self._skip(route, rollout.key)
+                return None
         elif random.random() >= rollout.shadow:
             return None
         size = _nbytes(data) or ctx.body_bytes or 0  # what the copy holds: arrays as decoded
         if self._queue.full() or self._held + size > QUEUE_BYTES:
-            self.windows.window(route, rollout.key).shadow.skipped += 1
-            self._count(route, "skipped")
+            self._skip(route, rollout.key)
             if sequence is not None:
                 sequence.broken = True
+                if not sequence.started:  # not copied after all: nothing to keep of it
+                    self._forget(sequence)
             return None
         copied = _copied(data)
         self._held += size
@@ -175,42 +202,70 @@ class ShadowTraffic:
     def _copied_sequence(
         self, route: str, rollout: Rollout, holder: SequenceHolder, parameters: Mapping[str, Any]
     ) -> CopiedSequence | None:
-        """The copied sequence a request on ``route`` belongs to, if its sequence is one:
-        drawn at its start, kept to its end (``None`` for a request the runner refuses)."""
+        """The copied sequence a request on ``route`` belongs to, if its sequence is one
+        (broken, if its copying ended): drawn at its start, kept to its end (``None`` for
+        a request the runner refuses)."""
         try:
             sequence_id, start, end = sequence_of(parameters)
         except InvalidInput:
             return None
         if sequence_id is None:
             return None
-        try:
-            routes = self._sequences.setdefault(sequence_id, {})
-        except TypeError:  # an unhashable id: the runner refuses it
-            return None
         if start:
-            routes.pop(route, None)
+            if (earlier := self._sequences.get(sequence_id, {}).get(route)) is not None:
+                self._forget(earlier)
             if random.random() < rollout.shadow:
-                routes[route] = CopiedSequence(rollout.key, holder)
-                holder.watch(self._sequence_ended)
-        sequence = routes.get(route)
-        if sequence is not None and (end or sequence.broken or sequence.rollout != rollout.key):
-            del routes[route]  # its last request, or no longer copied
-        if not routes:
-            del self._sequences[sequence_id]
-        if sequence is None or sequence.broken or sequence.rollout != rollout.key:
+                self._begin(route, rollout, holder, sequence_id)
+        sequence = self._sequences.get(sequence_id, {}).get(route)
+        if sequence is None:
             return None
-        return sequence
+        if end or sequence.rollout != rollout.key:  # its last request, or no longer copied
+            self._forget(sequence)
+        return sequence if sequence.rollout == rollout.key else None
+
+    def _begin(
+        self, route: str, rollout: Rollout, holder: SequenceHolder, sequence_id: SequenceId
+    ) -> None:
+        """Copy the sequence ``sequence_id`` starts, if ``route`` copies fewer than its
+        stable runner's ``max_sequences`` (else its start counts as skipped)."""
+        bound = holder.section.max_sequences
+        if self._copying.get(route, 0) >= bound:
+            self._sweep(route)
+        if self._copying.get(route, 0) >= bound:
+            self._skip(route, rollout.key)
+            return
+        sequence = CopiedSequence(sequence_id, route, rollout.key, holder)
+        self._sequences.setdefault(sequence_id, {})[route] = sequence
+        self._copying[route] = self._copying.get(route, 0) + 1
+        holder.watch(self._sequence_ended)
+
+    def _forget(self, sequence: CopiedSequence) -> None:
+        """``sequence`` is no longer copied (copies of it already queued still run)."""
+        routes = self._sequences.get(sequence.sequence_id)
+        if routes is None or routes.get(sequence.route) is not sequence:
+            return
+        del routes[sequence.route]
+        if not routes:
+            del self._sequences[sequence.sequence_id]
+        left = self._copying[sequence.route] - 1
+        if left:
+            self._copying[sequence.route] = left
+        else:
+            del self._copying[sequence.route]
+
+    def _sweep(self, route: str) -> None:
+        """Forget the sequences of ``route`` that have started and that their stable
+        runner no longer runs (each is forgotten as it ends: this is the bound's guard)."""
+        ours = [routes[route] for routes in self._sequences.values() if route in routes]
+        for sequence in ours:
+            if sequence.started and not sequence.holder.holds(sequence.sequence_id):
+                self._forget(sequence)
 
     def _sequence_ended(self, sequence_id: SequenceId) -> None:
         """A runner no longer runs ``sequence_id``: its copying ends where it ran."""
-        routes = self._sequences.get(sequence_id)
-        if routes is None:
-            return
-        for route, sequence in list(routes.items()):
+        for sequence in list(self._sequences.get(sequence_id, {}).values()):
             if not sequence.holder.holds(sequence_id):
-                del routes[route]
-        if not routes:
-            del self._sequences[sequence_id]
+                self._forget(sequence)
 
     @property
     def copied_sequences(self) -> int:
@@ -218,8 +273,16 @@ class ShadowTraffic:
         return sum(map(len, self._sequences.values()))
 
     def release(self, copy: ShadowCopy) -> None:
-        """A copy that will not be offered (its live request failed)."""
+        """A copy that will not be offered (its live request failed). Its sequence is no
+        longer copied if the stable runner does not run it (a start refused before the
+        runner took it: too many rows, ``max_sequences``, a stage's 400), or if its start
+        has not been answered (the start failed; a request queued behind it fails too)."""
         self._held -= copy.size
+        sequence = copy.sequence
+        if sequence is not None and (
+            not sequence.started or not sequence.holder.holds(sequence.sequence_id)
+        ):
+            self._forget(sequence)
 
     def offer(self, copy: ShadowCopy, answer: Any) -> None:
         """Queue ``copy`` to run with the live ``answer`` to compare; dropped when full."""
@@ -233,12 +296,12 @@ class ShadowTraffic:
         except asyncio.QueueFull:
             self._held -= copy.size
             if copy.sequence is not None:
+                copy.sequence.started = True
                 copy.sequence.broken = True
-            window = self.windows.get(copy.route, copy.rollout.key)
-            if window is not None:  # else the window moved on meanwhile: nothing to count in
-                window.shadow.skipped += 1
-            self._count(copy.route, "skipped")
+            self._skip(copy.route, copy.rollout.key, moved=True)
             return
+        if copy.sequence is not None:
+            copy.sequence.started = True
         if not self._runners:
             self._runners = [
                 asyncio.create_task(self._run(), name=f"plugserve-shadow-{i}")
@@ -258,23 +321,35 @@ class ShadowTraffic:
         while True:
             copy, answer = await self._queue.get()
             try:
-                await self._turn()
+                sequence = copy.sequence
+                if not await self._turn(None if sequence is None else sequence.due):
+                    assert sequence is not None  # only a copy of a sequence waits until `due`
+                    sequence.broken = True  # the canary would let its sequence expire first
+                    self._skip(copy.route, copy.rollout.key, moved=True)
+                    continue
                 started = time.monotonic()
                 queued = await self._compare(copy, answer)
-                self._spent(time.monotonic() - started - queued)
+                if queued is not None:
+                    self._spent(time.monotonic() - started - queued)
             except Exception:  # a bug here must not stop shadow traffic
                 log.exception("shadow_failed", route=copy.route)
             finally:
                 self._held -= copy.size
                 del copy, answer
 
-    async def _turn(self) -> None:
-        """Until the process is idle, or the copies' share of its busy time allows one."""
+    async def _turn(self, by: float | None = None) -> bool:
+        """Until the process is idle, or the copies' share of its busy time allows one:
+        whether that came before ``by`` (a ``time.monotonic()``), if given."""
         wait = self._unbusy_at - time.monotonic()
-        if self.live.active and wait > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await self.live.idle()
+        if not self.live.active or wait <= 0:
+            return True
+        until = self._unbusy_at if by is None else min(by, self._unbusy_at)
+        try:
+            async with asyncio.timeout(max(until - time.monotonic(), 0.0)):
+                await self.live.idle()
+        except TimeoutError:
+            return until == self._unbusy_at
+        return True
 
     def _spent(self, seconds: float) -> None:
         """A copy took ``seconds`` (its run and comparison, less its wait in a batcher's
@@ -283,23 +358,26 @@ class ShadowTraffic:
         charged = min(max(seconds, 0.0), CHARGE_CAP_S)
         self._unbusy_at = time.monotonic() + charged / BUSY_TIME_SHARE
 
-    async def _compare(self, copy: ShadowCopy, live: Any) -> float:
+    async def _compare(self, copy: ShadowCopy, live: Any) -> float | None:
         """Run ``copy`` on the canary and count how its answer compares with ``live``;
-        the seconds it waited in the canary's batcher queue."""
+        the seconds it waited in the canary's batcher queue (``None``: it did not run)."""
         rollout, sequence = copy.rollout, copy.sequence
         entry = self._table().entries.get(copy.route)
         now = None if entry is None else entry.spec.rollout
         if now is None or now.key != rollout.key:
             self._count(copy.route, "skipped")  # the window moved on: nothing to count in
-            return 0.0
+            return None
         figures = self.windows.window(copy.route, rollout.key).shadow
         target = entry.by_version.get(str(rollout.canary.version)) if entry else None
-        if not isinstance(target, Chain) or (sequence is not None and sequence.broken):
+        canary = target.runner.live_sequences() if isinstance(target, Chain) else None
+        if not isinstance(target, Chain) or (
+            sequence is not None and not _runnable(sequence, copy.ctx.parameters, canary)
+        ):
             figures.skipped += 1  # not ready here, or its sequence's copying ended
             self._count(copy.route, "skipped")
             if sequence is not None:
                 sequence.broken = True
-            return 0.0
+            return None
         ctx = _shadow_context(copy.ctx, target)
         target.enter()
         try:
@@ -308,6 +386,10 @@ class ShadowTraffic:
         except Exception as exc:
             if sequence is not None:
                 sequence.broken = True
+            if _refused(exc, sequence, copy.ctx.parameters, canary):
+                figures.skipped += 1  # the canary had no room, or no longer ran the sequence
+                self._count(copy.route, "skipped")
+                return ctx.timings.get("queue", 0.0)
             figures.record(False, {}, failed=True)
             self._count(copy.route, "failed")
             error = f"no answer within {TIMEOUT_S:g} s" if isinstance(exc, TimeoutError) else exc
@@ -316,6 +398,8 @@ class ShadowTraffic:
             return ctx.timings.get("queue", 0.0)
         finally:
             target.leave()
+        if sequence is not None and canary is not None:
+            sequence.due = time.monotonic() + IDLE_SHARE * canary.section.idle_timeout_s
         if _nbytes(live) > INLINE_COMPARE_BYTES:  # a long compare: off the event loop
             agreed, differences = await asyncio.to_thread(
                 compare, live, answer, rollout.atol, rollout.rtol
@@ -326,9 +410,51 @@ class ShadowTraffic:
         self._count(copy.route, "agreed" if agreed else "differed")
         return ctx.timings.get("queue", 0.0)
 
+    def _skip(self, route: str, rollout: str, moved: bool = False) -> None:
+        """A copy for ``rollout`` not run, counted ``skipped``; ``moved``: its window may
+        have moved on meanwhile (then it counts in no window)."""
+        window = self.windows.get(route, rollout) if moved else self.windows.window(route, rollout)
+        if window is not None:
+            window.shadow.skipped += 1
+        self._count(route, "skipped")
+
     def _count(self, route: str, outcome: str) -> None:
         if self.counted is not None:
             self.counted(route, outcome)
+
+
+def _runnable(
+    sequence: CopiedSequence, parameters: Mapping[str, Any], canary: SequenceHolder | None
+) -> bool:
+    """Whether the canary (its sequences: ``canary``) can run a copy of ``sequence`` with
+    ``parameters`` as the stable version ran it: its copying goes on, within its ``due``;
+    a start while the canary runs fewer than half its ``max_sequences`` (the rest are its
+    live clients'), a later request of a sequence the canary runs."""
+    if sequence.broken or (sequence.due is not None and time.monotonic() > sequence.due):
+        return False
+    if canary is None:  # a canary keeping no sequences: it answers as it does
+        return True
+    if parameters.get("sequence_start") is True:
+        share = canary.section.max_sequences - canary.section.max_sequences // 2
+        return canary.live < share
+    return canary.holds(sequence.sequence_id)
+
+
+def _refused(
+    exc: Exception,
+    sequence: CopiedSequence | None,
+    parameters: Mapping[str, Any],
+    canary: SequenceHolder | None,
+) -> bool:
+    """Whether the canary refused a copy for want of room (429: its queue, its
+    ``max_sequences``), or a later request of ``sequence`` as not running (a 4xx that
+    leaves the canary not running it): a copy it could not run, not its fault."""
+    status = exc.status if isinstance(exc, PlugserveError) else 500
+    if status == 429:
+        return True
+    if sequence is None or canary is None or parameters.get("sequence_start") is True:
+        return False
+    return 400 <= status < 500 and not canary.holds(sequence.sequence_id)
 
 
 def _shadow_context(ctx: RequestContext, chain: Chain) -> RequestContext:
