@@ -259,8 +259,9 @@ def one_error(exc: BaseException) -> BaseException:
 
 
 def first_error(errors: Iterable[BaseException]) -> BaseException:
-    """Of the errors of stages that ran together for one request (a graph's wave, routes a
-    plugin called at once), the one the request ends with: the first of the highest rank.
+    """Of the errors of stages that ran together for one request (a graph's wave, a
+    completion's choices: ``registry/execution/together.py``; routes a plugin called at
+    once), the one the request ends with: the first of the highest rank.
 
     1. the request's own end: a :class:`DeadlineExceeded`, or an ``asyncio.CancelledError``
        (its client left, the server stops);

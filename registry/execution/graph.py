@@ -12,16 +12,22 @@ its postprocessors run.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from plugserve.registry.errors import InvalidInput, PluginError, RoutesTooDeep, first_error
+from plugserve.registry.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    PluginError,
+    RoutesTooDeep,
+    Unavailable,
+)
 from plugserve.registry.execution.chain import Chain, StageCall
 from plugserve.registry.execution.components.base import LoadedPlugin
+from plugserve.registry.execution.together import together
 from plugserve.registry.types import RequestContext
 
 
@@ -106,29 +112,9 @@ class Graph(Chain):
         for wave in self.waves:
             if len(wave) == 1:
                 await self._step(wave[0], tensors, call, ctx)
-            else:
-                await self._together(wave, tensors, call, ctx)
+            else:  # the first step to fail stops the others; the wave raises the ranked error
+                await together([self._step(step, tensors, call, ctx) for step in wave])
         return {name: tensors[name] for name in self.answers}
-
-    async def _together(
-        self, wave: tuple[Step, ...], tensors: dict[str, Any], call: StageCall,
-        ctx: RequestContext,
-    ) -> None:  # fmt: skip
-        """The steps of one wave, concurrently: the first to fail stops the others, and the
-        wave raises the one error its steps' errors rank first (:func:`first_error`). The
-        request's own cancellation (a deadline, a hang-up) stops them all and goes on as
-        it came. Not a ``TaskGroup``: on Python 3.11 one whose task fails while the group
-        waits leaves the request's task marked as being cancelled."""
-        tasks = [asyncio.create_task(self._step(step, tensors, call, ctx)) for step in wave]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.wait(tasks)  # each stopped before the wave ends
-        errors = [error for task in tasks if not task.cancelled() and (error := task.exception())]
-        if errors:
-            raise first_error(errors)
 
     async def _step(
         self, step: Step, tensors: dict[str, Any], call: StageCall, ctx: RequestContext
@@ -271,6 +257,11 @@ Resolve = Callable[[str, str | None, float | None], Awaitable[Chain]]
 loads on its first request (waiting at most ``within_s``), as a client's request does."""
 
 
+TIMER_SLACK_S = 0.01
+"""How much before the request's deadline, by ``time.monotonic()``, a wait bounded by it may
+end: uvloop's timers count whole milliseconds."""
+
+
 class RouteCaller:
     """``ctx.infer(route, inputs)``: another route's chain run in-process for a plugin,
     resolved from the route table as it stands, as a client's request to it would be."""
@@ -284,10 +275,22 @@ class RouteCaller:
         self, ctx: RequestContext, route: str, inputs: Any, version: str | None = None
     ) -> Any:
         sub = child_context(ctx, route)
-        within = None if ctx.deadline is None else max(ctx.deadline - time.monotonic(), 0.0)
-        chain = await self._resolve(route, version, within)
+        chain = await self._chain(ctx, route, version)
         chain.enter()  # in the step that resolved it: no reload releases it meanwhile
         try:
             return await chain.run(inputs, sub)
         finally:
             chain.leave()
+
+    async def _chain(self, ctx: RequestContext, route: str, version: str | None) -> Chain:
+        """The chain serving ``route``, waiting for its load until the request's deadline:
+        a wait that the deadline ends is the request's 504, not the route's 503."""
+        deadline = ctx.deadline
+        within = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            return await self._resolve(route, version, within)
+        except Unavailable:
+            if deadline is None or time.monotonic() < deadline - TIMER_SLACK_S:
+                raise
+        # Raised here, outside the handler: it keeps nothing of the 503 it stands for.
+        raise DeadlineExceeded(f"route {route!r} was not ready when the request's deadline passed")

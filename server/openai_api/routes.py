@@ -28,6 +28,7 @@ from aiohttp import web
 
 from plugserve.registry.errors import NotFound, PluginError, PlugserveError
 from plugserve.registry.execution.chain import Chain
+from plugserve.registry.execution.together import together
 from plugserve.registry.types import RequestContext
 from plugserve.server.dataplane.plane import DATA_PLANE, Inference, Served
 from plugserve.server.http import sse
@@ -301,7 +302,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             "system_fingerprint": chain.variant,
         }
         if not asked.stream:
-            texts = await asyncio.gather(*(_whole(served, c, asked) for c in choices))
+            # The first choice to fail stops the others; the request ends with the ranked error.
+            texts = await together([_whole(served, c, asked) for c in choices])
             made = [
                 _choice(kind, c, text, asked.echo) for c, text in zip(choices, texts, strict=True)
             ]
@@ -389,31 +391,34 @@ async def _interleaved(
         yield choice, None
         return
     # Bounded: a client that reads slowly holds the choices' streams back (READ_AHEAD).
-    queue: asyncio.Queue[tuple[Choice, str | None] | BaseException] = asyncio.Queue(len(choices))
+    # After the pieces, the error the choices end with, if one fails (the others stopped).
+    queue: asyncio.Queue[tuple[Choice, str | None] | Exception] = asyncio.Queue(len(choices))
 
     async def pump(choice: Choice) -> None:
+        async with contextlib.aclosing(_pieces(served, choice, asked)) as pieces:
+            async for text in pieces:
+                await queue.put((choice, text))
+        await queue.put((choice, None))
+
+    async def pumps() -> None:
         try:
-            async with contextlib.aclosing(_pieces(served, choice, asked)) as pieces:
-                async for text in pieces:
-                    await queue.put((choice, text))
-            await queue.put((choice, None))
+            await together([pump(c) for c in choices])
         except Exception as exc:
             await queue.put(exc)
 
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    task = asyncio.create_task(pumps())
     try:
         for _ in choices:
             while True:
                 item = await queue.get()
-                if isinstance(item, BaseException):
+                if isinstance(item, Exception):
                     raise item
                 yield item
                 if item[1] is None:
                     break
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        task.cancel()
+        await asyncio.wait([task])
 
 
 def _error_event(exc: PlugserveError) -> bytes:

@@ -105,6 +105,26 @@ BIG = """
         return Big(config["mib"], config["amount"])
 """
 
+SLOW_LOAD = """
+    import time
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class Add:
+        def infer(self, inputs):
+            return {"y": np.asarray(inputs["x"]) + self.amount}
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        time.sleep(config["load_s"])
+        add = Add()
+        add.amount = config["amount"]
+        return add
+"""
+
 PAIR_ROUTE = """
 [routes.pair]
 outputs = ["a", "b"]
@@ -273,3 +293,29 @@ def test_ctx_infer_loads_on_demand_within_a_memory_budget(
         assert status == 200, answer
         assert outputs(answer) == {"y": [12.0, 13.0, 14.0, 15.0]}
     assert srv.log().count("plugin_evicted") >= 3
+
+
+def test_ctx_infer_past_the_deadline_while_its_route_loads_is_504(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """A postprocessor's ``ctx.infer("rec")`` waits for rec, which loads on its first
+    request and takes 3 s to: a request with 0.5 s left is the request's 504 (its deadline
+    passed), not the route's 503; rec's load goes on, and serves once done. Its own route
+    loads on demand too, in 0.2 s, before its answer's time bound starts: the request's
+    deadline passes during the wait for rec, before that bound does."""
+    write_plugin(plugins_dir, "postprocessor", "refine", "1.0.0",
+                 files={"plugin.py": CALLS.format(route="rec")})  # fmt: skip
+    for name, amount, load_s in (("det", 10.0, 0.2), ("rec", 100.0, 3.0)):
+        route = '\n[route]\npostprocess = ["refine"]' if name == "det" else ""
+        write_plugin(
+            plugins_dir, "runner", name, "1.0.0",
+            f"[config]\namount = {amount}\nload_s = {load_s}\n[runner]\n{ON_DEMAND}\n{route}",
+            files={"plugin.py": SLOW_LOAD},
+        )  # fmt: skip
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    status, answer = infer(srv, "det", timeout=500_000)  # 0.5 s
+    assert status == 504, answer
+    assert "deadline" in answer["error"], answer
+    status, answer = infer(srv, "det")  # waits for the load under way
+    assert status == 200, answer
+    assert outputs(answer) == {"y": [111.0, 112.0, 113.0, 114.0]}

@@ -78,3 +78,60 @@ def write_openai_plugins(plugins_dir: Path, step_s: float = 0.0, log: Path | Non
         '[route]\nopenai = "embeddings"\npreprocess = ["words"]\n',
         {"plugin.py": EMBEDDER},
     )
+
+
+# Prompts that fail together beside one that streams: "go" asks for 500 tokens; "refuse" (the
+# client's 400) and "crash" (the plugin's fault, a 500) wait until both have come, then fail
+# in one step of the event loop 0.3 s later, "refuse" first.
+FAIL_TOGETHER = """
+    import asyncio
+
+    import numpy as np
+    import pluggy
+
+    hookimpl = pluggy.HookimplMarker("plugserve")
+
+    class FailTogether:
+        def __init__(self):
+            self.failing = {}
+
+        async def process(self, data, ctx):
+            text = data.get("prompt", "")
+            if text not in ("refuse", "crash"):
+                ctx.usage["prompt_tokens"] = 1
+                return {"n": np.array([500], np.int64)}
+            loop = asyncio.get_running_loop()
+            mine = self.failing[text] = loop.create_future()
+            if len(self.failing) == 2:
+                both, self.failing = self.failing, {}
+                loop.call_later(0.3, self.release, both)
+            await mine
+            if text == "refuse":
+                raise ctx.InvalidInput("refused")
+            raise RuntimeError("crashed")
+
+        @staticmethod
+        def release(both):
+            for text in ("refuse", "crash"):
+                both[text].set_result(None)
+
+    @hookimpl
+    def plugserve_create_component(plugin, config):
+        return FailTogether()
+"""
+
+
+def write_failing_choices(plugins_dir: Path, log: Path) -> None:
+    """The completions route ``mixed``: its prompts ``go``, ``refuse`` and ``crash`` as
+    :data:`FAIL_TOGETHER` says; its runner takes a step each 0.1 s and logs each in ``log``."""
+    write_plugin(
+        plugins_dir, "preprocessor", "fail-together", "1.0.0", files={"plugin.py": FAIL_TOGETHER}
+    )
+    write_streaming_runner(
+        plugins_dir,
+        "mixed",
+        "steps",
+        runner='max_batch_size = 8\n\n[route]\nopenai = "completions"\n'
+        'preprocess = ["fail-together"]\n',
+        config=f'step_s = 0.1\nlog = "{log}"\n',
+    )

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.helpers import ServerProcess
-from tests.server.openai_api.plugins import write_openai_plugins
+from tests.server.openai_api.plugins import write_failing_choices, write_openai_plugins
 
 pytestmark = pytest.mark.slow
 
@@ -183,3 +183,39 @@ def test_a_client_that_leaves_a_chat_stream_stops_generation(
     assert lines[-1] == "stop"
     time.sleep(0.3)
     assert log.read_text().splitlines() == lines
+
+
+def stopped_steps(log: Path) -> list[str]:
+    """The runner's log once it has settled: it ends with the stop of the choice that was
+    streaming, and no step comes after the answer."""
+    time.sleep(0.5)  # five steps' time
+    lines = log.read_text().splitlines()
+    time.sleep(0.5)
+    assert log.read_text().splitlines() == lines
+    return lines
+
+
+def test_choices_failing_together_end_with_the_ranked_error_and_stop_the_others(
+    plugins_dir: Path, tmp_path: Path, server: Callable[..., ServerProcess]
+) -> None:
+    """Three prompts: one streams 500 tokens, two fail 0.3 s in, the client's 400 first and
+    the plugin's fault beside it. The request is the fault's 500, whole or streamed, and
+    the choice still streaming stops when the request ends: no step after its answer."""
+    log = tmp_path / "steps.log"
+    write_failing_choices(plugins_dir, log)
+    proc = server("--plugins-dir", str(plugins_dir))
+    prompts = ["go", "refuse", "crash"]
+    with pytest.raises(openai.InternalServerError, match="crashed"):
+        client(proc).completions.create(model="mixed", prompt=prompts)
+    lines = stopped_steps(log)
+    assert any(line.startswith("step") for line in lines), lines  # it had begun
+    assert lines[-1] == "stop"
+
+    log.write_text("")
+    stream = client(proc).completions.create(model="mixed", prompt=prompts, stream=True)
+    chunks = [next(stream)]  # the stream has begun: the error comes as its last event
+    with pytest.raises(openai.APIError, match="crashed"):
+        chunks.extend(stream)
+    lines = stopped_steps(log)
+    assert any(line.startswith("step") for line in lines), lines  # it had begun
+    assert lines[-1] == "stop"
