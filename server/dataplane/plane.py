@@ -39,7 +39,7 @@ from plugserve.registry.execution import tracing
 from plugserve.registry.execution.batching import priority_level
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components import batch_policy
-from plugserve.registry.execution.graph import RouteCaller
+from plugserve.registry.execution.graph import TIMER_SLACK_S, RouteCaller
 from plugserve.registry.execution.sequences import is_sequence_id
 from plugserve.registry.lifecycle.registry import Key, Registry
 from plugserve.registry.refs import Ref
@@ -362,11 +362,18 @@ class DataPlane:
         load timeout (or the request's deadline, if sooner); every request needing the same
         version waits for the same load."""
         registry = self.registry
-        within = registry.load_timeout if deadline_s is None else min(
-            registry.load_timeout, deadline_s
-        )  # fmt: skip
+        bound = deadline_s is not None and deadline_s < registry.load_timeout
+        within = min(registry.load_timeout, deadline_s) if bound else registry.load_timeout
         started = time.perf_counter()
-        await registry.demand(needs, within)
+        try:
+            await registry.demand(needs, within)
+        except Unavailable:
+            # The wait that ran out was the request's own: its deadline passed (504).
+            if bound and time.perf_counter() - started >= within - TIMER_SLACK_S:
+                raise DeadlineExceeded(
+                    "the request's deadline passed while what it needs was loading"
+                ) from None
+            raise
         self.metrics.cold_load.observe(time.perf_counter() - started)
 
     async def chain_of(self, route: str, version: str | None) -> Chain:

@@ -319,3 +319,20 @@ def test_ctx_infer_past_the_deadline_while_its_route_loads_is_504(
     status, answer = infer(srv, "det")  # waits for the load under way
     assert status == 200, answer
     assert outputs(answer) == {"y": [111.0, 112.0, 113.0, 114.0]}
+
+
+def test_a_request_past_its_deadline_while_its_route_loads_is_504(
+    plugins_dir: Path, models_dir: Path, server: Callable[..., Any]
+) -> None:
+    """A client's request to a route that loads on its first request, in 3 s, with 0.5 s
+    to live: its deadline passes during the wait (504), not the route's 503; the load goes
+    on, and the next request is served once it is done."""
+    write_plugin(plugins_dir, "runner", "rec", "1.0.0",
+                 f"[config]\namount = 100.0\nload_s = 3.0\n[runner]\n{ON_DEMAND}\n",
+                 files={"plugin.py": SLOW_LOAD})  # fmt: skip
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    status, answer = infer(srv, "rec", timeout=500_000)  # 0.5 s
+    assert status == 504, answer
+    assert "deadline" in answer["error"], answer
+    status, answer = infer(srv, "rec")
+    assert status == 200, answer
