@@ -54,7 +54,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from tests.benchmarks import hostile, hostile_grpc, hostile_h2
+from tests.benchmarks import hostile, hostile_features, hostile_grpc, hostile_h2
 from tests.helpers import (
     ROOT,
     ServerProcess,
@@ -308,6 +308,7 @@ def write_plugins(plugins: Path, models: Path, isolated: bool = False) -> None:
         shutil.copytree(ROOT / "plugins" / bundled, plugins / bundled)
     for model in ("chat", "embed"):
         shutil.copytree(ROOT / "models" / model, models / model)
+    hostile_features.write_plugins(plugins)
 
 
 @dataclass
@@ -395,7 +396,9 @@ def main() -> None:
                                "--log-level", "warning", log=root / "server.log")  # fmt: skip
         try:
             server.wait_ready(60)
+            hostile_features.start_rollout(server.port)
             samples, churn_log, peak = soak(server, plugins, args, answers, outcomes, health)
+            features, features_ok = hostile_features.verdict(server.port)
         finally:
             code = server.stop()
         log_lines = server.log().splitlines()
@@ -405,7 +408,9 @@ def main() -> None:
             print(f"the server's log, which has errors: {kept}")
     bound = rss_bound(args, samples)
     report(args, answers, outcomes, health, samples, churn_log, code, log_lines, peak, bound)
-    raise SystemExit(1 if answers.failed() or health.refused() or peak.rss_mib > bound else 0)
+    print("\n".join(features))
+    failed = answers.failed() or health.refused() or peak.rss_mib > bound or not features_ok
+    raise SystemExit(1 if failed else 0)
 
 
 def rss_bound(args: argparse.Namespace, samples: list[tuple[str, Sample]]) -> float:
@@ -436,9 +441,14 @@ def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers
     time.sleep(10)  # warm up before the first reading
     samples = [("start", Sample.take(pid, began))]
     churn_log: list[str] = []
+    reloads: list[str] = []
     churner = threading.Thread(target=churn, args=(plugins, stop, args.reload_every, churn_log),
                                daemon=True)  # fmt: skip
     churner.start()
+    sequences = threading.Thread(target=hostile_features.churn, daemon=True,
+                                 args=(plugins, stop, args.reload_every, reloads))  # fmt: skip
+    sequences.start()
+    threads += hostile_features.good_clients(server.port, stop, answers.add_good)
     peak = [samples[0][1]]
     sampler = threading.Thread(target=sample_peak, args=(pid, began, stop, peak), daemon=True)
     sampler.start()
@@ -447,6 +457,7 @@ def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers
         threads += hostile.start(server.port, hostile_stop, outcomes, mix)
         grpc_mix = hostile_grpc.GrpcMix(idle_streams=args.idle_streams)
         threads += hostile_grpc.start_hostile(server.grpc_port, hostile_stop, outcomes, grpc_mix)
+        threads += hostile_features.start(server.port, hostile_stop, outcomes, mix)
         if args.h2:
             threads += hostile_h2.start(server.grpc_port, server.port, hostile_stop, outcomes,
                                         hostile_h2.H2Mix())  # fmt: skip
@@ -460,15 +471,15 @@ def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers
         samples.append(("during", Sample.take(pid, began)))
     hostile_stop.set()
     stop.set()
-    for t in [*threads, churner, sampler]:
+    for t in [*threads, churner, sequences, sampler]:
         t.join(70)
-    hung = [t.name for t in [*threads, churner] if t.is_alive()]
+    hung = [t.name for t in [*threads, churner, sequences] if t.is_alive()]
     if hung:
         print(f"threads still running after the stop: {hung}")
     time.sleep(3)  # let the server close what the clients closed
     if server.proc.poll() is None:
         samples.append(("after (3 s)", Sample.take(pid, began)))
-    return samples, churn_log, peak[0]
+    return samples, churn_log + reloads, peak[0]
 
 
 def sample_peak(pid: int, began: float, stop: threading.Event, peak: list[Sample]) -> None:
