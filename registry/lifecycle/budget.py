@@ -1,13 +1,26 @@
-"""A memory budget for runner versions that load on demand: what each costs, measured, and
-which idle ones go first when a load needs room.
+"""A memory budget for runner versions that load on demand: what each costs, what the
+processes that hold them really use, and which idle ones go first when there is not room.
 
-A version's cost is measured once it has loaded: for an isolated runner, the resident
-memory of its runner processes (all of it comes back when they end); in the worker, how
-much the worker's resident memory grew during the load. The least recently used idle
-versions that load on demand (``load = "on_demand"``, not ``pinned``) are evicted first:
-back to ``available``, loaded again by their next request. Recency is the time a request
-last entered each instance (:attr:`LoadedPlugin.last_use`, ``time.monotonic()``: one
-clock for every process of the machine, so a supervisor can compare its workers').
+The budget holds as the process tree measures it. Each version is attributed a cost: for
+an isolated runner, the resident memory of its runner processes (read again every
+:data:`SAMPLE_S` seconds: all of it comes back when they end); in the worker, its share
+of the worker's growth while it loaded (:class:`Growth`: loads side by side split what
+grew beside them), never negative and never below its model files' size. What a process
+holding versions uses beyond their costs and the loads under way in it (an arena that
+grows as a model serves, a plugin that allocates on first use, what the allocator keeps
+of an evicted version) is read every :data:`SAMPLE_S` seconds and after each load, and
+counted as the process's ``unattributed`` memory. Whenever the count passes the budget,
+the least recently used idle versions that load on demand (``load = "on_demand"``, not
+``pinned``) are evicted: back to ``available``, loaded again by their next request.
+Recency is the time a request last entered each instance (:attr:`LoadedPlugin.last_use`,
+``time.monotonic()``: one clock for every process of the machine, so a supervisor can
+compare its workers').
+
+Loads run side by side: each is admitted (room made for its estimate, which it holds),
+then measured, or cancelled; an estimate not given back within its load's bound plus
+:data:`RESERVATION_SLACK_S` lapses. A version whose cost alone is over the budget is
+refused (:class:`PluginLoadError` naming ``memory_budget``), before anything is evicted
+where that is known beforehand (its last measure, its model files' size).
 
 :class:`Ledger` keeps the accounts; :class:`LocalBudget` is a single process's budget; a
 worker among several asks its supervisor's (``server/processes/tree_budget.py``).
@@ -15,20 +28,29 @@ worker among several asks its supervisor's (``server/processes/tree_budget.py``)
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import gc
 import itertools
 import os
 import re
+import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
+import structlog
+
+from plugserve.registry.errors import PluginLoadError
+
+log = structlog.get_logger("plugserve.registry")
+
 Key = tuple[str, str, str]
 E = TypeVar("E", bound=Hashable)
 
+MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|[KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -81,15 +103,29 @@ def resident(pid: int | None = None) -> int:
     return int(fields[1]) * PAGE
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc(function: str) -> Callable[..., int] | None:
     name = ctypes.util.find_library("c")
     try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        return getattr(ctypes.CDLL(name), function, None) if name else None
     except OSError:
         return None
 
 
-_TRIM = _malloc_trim()
+_TRIM = _libc("malloc_trim")
+_MALLOPT = _libc("mallopt")
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 1 << 20
+"""Under a memory budget, allocations of this many bytes or more get mappings of their own."""
+
+
+def map_large_allocations() -> None:
+    """Have glibc give every allocation of :data:`MMAP_THRESHOLD` bytes or more a mapping
+    of its own, returned to the system the moment it is freed. Left to itself glibc raises
+    that threshold (up to 32 MiB) as large blocks are freed, and a version's weights then
+    come from heaps that keep, fragmented, what an evicted version freed: memory the
+    budget counts and cannot get back."""
+    if _MALLOPT is not None:
+        _MALLOPT(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def release_memory() -> None:
@@ -123,6 +159,14 @@ def parse_gpu_budget(value: int | str) -> int | float:
         raise ValueError(str(exc).replace("memory_budget", "gpu_memory_budget")) from None
 
 
+SAMPLE_S = 0.25
+"""How often a budget reads the resident memory of the processes that hold its versions."""
+RESERVATION_SLACK_S = 30.0
+"""How long past its load's bound (``load_timeout_s``) a load's estimate is held at most."""
+ALONE = ""
+"""The group of an entry measured by itself (an isolated runner's processes)."""
+
+
 @dataclass
 class Admission:
     """A load let in by the budget: room was made for its estimate, held until measured."""
@@ -131,24 +175,89 @@ class Admission:
     ticket: int
 
 
+@dataclass(frozen=True)
+class Held:
+    """A version loaded on demand, as a budget sees it."""
+
+    key: Key
+    last_use: float
+    """When a request last entered it (``time.monotonic()``)."""
+    busy: bool
+    """A request uses, awaits or waits for its load, or a change to it is under way."""
+    evictable: bool
+    """Not ``pinned``."""
+    isolated: bool
+    bytes: int | None
+    """An isolated runner's processes' resident memory now; ``None`` in the worker."""
+
+
+class Growth:
+    """The growth of this process's resident memory, shared out among the loads under way
+    in it: each stretch between two of their starts or ends goes in equal parts to the
+    loads open during it, and what the process released meanwhile (an eviction beside
+    them) is added back. A load's share is never negative; it is its own measure only if
+    no other load was open beside it (else a rough share)."""
+
+    def __init__(self, released: Callable[[], int]) -> None:
+        self._released = released
+        self._open: dict[int, int] = {}
+        self._crowded: set[int] = set()
+        self._mark = 0
+        self._tokens = itertools.count(1)
+
+    def _settle(self) -> None:
+        now = resident() + self._released()
+        if self._open:
+            share = (now - self._mark) / len(self._open)
+            for token in self._open:
+                self._open[token] += int(share)
+        self._mark = now
+
+    def begin(self) -> int:
+        self._settle()
+        token = next(self._tokens)
+        self._open[token] = 0
+        if len(self._open) > 1:
+            self._crowded.update(self._open)
+        return token
+
+    def end(self, token: int) -> tuple[int, bool]:
+        """The load's share of the growth, in bytes (0 at least), and whether it loaded
+        alone (the share is then its own measure)."""
+        self._settle()
+        alone = token not in self._crowded
+        self._crowded.discard(token)
+        return max(self._open.pop(token, 0), 0), alone
+
+
 @dataclass
 class Ledger(Generic[E]):
-    """The budget's accounts: the measured cost of what is resident (by entry: a version,
-    or in a tree of workers a version in one worker or in the shared runner processes),
-    the estimates held for loads under way, and each version's last measure.
+    """The budget's accounts: the cost of what is resident (by entry: a version, or in a
+    tree of workers a version in one worker or in the shared runner processes), the
+    estimates held for loads under way, what each process holding versions uses beyond
+    them, and each version's last measure.
 
-    ``limit`` bounds the machine's memory (0: no bound), ``gpu_limit`` each GPU's: bytes,
-    or a share of its total (a float, resolved by ``totals``, the devices' sizes as last
-    read); 0: no bound."""
+    An entry and a reservation belong to a group, the process their memory is in (a
+    worker), or to :data:`ALONE` (measured by itself). ``limit`` bounds the machine's
+    memory (0: no bound), ``gpu_limit`` each GPU's: bytes, or a share of its total (a
+    float, resolved by ``totals``, the devices' sizes as last read); 0: no bound."""
 
     limit: int
     gpu_limit: int | float = 0
     totals: dict[str, int] = field(default_factory=dict)
     cost: dict[E, Cost] = field(default_factory=dict)
+    group: dict[E, str] = field(default_factory=dict)
     reserved: dict[int, Cost] = field(default_factory=dict)
     """Loads under way (by ticket): their estimates, counted until measured."""
+    holds: dict[int, tuple[str, float]] = field(default_factory=dict)
+    """Each reservation's group, and when it lapses (``time.monotonic()``)."""
+    unattributed: dict[str, int] = field(default_factory=dict)
+    """By group: resident memory beyond its entries' costs and its loads' estimates."""
     known: dict[Key, Cost] = field(default_factory=dict)
     """Every version measured once: its cost (the estimate of its next load)."""
+    sure: dict[Key, Cost] = field(default_factory=dict)
+    """Versions measured by themselves (alone in their process, or in processes of their
+    own): the least each costs, which may refuse it."""
     _tickets: Iterator[int] = field(default_factory=lambda: itertools.count(1), repr=False)
 
     @property
@@ -166,8 +275,14 @@ class Ledger(Generic[E]):
             return int(total * self.gpu_limit) if total else None
         return self.gpu_limit
 
-    def resident(self, resource: str = HOST) -> int:
+    def attributed(self, resource: str = HOST) -> int:
         return sum(c.get(resource, 0) for c in self.cost.values())
+
+    def resident(self, resource: str = HOST) -> int:
+        """What the resident versions use: their costs, and on the machine's memory what
+        their processes hold beyond them."""
+        extra = sum(self.unattributed.values()) if resource == HOST else 0
+        return self.attributed(resource) + extra
 
     def held(self, resource: str) -> int:
         """Resident and reserved."""
@@ -176,6 +291,8 @@ class Ledger(Generic[E]):
     def over(self, room: Cost) -> dict[str, int]:
         """The bounded resources that ``room`` more would overflow, with the bytes over."""
         resources = {r for c in [room, *self.cost.values(), *self.reserved.values()] for r in c}
+        if self.unattributed:
+            resources.add(HOST)
         over = {}
         for resource in resources:
             limit = self.limit_of(resource)
@@ -185,35 +302,141 @@ class Ledger(Generic[E]):
                     over[resource] = beyond
         return over
 
-    def estimate(self, key: Key) -> Cost:
-        """What loading ``key`` will cost: its last measure, else the others' mean memory
-        (where it will sit on a GPU is not known before its first load)."""
-        if key in self.known:
-            return dict(self.known[key])
-        if not self.known:
-            return {}
-        return {HOST: sum(c.get(HOST, 0) for c in self.known.values()) // len(self.known)}
+    def refusal(self, key: Key, least: int = 0) -> PluginLoadError | None:
+        """Why ``key`` cannot be loaded under the budget, known before its load: its own
+        measure, or its model files' size (``least``), alone over the whole budget."""
+        cost = dict(self.sure.get(key, {}))
+        if least > cost.get(HOST, 0):
+            cost[HOST] = least
+        over = self.alone_over(cost)
+        return too_large(key, over, measured=key in self.sure) if over else None
 
-    def reserve(self, cost: Cost) -> int:
+    def alone_over(self, cost: Cost) -> dict[str, tuple[int, int]]:
+        """The bounded resources on which ``cost`` alone is over the whole budget: the
+        bytes, and the budget."""
+        found = {}
+        for resource, n in cost.items():
+            limit = self.limit_of(resource)
+            if limit is not None and n > limit:
+                found[resource] = (n, limit)
+        return found
+
+    def estimate(self, key: Key, least: int = 0, group: str = ALONE) -> Cost:
+        """What loading ``key`` into ``group`` will cost: its last measure, else the
+        others' mean memory (where it will sit on a GPU is not known before its first
+        load), and the share of each version there in what the process uses beyond their
+        costs (as :meth:`frees` counts it: what versions take as they serve); ``least``
+        bytes at least (its model files)."""
+        if key in self.known:
+            cost = dict(self.known[key])
+        elif self.known:
+            cost = {HOST: sum(c.get(HOST, 0) for c in self.known.values()) // len(self.known)}
+        else:
+            cost = {}
+        share = self._share(group)
+        if share:
+            cost[HOST] = cost.get(HOST, 0) + share
+        if least > cost.get(HOST, 0):
+            cost[HOST] = least
+        return cost
+
+    def _share(self, group: str) -> int:
+        """Each of ``group``'s entries' equal share of its unattributed memory."""
+        if group == ALONE or not self.unattributed.get(group):
+            return 0
+        members = sum(1 for e in self.cost if self.group.get(e, ALONE) == group)
+        return self.unattributed[group] // max(members, 1)
+
+    def reserve(self, cost: Cost, group: str = ALONE, lapses: float = float("inf")) -> int:
         ticket = next(self._tickets)
         self.reserved[ticket] = cost
+        self.holds[ticket] = (group, lapses)
         return ticket
 
-    def measured(self, key: Key, entry: E, cost: Cost, ticket: int | None = None) -> None:
+    def release(self, ticket: int) -> None:
+        """A load's estimate given back (measured, cancelled, lapsed)."""
+        self.reserved.pop(ticket, None)
+        self.holds.pop(ticket, None)
+
+    def lapsed(self, now: float) -> list[int]:
+        """The reservations held past their bound: their loads' owners never answered."""
+        return [ticket for ticket, (_, lapses) in self.holds.items() if lapses <= now]
+
+    def measured(
+        self,
+        key: Key,
+        entry: E,
+        cost: Cost,
+        ticket: int | None = None,
+        group: str = ALONE,
+        sure: bool = True,
+    ) -> None:
+        """Count ``entry`` at ``cost``; ``sure``: measured by itself (:attr:`sure`)."""
         if ticket is not None:
-            self.reserved.pop(ticket, None)
+            self.release(ticket)
         self.cost[entry] = self.known[key] = {r: max(n, 0) for r, n in cost.items()}
+        self.group[entry] = group
+        if sure:
+            self.sure[key] = dict(self.cost[entry])
+
+    def refused(self, key: Key, cost: Cost, ticket: int) -> PluginLoadError | None:
+        """If ``cost``, measured by itself, is over the whole budget alone: the error,
+        ``ticket``'s estimate given back, nothing counted (its next load is refused
+        before it begins)."""
+        over = self.alone_over(cost)
+        if not over:
+            return None
+        self.release(ticket)
+        self.known[key] = self.sure[key] = dict(cost)
+        return too_large(key, over, measured=True)
+
+    def remeasured(self, key: Key, entry: E, cost: int) -> None:
+        """An entry measured by itself, read again as it serves (its next load's estimate
+        too)."""
+        if entry in self.cost and self.group.get(entry, ALONE) == ALONE:
+            self.cost[entry][HOST] = max(cost, 0)
+            self.known[key] = dict(self.cost[entry])
+            self.sure[key] = dict(self.cost[entry])
+
+    def forget(self, entry: E) -> None:
+        self.cost.pop(entry, None)
+        self.group.pop(entry, None)
+
+    def sampled(self, group: str, used: int) -> None:
+        """``group``'s processes use ``used`` bytes above what they used holding none of
+        the budget's versions: what its entries and its loads under way do not explain
+        is counted as its own."""
+        explained = sum(
+            c.get(HOST, 0) for e, c in self.cost.items() if self.group.get(e, ALONE) == group
+        )
+        explained += sum(
+            self.reserved[t].get(HOST, 0) for t, (g, _) in self.holds.items() if g == group
+        )
+        beyond = used - explained
+        if beyond > 0:
+            self.unattributed[group] = beyond
+        else:
+            self.unattributed.pop(group, None)
+
+    def frees(self, entry: E) -> Cost:
+        """What evicting ``entry`` is expected to free: its cost, and an equal share of
+        what its process uses beyond its entries' costs."""
+        cost = dict(self.cost[entry])
+        share = self._share(self.group.get(entry, ALONE))
+        if share:
+            cost[HOST] = cost.get(HOST, 0) + share
+        return cost
 
     def victims(self, candidates: Iterable[tuple[float, E]], room: Cost) -> list[E]:
         """Entries to evict, least recently used first, until ``room`` more fits on every
-        bounded resource (an entry that frees nothing where room is short stays).
-        ``candidates``: (last use, entry) of the idle versions that may go."""
+        bounded resource (:meth:`frees`; an entry that frees nothing where room is short
+        stays). ``candidates``: (last use, entry) of the idle versions that may go."""
         chosen = []
         over = self.over(room)
         for _, entry in sorted(c for c in candidates if c[1] in self.cost):
             if not over:
                 break
-            cost = self.cost[entry]
+            cost = self.frees(entry)
             if not any(cost.get(resource, 0) > 0 for resource in over):
                 continue
             chosen.append(entry)
@@ -232,6 +455,7 @@ class Ledger(Generic[E]):
         state: dict[str, Any] = {
             "budget_bytes": self.limit,
             "resident_bytes": self.resident(),
+            "unattributed_bytes": sum(self.unattributed.values()),
             "reserved_bytes": self.held(HOST) - self.resident(),
             "resident": rows,
         }
@@ -247,6 +471,20 @@ class Ledger(Generic[E]):
         return state
 
 
+def too_large(key: Key, over: dict[str, tuple[int, int]], measured: bool) -> PluginLoadError:
+    """The error of a version whose cost alone is over the whole budget."""
+    what = "measured at" if measured else "its model files take"
+    parts = [
+        f"{n / MIB:.0f} MiB of {'memory' if r == HOST else r}, more than the whole "
+        f"{'memory_budget' if r == HOST else 'gpu_memory_budget'} ({limit / MIB:.0f} MiB)"
+        for r, (n, limit) in sorted(over.items())
+    ]
+    return PluginLoadError(
+        f"{label(key)} is not served under this budget: {what} {'; '.join(parts)}: raise "
+        'the budget, or load it eagerly (load = "eager": counted by no budget)'
+    )
+
+
 class Budget(Protocol):
     """What a registry asks of its memory budget: its own (:class:`LocalBudget`), or the
     supervisor's, one for every worker (``server/processes/tree_budget.py``)."""
@@ -254,14 +492,21 @@ class Budget(Protocol):
     gpus: bool
     """Whether a load's GPU memory is measured (a GPU budget is set)."""
 
-    async def admit(self, key: Key, isolated: bool) -> Admission:
+    async def admit(self, key: Key, isolated: bool, least: int = 0) -> Admission:
         """Make room for ``key``'s load (evicting the least recently used idle versions
-        first), and hold its estimate until :meth:`measured` or :meth:`cancel`."""
+        first), and hold its estimate (``least`` bytes at least: its model files) until
+        :meth:`measured` or :meth:`cancel`. :class:`PluginLoadError` if it cannot fit
+        even alone: nothing evicted, nothing held."""
         ...
 
-    async def measured(self, admission: Admission, cost: Cost, totals: dict[str, int]) -> None:
-        """The load is done and costs ``cost`` (``totals``: each GPU's size, as read):
-        account it, evict again if it overshot."""
+    async def measured(
+        self, admission: Admission, cost: Cost, totals: dict[str, int], sure: bool = True
+    ) -> None:
+        """The load is done and costs ``cost`` (``totals``: each GPU's size, as read;
+        ``sure``: measured by itself, not a share of what grew beside other loads):
+        account it, and evict what it overshot. :class:`PluginLoadError` if a sure measure
+        is over the whole budget alone: not counted, its estimate given back, nothing
+        evicted."""
         ...
 
     async def cancel(self, admission: Admission) -> None:
@@ -272,51 +517,106 @@ class Budget(Protocol):
         """``key`` is no longer loaded here (evicted, unloaded)."""
         ...
 
+    async def watch(self) -> None:
+        """Read the memory of what the budget counts, and evict what is over, until
+        cancelled; returns at once where the supervisor keeps the budget."""
+        ...
+
     def describe(self) -> dict[str, Any] | None:
         """``/admin/status``'s ``memory``; ``None`` where the supervisor keeps the budget."""
         ...
 
 
-class Evictable(Protocol):
+class Holder(Protocol):
     """The registry, as a :class:`LocalBudget` sees it."""
 
-    def evictable(self) -> list[tuple[float, Key, bool]]: ...
+    def budgeted(self) -> list[Held]: ...
 
     async def evict(self, key: Key, reason: str, only_idle: bool = False) -> Any: ...
 
 
-class LocalBudget:
-    """The budget of a server in one process: its registry's versions."""
+IN_PROCESS = "process"
+"""The group of the versions loaded in this process."""
 
-    def __init__(self, limit: int, gpu_limit: int | float, registry: Evictable) -> None:
+
+class LocalBudget:
+    """The budget of a server in one process: its registry's versions, and this process."""
+
+    def __init__(
+        self, limit: int, gpu_limit: int | float, registry: Holder, load_timeout_s: float = 120.0
+    ) -> None:
         self.ledger: Ledger[Key] = Ledger(limit, gpu_limit)
         self.gpus = self.ledger.gpus
         self.registry = registry
+        if limit:
+            map_large_allocations()
+        self.hold_s = load_timeout_s + RESERVATION_SLACK_S
+        self.base: int | None = None
+        """This process's resident memory before its first load under the budget."""
+        self._deciding = asyncio.Lock()
 
-    async def admit(self, key: Key, isolated: bool) -> Admission:
-        room = {} if key in self.ledger.cost else self.ledger.estimate(key)
-        await self._make_room(room, keep=key, reason="room")
-        return Admission(key, self.ledger.reserve(room))
+    async def admit(self, key: Key, isolated: bool, least: int = 0) -> Admission:
+        async with self._deciding:
+            self._sample()
+            if refusal := self.ledger.refusal(key, least):
+                raise refusal
+            group = ALONE if isolated else IN_PROCESS
+            room = {} if key in self.ledger.cost else self.ledger.estimate(key, least, group)
+            await self._make_room(room, keep=key, reason="room")
+            lapses = time.monotonic() + self.hold_s
+            return Admission(key, self.ledger.reserve(room, group, lapses))
 
-    async def measured(self, admission: Admission, cost: Cost, totals: dict[str, int]) -> None:
+    async def measured(
+        self, admission: Admission, cost: Cost, totals: dict[str, int], sure: bool = True
+    ) -> None:
         self.ledger.totals.update(totals)
-        self.ledger.measured(admission.key, admission.key, cost, admission.ticket)
-        await self._make_room({}, keep=admission.key, reason="overshoot")
+        if sure and (refusal := self.ledger.refused(admission.key, cost, admission.ticket)):
+            raise refusal
+        group = self.ledger.holds.get(admission.ticket, (ALONE, 0.0))[0]
+        self.ledger.measured(admission.key, admission.key, cost, admission.ticket, group, sure)
+        async with self._deciding:  # what it overshot goes before it serves
+            self._sample()
+            await self._make_room({}, keep=admission.key, reason="overshoot")
 
     async def cancel(self, admission: Admission) -> None:
-        self.ledger.reserved.pop(admission.ticket, None)
+        self.ledger.release(admission.ticket)
 
     async def gone(self, key: Key) -> None:
-        self.ledger.cost.pop(key, None)
+        self.ledger.forget(key)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLE_S)
+            try:
+                async with self._deciding:
+                    self._sample()
+                    await self._make_room({}, keep=None, reason="overshoot")
+            except Exception:  # a sample must never end the watch
+                log.exception("budget_sample_failed")
 
     def describe(self) -> dict[str, Any]:
         return self.ledger.describe(lambda key: {"plugin": label(key)})
 
-    async def _make_room(self, room: Cost, keep: Key, reason: str) -> None:
+    def _sample(self) -> None:
+        """Read this process's memory and the isolated versions' processes'; let go of the
+        estimates of loads past their bound."""
+        now = resident()
+        if self.base is None:
+            self.base = now
+        for held in self.registry.budgeted():
+            if held.bytes is not None:
+                self.ledger.remeasured(held.key, held.key, held.bytes)
+        for ticket in self.ledger.lapsed(time.monotonic()):
+            log.warning("budget_reservation_lapsed", ticket=ticket)
+            self.ledger.release(ticket)
+        self.ledger.sampled(IN_PROCESS, now - self.base)
+
+    async def _make_room(self, room: Cost, keep: Key | None, reason: str) -> None:
         if not self.ledger.over(room):
             return
-        idle = [(used, key) for used, key, busy in self.registry.evictable() if not busy]
-        for key in self.ledger.victims([c for c in idle if c[1] != keep], room):
+        idle = [(h.last_use, h.key) for h in self.registry.budgeted()
+                if h.evictable and not h.busy and h.key != keep]  # fmt: skip
+        for key in self.ledger.victims(idle, room):
             await self.registry.evict(key, reason, only_idle=True)
 
 

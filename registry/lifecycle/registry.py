@@ -16,19 +16,28 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import structlog
 
-from plugserve.registry.errors import NotFound, PlugserveError, RoutesFileError, Unavailable
+from plugserve.registry.errors import (
+    NotFound,
+    PluginLoadError,
+    PlugserveError,
+    RoutesFileError,
+    Unavailable,
+)
 from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components.base import LoadedPlugin
 from plugserve.registry.execution.components.streaming import StreamingRunner
 from plugserve.registry.lifecycle import gpu
 from plugserve.registry.lifecycle.budget import (
     HOST,
+    Admission,
     Budget,
     Cost,
+    Growth,
+    Held,
     LocalBudget,
     release_memory,
     resident,
@@ -109,6 +118,15 @@ def _demand_ended(task: asyncio.Task[Outcome]) -> None:
         log.warning("plugin_demand_failed", error=str(error))
 
 
+class _Under(NamedTuple):
+    """A load under a memory budget: the budget, the load's admission, and the bytes its
+    model files take (the least it can cost)."""
+
+    budget: Budget
+    admission: Admission
+    least: int
+
+
 def _busy(record: VersionRecord, awaited: Mapping[Key, int]) -> bool:
     """A request uses, awaits or waits for the load of the version, an older instance of
     it still drains, or a change to it is under way (its lock held: a budget waits for no
@@ -141,12 +159,13 @@ class Registry:
         self.load_timeout = load_timeout
         self.budget: Budget | None = None
         if memory_budget or gpu_memory_budget:
-            self.budget = LocalBudget(memory_budget, gpu_memory_budget, self)
+            self.budget = LocalBudget(memory_budget, gpu_memory_budget, self, load_timeout)
         """With a budget: what each version loaded on demand costs, and which go first (a
         worker among several is given its supervisor's, one for the whole tree)."""
-        self._room = asyncio.Lock()
-        """One on-demand load at a time under a budget: a load in the worker is measured by
-        the worker's growth, which another load beside it would blur."""
+        self._watching: asyncio.Task[None] | None = None
+        """The budget's watch over the memory of what it counts (:meth:`Budget.watch`)."""
+        self.growth = Growth(lambda: self.released)
+        """This process's growth, shared out among the in-process loads under way."""
         self.loads: collections.Counter[str] = collections.Counter()
         """Versions loaded, by reason: ``demand`` (a request), ``eager`` (found on disk),
         ``reload`` (changed, or asked) and ``explicit`` (an admin or repository load)."""
@@ -201,6 +220,11 @@ class Registry:
                 found.extend(_subdirs(name))
         return found
 
+    def _discover_declarative(self) -> tuple[list[Path], list[Path]]:
+        """:meth:`discover`'s folders, and those among them without a module (blocking)."""
+        folders = self.discover()
+        return folders, [f for f in folders if _is_declarative(f)]
+
     def folder_of(self, key: Key) -> Path:
         return self.plugins_dir.joinpath(*key)
 
@@ -215,6 +239,8 @@ class Registry:
         self.host.load_builtins()
         self.host.load_entry_points()
         await self.sync()
+        if self.budget is not None and self._watching is None:
+            self._watching = asyncio.create_task(self.budget.watch())
         self.started = True
         log.info("registry_started", versions=len(self.records), routes=len(self.routes.entries))
 
@@ -239,9 +265,10 @@ class Registry:
             report.unchanged = len(self.records)
             return report
         report.routes_file = self.sync_routes_file()
-        folders = self.discover()
-        with_module = [f for f in folders if not _is_declarative(f)]
-        declarative = [f for f in folders if f not in with_module]
+        # Listing folders and reading manifests cost as much as there are and as long as
+        # they are: a thread's work, never the event loop's.
+        folders, declarative = await asyncio.to_thread(self._discover_declarative)
+        with_module = [f for f in folders if f not in declarative]
         for batch in (with_module, declarative):
             outcomes = await asyncio.gather(*(self.load(f, force=force) for f in batch))
             for folder, outcome in zip(batch, outcomes, strict=True):
@@ -339,20 +366,21 @@ class Registry:
             return await self._load_locked(record, folder, overrides, reason)
 
     async def _measure(
-        self, loaded: LoadedPlugin, before: int, released: int, devices: gpu.Devices | None
+        self, loaded: LoadedPlugin, grown: int, least: int, devices: gpu.Devices | None
     ) -> tuple[Cost, dict[str, int]]:
         """What ``loaded`` costs, and each GPU's size: for an isolated runner, its processes'
-        memory (all of it comes back at their end); in the worker, the worker's growth since
-        ``before`` plus what it ``released`` meanwhile (evictions beside the load). On the
-        GPUs (``devices``: the reading before the load), what its processes use, or, where
-        the driver does not know our pids (a container), the growth of the devices."""
+        memory (all of it comes back at their end); in the worker, its share of the
+        worker's growth while it loaded (``grown``); ``least`` (its model files' size) at
+        least. On the GPUs (``devices``: the reading before the load), what its processes
+        use, or, where the driver does not know our pids (a container), the growth of the
+        devices."""
         remote = loaded.remote
         if remote is not None:
             pids = remote.group.pids
-            cost = {HOST: sum(resident(pid) for pid in pids)}
+            cost = {HOST: max(sum(resident(pid) for pid in pids), least)}
         else:
             pids = [os.getpid()]
-            cost = {HOST: resident() - before + released}
+            cost = {HOST: max(grown, least)}
         if devices is None:
             return cost, {}
         now = await asyncio.to_thread(gpu.read)
@@ -368,21 +396,30 @@ class Registry:
         cost.update({d: n for d, n in used.items() if n > 0})
         return cost, now.total
 
-    def evictable(self) -> list[tuple[float, Key, bool]]:
-        """The loaded versions a budget may evict (they load on demand, are not pinned):
-        their last use (``time.monotonic()``), key, and whether they are busy (a request
-        uses, awaits or waits for the load of the version, an older instance still drains,
-        or a change to it is under way)."""
+    def budgeted(self) -> list[Held]:
+        """The loaded versions that load on demand, which a budget counts: their last use
+        (``time.monotonic()``), whether they are busy (a request uses, awaits or waits for
+        the load of the version, an older instance still drains, or a change to it is under
+        way), whether a budget may evict them (not pinned), and an isolated runner's
+        processes' resident memory now."""
         rows = []
         for record in self.records.values():
             current = record.current
             if current is None or not record.on_demand:
                 continue
             runner = current.manifest.runner
-            if runner is not None and runner.pinned:
-                continue
-            rows.append((current.last_use, record.key, _busy(record, self.awaited)))
+            remote = current.remote
+            rows.append(Held(
+                record.key, current.last_use, _busy(record, self.awaited),
+                not (runner is not None and runner.pinned), record.isolated,
+                None if remote is None else sum(resident(pid) for pid in remote.group.pids),
+            ))  # fmt: skip
         return rows
+
+    def evictable(self) -> list[tuple[float, Key, bool]]:
+        """The loaded versions a budget may evict (they load on demand, are not pinned):
+        their last use, key, and whether they are busy (:meth:`budgeted`)."""
+        return [(h.last_use, h.key, h.busy) for h in self.budgeted() if h.evictable]
 
     async def evict(self, key: Key, reason: str, only_idle: bool = False) -> Outcome:
         """Unload a version that loads on demand back to ``available``: its next request
@@ -486,14 +523,26 @@ class Registry:
     ) -> Outcome:
         """Load ``folder`` into ``record`` and swap it in. A version that loads on demand,
         under a memory budget, however the load was asked for (a request, an admin or
-        repository load, a change to its files): the budget makes room first (it evicts
-        the least recently used idle versions), and is told what the load measured (it
-        evicts again on an overshoot). Such loads run one at a time in this process."""
+        repository load, a change to its files): its manifest and model are checked first
+        (a load that will fail evicts nothing), the budget makes room (it evicts the least
+        recently used idle versions), and is told what the load measured before the
+        version serves (one over the whole budget alone is refused). Such loads run side
+        by side, each holding its estimate; every admission is measured or cancelled."""
+        started = time.perf_counter()
         budget = self.budget if record.on_demand else None
         if budget is None:
-            return await self._swap_in(record, folder, overrides, reason, None)
-        async with self._room:
-            return await self._swap_in(record, folder, overrides, reason, budget)
+            return await self._swap_in(record, folder, overrides, reason, started, None)
+        try:
+            least = await asyncio.to_thread(self.loader.preflight, folder, overrides)
+        except Exception as exc:  # the load would fail: nothing is evicted for it
+            return self._failed(record, exc, started)
+        try:
+            # A budget that cannot answer (its supervisor gone) raises Unavailable.
+            admission = await budget.admit(record.key, record.isolated, least)
+        except PluginLoadError as exc:  # over the whole budget alone
+            return self._failed(record, exc, started)
+        under = _Under(budget, admission, least)
+        return await self._swap_in(record, folder, overrides, reason, started, under)
 
     async def _swap_in(
         self,
@@ -501,49 +550,57 @@ class Registry:
         folder: Path,
         overrides: Mapping[str, Any] | None,
         reason: str,
-        budget: Budget | None,
+        started: float,
+        under: _Under | None,
     ) -> Outcome:
         bound = log.bind(plugin=record.label)
-        started = time.perf_counter()
-        # A budget that cannot answer (its supervisor gone) raises Unavailable from here.
-        admission = await budget.admit(record.key, record.isolated) if budget else None
         if record.current is None:
             record.state = "loading"
-        measured: tuple[Cost, dict[str, int]] | None = None
+        settled = under is None  # under a budget: once measured, or refused by it
         try:
-            released, before = self.released, resident()
-            devices = await asyncio.to_thread(gpu.read) if budget and budget.gpus else None
+            devices = None
+            if under is not None and under.budget.gpus:
+                devices = await asyncio.to_thread(gpu.read)
+            token = self.growth.begin() if under is not None and not record.isolated else None
             try:
                 new = await self.loader.load(
                     folder, content=record.fingerprint, overrides=overrides
                 )
             except Exception as exc:
                 return self._failed(record, exc, started)
-            if budget is not None:
-                measured = await self._measure(new, before, self.released - released, devices)
+            finally:
+                grown, alone = self.growth.end(token) if token is not None else (0, True)
+            if under is not None:
+                cost, totals = await self._measure(new, grown, under.least, devices)
+                try:
+                    await under.budget.measured(under.admission, cost, totals, sure=alone)
+                    settled = True
+                except PluginLoadError as exc:  # over the whole budget alone: not served
+                    settled = True
+                    retiring = [new]
+                    del new
+                    await self._retire(record, retiring)
+                    return self._failed(record, exc, started)
+                except Unavailable as exc:  # the supervisor is going away: serve, uncounted
+                    bound.warning("plugin_measure_lost", error=exc.message)
+                record.memory_bytes = cost[HOST]
+                bound.info("plugin_measured", bytes=cost[HOST],
+                           **({"gpu_bytes": {d: n for d, n in cost.items() if d != HOST}}
+                              if under.budget.gpus else {}))  # fmt: skip
         finally:
-            if budget is not None and admission is not None and measured is None:
-                await budget.cancel(admission)
+            if not settled and under is not None:
+                await under.budget.cancel(under.admission)
         old = record.current
         if old is not None:  # a reload is as recently used as what it replaces
             new.last_use = old.last_use
+        if under is not None:  # loaded to be used: not the next to go
+            new.last_use = max(new.last_use, time.monotonic())
         record.current, record.state, record.last_error = new, "ready", None
         self._rebuild()
         outcome: Outcome = "reloaded" if old is not None else "loaded"
         self.loads[reason] += 1
         bound.info("plugin_ready", outcome=outcome, seconds=round(time.perf_counter() - started, 4))
         self._emit(record, outcome, started)
-        if budget is not None and admission is not None and measured is not None:
-            cost, totals = measured
-            record.memory_bytes = cost[HOST]
-            new.last_use = max(new.last_use, time.monotonic())  # loaded to be used: not next to go
-            bound.info("plugin_measured", bytes=cost[HOST],
-                       **({"gpu_bytes": {d: n for d, n in cost.items() if d != HOST}}
-                          if budget.gpus else {}))  # fmt: skip
-            try:
-                await budget.measured(admission, cost, totals)
-            except Unavailable as exc:  # loaded and serving; the supervisor is going away
-                bound.warning("plugin_measure_lost", error=exc.message)
         if old is not None:
             retiring = [old]
             del old
@@ -622,6 +679,9 @@ class Registry:
         still holds past the bound is left as it is (logged as ``close_timeout``).
         """
         self.drain_timeout = 0.0
+        if self._watching is not None:  # nothing left to evict for
+            self._watching.cancel()
+            self._watching = None
         budget = self.loader.close_timeout if within is None else max(within, 0.0)
         self.loader.close_timeout = min(self.loader.close_timeout, budget)
         unloads = {

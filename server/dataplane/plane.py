@@ -363,7 +363,7 @@ class DataPlane:
         version waits for the same load."""
         registry = self.registry
         bound = deadline_s is not None and deadline_s < registry.load_timeout
-        within = min(registry.load_timeout, deadline_s) if bound else registry.load_timeout
+        within = deadline_s if deadline_s is not None and bound else registry.load_timeout
         started = time.perf_counter()
         try:
             await registry.demand(needs, within)

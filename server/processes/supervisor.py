@@ -133,7 +133,7 @@ class Supervisor:
         shared_runners.add_routes(self.app, self.runners)
         self.budget = TreeBudget(
             settings.memory_budget_bytes, settings.gpu_memory_budget_value, self.pool,
-            settings.drain_timeout_s + settings.close_timeout_s + 15,
+            settings.drain_timeout_s + settings.close_timeout_s + 15, settings.load_timeout_s,
         )  # fmt: skip
         """The memory budget of every worker and their runner processes (0: none)."""
         if settings.memory_budget_bytes or settings.gpu_memory_budget_value:

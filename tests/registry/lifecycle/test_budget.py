@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from plugserve.registry.lifecycle.budget import HOST, Ledger, parse_budget, parse_gpu_budget
+from plugserve.registry.errors import PluginLoadError
+from plugserve.registry.lifecycle.budget import (
+    HOST,
+    Held,
+    Ledger,
+    LocalBudget,
+    parse_budget,
+    parse_gpu_budget,
+)
 
 MIB = 2**20
 
@@ -81,3 +89,58 @@ def test_memory_budgets() -> None:
     assert parse_budget("1.5G") == int(1.5 * 1024 * MIB)
     with pytest.raises(ValueError):
         parse_budget("-5")
+
+
+def test_what_a_process_uses_beyond_its_versions_counts_and_is_shared_out() -> None:
+    """A worker using 260 bytes for a and b (costs 100 and 0) and a load of 50 under way:
+    110 unattributed, counted, and expected back in equal shares when a or b goes (b's
+    load measured nothing, yet evicting it frees its share)."""
+    ledger: Ledger = Ledger(300)
+    ledger.measured(key("a"), key("a"), {HOST: 100}, group="worker 0")
+    ledger.measured(key("b"), key("b"), {HOST: 0}, group="worker 0")
+    ledger.reserve({HOST: 50}, "worker 0")
+    ledger.sampled("worker 0", 260)
+    assert ledger.unattributed == {"worker 0": 110}
+    assert ledger.resident() == 210 and ledger.held(HOST) == 260
+    assert ledger.over({HOST: 100}) == {HOST: 60}
+    assert ledger.frees(key("b")) == {HOST: 55}
+    assert ledger.victims([(1.0, key("b")), (2.0, key("a"))], {HOST: 100}) == [key("b"), key("a")]
+    ledger.sampled("worker 0", 120)  # explained by its entries and its load: nothing more
+    assert ledger.unattributed == {}
+
+
+def test_a_reservation_lapses_and_a_version_measured_alone_is_read_again() -> None:
+    ledger: Ledger = Ledger(1000)
+    kept = ledger.reserve({HOST: 10}, lapses=5.0)
+    ledger.reserve({HOST: 10})
+    assert ledger.lapsed(4.9) == [] and ledger.lapsed(5.0) == [kept]
+    ledger.measured(key("a"), key("a"), {HOST: 100})
+    ledger.remeasured(key("a"), key("a"), 250)
+    assert ledger.cost[key("a")] == {HOST: 250} and ledger.estimate(key("a")) == {HOST: 250}
+    assert ledger.estimate(key("new"), least=400) == {HOST: 400}  # its model files at least
+
+
+class NoVersions:
+    """A registry holding nothing the budget counts."""
+
+    def budgeted(self) -> list[Held]:
+        return []
+
+    async def evict(self, key: tuple[str, str, str], reason: str, only_idle: bool = False) -> None:
+        raise AssertionError("nothing to evict")
+
+
+async def test_only_a_measure_taken_alone_refuses_a_version() -> None:
+    """A load in the worker measured beside another is given a share of what grew beside
+    both, which may be more than its own: it is counted, not refused; a measure taken
+    alone over the whole budget is refused, and so is that version's next load."""
+    budget = LocalBudget(100 * MIB, 0, NoVersions())
+    shared = await budget.admit(key("a"), isolated=False)
+    await budget.measured(shared, {HOST: 150 * MIB}, {}, sure=False)
+    assert budget.ledger.cost[key("a")] == {HOST: 150 * MIB}
+    alone = await budget.admit(key("b"), isolated=False)
+    with pytest.raises(PluginLoadError, match="memory_budget"):
+        await budget.measured(alone, {HOST: 150 * MIB}, {}, sure=True)
+    assert key("b") not in budget.ledger.cost and budget.ledger.reserved == {}
+    with pytest.raises(PluginLoadError, match="measured at 150 MiB"):
+        await budget.admit(key("b"), isolated=False)

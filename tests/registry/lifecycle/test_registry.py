@@ -3,11 +3,14 @@
 import asyncio
 import sys
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from plugserve.registry import checks, manifest
 from plugserve.registry.errors import RouteNotFound, Unavailable, VersionNotFound
 from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.types import RequestContext
@@ -507,3 +510,45 @@ async def test_a_stage_unloaded_under_its_route_falls_back_to_a_whole_chain(
     assert registry.routes.entries["add"].waiting == {
         "2.0.0": ("preprocessor/pre@1.0.0 is unloaded",)
     }
+
+
+async def test_manifests_are_read_and_parsed_off_the_event_loop(
+    plugins_dir: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 48, failure 18: a manifest costs as much to read and parse as it is long; on
+    the event loop, an 11 MiB one held health probes for seconds. Discovery, a rescan, an
+    admin load and the watcher's sync each read them on a thread."""
+    seen: list[tuple[str, str, bool]] = []
+
+    def on_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    real_read, real_parse = checks.read_toml, manifest.parse_manifest
+
+    def read(path: Path, *args: Any) -> dict[str, Any]:
+        if path.name == manifest.MANIFEST_NAME:
+            seen.append(("read", path.parent.name, on_loop()))
+        return real_read(path, *args)
+
+    def parse(raw: Mapping[str, Any], folder: Path, *args: Any) -> manifest.Manifest:
+        seen.append(("parse", folder.name, on_loop()))
+        return real_parse(raw, folder, *args)
+
+    monkeypatch.setattr(checks, "read_toml", read)
+    monkeypatch.setattr(manifest, "parse_manifest", parse)
+    write_add_runner(plugins_dir, "add", "1.0.0")
+    write_processor(plugins_dir, "preprocessor", "pre", "1.0.0", 1.0)
+    await registry.start()  # discovery and the first loads
+    assert await run(registry, "add", 1.0) == 2.0
+    await registry.sync(force=True)  # POST /admin/reload?force=true, a rescan
+    folder = write_add_runner(plugins_dir, "add", "1.1.0", amount=2.0)
+    assert await registry.load(folder, explicit=True) == "loaded"  # an admin load
+    assert await registry.sync_version(("runner", "add", "1.0.0")) == "unchanged"  # the watcher
+    assert {(kind, version) for kind, version, _ in seen} >= {
+        ("read", "1.0.0"), ("parse", "1.0.0"), ("read", "1.1.0"), ("parse", "1.1.0"),
+    }  # fmt: skip
+    assert [call for call in seen if call[2]] == []  # none on the event loop

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from plugserve.registry.errors import Conflict
+from plugserve.registry.errors import Conflict, PluginLoadError
 from plugserve.server.processes.control import errors
 from plugserve.server.processes.pool import Worker, WorkerPool
 from plugserve.server.processes.tree_budget import Entry, TreeBudget
@@ -127,14 +127,16 @@ def _until(check: Callable[[], bool], within: float = 10.0) -> bool:
 
 
 def tree(tmp_path: Path, limit: int = 1000) -> TreeBudget:
-    """A budget over a pool of two registered workers (pids 101 and 102). Nothing here
-    needs room, so no call reaches them."""
+    """A budget over a pool of two registered workers (pids ``W0`` and ``W1``, above any
+    pid the kernel gives, so no process is read for them). Nothing here needs room, so no
+    call reaches them."""
     pool = WorkerPool(tmp_path, tmp_path)
-    for index, pid in ((0, 101), (1, 102)):
+    for index, pid in ((0, W0), (1, W1)):
         pool.workers[index] = Worker(index, pid, 0.0, UnixClient(tmp_path / f"w{index}.sock"))
     return TreeBudget(limit, 0, pool, evict_timeout_s=5)
 
 
+W0, W1 = 2**22 + 101, 2**22 + 102
 KEY = ("runner", "a", "1.0.0")
 SHARED_A = Entry(KEY, "runners")
 
@@ -146,37 +148,37 @@ async def test_a_shared_version_stays_counted_while_a_worker_loads_into_it(
     (nothing more to reserve), worker 1 lets go meanwhile: a is still counted, and once
     worker 0 has measured it, held by worker 0."""
     budget = tree(tmp_path)
-    first = await budget.admit(1, 102, KEY, isolated=True)
+    first = await budget.admit(1, W1, KEY, isolated=True)
     await budget.measured(first, {"memory": 300}, {})
-    joining = await budget.admit(0, 101, KEY, isolated=True)
+    joining = await budget.admit(0, W0, KEY, isolated=True)
     assert budget.ledger.reserved[joining] == {}  # counted already
-    budget.gone(1, 102, KEY)
+    budget.gone(1, W1, KEY)
     assert budget.ledger.cost[SHARED_A] == {"memory": 300}  # a load into it is under way
     await budget.measured(joining, {"memory": 310}, {})
-    assert budget.holders[SHARED_A] == {101}
+    assert budget.holders[SHARED_A] == {W0}
     assert budget.ledger.cost[SHARED_A] == {"memory": 310}
-    budget.gone(0, 101, KEY)
+    budget.gone(0, W0, KEY)
     assert SHARED_A not in budget.ledger.cost and budget.holders == {}
 
 
 async def test_two_workers_loading_one_shared_version_reserve_it_once(tmp_path: Path) -> None:
     budget = tree(tmp_path)
     budget.ledger.known[KEY] = {"memory": 300}
-    one = await budget.admit(0, 101, KEY, isolated=True)
-    two = await budget.admit(1, 102, KEY, isolated=True)
+    one = await budget.admit(0, W0, KEY, isolated=True)
+    two = await budget.admit(1, W1, KEY, isolated=True)
     assert budget.ledger.reserved == {one: {"memory": 300}, two: {}}
-    in_worker = await budget.admit(1, 102, KEY, isolated=False)  # each worker's own copy
+    in_worker = await budget.admit(1, W1, KEY, isolated=False)  # each worker's own copy
     assert budget.ledger.reserved[in_worker] == {"memory": 300}
 
 
 async def test_a_worker_that_ends_takes_its_loads_and_holds_with_it(tmp_path: Path) -> None:
     budget = tree(tmp_path)
     budget.ledger.known[KEY] = {"memory": 300}
-    held = await budget.admit(1, 102, KEY, isolated=False)
+    held = await budget.admit(1, W1, KEY, isolated=False)
     await budget.measured(held, {"memory": 300}, {})
-    loading = await budget.admit(1, 102, ("runner", "b", "1.0.0"), isolated=False)
+    loading = await budget.admit(1, W1, ("runner", "b", "1.0.0"), isolated=False)
     assert budget.ledger.held("memory") == 600
-    budget.worker_gone(102)
+    budget.worker_gone(W1)
     assert budget.ledger.held("memory") == 0 and budget.tickets == {} and budget.holders == {}
     await budget.measured(loading, {"memory": 300}, {})  # too late: nothing is counted
     assert budget.ledger.held("memory") == 0
@@ -192,12 +194,12 @@ async def test_a_worker_that_ends_takes_its_loads_and_holds_with_it(tmp_path: Pa
         ("admit", b"{}", 400),
         (
             "admit",
-            json.dumps({"worker": "x", "pid": 101, "key": list(KEY), "isolated": True}).encode(),
+            json.dumps({"worker": "x", "pid": W0, "key": list(KEY), "isolated": True}).encode(),
             400,
         ),
         (
             "admit",
-            json.dumps({"worker": 0, "pid": 101, "key": list(KEY), "isolated": "false"}).encode(),
+            json.dumps({"worker": 0, "pid": W0, "key": list(KEY), "isolated": "false"}).encode(),
             400,
         ),
         (
@@ -207,7 +209,7 @@ async def test_a_worker_that_ends_takes_its_loads_and_holds_with_it(tmp_path: Pa
         ),
         (
             "admit",
-            json.dumps({"worker": 0, "pid": 101, "key": list(KEY), "isolated": False}).encode(),
+            json.dumps({"worker": 0, "pid": W0, "key": list(KEY), "isolated": False}).encode(),
             200,
         ),
         (
@@ -240,3 +242,73 @@ async def test_the_budget_calls_answer_bad_input_with_400(
         url = server.make_url(f"/_supervisor/budget/{path}")
         async with session.post(url, data=body) as reply:
             assert reply.status == status, await reply.text()
+
+
+async def test_an_estimate_whose_load_never_reports_lapses(tmp_path: Path) -> None:
+    """A worker that never answers for its load (its admit timed out on its side) holds
+    the estimate no longer than the load's bound: the next reading lets it go."""
+    budget = tree(tmp_path)
+    budget.hold_s = 0.0
+    budget.ledger.known[KEY] = {"memory": 300}
+    await budget.admit(0, W0, KEY, isolated=False)
+    assert budget.ledger.held("memory") == 300
+    await budget.sample()
+    assert budget.ledger.reserved == {} and budget.tickets == {}
+    assert budget.ledger.held("memory") == 0
+
+
+class FakeWorker:
+    """A worker's ``/_control/budget/usage`` on its socket, answering ``rows``."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def app(self) -> web.Application:
+        async def usage(request: web.Request) -> web.Response:
+            return web.json_response({"versions": self.rows})
+
+        app = web.Application()
+        app.router.add_get("/_control/budget/usage", usage)
+        return app
+
+
+async def test_the_accounts_follow_what_workers_report_holding(tmp_path: Path) -> None:
+    """A version worker 0 holds that the accounts miss (its measure was lost on the way)
+    is counted, at its estimate, and evictable; one the accounts hold for it that it no
+    longer reports (its gone was lost) is let go: each once two readings agree."""
+    budget = tree(tmp_path)
+    budget.ledger.known[KEY] = {"memory": 300}
+    worker = FakeWorker()
+    runner = web.AppRunner(worker.app())
+    await runner.setup()
+    await web.UnixSite(runner, str(tmp_path / "w0.sock")).start()
+    try:
+        worker.rows = [{"key": list(KEY), "last_use": 1.0, "busy": False, "evictable": True,
+                        "isolated": False, "bytes": None}]  # fmt: skip
+        entry = Entry(KEY, "worker 0")
+        await budget.sample()
+        assert entry not in budget.ledger.cost  # one reading: it may be on its way
+        await budget.sample()
+        assert budget.ledger.cost[entry] == {"memory": 300} and budget.holders[entry] == {W0}
+        worker.rows = []
+        await budget.sample()
+        assert entry in budget.ledger.cost
+        await budget.sample()
+        assert entry not in budget.ledger.cost and budget.holders == {}
+    finally:
+        for each in budget.pool.workers.values():
+            await each.client.close()
+        await runner.cleanup()
+
+
+async def test_a_measure_over_the_whole_budget_is_refused_and_counts_nothing(
+    tmp_path: Path,
+) -> None:
+    budget = tree(tmp_path, limit=1000)
+    ticket = await budget.admit(0, W0, KEY, isolated=False)
+    with pytest.raises(PluginLoadError, match="memory_budget"):
+        await budget.measured(ticket, {"memory": 5000}, {})
+    assert budget.ledger.held("memory") == 0 and budget.tickets == {}
+    with pytest.raises(PluginLoadError, match="memory_budget"):  # known now: refused first
+        await budget.admit(1, W1, KEY, isolated=False)
+    assert budget.ledger.reserved == {}
