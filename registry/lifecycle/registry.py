@@ -196,6 +196,8 @@ class Registry:
         self.runtime_routes: Mapping[str, RouteSpec] = {}
         self.routes_file_error: str | None = None
         self._routes_fingerprint: str | None = None
+        self._routes_reading = asyncio.Lock()
+        """One read of ``routes.toml`` at a time: an older read never lands after a newer."""
         self.listeners: list[Callable[[LifecycleEvent], None]] = []
         self.on_routes: list[Callable[[], None]] = []
         """Called after every rebuild of the route table."""
@@ -264,7 +266,7 @@ class Registry:
             )
             report.unchanged = len(self.records)
             return report
-        report.routes_file = self.sync_routes_file()
+        report.routes_file = await self.sync_routes_file()
         # Listing folders and reading manifests cost as much as there are and as long as
         # they are: a thread's work, never the event loop's.
         folders, declarative = await asyncio.to_thread(self._discover_declarative)
@@ -748,28 +750,54 @@ class Registry:
 
     # -- routes ------------------------------------------------------------------------
 
-    def sync_routes_file(self) -> str:
+    async def sync_routes_file(self) -> str:
         """Re-read ``routes.toml`` if its content changed: unchanged, applied or invalid.
 
+        Its digest and its parse (of at most 16 MiB) cost as much as the file is
+        long: both run on a thread, and the event loop only applies the result.
         The content counts as seen only once it has been judged, so a read that
         did not finish is tried again by the next rescan.
         """
-        fingerprint = self.fingerprinter.file(self.routes_file)
-        if fingerprint == self._routes_fingerprint:
-            return "unchanged"
-        applied = self.reload_routes_file()
-        self._routes_fingerprint = fingerprint
-        return "applied" if applied else "invalid"
+        async with self._routes_reading:
+            read = await asyncio.to_thread(self._read_routes_file, self._routes_fingerprint)
+            if read is None:
+                return "unchanged"
+            fingerprint, parsed = read
+            applied = self._apply_routes_file(parsed)
+            self._routes_fingerprint = fingerprint
+            return "applied" if applied else "invalid"
 
-    def reload_routes_file(self) -> bool:
-        """Re-read ``routes.toml``; an invalid file keeps the previous routes and says why
-        (``routes_file_error``: in ``GET /admin/routes`` and the log)."""
+    async def reload_routes_file(self) -> bool:
+        """Re-read ``routes.toml`` whether or not it changed (on a thread, as
+        :meth:`sync_routes_file` does); an invalid file keeps the previous routes and
+        says why (``routes_file_error``: in ``GET /admin/routes`` and the log)."""
+        async with self._routes_reading:
+            return self._apply_routes_file(await asyncio.to_thread(self._parse_routes_file))
+
+    def _read_routes_file(
+        self, seen: str | None
+    ) -> tuple[str, dict[str, RouteSpec] | RoutesFileError] | None:
+        """``routes.toml``'s digest and parse, or ``None`` when its digest is ``seen``
+        (blocking)."""
+        fingerprint = self.fingerprinter.file(self.routes_file)
+        if fingerprint == seen:
+            return None
+        return fingerprint, self._parse_routes_file()
+
+    def _parse_routes_file(self) -> dict[str, RouteSpec] | RoutesFileError:
+        """``routes.toml``'s routes, or why it is invalid (blocking)."""
         try:
-            self.file_routes = load_routes_file(self.routes_file)
+            return load_routes_file(self.routes_file)
         except RoutesFileError as exc:
-            self.routes_file_error = exc.message
-            log.error("routes_file_invalid", error=exc.message)
+            return exc
+
+    def _apply_routes_file(self, parsed: dict[str, RouteSpec] | RoutesFileError) -> bool:
+        """Serve ``routes.toml``'s routes, or keep the previous ones and say why."""
+        if isinstance(parsed, RoutesFileError):
+            self.routes_file_error = parsed.message
+            log.error("routes_file_invalid", error=parsed.message)
             return False
+        self.file_routes = parsed
         self.routes_file_error = None
         self._rebuild()
         log.info("routes_file_applied", routes=sorted(self.file_routes))

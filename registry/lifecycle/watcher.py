@@ -68,7 +68,7 @@ class WatchTarget(Protocol):
     async def sync(self, force: bool = False) -> Report: ...
     async def sync_version(self, key: Key) -> Outcome: ...
     async def sync_model(self, name: str) -> list[tuple[str, Outcome]]: ...
-    def sync_routes_file(self) -> str: ...
+    async def sync_routes_file(self) -> str: ...
 
 
 class Watcher:
@@ -241,7 +241,8 @@ class Watcher:
                 outcomes = await self.registry.sync_model(scope[1])
                 log.debug("watch_applied", model=scope[1], outcomes=outcomes)
             elif scope[0] == "routes":
-                self.registry.sync_routes_file()
+                result = await self.registry.sync_routes_file()
+                log.debug("watch_applied", scope="routes", result=result)
             else:
                 report = await self.registry.sync()
                 log.debug("watch_applied", scope="rescan", report=report.as_json())

@@ -221,7 +221,7 @@ class WorkerPool:
         await self.changed({o: [label] for label, o in outcomes})
         return outcomes
 
-    def sync_routes_file(self) -> str:
+    async def sync_routes_file(self) -> str:
         """Every worker re-reads ``routes.toml`` (the watcher saw it change)."""
         self._track(self._routes_file())
         return "scheduled"

@@ -63,7 +63,7 @@ def _add_control_routes(control: web.Application, link: WorkerLink) -> None:
         return web.json_response({"outcomes": outcomes})
 
     async def sync_routes_file(request: web.Request) -> web.Response:
-        return web.json_response({"result": registry.sync_routes_file()})
+        return web.json_response({"result": await registry.sync_routes_file()})
 
     async def runtime_routes(request: web.Request) -> web.Response:
         applied = link.apply_routes(registry, await request.json())

@@ -198,7 +198,7 @@ async def test_invalid_routes_file_keeps_the_previous_routes(
     await registry.start()
     assert "alias" in registry.routes.entries
     (plugins_dir / "routes.toml").write_text(text)
-    assert registry.reload_routes_file() is False
+    assert await registry.reload_routes_file() is False
     assert message in (registry.routes_file_error or "")
     assert "alias" in registry.routes.entries
 
@@ -227,10 +227,10 @@ async def test_a_hostile_routes_file_is_reported_once_and_the_table_kept(
     (plugins_dir / "routes.toml").write_text('[routes.alias]\nrunner = "add"\n')
     await registry.start()
     (plugins_dir / "routes.toml").write_bytes(data)
-    assert registry.sync_routes_file() == "invalid"
+    assert await registry.sync_routes_file() == "invalid"
     assert message in (registry.routes_file_error or "")
     assert "alias" in registry.routes.entries and "x" not in registry.routes.entries
-    assert registry.sync_routes_file() == "unchanged"
+    assert await registry.sync_routes_file() == "unchanged"
     assert message in (registry.routes_file_error or "")
     assert (await registry.sync()).routes_file == "unchanged"
     assert await run(registry, "alias", 1.0) == 2.0

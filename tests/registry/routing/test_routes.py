@@ -1,15 +1,24 @@
 """Weighted routes over real runner versions: only ready variants serve, sticky keys hold."""
 
+import asyncio
 import json
 import shutil
 from collections import Counter
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
+from plugserve.registry import checks
 from plugserve.registry.errors import Unavailable, VersionNotFound
 from plugserve.registry.lifecycle.registry import Registry
-from plugserve.registry.routing.routes import RouteSpecError, parse_route
+from plugserve.registry.lifecycle.watcher import Watcher
+from plugserve.registry.routing.routes import ROUTES_FILE, RouteSpecError, parse_route
+from plugserve.server.processes.link import WorkerLink
+from plugserve.server.processes.worker_control import _add_control_routes
+from plugserve.server.state import REGISTRY
 from tests.helpers import write_add_runner
 
 CANARY = """
@@ -128,7 +137,7 @@ async def test_zero_weight_versions_serve_only_when_no_weighted_one_is_ready(
     (plugins_dir / "routes.toml").write_text(
         '[routes.canary]\nrunner = { "add@1.0.0" = 0, "add@2.0.0" = 100 }\n'
     )
-    registry.reload_routes_file()
+    await registry.reload_routes_file()
     assert served(registry, 300) == Counter({"add@2.0.0": 300})
     await registry.unload(("runner", "add", "2.0.0"))
     # A full rollout to a version this server lacks leaves it on what it has.
@@ -217,3 +226,63 @@ def test_graph_entries_that_cannot_run_are_refused_naming_the_field(
     with pytest.raises(RouteSpecError) as info:
         parse_route("x", entry, "admin")
     assert str(info.value).startswith(message), str(info.value)
+
+
+async def test_routes_file_is_read_and_parsed_off_the_event_loop(
+    plugins_dir: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``routes.toml`` costs as much to digest and parse as it is long (up to 16 MiB): at
+    start, on the watcher's change and on a worker's sync, both run on a thread."""
+    seen: list[tuple[str, str, bool]] = []
+    moment = "start"
+
+    def on_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    real_read = checks.read_toml
+
+    def read(path: Path, *args: Any) -> dict[str, Any]:
+        if path.name == ROUTES_FILE:
+            seen.append(("read", moment, on_loop()))
+        return real_read(path, *args)
+
+    monkeypatch.setattr(checks, "read_toml", read)
+    write_add_runner(plugins_dir, "add", "1.0.0", amount=1)
+    (plugins_dir / ROUTES_FILE).write_text('[routes.a]\nrunner = "add"\n')
+    registry = Registry(plugins_dir, models_dir, drain_timeout=2)
+    real_digest = registry.fingerprinter.file
+
+    def digest(path: Path) -> str:
+        if path.name == ROUTES_FILE:
+            seen.append(("digest", moment, on_loop()))
+        return real_digest(path)
+
+    monkeypatch.setattr(registry.fingerprinter, "file", digest)
+    control = web.Application()
+    control[REGISTRY] = registry
+    _add_control_routes(control, cast(WorkerLink, None))
+    client = TestClient(TestServer(control))
+    await client.start_server()
+    try:
+        await registry.start()
+        moment = "watcher"
+        (plugins_dir / ROUTES_FILE).write_text('[routes.b]\nrunner = "add"\n')
+        watcher = Watcher(registry)
+        watcher._arm(first=True)
+        await watcher.apply(("routes",))
+        moment = "worker"
+        (plugins_dir / ROUTES_FILE).write_text('[routes.c]\nrunner = "add"\n')
+        reply = await client.post("/_control/sync_routes_file")
+        assert (await reply.json()) == {"result": "applied"}
+        assert sorted(registry.file_routes) == ["c"]
+    finally:
+        await client.close()
+        await registry.close()
+    assert {(kind, when) for kind, when, _ in seen} == {
+        (kind, when) for kind in ("digest", "read") for when in ("start", "watcher", "worker")
+    }
+    assert [call for call in seen if call[2]] == []  # none on the event loop
