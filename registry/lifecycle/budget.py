@@ -18,9 +18,14 @@ compare its workers').
 
 Loads run side by side: each is admitted (room made for its estimate, which it holds),
 then measured, or cancelled; an estimate not given back within its load's bound plus
-:data:`RESERVATION_SLACK_S` lapses. A version whose cost alone is over the budget is
-refused (:class:`PluginLoadError` naming ``memory_budget``), before anything is evicted
-where that is known beforehand (its last measure, its model files' size).
+:data:`RESERVATION_SLACK_S` lapses. In the worker a version's estimate is what it held
+as it last served there (its peak: its cost and its share of the unattributed memory), a
+never-seen version's the mean of the others' peaks; once its load is measured, what the
+estimate holds beyond the measure stays held for its first use, until a reading after
+its first request (or its eviction): the memory it takes serving lands in room already
+made. A version whose cost alone is over the budget is refused (:class:`PluginLoadError`
+naming ``memory_budget``), before anything is evicted where that is known beforehand
+(its last measure, its model files' size).
 
 :class:`Ledger` keeps the accounts; :class:`LocalBudget` is a single process's budget; a
 worker among several asks its supervisor's (``server/processes/tree_budget.py``).
@@ -189,6 +194,8 @@ class Held:
     isolated: bool
     bytes: int | None
     """An isolated runner's processes' resident memory now; ``None`` in the worker."""
+    served: bool = True
+    """A request has been served by it (the memory its first use takes is resident)."""
 
 
 class Growth:
@@ -254,7 +261,16 @@ class Ledger(Generic[E]):
     unattributed: dict[str, int] = field(default_factory=dict)
     """By group: resident memory beyond its entries' costs and its loads' estimates."""
     known: dict[Key, Cost] = field(default_factory=dict)
-    """Every version measured once: its cost (the estimate of its next load)."""
+    """Every version measured once: its cost."""
+    peak: dict[Key, Cost] = field(default_factory=dict)
+    """Versions in a process with others (a group): what each held as it last served, its
+    cost and its share of the process's unattributed memory (:meth:`frees`), read at each
+    reading once it has served; its next load's estimate."""
+    first_use: dict[int, E] = field(default_factory=dict)
+    """Reservations kept past a load's measure (by ticket): what its estimate holds beyond
+    the measure, for the memory the version takes as it serves its first requests, held
+    until a reading after its first request (:meth:`served`) or its eviction."""
+    keys: dict[E, Key] = field(default_factory=dict)
     sure: dict[Key, Cost] = field(default_factory=dict)
     """Versions measured by themselves (alone in their process, or in processes of their
     own): the least each costs, which may refuse it."""
@@ -322,11 +338,21 @@ class Ledger(Generic[E]):
         return found
 
     def estimate(self, key: Key, least: int = 0, group: str = ALONE) -> Cost:
-        """What loading ``key`` into ``group`` will cost: its last measure, else the
-        others' mean memory (where it will sit on a GPU is not known before its first
+        """What loading ``key`` into ``group`` will cost, ``least`` bytes at least (its
+        model files). Into a process with others: what it held as it last served there
+        (:attr:`peak`: its load and what it took serving), else the mean of the versions'
+        peaks. Otherwise (and before any version has served there): its last measure, else
+        the others' mean memory (where it will sit on a GPU is not known before its first
         load), and the share of each version there in what the process uses beyond their
-        costs (as :meth:`frees` counts it: what versions take as they serve); ``least``
-        bytes at least (its model files)."""
+        costs (as :meth:`frees` counts it: what versions take as they serve)."""
+        if group != ALONE and self.peak:
+            if key in self.peak:
+                cost = dict(self.peak[key])
+            else:
+                cost = {HOST: sum(c.get(HOST, 0) for c in self.peak.values()) // len(self.peak)}
+            if least > cost.get(HOST, 0):
+                cost[HOST] = least
+            return cost
         if key in self.known:
             cost = dict(self.known[key])
         elif self.known:
@@ -341,10 +367,14 @@ class Ledger(Generic[E]):
         return cost
 
     def _share(self, group: str) -> int:
-        """Each of ``group``'s entries' equal share of its unattributed memory."""
+        """Each of ``group``'s entries' equal share of its unattributed memory (those whose
+        first use is still held for take none: their reservations explain theirs)."""
         if group == ALONE or not self.unattributed.get(group):
             return 0
-        members = sum(1 for e in self.cost if self.group.get(e, ALONE) == group)
+        waiting = set(self.first_use.values())
+        members = sum(
+            1 for e in self.cost if self.group.get(e, ALONE) == group and e not in waiting
+        )
         return self.unattributed[group] // max(members, 1)
 
     def reserve(self, cost: Cost, group: str = ALONE, lapses: float = float("inf")) -> int:
@@ -354,9 +384,10 @@ class Ledger(Generic[E]):
         return ticket
 
     def release(self, ticket: int) -> None:
-        """A load's estimate given back (measured, cancelled, lapsed)."""
+        """A load's estimate given back (measured, cancelled, lapsed, served)."""
         self.reserved.pop(ticket, None)
         self.holds.pop(ticket, None)
+        self.first_use.pop(ticket, None)
 
     def lapsed(self, now: float) -> list[int]:
         """The reservations held past their bound: their loads' owners never answered."""
@@ -371,22 +402,41 @@ class Ledger(Generic[E]):
         group: str = ALONE,
         sure: bool = True,
     ) -> None:
-        """Count ``entry`` at ``cost``; ``sure``: measured by itself (:attr:`sure`)."""
-        if ticket is not None:
-            self.release(ticket)
+        """Count ``entry`` at ``cost``; ``sure``: measured by itself (:attr:`sure`). In a
+        process with others, what ``ticket``'s estimate holds beyond the measure stays
+        reserved for the version's first use (:attr:`first_use`)."""
         self.cost[entry] = self.known[key] = {r: max(n, 0) for r, n in cost.items()}
         self.group[entry] = group
+        self.keys[entry] = key
         if sure:
             self.sure[key] = dict(self.cost[entry])
+        if ticket is None:
+            return
+        estimate = self.reserved.get(ticket, {})
+        rest = {r: n - self.cost[entry].get(r, 0) for r, n in estimate.items()}
+        rest = {r: n for r, n in rest.items() if n > 0}
+        if group == ALONE or not rest:
+            self.release(ticket)
+            return
+        self.reserved[ticket] = rest
+        self.first_use[ticket] = entry
+
+    def served(self, entries: Iterable[E]) -> None:
+        """``entries`` have served a request: what was held for their first use is given
+        back (a reading that follows counts what they took)."""
+        done = set(entries)
+        for ticket, entry in list(self.first_use.items()):
+            if entry in done:
+                self.release(ticket)
 
     def refused(self, key: Key, cost: Cost, ticket: int) -> PluginLoadError | None:
         """If ``cost``, measured by itself, is over the whole budget alone: the error,
-        ``ticket``'s estimate given back, nothing counted (its next load is refused
-        before it begins)."""
+        nothing counted (its next load is refused before it begins). ``ticket``'s estimate
+        stays held until the load's owner has let the instance go (:meth:`release`):
+        a reading meanwhile sees its memory as the load's, not as one to evict for."""
         over = self.alone_over(cost)
         if not over:
             return None
-        self.release(ticket)
         self.known[key] = self.sure[key] = dict(cost)
         return too_large(key, over, measured=True)
 
@@ -401,6 +451,10 @@ class Ledger(Generic[E]):
     def forget(self, entry: E) -> None:
         self.cost.pop(entry, None)
         self.group.pop(entry, None)
+        self.keys.pop(entry, None)
+        for ticket, waiting in list(self.first_use.items()):
+            if waiting == entry:
+                self.release(ticket)
 
     def sampled(self, group: str, used: int) -> None:
         """``group``'s processes use ``used`` bytes above what they used holding none of
@@ -417,11 +471,24 @@ class Ledger(Generic[E]):
             self.unattributed[group] = beyond
         else:
             self.unattributed.pop(group, None)
+        if group == ALONE:
+            return
+        waiting = set(self.first_use.values())
+        for entry in self.cost:
+            if self.group.get(entry) == group and entry not in waiting and entry in self.keys:
+                self.peak[self.keys[entry]] = self.frees(entry)
 
     def frees(self, entry: E) -> Cost:
         """What evicting ``entry`` is expected to free: its cost, and an equal share of
-        what its process uses beyond its entries' costs."""
+        what its process uses beyond its entries' costs, or what is held for its first
+        use (given back with it)."""
         cost = dict(self.cost[entry])
+        held = [self.reserved[t] for t, e in self.first_use.items() if e == entry]
+        if held:
+            for rest in held:
+                for resource, n in rest.items():
+                    cost[resource] = cost.get(resource, 0) + n
+            return cost
         share = self._share(self.group.get(entry, ALONE))
         if share:
             cost[HOST] = cost.get(HOST, 0) + share
@@ -598,12 +665,16 @@ class LocalBudget:
         return self.ledger.describe(lambda key: {"plugin": label(key)})
 
     def _sample(self) -> None:
-        """Read this process's memory and the isolated versions' processes'; let go of the
-        estimates of loads past their bound."""
+        """Read this process's memory and the isolated versions' processes'; give back what
+        was held for the first use of versions that have served (read before this
+        process's memory, which then holds what they took); let go of the estimates of
+        loads past their bound."""
+        rows = self.registry.budgeted()
+        self.ledger.served(held.key for held in rows if held.served)
         now = resident()
         if self.base is None:
             self.base = now
-        for held in self.registry.budgeted():
+        for held in rows:
             if held.bytes is not None:
                 self.ledger.remeasured(held.key, held.key, held.bytes)
         for ticket in self.ledger.lapsed(time.monotonic()):

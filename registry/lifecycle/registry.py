@@ -403,7 +403,8 @@ class Registry:
         (``time.monotonic()``), whether they are busy (a request uses, awaits or waits for
         the load of the version, an older instance still drains, or a change to it is under
         way), whether a budget may evict them (not pinned), and an isolated runner's
-        processes' resident memory now."""
+        processes' resident memory now, and whether it has served a request (its first
+        use's memory resident)."""
         rows = []
         for record in self.records.values():
             current = record.current
@@ -411,10 +412,15 @@ class Registry:
                 continue
             runner = current.manifest.runner
             remote = current.remote
+            stats = current.stats
+            served = stats is None or bool(
+                stats.success.count or stats.fail.count or stats.execution_count
+            )
             rows.append(Held(
                 record.key, current.last_use, _busy(record, self.awaited),
                 not (runner is not None and runner.pinned), record.isolated,
                 None if remote is None else sum(resident(pid) for pid in remote.group.pids),
+                served,
             ))  # fmt: skip
         return rows
 
@@ -558,7 +564,7 @@ class Registry:
         bound = log.bind(plugin=record.label)
         if record.current is None:
             record.state = "loading"
-        settled = under is None  # under a budget: once measured, or refused by it
+        settled = under is None  # under a budget: once measured (a refusal is cancelled)
         try:
             devices = None
             if under is not None and under.budget.gpus:
@@ -578,7 +584,7 @@ class Registry:
                     await under.budget.measured(under.admission, cost, totals, sure=alone)
                     settled = True
                 except PluginLoadError as exc:  # over the whole budget alone: not served
-                    settled = True
+                    # Its estimate stays held until the instance is let go (the finally).
                     retiring = [new]
                     del new
                     await self._retire(record, retiring)

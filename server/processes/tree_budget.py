@@ -12,13 +12,14 @@ resident memory (what it holds beyond its entries and its loads under way is tha
 worker's ``unattributed`` memory); every :data:`REPORT_S` seconds, and whenever the tree
 is over the budget, it asks every worker which versions it holds, which are idle and
 when each was last used (``/_control/budget/usage``, with an isolated runner's
-processes' memory, read again). It counts a version a worker holds that the
-accounts miss, and lets go of one no worker holds any longer, each once two readings
-agree; an estimate whose load outlived its bound lapses. When the count is over the
-budget, or a load needs room, it evicts the least recently used entries idle in every
-worker that holds them (``/_control/budget/evict``), as it broadcasts a repository
-unload. Decisions are one at a time and never wait for a load: loads run side by side,
-each holding its estimate until measured.
+processes' memory, read again, and whether each has served a request: what was held for
+a version's first use is given back at the first report after it has). It counts a
+version a worker holds that the accounts miss, and lets go of one no worker holds any
+longer, each once two readings agree; an estimate whose load outlived its bound lapses.
+When the count is over the budget, or a load needs room, it evicts the least recently
+used entries idle in every worker that holds them (``/_control/budget/evict``), as it
+broadcasts a repository unload. Decisions are one at a time and never wait for a load:
+loads run side by side, each holding its estimate until measured.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class TreeBudget:
         pid, entry = held
         self.ledger.totals.update(totals)
         if sure and (refusal := self.ledger.refused(entry.key, cost, ticket)):
-            self._release(entry)
+            self.tickets[ticket] = held  # held until the worker lets it go (cancel)
             raise refusal
         self.ledger.measured(entry.key, entry, cost, ticket, group, sure)
         self.holders.setdefault(entry, set()).add(pid)
@@ -246,6 +247,7 @@ class TreeBudget:
         two readings in a row agree; read the shared processes' memory again."""
         reported: set[tuple[Entry, int]] = set()
         answered: set[int] = set()
+        served: set[Entry] = set()
         for worker, reply in replies:
             if reply.status != 200:
                 continue
@@ -253,8 +255,11 @@ class TreeBudget:
             for row in reply.json()["versions"]:
                 entry = Entry.of(_key(row["key"]), worker.index, bool(row["isolated"]))
                 reported.add((entry, worker.pid))
+                if row.get("served", True):
+                    served.add(entry)
                 if isinstance(row.get("bytes"), int):
                     self.ledger.remeasured(entry.key, entry, row["bytes"])
+        self.ledger.served(served)  # the workers' memory is read after: it holds what they took
         loading = {(entry, pid) for pid, entry in self.tickets.values()}
         held = {(entry, pid) for entry, pids in self.holders.items() for pid in pids}
         missed = reported - held - loading
@@ -518,7 +523,8 @@ def add_worker_routes(control: web.Application, registry: Registry) -> None:
     async def usage(request: web.Request) -> web.Response:
         rows = [
             {"key": list(held.key), "last_use": held.last_use, "busy": held.busy,
-             "evictable": held.evictable, "isolated": held.isolated, "bytes": held.bytes}
+             "evictable": held.evictable, "isolated": held.isolated, "bytes": held.bytes,
+             "served": held.served}
             for held in registry.budgeted()
         ]  # fmt: skip
         return web.json_response({"versions": rows})

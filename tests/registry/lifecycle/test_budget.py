@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from plugserve.registry.errors import PluginLoadError
+from plugserve.registry.lifecycle import budget as budget_module
 from plugserve.registry.lifecycle.budget import (
     HOST,
+    IN_PROCESS,
     Held,
     Ledger,
     LocalBudget,
@@ -141,6 +143,98 @@ async def test_only_a_measure_taken_alone_refuses_a_version() -> None:
     alone = await budget.admit(key("b"), isolated=False)
     with pytest.raises(PluginLoadError, match="memory_budget"):
         await budget.measured(alone, {HOST: 150 * MIB}, {}, sure=True)
-    assert key("b") not in budget.ledger.cost and budget.ledger.reserved == {}
+    assert key("b") not in budget.ledger.cost and budget.ledger.reserved  # until let go
+    await budget.cancel(alone)
+    assert budget.ledger.reserved == {}
     with pytest.raises(PluginLoadError, match="measured at 150 MiB"):
         await budget.admit(key("b"), isolated=False)
+
+
+def test_what_a_version_takes_on_first_use_lands_in_room_held_for_it() -> None:
+    """``a`` served at 150 (100 from its load, 50 taken serving): ``b``'s load, never seen,
+    is admitted at 150 (the mean of the versions' peaks); measured at 100, the other 50
+    stay held for its first use, so that the 50 it takes serving is in room already
+    made, and are given back once it has served."""
+    w0 = "worker 0"
+    ledger: Ledger = Ledger(300)
+    ledger.measured(key("a"), key("a"), {HOST: 100}, group=w0)
+    ledger.sampled(w0, 150)
+    assert ledger.peak[key("a")] == {HOST: 150}
+    estimate = ledger.estimate(key("b"), group=w0)
+    assert estimate == {HOST: 150}
+    ticket = ledger.reserve(estimate, w0)
+    ledger.measured(key("b"), key("b"), {HOST: 100}, ticket, group=w0)
+    assert ledger.reserved == {ticket: {HOST: 50}} and ledger.first_use == {ticket: key("b")}
+    assert ledger.held(HOST) == 300 and ledger.over({HOST: 1}) == {HOST: 1}  # no room left
+    assert ledger.frees(key("b")) == {HOST: 150}  # its hold goes with it
+    ledger.sampled(w0, 300)  # b took its 50 serving: in its hold, not unattributed
+    assert ledger.unattributed == {w0: 50} and ledger.held(HOST) == 300
+    assert key("b") not in ledger.peak  # not served yet
+    ledger.served([key("b")])
+    assert ledger.reserved == {} and ledger.first_use == {}
+    ledger.sampled(w0, 300)
+    assert ledger.unattributed == {w0: 100} and ledger.held(HOST) == 300
+    assert ledger.peak[key("b")] == {HOST: 150}
+
+
+def test_a_version_s_served_peak_outlives_it_and_estimates_loads_elsewhere() -> None:
+    """``a`` served at 150 in worker 0 and was evicted: its next load, into an empty
+    worker, is estimated at 150 (not its load's 100), a never-seen version's too; an
+    isolated load keeps its own measure."""
+    ledger: Ledger = Ledger(1000)
+    ledger.measured(key("a"), key("a"), {HOST: 100}, group="worker 0")
+    ledger.sampled("worker 0", 150)
+    ledger.forget(key("a"))
+    ledger.sampled("worker 0", 0)
+    assert ledger.estimate(key("a"), group="worker 0") == {HOST: 150}
+    assert ledger.estimate(key("new"), group="worker 1") == {HOST: 150}
+    assert ledger.estimate(key("new"), least=400, group="worker 1") == {HOST: 400}
+    assert ledger.estimate(key("a")) == {HOST: 100}
+
+
+def test_evicting_a_version_gives_back_what_was_held_for_its_first_use() -> None:
+    ledger: Ledger = Ledger(1000)
+    ledger.peak[key("a")] = {HOST: 150}
+    ticket = ledger.reserve(ledger.estimate(key("a"), group="worker 0"), "worker 0")
+    ledger.measured(key("a"), key("a"), {HOST: 100}, ticket, group="worker 0")
+    assert ledger.reserved == {ticket: {HOST: 50}}
+    ledger.forget(key("a"))
+    assert ledger.reserved == {} and ledger.first_use == {} and ledger.held(HOST) == 0
+
+
+class Serving:
+    """A registry holding ``a`` in this process, served or not yet."""
+
+    def __init__(self) -> None:
+        self.served = False
+
+    def budgeted(self) -> list[Held]:
+        return [Held(key("a"), 1.0, False, True, False, None, self.served)]
+
+    async def evict(self, key: tuple[str, str, str], reason: str, only_idle: bool = False) -> None:
+        raise AssertionError("nothing to evict")
+
+
+async def test_a_version_s_first_use_is_held_until_a_reading_after_it_has_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The process's memory, read before ``a`` has served, leaves its hold in place; the
+    first reading once it has served gives it back and counts what it took."""
+    used = [0]
+    monkeypatch.setattr(budget_module, "resident", lambda pid=None: used[0])
+    registry = Serving()
+    budget = LocalBudget(1000 * MIB, 0, registry)
+    budget._sample()  # the process before any load
+    budget.ledger.peak[key("a")] = {HOST: 150 * MIB}
+    admission = await budget.admit(key("a"), isolated=False)
+    used[0] = 100 * MIB
+    await budget.measured(admission, {HOST: 100 * MIB}, {})
+    assert budget.ledger.reserved == {admission.ticket: {HOST: 50 * MIB}}
+    used[0] = 150 * MIB  # its first request takes 50 more
+    budget._sample()
+    assert budget.ledger.reserved and budget.ledger.unattributed == {}
+    registry.served = True
+    budget._sample()
+    assert budget.ledger.reserved == {}
+    assert budget.ledger.unattributed == {IN_PROCESS: 50 * MIB}
+    assert budget.ledger.held(HOST) == 150 * MIB
