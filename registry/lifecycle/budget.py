@@ -256,6 +256,10 @@ class Ledger(Generic[E]):
     group: dict[E, str] = field(default_factory=dict)
     reserved: dict[int, Cost] = field(default_factory=dict)
     """Loads under way (by ticket): their estimates, counted until measured."""
+    refusing: set[int] = field(default_factory=set)
+    """Loads refused as larger than the whole budget, their instances being let go (by
+    ticket): their reservations hold their measures, so that a reading attributes that
+    memory to them, and count toward no eviction (it goes back on its own)."""
     holds: dict[int, tuple[str, float]] = field(default_factory=dict)
     """Each reservation's group, and when it lapses (``time.monotonic()``)."""
     unattributed: dict[str, int] = field(default_factory=dict)
@@ -301,8 +305,10 @@ class Ledger(Generic[E]):
         return self.attributed(resource) + extra
 
     def held(self, resource: str) -> int:
-        """Resident and reserved."""
-        return self.resident(resource) + sum(c.get(resource, 0) for c in self.reserved.values())
+        """Resident and reserved (but for refused loads being let go)."""
+        return self.resident(resource) + sum(
+            c.get(resource, 0) for t, c in self.reserved.items() if t not in self.refusing
+        )
 
     def over(self, room: Cost) -> dict[str, int]:
         """The bounded resources that ``room`` more would overflow, with the bytes over."""
@@ -388,6 +394,7 @@ class Ledger(Generic[E]):
         self.reserved.pop(ticket, None)
         self.holds.pop(ticket, None)
         self.first_use.pop(ticket, None)
+        self.refusing.discard(ticket)
 
     def lapsed(self, now: float) -> list[int]:
         """The reservations held past their bound: their loads' owners never answered."""
@@ -421,6 +428,10 @@ class Ledger(Generic[E]):
         self.reserved[ticket] = rest
         self.first_use[ticket] = entry
 
+    def loading(self) -> bool:
+        """Whether a load is under way (admitted, not yet measured or refused)."""
+        return any(t not in self.first_use and t not in self.refusing for t in self.holds)
+
     def served(self, entries: Iterable[E]) -> None:
         """``entries`` have served a request: what was held for their first use is given
         back (a reading that follows counts what they took)."""
@@ -431,12 +442,15 @@ class Ledger(Generic[E]):
 
     def refused(self, key: Key, cost: Cost, ticket: int) -> PluginLoadError | None:
         """If ``cost``, measured by itself, is over the whole budget alone: the error,
-        nothing counted (its next load is refused before it begins). ``ticket``'s estimate
-        stays held until the load's owner has let the instance go (:meth:`release`):
-        a reading meanwhile sees its memory as the load's, not as one to evict for."""
+        nothing counted (its next load is refused before it begins). ``ticket``'s reservation
+        holds the measure until the load's owner has let the instance go (:meth:`release`):
+        a reading meanwhile attributes that memory to the load, and evicts nothing for it
+        (:attr:`refusing`)."""
         over = self.alone_over(cost)
         if not over:
             return None
+        self.reserved[ticket] = dict(cost)
+        self.refusing.add(ticket)
         self.known[key] = self.sure[key] = dict(cost)
         return too_large(key, over, measured=True)
 
@@ -657,7 +671,11 @@ class LocalBudget:
             try:
                 async with self._deciding:
                     self._sample()
-                    await self._make_room({}, keep=None, reason="overshoot")
+                    # A load under way is judged by its measure (what it grew past its
+                    # estimate may be a version refused as larger than the whole budget,
+                    # which evicts nothing); the measure evicts what is over then.
+                    if not self.ledger.loading():
+                        await self._make_room({}, keep=None, reason="overshoot")
             except Exception:  # a sample must never end the watch
                 log.exception("budget_sample_failed")
 

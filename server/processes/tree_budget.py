@@ -230,7 +230,8 @@ class TreeBudget:
         replies = await self.pool.call_all("GET", "/_control/budget/usage")
         self._reconcile(replies, began)
         self._read_workers()
-        await self._make_room({}, keep=None, reason="overshoot", replies=replies)
+        if not self.ledger.loading():  # a load under way is judged by its measure
+            await self._make_room({}, keep=None, reason="overshoot", replies=replies)
 
     def _read_workers(self) -> None:
         """Each worker's resident memory beyond what it used before its first load."""

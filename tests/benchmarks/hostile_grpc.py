@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,6 +52,11 @@ def infer_request(x: list[float]) -> service_pb2.ModelInferRequest:
     return request
 
 
+REFUSED: Counter[str] = Counter()
+"""What the good clients' calls that failed were told, by status and message."""
+REFUSED_LOCK = threading.Lock()
+
+
 def good_client(
     grpc_port: int, stop: threading.Event, seed: int, add: Callable[[str, int, float], None]
 ) -> None:
@@ -67,6 +73,8 @@ def good_client(
                 status = 200
             except grpc.RpcError as exc:
                 status = 1000 + exc.code().value[0]
+                with REFUSED_LOCK:
+                    REFUSED[f"{exc.code().name}: {(exc.details() or '')[:160]}"] += 1
             add("gRPC ModelInfer", status, time.perf_counter() - started)
 
 

@@ -415,8 +415,10 @@ def main() -> None:
 
 def rss_bound(args: argparse.Namespace, samples: list[tuple[str, Sample]]) -> float:
     """The most the server's processes may hold: the start's RSS and, for each worker, its
-    request byte budget and ``RSS_SLACK_MIB``."""
-    return samples[0][1].rss_mib + args.workers * (REQUEST_BYTES_MIB + RSS_SLACK_MIB)
+    request byte budget, ``RSS_SLACK_MIB`` and a second copy of the sequence runner that
+    reloads (its old version serves its running sequences while the new one loads)."""
+    return (samples[0][1].rss_mib + args.workers * (REQUEST_BYTES_MIB + RSS_SLACK_MIB)
+            + args.workers * hostile_features.COUNTER_BALLAST_MIB)  # fmt: skip
 
 
 def soak(server: ServerProcess, plugins: Path, args: argparse.Namespace, answers: Answers,
@@ -544,10 +546,13 @@ def report(args: argparse.Namespace, answers: Answers, outcomes: hostile.Outcome
     within = "within it" if peak.rss_mib <= bound else "OVER IT"
     print(f"peak RSS (sampled every 1 s) {peak.rss_mib:.1f} MiB at {peak.at_s:.0f} s; bound "
           f"{bound:.0f} MiB (the start's RSS + {args.workers} x ({REQUEST_BYTES_MIB} MiB request "
-          f"byte budget + {RSS_SLACK_MIB} MiB)): {within}")  # fmt: skip
+          f"byte budget + {RSS_SLACK_MIB} MiB + {hostile_features.COUNTER_BALLAST_MIB} MiB, a "
+          f"reloading version's second copy)): {within}")  # fmt: skip
     levels = Counter(word for line in log_lines for word in ("[error", "[critical", "Traceback")
                      if word in line)  # fmt: skip
     print(f"server exit code {code}; log: {len(log_lines)} lines, {dict(levels) or 'no errors'}")
+    if hostile_grpc.REFUSED:
+        print(f"good gRPC calls that failed, by what they were told: {dict(hostile_grpc.REFUSED)}")
     print(f"good requests failed: {bad}; faulty requests answered unexpectedly: "
           f"{answers.failed() - bad}; health probes refused: {health.refused()}")  # fmt: skip
 

@@ -132,6 +132,22 @@ class NoVersions:
         raise AssertionError("nothing to evict")
 
 
+def test_a_refused_load_being_let_go_is_attributed_and_evicts_nothing() -> None:
+    """A load measured at 64 MiB against a 48 MiB budget is refused; until its instance is
+    let go, a reading of the process sees those 64 MiB: they are the load's, not the
+    process's own, and nothing is over the budget for them (the idle ``small`` stays)."""
+    ledger: Ledger[tuple[str, str, str]] = Ledger(48 * MIB)
+    small = ledger.reserve({HOST: 8 * MIB}, IN_PROCESS, float("inf"))
+    ledger.measured(key("small"), key("small"), {HOST: 8 * MIB}, small, IN_PROCESS, True)
+    big = ledger.reserve({HOST: 8 * MIB}, IN_PROCESS, float("inf"))
+    assert ledger.refused(key("big"), {HOST: 64 * MIB}, big) is not None
+    ledger.sampled(IN_PROCESS, 72 * MIB)
+    assert ledger.unattributed == {} and ledger.over({}) == {}
+    ledger.release(big)  # let go: its memory is back
+    ledger.sampled(IN_PROCESS, 8 * MIB)
+    assert ledger.over({}) == {} and ledger.reserved == {}
+
+
 async def test_only_a_measure_taken_alone_refuses_a_version() -> None:
     """A load in the worker measured beside another is given a share of what grew beside
     both, which may be more than its own: it is counted, not refused; a measure taken
