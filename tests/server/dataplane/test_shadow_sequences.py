@@ -26,7 +26,7 @@ def start(server: Callable[..., ServerProcess], tmp_path: Path, models_dir: Path
     for version in ("1.0.0", "2.0.0"):
         write_sequence_runner(plugins, "acc", version, sequence="idle_timeout_s = 30")
     (plugins / "routes.toml").write_text(f'[routes.acc]\nrunner = "{STABLE}"\n')
-    config = write_config(tmp_path / "plugserve.toml", rollout_interval_s=0.2)
+    config = write_config(tmp_path / "plugserve.toml", rollout_interval_s=0.2, drain_timeout_s=1)
     return server("--plugins-dir", str(plugins), "--models-dir", str(models_dir),
                   "--config", str(config))  # fmt: skip
 
