@@ -34,7 +34,13 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from plugserve.registry.errors import DeadlineExceeded, NotLoaded, TooManyRequests, Unavailable
+from plugserve.registry.errors import (
+    DeadlineExceeded,
+    NotLoaded,
+    TooManyRequests,
+    Unavailable,
+    one_error,
+)
 from plugserve.registry.execution import tracing
 from plugserve.registry.execution.batching import priority_level
 from plugserve.registry.execution.chain import Chain
@@ -214,6 +220,7 @@ class DataPlane:
         served = Served(self, route)
         started = time.perf_counter()
         status = 200
+        shed = False  # refused by the runner's open circuit: it never ran
         if self.drain.draining:
             self.metrics.observe(UNKNOWN_ROUTE, protocol, 503, 0.0)
             raise Unavailable("the server is shutting down")
@@ -221,6 +228,8 @@ class DataPlane:
             return await self._infer(call, protocol, served, read, answer, version)
         except BaseException as exc:
             status = status_of(exc)
+            failure = one_error(exc)
+            shed = isinstance(failure, Unavailable) and bool(failure.fields.get("circuit"))
             raise
         finally:
             route = served.route
@@ -231,8 +240,11 @@ class DataPlane:
             variant = "" if chain is None else chain.variant
             self.metrics.observe(UNKNOWN_ROUTE if entry is None else entry.spec.name,
                                  protocol, status, took, variant)  # fmt: skip
-            # A rollout's window counts the route's own traffic: not a request naming a version.
-            if self.rollouts and entry is not None and chain is not None and version is None:
+            # A rollout's window counts the route's own traffic: not a request naming a version,
+            # nor one its runner's open circuit refused (the failures that opened it count:
+            # the requests it sheds are those failures' echo, landing on every client).
+            if (self.rollouts and entry is not None and chain is not None and version is None
+                    and not shed):  # fmt: skip
                 rollout = entry.spec.rollout
                 if rollout is not None and rollout.active:
                     window = self.windows.window(entry.spec.name, rollout.key)

@@ -323,11 +323,6 @@ def test_bad_rollouts_are_refused_with_the_field_named(
 
 
 @pytest.mark.workers(2)  # the gates and the controller are one code in both modes
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 48, open: under load the canary is sometimes rolled back on errors outside "
-    "the attacker's cohort (40 % of 62 against 0.9 % of 7,515), seen with 2 workers",
-)
 def test_a_client_choosing_the_canary_by_its_sticky_key_cannot_roll_it_back(
     tmp_path: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:

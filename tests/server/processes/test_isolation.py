@@ -815,7 +815,7 @@ def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
     assert_no_restart_loop(srv)
 
 
-@pytest.mark.workers(1, 2)
+@pytest.mark.workers(2)  # the runner processes are the same with one worker or several
 def test_memory_a_runner_leaks_natively_goes_back_at_each_reload(
     server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
