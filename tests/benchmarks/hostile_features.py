@@ -112,10 +112,13 @@ def plugserve_create_component(plugin, config):
 """
 
 
-def sum_manifest(ballast_mib: int, generation: int = 1) -> str:
+def sum_manifest(ballast_mib: int, generation: int = 1, isolated: bool = False) -> str:
+    """A sequence runner's manifest; ``isolated`` (with several workers, which reach one
+    sequence's state only through runner processes): ``isolation = "process"``."""
+    isolation = 'isolation = "process"\n' if isolated else ""
     return (
         f"[config]\nballast_mib = {ballast_mib}\ngeneration = {generation}\n"
-        "[runner]\nmax_batch_size = 8\nmax_queue_delay_ms = 1\n"
+        f"[runner]\nmax_batch_size = 8\nmax_queue_delay_ms = 1\n{isolation}"
         "[runner.sequence]\nidle_timeout_s = 10\n"
         '[[runner.sequence.state]]\ninput = "total"\noutput = "total_out"\n'
         'datatype = "FP32"\nshape = [1]\n'
@@ -131,7 +134,7 @@ ROLLOUT = {
 """``tally``'s rollout: shadow copies first (a step of 0), then half and all the traffic."""
 
 
-def write_plugins(plugins: Path) -> None:
+def write_plugins(plugins: Path, workers: int = 1) -> None:
     write_plugin(plugins, "runner", "padded", "1.0.0", PADDED_MANIFEST, {"plugin.py": PADDED})
     shutil.copytree(ROOT / "plugins" / "preprocessor" / "image_decode",
                     plugins / "preprocessor" / "image_decode")  # fmt: skip
@@ -143,10 +146,12 @@ def write_plugins(plugins: Path) -> None:
     write_plugin(plugins, "runner", "vision", "1.0.0",
                  '[runner]\nmax_batch_size = 8\n[route]\npreprocess = ["image_decode"]\n',
                  {"plugin.py": BRIGHTNESS})  # fmt: skip
-    write_plugin(plugins, "runner", "counter", "1.0.0", sum_manifest(COUNTER_BALLAST_MIB),
-                 {"plugin.py": SUM})  # fmt: skip
+    isolated = workers > 1
+    write_plugin(plugins, "runner", "counter", "1.0.0",
+                 sum_manifest(COUNTER_BALLAST_MIB, isolated=isolated), {"plugin.py": SUM})  # fmt: skip
     for version in ("1.0.0", "2.0.0"):
-        write_plugin(plugins, "runner", "tally", version, sum_manifest(1), {"plugin.py": SUM})
+        write_plugin(plugins, "runner", "tally", version, sum_manifest(1, isolated=isolated),
+                     {"plugin.py": SUM})  # fmt: skip
 
 
 def start_rollout(port: int) -> None:

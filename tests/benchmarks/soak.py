@@ -282,7 +282,7 @@ BUNDLED = ["preprocessor/chat_template", "runner/chat", "postprocessor/detokeniz
 """The bundled plugins the soak serves beside its own: OpenAI's and Triton's text routes."""
 
 
-def write_plugins(plugins: Path, models: Path, isolated: bool = False) -> None:
+def write_plugins(plugins: Path, models: Path, isolated: bool = False, workers: int = 1) -> None:
     """The soak's plugins: add (behind scale), echo, strings, slow, matmul, and the bundled
     chat and embed routes with their models; ``isolated``: the ONNX runners in processes."""
     isolation = 'isolation = "process"\n' if isolated else ""
@@ -308,7 +308,7 @@ def write_plugins(plugins: Path, models: Path, isolated: bool = False) -> None:
         shutil.copytree(ROOT / "plugins" / bundled, plugins / bundled)
     for model in ("chat", "embed"):
         shutil.copytree(ROOT / "models" / model, models / model)
-    hostile_features.write_plugins(plugins)
+    hostile_features.write_plugins(plugins, workers)
 
 
 @dataclass
@@ -388,7 +388,7 @@ def main() -> None:
         root = Path(tmp)
         plugins, models = root / "plugins", root / "models"
         models.mkdir()
-        write_plugins(plugins, models, args.isolated)
+        write_plugins(plugins, models, args.isolated, args.workers)
         config = root / "plugserve.toml"
         config.write_text(SOAK_CONFIG)
         server = ServerProcess("--plugins-dir", str(plugins), "--models-dir", str(models),
