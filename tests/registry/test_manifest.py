@@ -318,8 +318,8 @@ initial = -1
 def test_requirements_are_parsed_whole_and_their_markers_evaluated(
     plugins_dir: Path, requirement: str, message: str
 ) -> None:
-    """issue 48, failure 17: a requirement whose marker parses but cannot be evaluated
-    passed the manifest check and broke the load with a traceback."""
+    """A requirement whose marker parses but cannot be evaluated is the manifest's error,
+    named by its field, before any load."""
     requires = tomli_w.dumps({"requires": ["pillow", requirement]})
     folder = _folder(plugins_dir, HEAD + requires + "[runner]\nbackend='onnxruntime'\n")
     with pytest.raises(ManifestError, match=message) as info:
@@ -348,7 +348,7 @@ def test_requirements_whose_markers_evaluate_load(plugins_dir: Path) -> None:
 def test_tensor_names_with_control_characters_are_refused(
     plugins_dir: Path, table: str, field: str
 ) -> None:
-    """issue 48, failure 16: a tensor name is written into logs, metadata and manifests:
+    """A tensor name is written into logs, metadata and manifests:
     one with a newline could pass as keys of its own."""
     folder = _folder(plugins_dir, RUNNER + table)
     (folder / "labels.txt").write_text("a\n")
@@ -358,7 +358,7 @@ def test_tensor_names_with_control_characters_are_refused(
 
 
 def test_a_manifest_is_read_up_to_1_mib(plugins_dir: Path) -> None:
-    """issue 48, failure 18: a manifest is a few KiB; one of 11 MiB was parsed whole."""
+    """A manifest is a few KiB: one over 1 MiB is refused before it is parsed."""
     assert MAX_MANIFEST_BYTES == 1024 * 1024
     folder = _folder(plugins_dir, RUNNER)
     padding = MAX_MANIFEST_BYTES - len(RUNNER) - 1

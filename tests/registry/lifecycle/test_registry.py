@@ -517,9 +517,8 @@ async def test_a_stage_unloaded_under_its_route_falls_back_to_a_whole_chain(
 async def test_manifests_are_read_and_parsed_off_the_event_loop(
     plugins_dir: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """issue 48, failure 18: a manifest costs as much to read and parse as it is long; on
-    the event loop, an 11 MiB one held health probes for seconds. Discovery, a rescan, an
-    admin load and the watcher's sync each read them on a thread."""
+    """A manifest costs as much to read and parse as it is long: discovery, a rescan, an
+    admin load and the watcher's sync each read them on a thread, never on the loop."""
     seen: list[tuple[str, str, bool]] = []
 
     def on_loop() -> bool:

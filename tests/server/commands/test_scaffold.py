@@ -139,8 +139,8 @@ def odd_names_model(path: Path, x: str, y: str) -> Path:
 
 
 def test_new_writes_what_a_model_names_as_data_never_as_keys(tmp_path: Path) -> None:
-    """issue 48, failure 16: a tensor name holding a newline wrote ``instances = 1024``
-    into the manifest's [runner], and validate called it valid."""
+    """A tensor name holding a newline and TOML is written as data: it adds no key such as
+    ``instances = 1024`` to the manifest, and validate reads back what was meant."""
     x, y = 'x"\\\ninstances = 1024\n#', "y\r\n[route]\nname = 'other'"
     odd_names_model(tmp_path / "models/odd/1/model.onnx", x, y)
     runner = new(tmp_path, "runner", "odd", "--backend", "onnxruntime", "--model", "models:odd")

@@ -237,8 +237,8 @@ def test_staged_packages_that_name_each_other_validate_together(tmp_path: Path) 
 def test_a_requirement_whose_marker_cannot_be_evaluated_is_a_manifest_problem(
     tmp_path: Path,
 ) -> None:
-    """issue 48, failure 17: ``python_version ~= 'abc'`` passed the manifest check and
-    `validate --json` died with a traceback, printing no JSON."""
+    """A marker that parses but cannot be evaluated (``python_version ~= 'abc'``) is a
+    manifest problem: `validate --json` reports it as JSON, never a traceback."""
     folder = staged_iris(tmp_path)
     manifest = folder / "plugin.toml"
     requires = "requires = [\"numpy; python_version ~= 'abc'\"]\n"
