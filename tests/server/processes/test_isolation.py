@@ -815,6 +815,9 @@ def test_a_runner_that_dies_at_every_start_fails_its_load_and_is_not_restarted(
     assert_no_restart_loop(srv)
 
 
+RELOADS = 15
+
+
 @pytest.mark.workers(2)  # the runner processes are the same with one worker or several
 def test_memory_a_runner_leaks_natively_goes_back_at_each_reload(
     server: Callable[..., ServerProcess], tmp_path: Path
@@ -826,15 +829,16 @@ def test_memory_a_runner_leaks_natively_goes_back_at_each_reload(
     assert infer(srv, "leaky", [1.0])[0] == 200
     first = tree_rss_mib(srv.proc.pid)
     pids = set()
-    for _ in range(50):
+    for _ in range(RELOADS):
         code, _, body = srv.request("POST", "/admin/plugins/runner/leaky/1.0.0/reload")
         assert code == 200, body
         code, answer = infer(srv, "leaky", [1.0])
         assert code == 200, answer
         pids.update(plugin_row(srv, "leaky")["pids"])
     after = tree_rss_mib(srv.proc.pid)
-    assert len(pids) >= 50  # a process of its own at every load
-    assert after - first < 128, f"{first:.0f} MiB after the first load, {after:.0f} after 50"
+    assert len(pids) >= RELOADS  # a process of its own at every load
+    # Kept, the leak would be RELOADS x 64 MiB (960): the bound is two loads' worth.
+    assert after - first < 128, f"{first:.0f} MiB after the first load, {after:.0f} after"
 
 
 def assert_no_restart_loop(srv: ServerProcess) -> None:

@@ -9,6 +9,7 @@ when they die, no orphans when the supervisor dies, SIGTERM draining them all.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -16,9 +17,9 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -314,15 +315,34 @@ def test_workers_must_be_a_number_or_auto(
 def test_a_rate_limit_is_the_servers_not_each_workers(
     server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path
 ) -> None:
+    """Ten tokens for the server: two clients kept on different workers share them."""
     write_tagger(plugins_dir, "1.0.0", "one")
+    write_tagger(plugins_dir, "1.0.0", "probe", name="probe")  # no limit: it finds the pid
     (plugins_dir / "routes.toml").write_text(
         '[routes.tagger]\nrunner = "tagger"\nrate_limit = { rps = 0.001, burst = 10 }\n'
     )
     srv = two_workers(server, plugins_dir, models_dir)
-    answers = [call(srv) for _ in range(30)]
-    assert [s for s, _, _ in answers].count(200) == 10
-    assert [s for s, _, _ in answers].count(429) == 20
-    assert len({pid for s, _, pid in answers if s == 200}) == 2  # both workers took some
+    connections: dict[int, http.client.HTTPConnection] = {}
+    for _ in range(64):
+        if len(connections) == 2:
+            break
+        connection = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        status, doc = post(connection, "/predict/probe")
+        assert status == 200, doc
+        connections.setdefault(doc["pid"][0], connection)
+    assert len(connections) == 2, "every connection reached one worker"
+    answers = [post(c, "/predict/tagger")[0] for _ in range(15) for c in connections.values()]
+    for connection in connections.values():
+        connection.close()
+    assert answers.count(200) == 10 and answers.count(429) == 20, answers
+    assert answers[:10] == [200] * 10  # each worker took five before the shared bucket ran dry
+
+
+def post(connection: http.client.HTTPConnection, path: str) -> tuple[int, Any]:
+    """A request on a kept-alive connection: it stays with the worker that accepted it."""
+    connection.request("POST", path, b'{"delay": [0]}', {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    return answer.status, json.loads(answer.read())
 
 
 SLOW = """
@@ -407,17 +427,27 @@ def test_a_worker_that_stops_answering_is_replaced_and_bounds_every_answer(
     stuck = min(worker_pids(srv))
 
     def healthy(method: str, path: str, timeout: float) -> tuple[int, float]:
-        """Sent until a connection lands on the worker that answers (the kernel spreads
-        new connections; those given to the stopped one wait)."""
-        for _ in range(20):
-            request = urllib.request.Request(srv.url + path, method=method)
+        """Sent on a connection a live worker answers: the kernel spreads new connections
+        (SO_REUSEPORT), and one given to the stopped worker is never accepted, so each is
+        first probed with a quick liveness request and kept alive for the real one."""
+        for _ in range(40):
+            connection = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=1)
+            try:
+                connection.request("GET", "/v2/health/live")
+                connection.getresponse().read()
+            except TimeoutError:
+                connection.close()
+                continue
+            connection.sock.settimeout(timeout)
             started = time.monotonic()
             try:
-                with urllib.request.urlopen(request, timeout=timeout) as answer:
-                    return answer.status, time.monotonic() - started
-            except TimeoutError:
-                continue
-        raise AssertionError(f"{path}: no answer")
+                connection.request(method, path)
+                answer = connection.getresponse()
+                answer.read()
+                return answer.status, time.monotonic() - started
+            finally:
+                connection.close()
+        raise AssertionError(f"{path}: no worker accepted a connection")
 
     os.kill(stuck, signal.SIGSTOP)
     try:

@@ -213,9 +213,11 @@ def test_a_new_version_or_a_reload_mid_sequence_moves_new_sequences_only(
     assert step(srv, {"sequence_id": "a"}, 1.0) == ("acc@1.0.0", [2.0] * 4)
     write_sequence_runner(plugins_dir, "acc", "2.0.0", sequence="idle_timeout_s = 30")
     deadline = time.monotonic() + 30
-    while step(srv, {"sequence_id": "b", "sequence_start": True}, 5.0)[0] != "acc@2.0.0":
+    while step(srv, {"sequence_id": "probe", "sequence_start": True, "sequence_end": True},
+               5.0)[0] != "acc@2.0.0":  # fmt: skip
         assert time.monotonic() < deadline, "2.0.0 never took the route"
         time.sleep(0.1)
+    assert step(srv, {"sequence_id": "b", "sequence_start": True}, 5.0) == ("acc@2.0.0", [5.0] * 4)
     assert step(srv, {"sequence_id": "a"}, 1.0) == ("acc@1.0.0", [3.0] * 4)
     assert step(srv, {"sequence_id": "b"}, 5.0) == ("acc@2.0.0", [10.0] * 4)
     # A reload of 2.0.0's files: "b" goes on in the instance it started on.
@@ -232,7 +234,7 @@ def test_a_new_version_or_a_reload_mid_sequence_moves_new_sequences_only(
     assert step(srv, {"sequence_id": "a", "sequence_end": True}, 1.0) == ("acc@1.0.0", [5.0] * 4)
     # Started anew, each takes the route's version now, in its new instance.
     assert step(srv, {"sequence_id": "a", "sequence_start": True}, 1.0) == ("acc@2.0.0", [1.0] * 4)
-    assert step(srv, {"sequence_id": "a"}, 1.0) == ("acc@2.0.0", [2.0] * 4)
+    assert step(srv, {"sequence_id": "a", "sequence_end": True}, 1.0) == ("acc@2.0.0", [2.0] * 4)
 
 
 def plugin_record(srv: ServerProcess, version: str) -> dict[str, Any]:
@@ -276,8 +278,9 @@ def test_a_canary_places_sequences_by_id_and_a_weight_change_moves_new_ones_only
     for i in ids:  # mid-sequence: each keeps its variant and its state
         assert step(srv, {"sequence_id": i}, 1.0) == (started[i], [2.0] * 4)
         assert step(srv, {"sequence_id": i, "sequence_end": True}, 1.0) == (started[i], [3.0] * 4)
-    for i in ids:  # started anew: the route's one variant now
-        assert step(srv, {"sequence_id": i, "sequence_start": True}, 1.0)[0] == "acc@2.0.0"
+    for i in ids:  # started anew (and ended): the route's one variant now
+        assert step(srv, {"sequence_id": i, "sequence_start": True, "sequence_end": True},
+                    1.0)[0] == "acc@2.0.0"  # fmt: skip
 
 
 STEPS_PIPELINED = 8
@@ -374,9 +377,8 @@ def test_an_isolated_runners_sequence_keeps_its_version_past_a_new_one_and_a_rel
             "acc@1.0.0",
             [4.0] * 4,
         )
-        assert kept_step({"sequence_id": "a", "sequence_start": True}, 1.0) == (
-            "acc@2.0.0",
-            [1.0] * 4,
-        )
+        # Ended too: nothing is left for the server's shutdown to drain.
+        assert kept_step({"sequence_id": "a", "sequence_start": True, "sequence_end": True},
+                         1.0) == ("acc@2.0.0", [1.0] * 4)  # fmt: skip
     finally:
         connection.close()
