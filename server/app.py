@@ -39,7 +39,7 @@ from plugserve.server.runtime import heap
 from plugserve.server.runtime.metrics import Metrics
 from plugserve.server.runtime.shutdown import CLOSE_FLOOR_S, Drain, within
 from plugserve.server.state import DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
-from plugserve.server.triton.answers import READINESS, Readiness
+from plugserve.server.triton.answers import READINESS, SERVED_MARKER, Readiness
 from plugserve.server.triton.repository import REPOSITORY, LocalRepository
 from plugserve.server.triton.shared_memory import REGIONS, Regions
 from plugserve.server.triton.shm_table import LocalTable, SharedTable
@@ -250,7 +250,10 @@ def create_app(
     if settings.runners_on_loop and (worker is not None or settings.inline_runners == "on"):
         app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S  # auto: one of several workers only
     fleet = worker.fleet_health if worker is not None and worker.spec.fleet else None
-    app[READINESS] = Readiness(app[REGISTRY], app[DRAIN], app[ROUTE_STORE], fleet)
+    app[READINESS] = Readiness(
+        app[REGISTRY], app[DRAIN], app[ROUTE_STORE], fleet, strict=settings.strict_readiness,
+        served=None if worker is None else worker.spec.control_dir / SERVED_MARKER,
+    )  # fmt: skip
     if worker is None:
         app[REPOSITORY] = LocalRepository(app[REGISTRY])
         app[STATISTICS] = LocalStatistics(app[REGISTRY])

@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
         "the default) or on_demand (on their first request)",
     )
     serve.add_argument(
+        "--strict-readiness",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ready at start-up only once every route can serve (the default); "
+        "--no-strict-readiness: ready without the routes that failed",
+    )
+    serve.add_argument(
         "--grpc-engine",
         choices=["grpcio", "native"],
         help="what serves gRPC: native (HTTP/2 on each worker's event loop, the default) or "
@@ -195,6 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
         "grpc_port": args.grpc_port,
         "grpc_engine": args.grpc_engine,
         "default_load": args.default_load,
+        "strict_readiness": args.strict_readiness,
         "memory_budget": args.memory_budget,
         "gpu_memory_budget": args.gpu_memory_budget,
         "log_format": args.log_format,

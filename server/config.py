@@ -125,6 +125,11 @@ class Settings:
     gpu_memory_budget: int | str = 0
     """What the runner versions loaded on demand may hold on each GPU: bytes, a size
     (``"20GiB"``) or a share of each GPU's memory (``"80%"``); 0: no GPU budget."""
+    strict_readiness: bool = True
+    """At start-up, ready (``/v2/health/ready``) only once every route can serve; a route
+    that cannot keeps the server unready and is named in the answer. Off, the server is
+    ready without the routes that failed (a partial start). Once the server has been
+    ready, a route that fails is reported there and never takes readiness away."""
     default_load: str = "eager"
     """When a runner version that does not say (``[runner] load``) loads: ``eager`` (at
     start and on every change) or ``on_demand`` (on its first request)."""
@@ -479,6 +484,7 @@ def _expected_type(key: str) -> type | tuple[type, ...]:
         "watch": bool,
         "access_log": bool,
         "fast_path": bool,
+        "strict_readiness": bool,
         "grpc_engine": str,
         "drain_timeout_s": (int, float),
         "load_timeout_s": (int, float),

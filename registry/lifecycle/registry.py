@@ -205,6 +205,9 @@ class Registry:
         self.shared_buckets: Path | None = None
         """With several workers: the folder of the rate-limit state they share."""
         self.started = False
+        self.unserved: dict[str, str] = {}
+        self.closing = False
+        """Each route that cannot serve, and why (:meth:`RouteTable.unserved`), once started."""
         # Watched folders that went missing (path: since, epoch s); the watcher keeps it.
         self.lost_roots: dict[Path, float] = {}
 
@@ -245,6 +248,7 @@ class Registry:
             self._watching = asyncio.create_task(self.budget.watch())
         self.started = True
         log.info("registry_started", versions=len(self.records), routes=len(self.routes.entries))
+        self._note_unserved()
 
     async def sync(self, force: bool = False) -> SyncReport:
         """Make the registry match the disk: load new, reload changed, unload deleted.
@@ -294,14 +298,31 @@ class Registry:
         return "unchanged"
 
     async def sync_model(self, name: str) -> list[tuple[str, Outcome]]:
-        """Reload every runner using model ``name`` whose resolved model changed."""
+        """Reload every runner using model ``name`` whose resolved model changed, and try
+        again each version that failed to load and names it (its manifest read again)."""
+        records = list(self.records.values())
         users = [
             r
-            for r in list(self.records.values())
+            for r in records
             if r.current is not None and self.loader.model_name(r.current.manifest) == name
         ]
+        failed = [r for r in records if r.current is None and r.state == "failed"]
+        if failed:
+            names = await asyncio.to_thread(lambda: [self._model_named(r.folder) for r in failed])
+            for record, named in zip(failed, names, strict=True):
+                if named == name:
+                    log.info("retrying_failed_version", plugin=record.label, model=name,
+                             last_error=record.last_error)  # fmt: skip
+                    users.append(record)
         outcomes = await asyncio.gather(*(self.load(r.folder) for r in users))
         return [(r.label, o) for r, o in zip(users, outcomes, strict=True)]
+
+    def _model_named(self, folder: Path) -> str | None:
+        """The model repository name a version's manifest uses, if it can be read (blocking)."""
+        try:
+            return self.loader.model_name(load_manifest(folder))
+        except Exception:  # a manifest that does not parse names no model
+            return None
 
     def fingerprint(self, folder: Path) -> str:
         """The folder's files and, for a runner, the model file it resolves to now."""
@@ -687,6 +708,7 @@ class Registry:
         still holds past the bound is left as it is (logged as ``close_timeout``).
         """
         self.drain_timeout = 0.0
+        self.closing = True  # routes go as their versions do: nothing to report
         if self._watching is not None:  # nothing left to evict for
             self._watching.cancel()
             self._watching = None
@@ -824,6 +846,8 @@ class Registry:
         specs = {**self.file_routes, **self.runtime_routes}
         self.routes = build_route_table(self.records.values(), specs)
         self._note_waiting()
+        if self.started and not self.closing:
+            self._note_unserved()
         buckets = {}
         for name, entry in self.routes.entries.items():
             limit = entry.rate_limit
@@ -865,6 +889,17 @@ class Registry:
             if isinstance(chain, Chain):
                 log.info("route_chain_whole", route=route, runner=runner, chain=chain.label)
         self.waiting = waiting
+
+    def _note_unserved(self) -> None:
+        """Log each route that cannot serve (at start, then as one starts or stops failing)."""
+        unserved = self.routes.unserved()
+        for route, why in unserved.items():
+            if self.unserved.get(route) != why:
+                log.warning("route_cannot_serve", route=route, why=why)
+        for route in self.unserved.keys() - unserved.keys():
+            if route in self.routes.entries:
+                log.info("route_serves", route=route)
+        self.unserved = unserved
 
     # -- views -------------------------------------------------------------------------
 

@@ -647,6 +647,15 @@ class RouteTable:
     def describe(self) -> list[dict[str, Any]]:
         return [self.entries[name].describe() for name in sorted(self.entries)]
 
+    def unserved(self) -> dict[str, str]:
+        """Each route that cannot serve a request now, and why: its runner failed, is not
+        installed or waits for a stage. One whose runner loads on its first request serves."""
+        return {
+            name: entry.default.message
+            for name, entry in sorted(self.entries.items())
+            if isinstance(entry.default, _Failure) and not entry.default.demand
+        }
+
     def waiting(self) -> dict[tuple[str, str], tuple[str, ...]]:
         """What each waiting runner version (``name@version``) of each route waits for."""
         return {

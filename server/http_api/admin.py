@@ -23,6 +23,7 @@ from plugserve.server.http.auth import admin_only as protected
 from plugserve.server.http.bodies import BODIES, read_control
 from plugserve.server.rollouts.controller import ACTIONS, ROLLOUTS, check_status, operate
 from plugserve.server.state import METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+from plugserve.server.triton.answers import READINESS
 
 PROFILING = web.AppKey("profiling", asyncio.Lock)
 STARTED = web.AppKey("started", float)
@@ -262,6 +263,7 @@ async def status(request: web.Request) -> web.Response:
             "uptime_s": time.monotonic() - request.app[STARTED],
             "plugins": [r.as_json() for r in registry.plugins()],
             "routes": registry.routes.describe(),
+            "readiness": await request.app[READINESS].describe(),
             "requests": request.app[METRICS].requests_by_route(),
             "fleet": request.app[ROUTE_STORE].health(),
             "memory": registry.budget.describe() if registry.budget is not None else None,

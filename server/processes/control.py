@@ -366,6 +366,7 @@ async def status(request: web.Request) -> web.Response:
             "uptime_s": time.monotonic() - request.app[STARTED],
             "plugins": merge.plugins([(w.pid, r.json()["plugins"]) for w, r in answers]),
             "routes": docs[0]["routes"],
+            "readiness": docs[0]["readiness"],
             "requests": requests,
             "fleet": store.health(),
             "memory": budget.describe() if budget is not None else None,
@@ -380,6 +381,7 @@ async def status(request: web.Request) -> web.Response:
                 {
                     **w.as_json(pool.restarts.get(w.index, 0)),
                     "requests": sum(doc["requests"].values()),
+                    "ready": doc["readiness"]["ready"],
                 }
                 for (w, _), doc in zip(answers, docs, strict=True)
             ],

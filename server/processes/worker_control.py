@@ -20,6 +20,7 @@ from plugserve.server.http_api import admin, v2
 from plugserve.server.processes import tree_budget
 from plugserve.server.processes.link import LISTEN_WAIT_S, WorkerLink, set_lost_roots
 from plugserve.server.state import DRAIN, METRICS, REGISTRY, ROUTE_STORE, SETTINGS
+from plugserve.server.triton.answers import READINESS
 from plugserve.server.triton.repository import REPOSITORY, LocalRepository
 from plugserve.server.triton.statistics import STATISTICS, LocalStatistics
 
@@ -34,6 +35,7 @@ def control_app(app: web.Application, link: WorkerLink) -> web.Application:
     control[ROUTE_STORE], control[BODIES] = app[ROUTE_STORE], app[BODIES]
     control[admin.STARTED] = app[admin.STARTED]
     control[admin.PROFILING] = app[admin.PROFILING]
+    control[READINESS] = app[READINESS]
     control[REPOSITORY] = LocalRepository(app[REGISTRY])
     control[STATISTICS] = LocalStatistics(app[REGISTRY])
     _add_control_routes(control, link)

@@ -4,6 +4,7 @@ the server's metadata, its readiness, a route's model metadata, a result as name
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,46 +39,99 @@ def server_metadata() -> dict[str, Any]:
     return {"name": NAME, "version": __version__, "extensions": EXTENSIONS}
 
 
+SERVED_MARKER = "served"
+"""The file in a supervisor's control folder that says the server has been ready."""
+
+
 class Readiness:
-    """Whether the server is ready: plugins loaded, not draining, its folders there, and
-    in fleet mode the fleet's route table read (by this process, or by a worker's
-    supervisor, which follows the fleet for all its workers: ``fleet``)."""
+    """Whether the server is ready: plugins loaded, not draining, its folders there, in
+    fleet mode the fleet's route table read (by this process, or by a worker's supervisor,
+    which follows the fleet for all its workers: ``fleet``), and, ``strict``, every route
+    able to serve.
+
+    Strict readiness holds at start-up: until every route can serve once, the server is not
+    ready (Triton's ``--strict-readiness``), and the answer names each route that cannot
+    and why. From then on a route that fails is reported, never a reason to be taken out
+    of service: a failed reload keeps its previous version serving, and one bad new drop
+    must not take every other route away. ``served`` marks that moment for the whole
+    server (a file its workers share, so that a replaced worker does not start over)."""
 
     def __init__(
-        self, registry: Registry, drain: Drain, store: RouteStore, fleet: FleetHealth | None
+        self,
+        registry: Registry,
+        drain: Drain,
+        store: RouteStore,
+        fleet: FleetHealth | None,
+        strict: bool = True,
+        served: Path | None = None,
     ) -> None:
         self.registry = registry
         self.drain = drain
         self.store = store
         self.fleet = fleet
+        self.strict = strict
+        self.served_marker = served
+        self._served = not strict
 
     async def check(self) -> dict[str, Any]:
         """The readiness answer; :class:`Unavailable` (with why) when not ready."""
-        if not self.registry.started:
+        registry = self.registry
+        if not registry.started:
             raise Unavailable("the server is starting: plugins are still loading")
         if self.drain.draining:
             raise Unavailable("the server is shutting down")
-        lost = self.registry.lost_roots
+        lost = registry.lost_roots
         if lost:
             # Loaded versions keep serving; what the folder will hold is unknown until it is back.
             raise Unavailable(
                 "watched folder missing: " + ", ".join(sorted(str(p) for p in lost)),
                 missing=sorted(str(p) for p in lost),
             )
+        answer: dict[str, Any] = {"ready": True}
         store = self.store
-        if self.fleet is not None:
-            is_ready, details = await self.fleet()
-        elif store.mode == "local":
-            return {"ready": True}
-        else:
-            is_ready, details = store.ready, store.health()
-        # A fleet replica: ready once it has read the fleet's route table; an etcd
-        # outage after that keeps it ready (it serves the last table) and shows here.
-        if not is_ready:
+        if self.fleet is not None or store.mode != "local":
+            if self.fleet is not None:
+                is_ready, details = await self.fleet()
+            else:
+                is_ready, details = store.ready, store.health()
+            # A fleet replica: ready once it has read the fleet's route table; an etcd
+            # outage after that keeps it ready (it serves the last table) and shows here.
+            if not is_ready:
+                raise Unavailable(
+                    "the fleet's route table has not been read from etcd yet", fleet=details
+                )
+            answer["fleet"] = details
+        unserved = registry.unserved
+        if unserved and not self.served():
             raise Unavailable(
-                "the fleet's route table has not been read from etcd yet", fleet=details
+                f"{len(unserved)} route(s) cannot serve: "
+                + "; ".join(f"{route}: {why}" for route, why in unserved.items())
+                + " (strict_readiness = false starts without them)",
+                unserved=unserved,
             )
-        return {"ready": True, "fleet": details}
+        self.mark_served()
+        if unserved:
+            answer["unserved"] = unserved
+        return answer
+
+    def served(self) -> bool:
+        """Whether the server has been ready with every route serving (or is not strict)."""
+        if not self._served and self.served_marker is not None:
+            self._served = self.served_marker.exists()
+        return self._served
+
+    def mark_served(self) -> None:
+        if not self._served:
+            self._served = True
+            if self.served_marker is not None:
+                self.served_marker.touch()
+
+    async def describe(self) -> dict[str, Any]:
+        """The readiness answer, or why not (``/admin/status``)."""
+        try:
+            return await self.check()
+        except Unavailable as exc:
+            return {"ready": False, "why": exc.message, **exc.fields}
 
     async def ready(self) -> bool:
         try:

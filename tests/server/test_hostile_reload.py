@@ -59,7 +59,8 @@ def test_inf_in_routes_toml_and_plugin_toml_at_start_is_reported_not_a_crash(
     (plugins_dir / "routes.toml").write_text(
         '[routes.alias]\nrunner = "good"\nrate_limit = { rps = inf }\n'
     )
-    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 "--no-strict-readiness")  # fmt: skip
     bad = plugin_state(srv, "runner/bad@1.0.0")
     assert bad is not None and bad["state"] == "failed"
     assert "route.rate_limit.rps: must be a finite number" in bad["last_error"]

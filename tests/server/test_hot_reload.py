@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import threading
 import time
@@ -236,6 +237,28 @@ def test_model_repository_changes_reload_the_runners_using_them(
     assert y("add") == 2.0
     shutil.rmtree(models_dir / "add" / "2")  # back to the highest remaining version
     until(lambda: y("add") == 5.0)
+
+
+def test_a_version_whose_model_failed_to_load_is_tried_again_when_the_model_changes(
+    plugins_dir: Path, models_dir: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """No admin call: replacing the broken model file loads the version, and says so."""
+    broken = models_dir / "add" / "1" / "model.onnx"
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"not an ONNX model")
+    write_plugin(plugins_dir, "runner", "add", "1.0.0",
+                 '[runner]\nbackend = "onnxruntime"\nmodel = "models:add"\n', module=None)  # fmt: skip
+    srv = serve("--no-strict-readiness")
+    assert srv.request("POST", "/predict/add", {"x": [[0, 0, 0, 0]]})[0] == 503
+    fixed = add_model(plugins_dir.parent / "fixed.onnx", amount=3)
+    os.replace(fixed, broken)  # one rename: the watcher never sees half a file
+
+    def y() -> float | None:
+        code, _, body = srv.request("POST", "/predict/add", {"x": [[0, 0, 0, 0]]})
+        return float(json.loads(body)["y"][0][0]) if code == 200 else None
+
+    assert until(y) == 3.0
+    assert "retrying_failed_version" in srv.log()
 
 
 def test_routes_file_changes_apply_and_invalid_ones_keep_the_table(

@@ -31,6 +31,14 @@ def readiness(srv: ServerProcess) -> tuple[int, dict[str, Any]]:
     return status, json.loads(body)
 
 
+def readiness_or_none(srv: ServerProcess) -> tuple[int, dict[str, Any]] | None:
+    """As :func:`readiness`, ``None`` while the port is not listening yet."""
+    try:
+        return readiness(srv)
+    except OSError:
+        return None
+
+
 def not_ready(srv: ServerProcess) -> dict[str, Any] | None:
     status, body = readiness(srv)
     return body if status == 503 else None
@@ -136,13 +144,18 @@ def test_a_folder_missing_at_start_is_watched_once_it_appears(
     models_dir = tmp_path / "models-later"
     write_plugin(plugins_dir, "runner", "add", "1.0.0",
                  '[runner]\nbackend = "onnxruntime"\nmodel = "models:add"\n', module=None)  # fmt: skip
-    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
-    assert readiness(srv)[0] == 200
-    assert "watch_root_missing" in srv.log()
+    srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+                 ready=False)  # fmt: skip
+    until(lambda: srv.log().count("watching") >= 1 and "watch_root_missing" in srv.log())
+    # Not ready for the route its model would serve (strict readiness), not for a lost root.
+    _, body = until(lambda: (answer := readiness_or_none(srv)) and answer[0] == 503
+                         and "unserved" in answer[1] and answer)  # fmt: skip
+    assert set(body["unserved"]) == {"add"} and "missing" not in body, body
     staging = tmp_path / ".models.tmp"
     add_model(staging / "add" / "1" / "model.onnx", amount=2)
     staging.rename(models_dir)
     until(lambda: srv.request("POST", "/predict/add", {"x": [[0, 0, 0, 0]]})[0] == 200)
+    assert readiness(srv)[0] == 200
     # With several workers the first may answer while another still loads (each request on a
     # new connection may reach either): wait until every worker has it.
     until(lambda: ready_everywhere(srv, "add"))

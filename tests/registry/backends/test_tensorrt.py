@@ -199,7 +199,9 @@ async def test_tensorrt_runner_fails_clearly_in_the_server(plugins_dir: Path, cl
     rows = (await (await cli.get("/admin/plugins")).json())["plugins"]
     assert rows[0]["state"] == "failed"
     assert "pip install 'plugserve[tensorrt]'" in rows[0]["last_error"]
-    assert (await cli.get("/v2/health/ready")).status == 200
+    ready = await cli.get("/v2/health/ready")  # strict: the route cannot serve, and says why
+    assert ready.status == 503
+    assert "pip install 'plugserve[tensorrt]'" in (await ready.json())["unserved"]["trt"]
 
 
 def _has_tensorrt() -> bool:
