@@ -136,8 +136,8 @@ ROLLOUT = {
 
 def write_plugins(plugins: Path, workers: int = 1) -> None:
     write_plugin(plugins, "runner", "padded", "1.0.0", PADDED_MANIFEST, {"plugin.py": PADDED})
-    shutil.copytree(ROOT / "plugins" / "preprocessor" / "image_decode",
-                    plugins / "preprocessor" / "image_decode")  # fmt: skip
+    shutil.copytree(ROOT / "plugins" / "preprocessor" / "image_decode" / "1.0.0",
+                    plugins / "preprocessor" / "image_decode" / "1.0.0")  # fmt: skip
     decode = plugins / "preprocessor" / "image_decode" / "1.0.0" / "plugin.toml"
     text = decode.read_text()
     config = "".join(f"{k} = {json.dumps(v)}\n" for k, v in IMAGE_CONFIG.items())
