@@ -6,7 +6,10 @@ clients send: ``sequence_id`` (a non-zero integer or a non-empty string),
 ``sequence_start`` on its first request and ``sequence_end`` on its last. The state
 each ``[[runner.sequence.state]]`` declares starts at its ``initial`` value, reaches
 the runner as an input with each request, and is replaced by the runner's matching
-output, which the client never sees: it sends only its data.
+output, which the client never sees: it sends only its data. A state declared with
+``from_input`` is a context instead: the last samples of a request input, kept for the
+sequence's next request and fed in front of its samples or as an input of its own
+(:meth:`Sequences.contexts_of`), as a streaming model's own wrapper keeps them.
 
 A sequence's requests run one at a time, in the order they arrive; requests of
 different sequences batch together (each state is one row of its batch). A request
@@ -26,10 +29,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from plugserve.registry.errors import InvalidInput, PluginError, TooManyRequests
+from plugserve.registry.errors import InvalidInput, PluginError, PluginLoadError, TooManyRequests
 from plugserve.registry.execution.layout import BatchLayout
-from plugserve.registry.manifest import SequenceSection, StateSpec
-from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
+from plugserve.registry.manifest import BatchingSection, ContextSpec, SequenceSection, StateSpec
+from plugserve.registry.tensors.datatypes import V2_TO_NUMPY, v2_datatype
 
 Arrays = Mapping[str, np.ndarray]
 SequenceId = int | str
@@ -74,12 +77,16 @@ def sequence_of(parameters: Mapping[str, Any]) -> tuple[SequenceId | None, bool,
 
 
 class Sequence:
-    """One live sequence: its state, when it was last used, and its turn."""
+    """One live sequence: its state and contexts, when it was last used, and its turn."""
 
-    __slots__ = ("ended", "last", "state", "turn", "users")
+    __slots__ = ("context", "ended", "last", "state", "turn", "users")
 
-    def __init__(self, state: dict[str, np.ndarray], now: float) -> None:
+    def __init__(
+        self, state: dict[str, np.ndarray], context: dict[str, np.ndarray], now: float
+    ) -> None:
         self.state = state
+        self.context = context
+        """Each context (``from_input``) by the model input it is fed as."""
         self.last = now
         self.turn = asyncio.Lock()  # waiters are woken in the order they came
         self.users = 0
@@ -171,6 +178,66 @@ class Sequences:
         shape = _with_row(spec.shape, self._axis(spec.input, output=False))
         return np.full(shape, spec.initial, dtype=V2_TO_NUMPY[spec.datatype])
 
+    def initial_contexts(self) -> dict[str, np.ndarray]:
+        """Each context at a sequence's start (silence, by default): one row of its shape."""
+        return {
+            spec.input: np.full(
+                _with_row(spec.shape, self._axis(spec.source, output=False)),
+                spec.initial,
+                dtype=V2_TO_NUMPY[spec.datatype],
+            )
+            for spec in self.section.contexts
+        }
+
+    def contexts_of(
+        self, inputs: Arrays, contexts: Mapping[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """A request's context inputs, and the contexts its sequence keeps after it.
+
+        Each context joins the request's samples, ``[context, chunk]`` along its axis: that
+        is the model's input for a prepended context (else the context is an input of its
+        own), and its last samples, as many as the context holds, are the next context.
+        A chunk shorter than the context keeps part of the context before it. A 400 when the
+        chunk is missing or does not fit its context (datatype, rank, other dimensions).
+        """
+        fed: dict[str, np.ndarray] = {}
+        after: dict[str, np.ndarray] = {}
+        for spec in self.section.contexts:
+            before = contexts[spec.input]
+            chunk = inputs.get(spec.source)
+            self._check_chunk(spec, chunk, before)
+            assert chunk is not None  # _check_chunk refused it
+            joined = np.concatenate((before, chunk), axis=spec.axis)
+            fed[spec.input] = joined if spec.prepended else before
+            tail: list[slice] = [slice(None)] * joined.ndim
+            tail[spec.axis] = slice(joined.shape[spec.axis] - before.shape[spec.axis], None)
+            # A copy: a view would keep the whole joined tensor alive with the sequence.
+            after[spec.input] = joined[tuple(tail)].copy()
+        return fed, after
+
+    def _check_chunk(self, spec: ContextSpec, chunk: Any, before: np.ndarray) -> None:
+        if not isinstance(chunk, np.ndarray):
+            raise InvalidInput(
+                f"runner {self.label} keeps a context of input {spec.source!r}: each request "
+                "of a sequence sends it"
+            )
+        if chunk.dtype != before.dtype:
+            raise InvalidInput(
+                f"input {spec.source!r} is {_datatype(chunk)}; runner {self.label} keeps its "
+                f"context as {spec.datatype}"
+            )
+        fits = chunk.ndim == before.ndim and all(
+            got == want
+            for axis, (got, want) in enumerate(zip(chunk.shape, before.shape, strict=True))
+            if axis != spec.axis
+        )
+        if not fits:
+            want = [-1 if axis == spec.axis else size for axis, size in enumerate(before.shape)]
+            raise InvalidInput(
+                f"input {spec.source!r} has shape {list(chunk.shape)}; runner {self.label} "
+                f"keeps its context along axis {spec.axis}: a request sends {want} (-1: any)"
+            )
+
     def _control_inputs(
         self, sequence_id: SequenceId, start: bool, end: bool
     ) -> dict[str, np.ndarray]:
@@ -207,8 +274,9 @@ class Sequences:
         parameters: Mapping[str, Any],
         execute: Callable[[Arrays], Awaitable[Arrays]],
     ) -> Arrays:
-        """Run one request of its sequence: in its turn, with the sequence's state as
-        inputs; the state outputs are kept, the rest answered."""
+        """Run one request of its sequence: in its turn, with the sequence's state and
+        contexts as inputs; the state outputs and the new contexts are kept, the rest
+        answered."""
         sequence_id, start, end = sequence_of(parameters)
         if sequence_id is None:
             raise InvalidInput(
@@ -231,9 +299,14 @@ class Sequences:
                         raise InvalidInput(f"sequence {sequence_id!r} of runner {self.label} ended")
                     # Started again, as Triton does: from the initial state; kept only once
                     # the request succeeds (a failed request leaves the state as it was).
-                    state = self.initial() if start and not fresh else sequence.state
+                    restart = start and not fresh
+                    state = self.initial() if restart else sequence.state
+                    context = after = self.initial_contexts() if restart else sequence.context
                     try:
                         fed = {**inputs, **state}
+                        if context:
+                            joined, after = self.contexts_of(inputs, context)
+                            fed.update(joined)
                         if self._controls:
                             fed.update(self._control_inputs(sequence_id, start, end))
                         kept, answer = self._kept(await execute(fed))
@@ -242,7 +315,7 @@ class Sequences:
                             self._end(sequence_id, sequence)
                             self.started -= 1
                         raise
-                    sequence.state = kept
+                    sequence.state, sequence.context = kept, after
                     if end:
                         self._end(sequence_id, sequence)
                         self.ended += 1
@@ -293,7 +366,8 @@ class Sequences:
                 "max_sequences: end one first",
                 retry_after_s=1,
             )
-        sequence = self._live[sequence_id] = Sequence(self.initial(), self.clock())
+        sequence = Sequence(self.initial(), self.initial_contexts(), self.clock())
+        self._live[sequence_id] = sequence
         self.started += 1
         return sequence, True
 
@@ -374,6 +448,61 @@ def _tell(watchers: list[Ended], sequence_id: SequenceId) -> None:
 def _with_row(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
     """One sequence's state shape with its one row on ``axis``."""
     return (*shape[:axis], 1, *shape[axis:])
+
+
+def _datatype(array: np.ndarray) -> str:
+    try:
+        return v2_datatype(array.dtype)
+    except KeyError:
+        return str(array.dtype)
+
+
+def inputs_as_sent(
+    section: SequenceSection, batching: BatchingSection | None, inputs: list[Any], label: str
+) -> list[Any]:
+    """A model's declared inputs (``metadata()["inputs"]``) as a request of a sequence sends
+    them: a prepended context's input holds the request's chunk, fewer samples than the
+    model takes by the context's (a fixed size; ``-1``, any size, stays so).
+
+    Raises :class:`PluginLoadError` where the model's input cannot take its declared
+    context: another datatype, another rank, or no room left for a chunk.
+    """
+    prepended = {spec.input: spec for spec in section.contexts if spec.prepended}
+    shown = []
+    for tensor in inputs:
+        name = tensor.get("name") if isinstance(tensor, Mapping) else None
+        spec = prepended.get(name) if isinstance(name, str) else None
+        if spec is None:
+            shown.append(tensor)
+            continue
+        shown.append({**tensor, "shape": _chunk_shape(spec, batching, tensor, label)})
+    return shown
+
+
+def _chunk_shape(
+    spec: ContextSpec, batching: BatchingSection | None, tensor: Mapping[str, Any], label: str
+) -> Any:
+    row_axis = 0 if batching is None else batching.input(spec.source).axis
+    datatype, shape = tensor.get("datatype"), tensor.get("shape")
+    where = f"{label}: input {spec.source!r} keeps a context ([[runner.sequence.state]])"
+    if isinstance(datatype, str) and datatype != spec.datatype:
+        raise PluginLoadError(f"{where} of {spec.datatype}; the model takes {datatype}")
+    if not isinstance(shape, list | tuple):
+        return shape
+    if len(shape) != len(spec.shape) + 1:
+        raise PluginLoadError(
+            f"{where} of {len(spec.shape)} dimensions and a batch axis; the model's input "
+            f"has shape {list(shape)}"
+        )
+    size, length = shape[spec.axis], spec.length(row_axis)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return list(shape)
+    if size <= length:
+        raise PluginLoadError(
+            f"{where} of {length} samples on axis {spec.axis}; the model takes {size} there, "
+            "leaving no room for the request's own"
+        )
+    return [size - length if axis == spec.axis else d for axis, d in enumerate(shape)]
 
 
 def _rows(inputs: Arrays) -> int:

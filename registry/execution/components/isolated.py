@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from plugserve.registry.errors import PlugserveError
 from plugserve.registry.execution.components.inline import rows
@@ -27,6 +27,7 @@ class IsolatedRunner(Runner):
     stats: RunnerStats = field(init=False, repr=False)
     seen: SeenSequences | None = field(init=False, default=None, repr=False)
     """The sequences this worker's requests run in its processes (``[runner.sequence]``)."""
+    metadata_from_model: ClassVar[bool] = False  # its processes' runners answer as shown
 
     def __post_init__(self) -> None:
         if not isinstance(self.component, RemoteRunner):

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from plugserve.registry.errors import InvalidInput, PluginError, PlugserveError
 from plugserve.registry.execution.batching import BatchPolicy
 from plugserve.registry.execution.components.base import LoadedPlugin
+from plugserve.registry.execution.sequences import inputs_as_sent
 from plugserve.registry.manifest import RunnerSection
-from plugserve.registry.tensors.inputs import conform
+from plugserve.registry.tensors.inputs import conform, input_specs
 from plugserve.registry.tensors.values import from_json
 
 
@@ -34,6 +35,9 @@ class Runner(LoadedPlugin):
     _validate: Callable[[Mapping[str, np.ndarray]], Any] | None = field(
         init=False, default=None, repr=False
     )
+    metadata_from_model: ClassVar[bool] = True
+    """Whether its component's ``metadata()`` is the model's own, which :meth:`warmup`
+    turns into what clients see (an isolated runner's is already so: its process's)."""
 
     def __post_init__(self) -> None:
         validate = getattr(self.component, "validate", None)
@@ -42,21 +46,29 @@ class Runner(LoadedPlugin):
     async def warmup(self, within: float) -> None:
         """Warm up and read the metadata; a sequence runner's state tensors and a ragged
         input's ``lengths`` are the server's to feed (and keep): neither shown nor asked
-        of clients."""
+        of clients. An input a context is prepended to shows the request's chunk."""
         await super().warmup(within)
         hidden = self.server_tensors()
-        if not hidden or self._metadata is None:
+        metadata = self._metadata
+        if metadata is None or not self.metadata_from_model:
             return
-        self._metadata = {
-            **self._metadata,
-            **{
-                kind: [t for t in self._metadata[kind] if t.get("name") not in hidden]
-                for kind in ("inputs", "outputs")
-                if isinstance(self._metadata.get(kind), list)
-            },
-        }
-        self._inputs = tuple(spec for spec in self._inputs if spec.name not in hidden)
-        self._input_dtypes = {spec.name: spec.dtype for spec in self._inputs}
+        if hidden:
+            metadata = {
+                **metadata,
+                **{
+                    kind: [t for t in metadata[kind] if t.get("name") not in hidden]
+                    for kind in ("inputs", "outputs")
+                    if isinstance(metadata.get(kind), list)
+                },
+            }
+        sequence, inputs = self.section.sequence, metadata.get("inputs")
+        if sequence is not None and sequence.contexts and isinstance(inputs, list):
+            shown = inputs_as_sent(sequence, self.section.batching, inputs, self.label)
+            metadata = {**metadata, "inputs": shown}
+        if metadata is not self._metadata:
+            self._metadata = metadata
+            self._inputs = input_specs(metadata)
+            self._input_dtypes = {spec.name: spec.dtype for spec in self._inputs}
 
     def server_tensors(self) -> set[str]:
         """The tensors the server feeds or keeps itself: sequence states and controls,
@@ -64,9 +76,7 @@ class Runner(LoadedPlugin):
         section = self.section
         hidden: set[str] = set()
         if section.sequence is not None:
-            hidden.update(s.input for s in section.sequence.states)
-            hidden.update(s.output for s in section.sequence.states)
-            hidden.update(section.sequence.controls.names)
+            hidden.update(section.sequence.tensors)
         if section.batching is not None:
             hidden.update(section.batching.made_inputs)
         return hidden
