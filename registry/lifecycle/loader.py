@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import importlib.metadata
 import inspect
 import itertools
-import shlex
 import threading
 import time
 from collections.abc import Mapping
@@ -24,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from plugserve.registry import requirements
 from plugserve.registry.errors import PluginCallTimeout, PluginLoadError, PlugserveError
 from plugserve.registry.execution.components.base import LoadedPlugin
 from plugserve.registry.execution.components.batched import BatchedRunner
@@ -331,38 +330,10 @@ class Loader:
 
 def check_requirements(manifest: Manifest) -> None:
     """:class:`PluginLoadError` listing every ``[plugin] requires`` entry the server's
-    environment lacks (not installed, or another version), with the pip command that
-    installs them; an entry whose marker does not apply here is skipped."""
-    if not manifest.requires:
-        return
-    from packaging.requirements import Requirement
-
-    missing = []
-    for text in manifest.requires:
-        try:  # the manifest check parsed it and evaluated its marker
-            wanted = Requirement(text)
-            if wanted.marker is not None and not wanted.marker.evaluate():
-                continue
-        except ValueError as exc:
-            raise PluginLoadError(f"{manifest.label}: requires {text!r}: {exc}") from None
-        try:
-            have = importlib.metadata.version(wanted.name)
-        except importlib.metadata.PackageNotFoundError:
-            missing.append((text, "not installed"))
-            continue
-        try:
-            met = wanted.specifier.contains(have, prereleases=True)
-        except ValueError:  # an installed version that is not PEP 440 meets no specifier
-            met = not wanted.specifier
-        if not met:
-            missing.append((text, f"{have} installed"))
-    if missing:
-        listed = "; ".join(f"{text} ({why})" for text, why in missing)
-        command = " ".join(shlex.quote(text) for text, _ in missing)
-        raise PluginLoadError(
-            f"{manifest.label} requires what the server's environment lacks: {listed}. "
-            f"Install it where plugserve runs: pip install {command}"
-        )
+    environment does not meet, with advice that never installs a second distribution of
+    an import (``registry/requirements.py``); an entry none of whose alternatives' markers
+    applies here is met."""
+    requirements.check_installed(manifest.label, manifest.requires)
 
 
 def kind_of(manifest: Manifest, component: Any) -> type[LoadedPlugin]:

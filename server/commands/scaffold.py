@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import keyword
 import os
+import re
 import shutil
 import tomllib
 import unicodedata
@@ -22,6 +23,7 @@ import tomli_w
 from plugserve.registry.errors import ConfigError
 from plugserve.registry.refs import NAME_PATTERN, is_valid_name
 from plugserve.registry.versions import Version
+from plugserve.server.commands.model_hints import Hints, Tensor, shape_hints
 
 RUNNER_MODULE = '''\
 """{name}: a runner that multiplies its input by ``[config] factor``.
@@ -303,7 +305,8 @@ def onnx_runner_files(name: str, version: str, model: str, model_file: Path) -> 
     """The manifest of a runner served by the onnxruntime backend from ``model`` (as the
     manifest names it: ``models:...`` or a path in the package), its tensors read from
     ``model_file`` and shown in a comment (each name as a TOML string). Batching is on
-    when every tensor's first axis is dynamic."""
+    when every tensor's first axis is dynamic; the tables the shapes suggest besides
+    (``server/commands/model_hints.py``) follow ``[runner]``, commented out."""
     from plugserve.registry.backends.onnxruntime import ONNX_TO_V2
 
     _check_name(name)
@@ -313,18 +316,21 @@ def onnx_runner_files(name: str, version: str, model: str, model_file: Path) -> 
         session = ort.InferenceSession(str(model_file), providers=["CPUExecutionProvider"])
     except Exception as exc:  # the model's or the install's fault, said as is
         raise ConfigError(f"{model_file}: ONNX Runtime cannot load it: {exc}") from None
-    lines, batchable = [], True
-    for kind, tensors in (("input", session.get_inputs()), ("output", session.get_outputs())):
-        for tensor in tensors:
-            dims = [d if isinstance(d, int) and d >= 0 else -1 for d in tensor.shape]
-            datatype = ONNX_TO_V2.get(tensor.type, tensor.type)
-            lines.append(f"  {kind:<6} {toml_value(tensor.name)} {datatype} {dims}")
-            batchable = batchable and bool(dims) and dims[0] == -1
-    batching = (
-        "rows batched into one run (the first axis is dynamic)."
-        if batchable
-        else "0: a fixed first axis cannot batch."
-    )
+    tensors = [
+        Tensor(kind, t.name, ONNX_TO_V2.get(t.type, t.type),
+               tuple(d if isinstance(d, int) and d >= 0 else -1 for d in t.shape))
+        for kind, listed in (("input", session.get_inputs()), ("output", session.get_outputs()))
+        for t in listed
+    ]  # fmt: skip
+    lines = [f"  {t.kind:<6} {toml_value(t.name)} {t.datatype} {list(t.dims)}" for t in tensors]
+    batchable = all(t.batches_on_first_axis for t in tensors)
+    hints = shape_hints(tensors)
+    if batchable:
+        batching = "rows batched into one run (the first axis is dynamic)."
+    elif hints.batching:
+        batching = "0 until the rows' axes below are declared (a first axis is fixed)."
+    else:
+        batching = "0: a fixed first axis cannot batch."
     source = toml_value(model_file.name)
     runner: dict[str, Any] = {
         "backend": "onnxruntime",
@@ -347,9 +353,65 @@ def onnx_runner_files(name: str, version: str, model: str, model_file: Path) -> 
             f"against them and shows them as the route's metadata), from {source}:",
             *lines,
         ), toml_table("runner", runner),
+        *(("\n", hints_comment(hints)) if hints else ()),
         "\n", *_route_parts(name),
     ]  # fmt: skip
     return {"plugin.toml": manifest_text(parts, data)}
+
+
+def hints_comment(hints: Hints) -> str:
+    """``hints`` as TOML tables, commented out after what suggests each and the docs'
+    section on it. The TOML is read back first: uncommented, it holds what ``hints`` do."""
+    why = ["The model's shapes suggest more; uncomment what fits (docs/plugins.md):"]
+    if hints.batching:
+        why += [
+            '- [runner.batching] ("Declared batching"): a tensor\'s first axis is fixed, so',
+            "  each tensor's rows go on its first free axis, and an input with none is one",
+            "  value for the whole batch; then raise max_batch_size to batch.",
+        ]
+    for state in hints.states:
+        names = f"{toml_value(state.input.name)} and {toml_value(state.output.name)}"
+        why += [
+            f'- [runner.sequence] ("Sequences"): {names} look like a recurrent',
+            "  state, which the server keeps for each sequence from one request to the next",
+            '  (served by several workers, the runner needs isolation = "process").',
+        ]
+    tables: list[str] = []
+    data: dict[str, Any] = {}
+    for kind, specs in (("inputs", hints.inputs), ("outputs", hints.outputs)):
+        if specs:
+            rows = "".join(f"{toml_key(n)} = {inline_table(s)}\n" for n, s in specs.items())
+            tables.append(f"[runner.batching.{kind}]\n{rows}")
+            data.setdefault("batching", {})[kind] = specs
+    if hints.states:
+        tables.append("[runner.sequence]\nidle_timeout_s = 60\n")
+        states = [state.table() for state in hints.states]
+        data["sequence"] = {"idle_timeout_s": 60, "state": states}
+        for table in states:
+            rows = "".join(f"{key} = {inline_value(value)}\n" for key, value in table.items())
+            tables.append(f"[[runner.sequence.state]]\n{rows}")
+    toml = "\n".join(tables)
+    if tomllib.loads(toml) != {"runner": data}:
+        raise ConfigError("the tables suggested do not read back as the data they hold")
+    return comment(*why, "", *toml.removesuffix("\n").split("\n"))
+
+
+def inline_table(values: Mapping[str, Any]) -> str:
+    """``values`` as a one-line TOML table: ``{ axis = 1 }``."""
+    return "{ " + ", ".join(f"{toml_key(k)} = {inline_value(v)}" for k, v in values.items()) + " }"
+
+
+def inline_value(value: Any) -> str:
+    """``value`` as TOML on one line: a list of sizes as ``[2, 128]``, else as
+    :func:`toml_value` writes it."""
+    if isinstance(value, list):
+        return "[" + ", ".join(inline_value(item) for item in value) + "]"
+    return toml_value(value)
+
+
+def toml_key(name: str) -> str:
+    """``name`` as a TOML key: bare where TOML allows, else a quoted, escaped string."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else toml_value(name)
 
 
 def _check_name(name: str) -> None:

@@ -11,8 +11,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from plugserve.server.commands.scaffold import package_files
-from tests.helpers import ServerProcess, add_model
+from plugserve.registry.manifest import load_manifest
+from plugserve.server.commands.scaffold import onnx_runner_files, package_files
+from tests.helpers import ServerProcess, accumulator_model, add_model, vad_model
 from tests.server.test_cli import plugserve
 
 pytestmark = pytest.mark.slow
@@ -182,3 +183,108 @@ def test_a_processor_named_none_validates_and_passes_its_tests(tmp_path: Path) -
         cwd=folder, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert tests.returncode == 0, tests.stdout + tests.stderr
+
+
+def uncommented_hints(text: str) -> str:
+    """``text`` with the tables ``new`` suggests uncommented: the comment lines after the
+    empty one that follows "uncomment what fits", up to the next line that is no comment."""
+    head, found, rest = text.partition("uncomment what fits")
+    assert found, text
+    prose, _, block = rest.partition("\n#\n")
+    lines = block.split("\n")
+    end = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    tables = [line.removeprefix("#").removeprefix(" ") for line in lines[:end]]
+    return "\n".join([head + found + prose, "#", *tables, *lines[end:]])
+
+
+def test_a_model_with_a_fixed_first_axis_gets_its_batching_and_state_commented_out(
+    tmp_path: Path,
+) -> None:
+    """A streaming VAD's shapes (``state`` [2, N, 3] and ``stateN``, a scalar ``sr``): no
+    batching as written, the declarations that batch it and keep its state below,
+    commented out, and uncommented they are a manifest that validate loads."""
+    vad_model(tmp_path / "models/vad/1/model.onnx")
+    runner = new(tmp_path, "runner", "vad", "--backend", "onnxruntime", "--model", "models:vad")
+    text = (runner / "plugin.toml").read_text()
+    assert tomllib.loads(text)["runner"]["max_batch_size"] == 0
+    assert set(tomllib.loads(text)["runner"]) == {"backend", "model", "max_batch_size",
+                                                  "max_queue_delay_ms"}  # fmt: skip
+    assert "# max_batch_size: 0 until the rows' axes below are declared" in text
+    assert '[runner.batching] ("Declared batching")' in text
+    assert '[runner.sequence] ("Sequences"): "state" and "stateN" look like' in text
+    for line in ("[runner.batching.inputs]", "state = { axis = 1 }", "sr = { shared = true }",
+                 "[runner.batching.outputs]", "stateN = { axis = 1 }", "[runner.sequence]",
+                 "[[runner.sequence.state]]", 'input = "state"', 'output = "stateN"',
+                 'datatype = "FP32"', "shape = [2, 3]"):  # fmt: skip
+        assert f"\n# {line}\n" in text, line
+    assert "# input  " not in text.split("uncomment what fits")[1]  # the listing stays above
+
+    manifest = runner / "plugin.toml"
+    manifest.write_text(
+        uncommented_hints(text).replace("max_batch_size = 0", "max_batch_size = 16")
+    )
+    checked = load_manifest(runner, check_layout=False)
+    assert checked.runner is not None and checked.runner.batching is not None
+    assert checked.runner.batching.input("state").axis == 1
+    assert checked.runner.batching.input("sr").shared
+    assert dict(checked.runner.batching.outputs) == {"stateN": 1}
+    assert checked.runner.sequence is not None
+    (state,) = checked.runner.sequence.states
+    assert (state.input, state.output, state.datatype, state.shape) == (
+        "state", "stateN", "FP32", (2, 3))  # fmt: skip
+    result = plugserve("validate", str(runner), "--models-dir", str(tmp_path / "models"),
+                       "--json", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    metadata = json.loads(result.stdout)["metadata"]
+    assert [t["name"] for t in metadata["inputs"]] == ["input", "sr"]  # the state is the server's
+
+
+def test_a_batching_model_with_a_state_gets_only_the_sequence_commented_out(
+    tmp_path: Path,
+) -> None:
+    model = accumulator_model(tmp_path / "acc" / "model.onnx")
+    text = onnx_runner_files("acc", "1.0.0", "model.onnx", model)["plugin.toml"]
+    assert "max_batch_size = 8\n" in text and "[runner.batching" not in text
+    assert '"state_in" and "state_out" look like a recurrent' in text
+    assert '\n# input = "state_in"\n# output = "state_out"\n# datatype = "FP32"\n' in text
+    assert "\n# shape = [4]\n" in text
+    data = tomllib.loads(uncommented_hints(text))
+    assert data["runner"]["sequence"] == {"idle_timeout_s": 60, "state": [
+        {"input": "state_in", "output": "state_out", "datatype": "FP32", "shape": [4]}]}  # fmt: skip
+    assert data["runner"]["max_batch_size"] == 8 and "batching" not in data["runner"]
+
+
+def fixed_model(path: Path, x: list[int | str], y: list[int | str], op: str = "Identity") -> Path:
+    """An ONNX model of one node from FP32 input ``x`` to output ``y`` of those shapes."""
+    node = (helper.make_node(op, ["x"], ["y"], keepdims=0) if op == "ReduceSum"
+            else helper.make_node(op, ["x"], ["y"]))  # fmt: skip
+    graph = helper.make_graph(
+        [node], "fixed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, y)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("x", "y", "op"),
+    [
+        ([1, 4], [1, 4], "Identity"),  # nothing free: nothing to batch on
+        ([2, "N"], [], "ReduceSum"),  # an answer with no rows to split
+        (["N", 4], ["N", 4], "Identity"),  # it batches as it is
+    ],
+)
+def test_a_model_whose_shapes_suggest_nothing_gets_no_hint(
+    tmp_path: Path, x: list[int | str], y: list[int | str], op: str
+) -> None:
+    model = fixed_model(tmp_path / "model.onnx", x, y, op)
+    text = onnx_runner_files("plain", "1.0.0", "model.onnx", model)["plugin.toml"]
+    assert "uncomment what fits" not in text and "[runner.batching" not in text
+    batches = x[0] == "N"
+    assert ("max_batch_size = 8\n" if batches else "max_batch_size = 0\n") in text
+    if not batches:
+        assert "# max_batch_size: 0: a fixed first axis cannot batch.\n" in text
