@@ -22,6 +22,7 @@ import numpy as np
 
 from plugserve.registry.backends import cpu_share
 from plugserve.registry.backends.cpu_share import ThreadChoice
+from plugserve.registry.backends.ort_batching import check_batch_axes
 from plugserve.registry.backends.ort_gpu import (
     GPU_PROVIDERS,
     TENSORRT_LIBRARIES,
@@ -106,6 +107,14 @@ class OnnxRuntimeRunner:
         self._output_names = [o.name for o in self._outputs]
         self._input_names = {i.name for i in self._inputs}
         self._text_inputs = [i.name for i in self._inputs if i.datatype == "BYTES"]
+
+    @property
+    def inputs(self) -> list[_TensorSpec]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> list[_TensorSpec]:
+        return self._outputs
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -367,7 +376,13 @@ def create_runner(
     if threads is not None:
         runtime["threads"] = threads.as_json()
     plugin.logger.info("onnx_session_created", model=str(source), **runtime)
-    return OnnxRuntimeRunner(session, plugin, runtime, options)
+    created = OnnxRuntimeRunner(session, plugin, runtime, options)
+    try:
+        check_batch_axes(plugin, runner, created.inputs, created.outputs, created.infer)
+    except PluginLoadError:
+        created.close()
+        raise
+    return created
 
 
 def _instances(runner: Mapping[str, Any]) -> int:

@@ -39,6 +39,9 @@ Requests queue per runner instance and leave it in batches:
 - Only an execution of one request says whose fault a failure is: ``on_failure``
   hears each such failure (and decides whether the runner's circuit breaker counts
   it); a failed batch of several is not reported, its retries are.
+- Every batch run again one request at a time is counted (``on_fallback``: the runner's
+  statistics, ``/admin/plugins``), and the first one is logged with its reason: a runner
+  that refuses every batch costs an execution more per batch, which must show.
 
 The clock and the timer are injectable, so the policy is tested with a fake clock.
 """
@@ -60,6 +63,7 @@ from plugserve.registry.errors import (
     DeadlineExceeded,
     InvalidInput,
     PluginError,
+    PlugserveError,
     TooManyRequests,
     Unavailable,
 )
@@ -169,10 +173,16 @@ class Scheduler:
         busy: Callable[[], int] = lambda: 0,
         on_failure: Callable[[Exception], None] | None = None,
         stop: Callable[[], Exception | None] = lambda: None,
+        on_fallback: Callable[[int], None] | None = None,
     ) -> None:
         self.execute = execute
         self.on_failure = on_failure
         """Hears every failed execution of one request (alone, or retried alone)."""
+        self.on_fallback = on_fallback
+        """Hears every failed batch that runs again one request at a time (its requests)."""
+        self.fallback_why: str | None = None
+        """Why the latest such batch failed."""
+        self._fallback_said = False
         self.stop = stop
         """Why the rest of a failed batch must not run again (the runner's circuit opened
         during its retries), or ``None``."""
@@ -539,6 +549,7 @@ class Scheduler:
                 outputs = await self.execute(merged)
         except Exception as exc:
             if _retried(batch, exc):
+                self._fell_back(batch, exc)
                 await self._one_by_one(batch)
             else:
                 self._fail_all(batch, exc)
@@ -560,6 +571,7 @@ class Scheduler:
                 outputs = self.inline(merged)
         except Exception as exc:
             if _retried(batch, exc):
+                self._fell_back(batch, exc)
                 self._spawn(self._alone(batch))
                 handed_off = True  # still running: the task ends it
             else:
@@ -644,6 +656,25 @@ class Scheduler:
             if not request.future.done():
                 request.future.cancel()
         self._running -= 1
+
+    def _fell_back(self, batch: list[Pending], exc: Exception) -> None:
+        """``batch`` failed and runs again one request at a time: counted (:attr:`on_fallback`),
+        its reason kept (:attr:`fallback_why`), and the first such batch logged."""
+        why = exc.message if isinstance(exc, PlugserveError) else f"{type(exc).__name__}: {exc}"
+        self.fallback_why = why
+        if self.on_fallback is not None:
+            self.on_fallback(len(batch))
+        if not self._fallback_said:
+            self._fallback_said = True
+            log.warning(
+                "batch_fallback",
+                runner=self.label,
+                requests=len(batch),
+                rows=sum(r.rows for r in batch),
+                why=why,
+                counted="/admin/plugins batch_fallbacks",
+                check="plugserve validate --batching",
+            )
 
     async def _one_by_one(self, batch: list[Pending]) -> None:
         """Run each request of a failed batch alone: only the ones at fault fail."""

@@ -74,6 +74,10 @@ class RunnerStats:
     """Requests the response cache did not hold; ``ns``: their lookups and insertions."""
     inference_count: int = 0
     execution_count: int = 0
+    batch_fallbacks: int = 0
+    """Batches of several requests that failed and ran again one request at a time."""
+    fallback_requests: int = 0
+    """The requests those batches ran again, each an execution of its own."""
     last_inference_ms: int = 0
     batches: dict[int, _Duration] = field(default_factory=dict)
     batch_sizes: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
@@ -90,6 +94,11 @@ class RunnerStats:
         if kept is not None:
             kept.add(seconds)
         self.batch_sizes.observe(rows)
+
+    def record_fallback(self, requests: int) -> None:
+        """A failed batch of ``requests`` requests runs again one request at a time."""
+        self.batch_fallbacks += 1
+        self.fallback_requests += requests
 
     def record_request(
         self, ok: bool, seconds: float, timings: dict[str, float], rows: int
@@ -121,6 +130,7 @@ class RunnerStats:
             "batches": {str(size): [d.count, d.ns] for size, d in self.batches.items()},
             "batch_counts": list(self.batch_sizes.counts),
             "batch_total": self.batch_sizes.total,
+            "fallbacks": [self.batch_fallbacks, self.fallback_requests],
         }
 
     def add_executions(self, doc: dict[str, Any]) -> None:
@@ -133,6 +143,9 @@ class RunnerStats:
         for index, count in enumerate(doc["batch_counts"][: len(self.batch_sizes.counts)]):
             self.batch_sizes.counts[index] += int(count)
         self.batch_sizes.total += float(doc["batch_total"])
+        batches, requests = doc.get("fallbacks", (0, 0))
+        self.batch_fallbacks += int(batches)
+        self.fallback_requests += int(requests)
 
     def as_triton(
         self, name: str, version: str, executions: RunnerStats | None = None

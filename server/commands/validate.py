@@ -1,5 +1,9 @@
 """``plugserve validate``: load one plugin package as the server would, wherever it lies.
 
+A runner is also run once on a sample request, to compare its outputs with the shapes it
+declares; ``--batching`` (:class:`BatchCheckSpec`) checks that batching keeps its answers
+(``registry/execution/batch_check.py``).
+
 A package inside a plugins folder (``<plugins_dir>/<type>/<name>/<version>``)
 is checked as the server checks it, folder names included. A package anywhere
 else (a staged ``build/iris-2.0.0/``) takes its type, name and version from its
@@ -21,9 +25,12 @@ from typing import Any
 import structlog
 
 from plugserve.registry.errors import ConfigError, PlugserveError
+from plugserve.registry.execution.components.base import LoadedPlugin
+from plugserve.registry.execution.components.batched import BatchedRunner
 from plugserve.registry.lifecycle.loader import Loader
 from plugserve.registry.manifest import (
     MANIFEST_NAME,
+    BatchCheckSpec,
     Manifest,
     load_manifest,
     manifest_problems,
@@ -50,8 +57,12 @@ class Report:
     manifest: Manifest | None = None
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    """What serves, but not as declared (a runner's outputs against its declared shapes)."""
     chain: list[dict[str, str | None]] = dataclasses.field(default_factory=list)
     metadata: dict[str, Any] | None = None
+    batching: dict[str, Any] | None = None
+    """What ``--batching`` found (``BatchCheck.as_json``), or ``None``."""
     code: int = VALID
 
     def as_json(self) -> dict[str, Any]:
@@ -71,7 +82,9 @@ class Report:
             "chain": self.chain,
             "problems": self.problems,
             "notes": self.notes,
+            "warnings": self.warnings,
             "metadata": self.metadata,
+            "batching": self.batching,
         }
 
     def text(self) -> str:
@@ -95,6 +108,7 @@ class Report:
                 lines.append(
                     f"  {kind[:-1]}: {spec.get('name')} {spec.get('datatype')} {spec.get('shape')}"
                 )
+        lines += [f"  warning: {warning}" for warning in self.warnings]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -132,10 +146,12 @@ def validate(
     plugins_dir: Path | None = None,
     explicit_models: bool = True,
     staged: Sequence[Manifest] = (),
+    batching: BatchCheckSpec | None = None,
 ) -> Report:
     """Check the manifest (every problem of it), the chain and the load (import, create,
-    warmup, release). ``staged``: the other packages validated with this one, which its
-    chain may name as if they were installed.
+    warmup, a runner's outputs on one sample request, release). ``staged``: the other
+    packages validated with this one, which its chain may name as if they were installed;
+    ``batching``: also check that batching keeps a runner's answers.
 
     Raises :class:`ConfigError` for a path the command cannot work with (exit 2).
     """
@@ -156,7 +172,7 @@ def validate(
         check_chain(report, manifest, report.plugins_dir, staged)
     elif manifest.route.preprocess or manifest.route.postprocess:
         report.notes.append("the chain was not checked: give --plugins-dir")
-    asyncio.run(_load(report, report.manifest, home))
+    asyncio.run(_load(report, report.manifest, home, batching))
     report.code = INVALID if report.problems else VALID
     return report
 
@@ -210,6 +226,7 @@ def validate_all(
     models_dir: Path,
     plugins_dir: Path | None = None,
     explicit_models: bool = True,
+    batching: BatchCheckSpec | None = None,
 ) -> list[Report]:
     """:func:`validate` each package, each one's chain also resolved among the others
     (staged packages that name each other, validated together). A package whose check
@@ -227,7 +244,7 @@ def validate_all(
     return [
         guarded(
             path, models_dir, plugins_dir, explicit_models,
-            [m for m in staged if m.path != Path(os.path.abspath(path))],
+            [m for m in staged if m.path != Path(os.path.abspath(path))], batching,
         )
         for path in paths
     ]  # fmt: skip
@@ -239,12 +256,13 @@ def guarded(
     plugins_dir: Path | None,
     explicit_models: bool,
     staged: Sequence[Manifest],
+    batching: BatchCheckSpec | None = None,
 ) -> Report:
     """:func:`validate`, whatever goes wrong inside it a problem of its report: outcome
     ``error`` (exit 2, the package could not be checked), the exception named, never a
     traceback. A usage error still raises :class:`ConfigError`."""
     try:
-        return validate(path, models_dir, plugins_dir, explicit_models, staged)
+        return validate(path, models_dir, plugins_dir, explicit_models, staged, batching)
     except ConfigError:
         raise
     except Exception as exc:
@@ -254,16 +272,21 @@ def guarded(
         return report
 
 
-async def _load(report: Report, manifest: Manifest, home: Path | None) -> None:
-    """Load, warm up and release the package; a failure is the report's problem."""
+async def _load(
+    report: Report, manifest: Manifest, home: Path | None, batching: BatchCheckSpec | None
+) -> None:
+    """Load, warm up, probe and release the package; a failure is the report's problem."""
     host = PluginHooks()
     host.load_builtins()
     host.load_entry_points()
     loader = Loader(host, report.models_dir, plugins_dir=home, check_layout=home is not None)
-    # An isolated runner's processes read their folder as the server lays it out.
-    in_process = home is None and manifest.runner is not None and manifest.runner.isolated
+    # An isolated runner's processes read their folder as the server lays it out; its
+    # batches are checked here, where its component is.
+    isolated = manifest.runner is not None and manifest.runner.isolated
+    in_process = isolated and (home is None or batching is not None)
     if in_process:
-        report.notes.append('isolation = "process": loaded in this process (a staged package)')
+        why = "a staged package" if home is None else "to check its batching"
+        report.notes.append(f'isolation = "process": loaded in this process ({why})')
     try:
         try:
             loaded = await loader.load(report.path, in_process=in_process)
@@ -272,8 +295,35 @@ async def _load(report: Report, manifest: Manifest, home: Path | None) -> None:
             return
         try:
             report.metadata = loaded.metadata()
+            await _run(report, loaded, batching)
         finally:
             await loader.release(loaded)
     finally:
         if loader.runners is not None:  # an isolated runner: its processes and their folder
             await loader.runners.close()
+
+
+async def _run(report: Report, loaded: LoadedPlugin, batching: BatchCheckSpec | None) -> None:
+    """A runner's outputs on one sample request against its declared shapes (warnings);
+    with ``batching``, whether batching keeps its answers (problems where it does not)."""
+    if not isinstance(loaded, BatchedRunner):
+        if batching is not None:
+            report.notes.append("batching not checked: not a runner that answers each request once")
+        return
+    try:
+        sample = None if batching is None else batching.sample
+        report.warnings.extend(await loaded.probe_outputs(sample))
+    except Exception as exc:
+        said = exc.message if isinstance(exc, PlugserveError) else f"{type(exc).__name__}: {exc}"
+        report.notes.append(f"output shapes not probed: a sample request failed: {said}")
+    if batching is None:
+        return
+    found = await loaded.check_batching(batching)
+    report.batching = found.as_json()
+    if found.exact:
+        report.notes.append(f"batching: {found.text()}")
+        return
+    report.problems.extend(found.problems())
+    why = found.why()
+    if why is not None:
+        report.notes.append(f"why batching changes answers: {why}")

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from plugserve.registry.errors import PluginError
+from plugserve.registry.errors import PluginError, PluginLoadError
+from plugserve.registry.execution import batch_check
+from plugserve.registry.execution.batch_check import BatchCheck
 from plugserve.registry.execution.batching import Scheduler
 from plugserve.registry.execution.breaker import CircuitBreaker
 from plugserve.registry.execution.components.inline import ExecutionCosts, rows
@@ -19,6 +24,8 @@ from plugserve.registry.execution.components.runner import Runner, batch_policy
 from plugserve.registry.execution.layout import BatchLayout
 from plugserve.registry.execution.sequences import Sequences
 from plugserve.registry.execution.stats import RunnerStats
+from plugserve.registry.manifest import BatchCheckSpec
+from plugserve.registry.plugins.calls import call_plugin
 from plugserve.registry.types import RequestContext
 
 
@@ -42,6 +49,8 @@ class BatchedRunner(Runner):
     _costs: ExecutionCosts = field(init=False, repr=False)
     sequences: Sequences | None = field(init=False, default=None, repr=False)
     """The live sequences of a runner that declares ``[runner.sequence]``."""
+    batch_check: BatchCheck | None = field(init=False, default=None, repr=False)
+    """What ``[runner.batching] check`` found at load (batching off where not exact)."""
 
     def __post_init__(self) -> None:
         self._method = self._method_named("infer")
@@ -61,6 +70,7 @@ class BatchedRunner(Runner):
             busy=lambda: self.executing,
             on_failure=self._counted,
             stop=self.breaker.open_error,
+            on_fallback=self.stats.record_fallback,
         )
         # A synchronous runner's small batches may run on the event loop once proven cheap
         # (ExecutionCosts), where no batch forms while one runs: without gathering, a load
@@ -93,7 +103,80 @@ class BatchedRunner(Runner):
             figures["sequences"] = self.sequences.describe()
         if scheduler.apart:
             figures["cannot_batch"] = {"count": scheduler.apart, "why": scheduler.apart_why}
+        stats = self.stats
+        if stats.batch_fallbacks:
+            figures["batch_fallbacks"] = {
+                "count": stats.batch_fallbacks,
+                "requests": stats.fallback_requests,
+                "why": scheduler.fallback_why,
+            }
+        if self.batch_check is not None:
+            batching = "on" if self.batch_check.exact else "off"
+            figures["batching_check"] = {"batching": batching, **self.batch_check.as_json()}
         return figures
+
+    # -- what batching does to answers ---------------------------------------------------
+
+    async def warmup(self, within: float) -> None:
+        """Warm up; with ``[runner.batching] check``, then check that batching keeps the
+        answers, in what is left of ``within``: batching is turned off where it does not
+        (a warning names the outputs), and the load fails where the check cannot run."""
+        started = time.monotonic()
+        await super().warmup(within)
+        batching = self.section.batching
+        if batching is None or batching.check is None:
+            return
+        left = within - (time.monotonic() - started)
+        found: BatchCheck = await call_plugin(
+            functools.partial(self.check_batching, batching.check),
+            left, self.label, "batching check", "load_timeout_s",
+        )  # fmt: skip
+        if found.skipped is not None:
+            return
+        if found.error is not None:
+            raise PluginLoadError(
+                f"{self.label}: [runner.batching] check could not run: {found.error}"
+            )
+        self.batch_check = found
+        if found.exact:
+            self.info.logger.info("batching_checked", result=found.text())
+            return
+        self.scheduler.policy = dataclasses.replace(self.scheduler.policy, max_batch_size=0)
+        self.info.logger.warning(
+            "batching_off",
+            outputs=found.outputs,
+            found=found.problems(),
+            why=found.why(),
+            batching="off: each request runs alone and gets the answer it gets alone",
+            fix="to batch anyway, widen the check's rtol and atol past these differences, "
+            "or remove the check",
+        )
+
+    async def check_batching(self, spec: BatchCheckSpec) -> BatchCheck:
+        """Whether batching keeps this runner's answers (:mod:`~plugserve.registry.
+        execution.batch_check`): skipped where requests never batch."""
+        limit = self.section.max_batch_size
+        if limit <= 1:
+            return BatchCheck(spec, skipped=f"max_batch_size = {limit}: requests never batch")
+        if self.sequences is not None:
+            return BatchCheck(spec, skipped="a sequence's requests carry the server's state")
+        layout = self.scheduler.layout
+        return await batch_check.check_batching(self._execute, layout, self._inputs, spec, limit)
+
+    async def probe_outputs(self, sample: Path | None = None) -> list[str]:
+        """Run one sample input (from ``sample``, a ``.npz``, where given): where its outputs
+        contradict the declared shapes
+        (:func:`~plugserve.registry.execution.batch_check.probe_outputs`)."""
+        if self.sequences is not None:
+            return []
+        return await batch_check.probe_outputs(
+            self._execute,
+            self.scheduler.layout,
+            self._inputs,
+            self._metadata,
+            self.section.max_batch_size > 1,
+            sample,
+        )
 
     async def call(self, data: Any, ctx: RequestContext) -> Any:
         """The request's outputs, once the batch it joined executed (a sequence's request
