@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from plugserve.registry import checks
+from plugserve.registry import checks, requirements
 from plugserve.registry.errors import ManifestError
 from plugserve.registry.ratelimit import RateLimit
 from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES, PluginType, Ref, is_valid_name
@@ -90,7 +90,7 @@ OPENAI_KINDS = ("embeddings", "chat", "completions")
 SEQUENCE_KEYS = frozenset({"idle_timeout_s", "max_sequences", "state", "controls"})
 CONTROL_KEYS = frozenset({"start", "end", "ready", "corrid", "corrid_datatype"})
 CORRID_DATATYPES = ("BYTES", "UINT64", "INT64")
-STATE_KEYS = frozenset({"input", "output", "datatype", "shape", "initial"})
+STATE_KEYS = frozenset({"input", "output", "from_input", "axis", "datatype", "shape", "initial"})
 MAX_SEQUENCES = 1_000_000
 MAX_IDLE_S = 7 * 86_400.0
 MAX_STATE_ELEMENTS = 1 << 24
@@ -112,7 +112,42 @@ class StateSpec:
     """Every element's value at the sequence's start."""
 
 
-BATCHING_KEYS = frozenset({"inputs", "outputs"})
+@dataclass(frozen=True)
+class ContextSpec:
+    """A ``[[runner.sequence.state]]`` with ``from_input``: the last samples of a request
+    input, kept for the sequence's next request (a streaming model's left context).
+
+    Each request's model input is the concatenation ``[context, chunk]`` along ``axis``
+    (``chunk``: the request's ``source`` tensor); the next context is the last
+    ``length`` samples of it along ``axis``, as a streaming wrapper keeps them. The context
+    reaches the model prepended to ``source`` (``input == source``) or as an input of its
+    own (``input``)."""
+
+    input: str
+    """The model input it is fed as: ``source`` itself (prepended) or an input of its own."""
+    source: str
+    """The request input whose samples it keeps (the client sends it)."""
+    axis: int
+    """The axis of ``source`` (its batch axis counted) that the samples run along."""
+    datatype: str
+    shape: tuple[int, ...]
+    """One sequence's context without the batch axis; its size on ``axis`` (counted with
+    the batch axis in place) is how many samples it keeps."""
+    initial: float = 0.0
+    """Every element's value at the sequence's start."""
+
+    @property
+    def prepended(self) -> bool:
+        """Whether it reaches the model in front of the request's own samples."""
+        return self.input == self.source
+
+    def length(self, row_axis: int) -> int:
+        """Samples it keeps, with the batch axis of ``source`` at ``row_axis``."""
+        return (*self.shape[:row_axis], 1, *self.shape[row_axis:])[self.axis]
+
+
+BATCHING_KEYS = frozenset({"inputs", "outputs", "check"})
+CHECK_KEYS = frozenset({"rtol", "atol", "seed", "sample"})
 INPUT_BATCHING_KEYS = frozenset({"axis", "shared", "ragged", "ragged_axes", "pad_value", "lengths"})
 RAGGED = ("pad", "concat")
 """``ragged``: pad each request's tensor to the batch's largest, or concatenate them flat."""
@@ -145,6 +180,20 @@ DEFAULT_INPUT_BATCHING = InputBatching()
 
 
 @dataclass(frozen=True)
+class BatchCheckSpec:
+    """How to check that batching keeps a runner's answers (``[runner.batching] check``, or
+    ``plugserve validate --batching``): the same sample requests alone and batched, each
+    answer within ``atol + rtol * |alone|`` of the one it gets alone."""
+
+    rtol: float = 1e-5
+    atol: float = 1e-5
+    seed: int = 0
+    """Of the random sample requests made from the runner's declared inputs."""
+    sample: Path | None = None
+    """A ``.npz`` of sample inputs instead (the manifest's: relative to the plugin folder)."""
+
+
+@dataclass(frozen=True)
 class BatchingSection:
     """The ``[runner.batching]`` table: each input's and output's batch axis, shared and
     ragged inputs. Inputs and outputs it does not name have their rows on axis 0."""
@@ -152,6 +201,9 @@ class BatchingSection:
     inputs: Mapping[str, InputBatching] = field(default_factory=lambda: MappingProxyType({}))
     outputs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     """Output name: the axis its rows are on."""
+    check: BatchCheckSpec | None = None
+    """``check``: at load, run :class:`BatchCheckSpec`'s check; batching is turned off (with
+    a warning naming the outputs) when it changes answers."""
 
     def input(self, name: str) -> InputBatching:
         return self.inputs.get(name, DEFAULT_INPUT_BATCHING)
@@ -193,7 +245,24 @@ class SequenceSection:
     max_sequences: int = 1024
     """Sequences alive at once; a start beyond them is refused (429)."""
     states: tuple[StateSpec, ...] = ()
+    """The states carried from a model output to the next request's input."""
+    contexts: tuple[ContextSpec, ...] = ()
+    """The states kept from a request input's last samples (``from_input``)."""
     controls: SequenceControls = field(default_factory=SequenceControls)
+
+    @property
+    def tensors(self) -> frozenset[str]:
+        """The inputs and outputs the server feeds and keeps, never a client's: states,
+        contexts fed as inputs of their own, controls. A prepended context's input is
+        the client's (its chunk), so it is not one of them."""
+        return frozenset(
+            (
+                *(s.input for s in self.states),
+                *(s.output for s in self.states),
+                *(c.input for c in self.contexts if not c.prepended),
+                *self.controls.names,
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -279,8 +348,9 @@ class Manifest:
     description: str = ""
     config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     requires: tuple[str, ...] = ()
-    """``[plugin] requires``: the Python packages the plugin needs (PEP 508 requirements),
-    checked against the server's environment at load."""
+    """``[plugin] requires``: the Python packages the plugin needs (PEP 508 requirements, or
+    alternatives of them separated by ``|``), checked against the server's environment at
+    load (``registry/requirements.py``)."""
     runner: RunnerSection | None = None
     route: RouteSection = field(default_factory=RouteSection)
     processor: ProcessorSection = field(default_factory=ProcessorSection)
@@ -541,24 +611,16 @@ def _runner_section(p: _Fields, raw: Mapping[str, Any], folder: Path) -> RunnerS
 
 
 def _requires(p: _Fields, plugin: Mapping[str, Any]) -> tuple[str, ...]:
-    """PEP 508 requirements, each parsed whole and its marker evaluated here, as the loader
-    evaluates it: a requirement that parses but whose marker cannot be evaluated (``~=``
-    on a name that is no version) is this file's error, not the load's."""
-    from packaging.requirements import Requirement
-
+    """PEP 508 requirements, or alternatives of them separated by ``|``, each parsed whole
+    and its markers evaluated here, as the loader evaluates them: a requirement that parses
+    but whose marker cannot be evaluated (``~=`` on a name that is no version) is this
+    file's error, not the load's (``registry/requirements.py``)."""
     texts = p.string_list(plugin, "plugin.requires")
     for index, text in enumerate(texts):
-        where = f"plugin.requires[{index}]"
         try:
-            requirement = Requirement(text)
-        except ValueError as exc:  # InvalidRequirement (specifier, marker, URL)
-            raise ManifestError(p.path, f"{text!r} is not a requirement: {exc}", where) from None
-        try:
-            if requirement.marker is not None:
-                requirement.marker.evaluate()
-        except ValueError as exc:  # UndefinedComparison, UndefinedEnvironmentName, InvalidVersion
-            raise ManifestError(p.path, f"{text!r} has a marker that cannot be evaluated: "
-                                f"{type(exc).__name__}: {exc}", where) from None  # fmt: skip
+            requirements.parse_entry(text)
+        except requirements.RequirementTextError as exc:
+            raise ManifestError(p.path, str(exc), f"plugin.requires[{index}]") from None
     return tuple(texts)
 
 
@@ -574,11 +636,19 @@ def _sequence(p: _Fields, runner: Mapping[str, Any]) -> SequenceSection | None:
     if not isinstance(raw_states, list) or len(raw_states) > checks.MAX_ITEMS:
         raise ManifestError(p.path, "must be a list of [[runner.sequence.state]] tables",
                             "runner.sequence.state")  # fmt: skip
-    states = [_state(p, raw, f"runner.sequence.state[{i}]") for i, raw in enumerate(raw_states)]
-    inputs, outputs = [s.input for s in states], [s.output for s in states]
+    parsed = [_state(p, raw, f"runner.sequence.state[{i}]") for i, raw in enumerate(raw_states)]
+    states = [s for s in parsed if isinstance(s, StateSpec)]
+    contexts = [s for s in parsed if isinstance(s, ContextSpec)]
+    inputs, outputs = [s.input for s in parsed], [s.output for s in states]
     if len(set(inputs)) != len(inputs) or len(set(outputs)) != len(outputs):
         raise ManifestError(p.path, "each state needs an input and an output of its own",
                             "runner.sequence.state")  # fmt: skip
+    fed = {*(s.input for s in states), *outputs, *(c.input for c in contexts if not c.prepended)}
+    for index, spec in enumerate(parsed):
+        if isinstance(spec, ContextSpec) and spec.source in fed:
+            raise ManifestError(p.path, f"{spec.source!r} is a tensor the server feeds or "
+                                "keeps; from_input names an input each request sends",
+                                f"runner.sequence.state[{index}].from_input")  # fmt: skip
     return SequenceSection(
         idle_timeout_s=checks.number(
             table.get("idle_timeout_s", 60.0), "runner.sequence.idle_timeout_s",
@@ -586,7 +656,8 @@ def _sequence(p: _Fields, runner: Mapping[str, Any]) -> SequenceSection | None:
         ),
         max_sequences=p.integer(table, "runner.sequence.max_sequences", 1024, 1, MAX_SEQUENCES),
         states=tuple(states),
-        controls=_controls(p, table, {*inputs, *outputs}),
+        contexts=tuple(contexts),
+        controls=_controls(p, table, {*inputs, *outputs, *(c.source for c in contexts)}),
     )  # fmt: skip
 
 
@@ -607,15 +678,22 @@ def _controls(p: _Fields, sequence: Mapping[str, Any], states: set[str]) -> Sequ
     )
     names = controls.names
     if len(set(names)) < len(names) or set(names) & states:
-        raise ManifestError(p.path, "each control names an input of its own, no state's", where)
+        raise ManifestError(p.path, "each control names an input of its own, no state's "
+                            "nor one a state is kept from", where)  # fmt: skip
     return controls
 
 
 def _check_state_axes(
     p: _Fields, sequence: SequenceSection | None, batching: BatchingSection | None
 ) -> SequenceSection | None:
-    """A state's row goes on its declared axis (at most its rank): never shared or ragged."""
-    if sequence is None or batching is None:
+    """A state's row goes on its declared axis (at most its rank): never shared or ragged.
+    A context's samples run along an axis other than its input's batch axis, and a context
+    fed as an input of its own has its rows where that input has them."""
+    if sequence is None:
+        return sequence
+    for context in sequence.contexts:
+        _check_context_axes(p, context, batching or BatchingSection())
+    if batching is None:
         return sequence
     for spec in sequence.states:
         declared = batching.input(spec.input)
@@ -626,6 +704,29 @@ def _check_state_axes(
                 "axis from 0 to its rank, and is neither shared nor ragged", "runner.batching",
             )  # fmt: skip
     return sequence
+
+
+def _check_context_axes(p: _Fields, spec: ContextSpec, batching: BatchingSection) -> None:
+    source = batching.input(spec.source)
+    where = f"runner.batching.inputs.{spec.source}"
+    if source.shared or source.ragged == "concat" or spec.source in batching.made_inputs:
+        raise ManifestError(p.path, f"input {spec.source!r} keeps a context: its rows are on "
+                            "an axis (neither shared nor concatenated)", where)  # fmt: skip
+    if source.axis > len(spec.shape):
+        raise ManifestError(p.path, f"input {spec.source!r} keeps a context of shape "
+                            f"{list(spec.shape)}: its rows are on an axis from 0 to "
+                            f"{len(spec.shape)}", where)  # fmt: skip
+    if spec.axis == source.axis:
+        raise ManifestError(p.path, f"axis {spec.axis} holds the rows of input "
+                            f"{spec.source!r} (its batch axis): its context's samples run "
+                            "along another", "runner.sequence.state")  # fmt: skip
+    if spec.prepended:
+        return
+    fed = batching.input(spec.input)
+    if fed.shared or fed.ragged or fed.axis != source.axis:
+        raise ManifestError(p.path, f"context input {spec.input!r} has its rows where "
+                            f"{spec.source!r} has them (axis {source.axis}), neither shared "
+                            f"nor ragged", f"runner.batching.inputs.{spec.input}")  # fmt: skip
 
 
 def _batching(p: _Fields, runner: Mapping[str, Any]) -> BatchingSection | None:
@@ -650,7 +751,38 @@ def _batching(p: _Fields, runner: Mapping[str, Any]) -> BatchingSection | None:
     if clash:
         raise ManifestError(p.path, f"{sorted(clash)[0]!r}: a lengths input is the server's "
                             "to make, once", "runner.batching.inputs")  # fmt: skip
-    return BatchingSection(MappingProxyType(inputs), MappingProxyType(outputs))
+    check = _batch_check(p, table)
+    return BatchingSection(MappingProxyType(inputs), MappingProxyType(outputs), check)
+
+
+def declared_batching(runner: Mapping[str, Any], folder: Path) -> BatchingSection | None:
+    """The ``[runner.batching]`` of the checked manifest in ``folder``, from its ``[runner]``
+    table (what a backend factory is handed), or ``None``."""
+    return _batching(_Fields(folder / MANIFEST_NAME), runner)
+
+
+def _batch_check(p: _Fields, table: Mapping[str, Any]) -> BatchCheckSpec | None:
+    """``check = true``, or a table of :data:`CHECK_KEYS`."""
+    raw = table.get("check", False)
+    if raw is False:
+        return None
+    if raw is True:
+        return BatchCheckSpec()
+    where = "runner.batching.check"
+    if not isinstance(raw, dict):
+        raise ManifestError(p.path, "must be true, false or a table of rtol, atol, seed and "
+                            "sample", where)  # fmt: skip
+    spec = checks.table(raw, where)
+    p.no_unknown_keys(spec, where, CHECK_KEYS)
+    sample = p.string(spec, f"{where}.sample")
+    if sample is not None:
+        _check_relative(p.path, p.path.parent, sample, f"{where}.sample")
+    return BatchCheckSpec(
+        rtol=p.number(spec, f"{where}.rtol", BatchCheckSpec.rtol, 1.0),
+        atol=p.number(spec, f"{where}.atol", BatchCheckSpec.atol, checks.MAX_NUMBER),
+        seed=p.integer(spec, f"{where}.seed", 0, 0, checks.MAX_INTEGER),
+        sample=None if sample is None else p.path.parent / sample,
+    )
 
 
 def _input_batching(p: _Fields, raw: Any, where: str) -> InputBatching:
@@ -704,9 +836,16 @@ def _ragged_axes(
     return axes
 
 
-def _state(p: _Fields, raw: Any, where: str) -> StateSpec:
+def _state(p: _Fields, raw: Any, where: str) -> StateSpec | ContextSpec:
     table = checks.table(raw, where)
     p.no_unknown_keys(table, where, STATE_KEYS)
+    if ("output" in table) == ("from_input" in table):
+        raise ManifestError(p.path, "a state is kept either from a model output (output) or "
+                            "from the last samples of a request input (from_input)",
+                            where)  # fmt: skip
+    if "axis" in table and "output" in table:
+        raise ManifestError(p.path, "axis is for a state kept from an input (from_input)",
+                            f"{where}.axis")  # fmt: skip
     datatype = p.required_string(table, f"{where}.datatype")
     if datatype not in STATE_DATATYPES:
         raise ManifestError(p.path, f"must be one of {', '.join(STATE_DATATYPES)}",
@@ -721,9 +860,18 @@ def _state(p: _Fields, raw: Any, where: str) -> StateSpec:
     initial = checks.number(table.get("initial", 0.0), f"{where}.initial", low=-checks.MAX_NUMBER)
     if not _holds(datatype, initial):
         raise ManifestError(p.path, f"{initial:g} is not a {datatype} value", f"{where}.initial")
-    return StateSpec(
-        input=p.required_string(table, f"{where}.input"),
-        output=p.required_string(table, f"{where}.output"),
+    name = p.required_string(table, f"{where}.input")
+    if "output" in table:
+        output = p.required_string(table, f"{where}.output")
+        return StateSpec(name, output, datatype, dims, initial)
+    if not dims:
+        raise ManifestError(p.path, "a context holds samples along an axis: at least one "
+                            "dimension", f"{where}.shape")  # fmt: skip
+    return ContextSpec(
+        input=name,
+        source=p.required_string(table, f"{where}.from_input"),
+        # The last axis unless told: audio [N, samples], features [N, channels, frames].
+        axis=p.integer(table, f"{where}.axis", len(dims), 0, len(dims)),
         datatype=datatype,
         shape=dims,
         initial=initial,

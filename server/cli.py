@@ -22,6 +22,7 @@ from plugserve.registry.backends import cpu_share
 from plugserve.registry.backends.cpu_share import CpuShare
 from plugserve.registry.errors import ConfigError, PlugserveError
 from plugserve.registry.fleet.etcd_store import EtcdLocation
+from plugserve.registry.manifest import BatchCheckSpec
 from plugserve.server import __version__
 from plugserve.server.app import create_app
 from plugserve.server.commands.validate import ERROR, OUTCOMES, VALID, Report, validate_all
@@ -144,6 +145,25 @@ def _parser() -> argparse.ArgumentParser:
         help="check the runner's chain against this folder (default: the one FOLDER lies in)",
     )
     validate.add_argument("--json", action="store_true", help="print a JSON object")
+    check = validate.add_argument_group(
+        "batching",
+        "--batching runs the same sample requests alone and batched and compares the answers "
+        "(exit 1 where batching changes one past the tolerance: |batched - alone| > "
+        "atol + rtol * |alone|)",
+    )
+    check.add_argument("--batching", action="store_true", help="check that batching is exact")
+    defaults = BatchCheckSpec()
+    check.add_argument("--rtol", type=float, default=defaults.rtol, help="default: %(default)g")
+    check.add_argument("--atol", type=float, default=defaults.atol, help="default: %(default)g")
+    check.add_argument(
+        "--sample",
+        type=Path,
+        help="a .npz of sample inputs: arrays named <input> (one request a row) or "
+        "<request>/<input>; default: random inputs of the declared shapes",
+    )
+    check.add_argument(
+        "--seed", type=int, default=defaults.seed, help="of the random inputs (default: 0)"
+    )
 
     new = commands.add_parser("new", help="write a working plugin package to start from")
     new.add_argument("type", choices=["runner", "preprocessor", "postprocessor"])
@@ -402,16 +422,29 @@ def _onnx_files(
     return make(args.name, args.package_version, args.model, path)
 
 
+def _batch_check(args: argparse.Namespace) -> BatchCheckSpec | None:
+    """``--batching`` and its options, checked (:class:`ConfigError` for a bad one)."""
+    if not args.batching:
+        return None
+    if not (args.rtol >= 0 and args.atol >= 0):  # NaN too
+        raise ConfigError("--rtol and --atol are at least 0")
+    if args.sample is not None and not args.sample.is_file():
+        raise ConfigError(f"--sample {args.sample}: no such file")
+    sample = None if args.sample is None else Path(os.path.abspath(args.sample))
+    return BatchCheckSpec(args.rtol, args.atol, args.seed, sample)
+
+
 def _validate(args: argparse.Namespace) -> int:
     """``plugserve validate``: the report on stdout, its outcome as the exit code."""
     configure_logging("console", "warning")
     models_dir = Path(os.path.abspath(args.models_dir or "models"))
     try:
+        batching = _batch_check(args)
         # What the package prints (at import, create, warmup) goes to stderr: stdout is the
         # report's, which --json keeps one JSON object.
         with contextlib.redirect_stdout(sys.stderr):
             reports = validate_all(
-                args.folder, models_dir, args.plugins_dir, args.models_dir is not None
+                args.folder, models_dir, args.plugins_dir, args.models_dir is not None, batching
             )
     except ConfigError as exc:  # a usage error: still one JSON object with --json
         if not args.json:

@@ -508,7 +508,7 @@ def test_valid_pipelines_are_answered_alike(
     differential(servers, pool, sent)
 
 
-@settings(BOUNDED, max_examples=90)
+@settings(BOUNDED, max_examples=45)
 @given(sent=streams(hostile=True))
 def test_hostile_streams_are_answered_alike(
     servers: tuple[ServerProcess, ...], pool: concurrent.futures.ThreadPoolExecutor, sent: bytes
