@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from plugserve.registry.errors import InvalidInput, PluginError, PluginLoadError, TooManyRequests
-from plugserve.registry.execution.layout import BatchLayout
+from plugserve.registry.execution.layout import BatchLayout, TensorBounds
 from plugserve.registry.manifest import BatchingSection, ContextSpec, SequenceSection, StateSpec
 from plugserve.registry.tensors.datatypes import V2_TO_NUMPY, v2_datatype
 
@@ -41,6 +41,9 @@ Ended = Callable[[SequenceId], None]
 
 MAX_ID_CHARS = 256
 SWEEP_SLACK_S = 0.01
+INLINE_JOIN_BYTES = 64 * 1024
+"""Chunks up to this many bytes are joined with their contexts on the event loop (a
+thread hop costs more); larger ones on a thread."""
 """A sweep timer fires this long after the expiry it waits for (clocks and timers differ)."""
 
 
@@ -121,6 +124,8 @@ class Sequences:
         self.label = label
         self.clock = clock
         self.queue = queue
+        self.bounds = TensorBounds()
+        """What one tensor may hold (the server's): a chunk joined with its context too."""
         """The runner's queue, whose ``max_queue_size`` bounds the requests waiting for
         their turn too."""
         self.waiting = 0
@@ -207,13 +212,29 @@ class Sequences:
             chunk = inputs.get(spec.source)
             self._check_chunk(spec, chunk, before)
             assert chunk is not None  # _check_chunk refused it
+            kept = before.shape[spec.axis]
+            tail: list[slice] = [slice(None)] * chunk.ndim
+            if not spec.prepended and chunk.shape[spec.axis] >= kept:
+                # Its own input: the context is the chunk's last samples, nothing joined.
+                tail[spec.axis] = slice(chunk.shape[spec.axis] - kept, None)
+                fed[spec.input], after[spec.input] = before, chunk[tuple(tail)].copy()
+                continue
             joined = np.concatenate((before, chunk), axis=spec.axis)
             fed[spec.input] = joined if spec.prepended else before
-            tail: list[slice] = [slice(None)] * joined.ndim
-            tail[spec.axis] = slice(joined.shape[spec.axis] - before.shape[spec.axis], None)
+            tail[spec.axis] = slice(joined.shape[spec.axis] - kept, None)
             # A copy: a view would keep the whole joined tensor alive with the sequence.
             after[spec.input] = joined[tuple(tail)].copy()
         return fed, after
+
+    async def _contexts(
+        self, inputs: Mapping[str, Any], contexts: Mapping[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """:meth:`contexts_of`, on a thread once the chunks are large enough for their
+        copies to cost the event loop (a join costs what the request sent)."""
+        sent = sum(getattr(inputs.get(spec.source), "nbytes", 0) for spec in self.section.contexts)
+        if sent <= INLINE_JOIN_BYTES:
+            return self.contexts_of(inputs, contexts)
+        return await asyncio.to_thread(self.contexts_of, inputs, contexts)
 
     def _check_chunk(self, spec: ContextSpec, chunk: Any, before: np.ndarray) -> None:
         if not isinstance(chunk, np.ndarray):
@@ -236,6 +257,12 @@ class Sequences:
             raise InvalidInput(
                 f"input {spec.source!r} has shape {list(chunk.shape)}; runner {self.label} "
                 f"keeps its context along axis {spec.axis}: a request sends {want} (-1: any)"
+            )
+        most = self.bounds.elements(chunk.dtype)
+        if spec.prepended and chunk.size + before.size > most:
+            raise InvalidInput(
+                f"input {spec.source!r} has {chunk.size} elements and its context "
+                f"{before.size}: joined, more than max_tensor_elements ({most})"
             )
 
     def _control_inputs(
@@ -305,7 +332,7 @@ class Sequences:
                     try:
                         fed = {**inputs, **state}
                         if context:
-                            joined, after = self.contexts_of(inputs, context)
+                            joined, after = await self._contexts(inputs, context)
                             fed.update(joined)
                         if self._controls:
                             fed.update(self._control_inputs(sequence_id, start, end))
@@ -576,8 +603,9 @@ class SeenSequences:
 
     def answered(self, parameters: Mapping[str, Any] | None, status: int) -> None:
         """A request of a sequence was answered with ``status``: what it tells of its
-        sequence. A refusal (4xx: not running, ended, no room) or a failed start leaves
-        none running; a failed step leaves it as it was."""
+        sequence. A failed start leaves none running, an answered end ends it; a step that
+        failed or was refused (its input, 4xx) leaves it as it was, as the runner does: one
+        the runner no longer has (ended, expired) is forgotten here at its idle timeout."""
         if not parameters:
             return
         try:
@@ -586,7 +614,7 @@ class SeenSequences:
             return
         if sequence_id is None:
             return
-        if status >= 500 and not start:
+        if status != 200 and not start:
             return
         if status != 200 or end:
             if self._last.pop(sequence_id, None) is not None:

@@ -151,6 +151,8 @@ class Loader:
             loaded.run_on_loop(self.loop_budget)
         if isinstance(loaded, BatchedRunner):
             loaded.scheduler.bounds = self.tensor_bounds
+            if loaded.sequences is not None:
+                loaded.sequences.bounds = self.tensor_bounds
         try:
             await loaded.warmup(deadline - time.monotonic())
         except Exception as exc:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from plugserve.registry.errors import DeadlineExceeded, InvalidInput, PluginLoadError
-from plugserve.registry.execution.layout import BatchLayout
+from plugserve.registry.execution.layout import BatchLayout, TensorBounds
 from plugserve.registry.execution.sequences import Sequences, inputs_as_sent
 from plugserve.registry.manifest import (
     BatchingSection,
@@ -191,3 +191,20 @@ def test_a_model_that_cannot_take_its_declared_context_fails_to_load(
     silero = section(ContextSpec("input", "input", 1, "FP32", (64,)))
     with pytest.raises(PluginLoadError, match=message):
         inputs_as_sent(silero, None, [model], LABEL)
+
+
+async def test_a_chunk_joined_with_its_context_keeps_the_tensor_bound() -> None:
+    """The server's max_tensor_elements holds the tensor it builds, the chunk and its
+    context joined: a chunk at the bound is refused (400) and the sequence keeps its state;
+    a large chunk is joined off the event loop and answered as a small one is."""
+    sequences, runner = Sequences(section(PREPENDED), LABEL), Recorder()
+    sequences.bounds = TensorBounds(max_elements=100_000)
+    await run(sequences, runner, {"input": np.ones((1, 8), np.float32)}, sequence_start=True)
+    with pytest.raises(InvalidInput, match="max_tensor_elements"):
+        await run(sequences, runner, {"input": np.ones((1, 99_998), np.float32)})
+    big = np.arange(99_996, dtype=np.float32).reshape(1, -1)  # 390 KiB: joined on a thread
+    await run(sequences, runner, {"input": big})
+    assert (
+        runner.fed[-1]["input"].tobytes()
+        == np.concatenate([np.ones((1, 4), np.float32), big], axis=1).tobytes()
+    )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from plugserve.registry.errors import DeadlineExceeded, InvalidInput
-from plugserve.registry.execution.sequences import Sequences
+from plugserve.registry.execution.sequences import SeenSequences, Sequences
 from plugserve.registry.manifest import SequenceControls, SequenceSection, StateSpec
 
 Arrays = Mapping[str, np.ndarray]
@@ -137,3 +137,24 @@ async def test_an_integer_corrid_refuses_a_string_id_and_starts_nothing() -> Non
     assert sequences.live == 0
     await sequences.run(X, {"sequence_id": 2**64 - 1, "sequence_start": True}, execute)
     assert fed[0].dtype == np.uint64 and int(fed[0][0, 0]) == 2**64 - 1
+
+
+async def test_a_worker_keeps_seeing_a_sequence_whose_step_was_refused() -> None:
+    """A runner process refusing a step's input (400) keeps the sequence as it was: the
+    worker goes on pinning it. A failed start leaves none; an answered end ends it."""
+    now = [0.0]
+    seen = SeenSequences(SECTION, clock=lambda: now[0])
+    ended: list[object] = []
+    seen.watch(ended.append)
+    seen.answered({"sequence_id": "a", "sequence_start": True}, 200)
+    seen.answered({"sequence_id": "a"}, 400)
+    seen.answered({"sequence_id": "a", "sequence_end": True}, 400)
+    assert seen.holds("a") and ended == []
+    seen.answered({"sequence_id": "a", "sequence_end": True}, 200)
+    assert not seen.holds("a") and ended == ["a"]
+    seen.answered({"sequence_id": "b", "sequence_start": True}, 429)  # no room: not started
+    seen.answered({"sequence_id": "c", "sequence_start": True}, 200)
+    seen.answered({"sequence_id": "c", "sequence_start": True}, 400)  # a restart refused
+    assert not seen.holds("b") and not seen.holds("c") and ended == ["a", "c"]
+    seen.answered({"sequence_id": "d"}, 400)  # never seen started: nothing to keep
+    assert seen.live == 0
