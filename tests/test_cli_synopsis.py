@@ -1,5 +1,5 @@
-"""The README's command synopsis leaves out no option of ``plugserve serve`` or
-``plugserve new`` (``tests/docs/checks.py`` checks the other way: every flag it shows
+"""The README's command synopsis leaves out no option of ``plugserve serve``,
+``validate`` or ``new`` (``tests/docs/checks.py`` checks the other way: every flag it shows
 exists)."""
 
 import re
@@ -23,13 +23,15 @@ def synopsis(command: str) -> str:
     return lines.group(1)
 
 
-@pytest.mark.parametrize("command", ["serve", "new"])
+@pytest.mark.parametrize("command", ["serve", "validate", "new"])
 def test_every_option_of_the_command_is_in_the_readme_synopsis(command: str) -> None:
     helped = subprocess.run(
         [sys.executable, "-m", "plugserve", command, "--help"],
         cwd=ROOT, capture_output=True, text=True, check=True, timeout=60,
     ).stdout  # fmt: skip
     options = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", helped)) - {"--help"}
-    assert {"serve": "--grpc-port", "new": "--backend"}[command] in options  # read whole
+    assert {"serve": "--grpc-port", "validate": "--batching", "new": "--backend"}[
+        command
+    ] in options  # read whole
     shown = set(re.findall(r"--[a-z][a-z-]*", synopsis(command)))
     assert not options - shown, f"`plugserve {command}` options the README leaves out"

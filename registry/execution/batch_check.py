@@ -17,6 +17,7 @@ the runner declares.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -162,12 +163,18 @@ async def check_batching(
     ``execute`` alone and as one batch of at most ``max_batch_size`` rows, and compare."""
     layout = layout or _ALL_ON_AXIS_0
     padded = any(layout.input(s.name).ragged == "pad" for s in inputs)
-    try:
+
+    def samples() -> list[dict[str, np.ndarray]]:
         if spec.sample is not None:
             requests = load_samples(spec.sample, layout)
         else:
             requests = sample_requests(inputs, layout, min(max_batch_size, MAX_REQUESTS), spec.seed)
-        requests = _fitting(requests, layout, max_batch_size)
+        return _fitting(requests, layout, max_batch_size)
+
+    # Reading a sample file, making, merging, splitting and comparing arrays: a thread's
+    # work (a load runs beside requests served on the event loop); only the runs are awaited.
+    try:
+        requests = await asyncio.to_thread(samples)
     except _Unchecked as exc:
         return BatchCheck(spec, error=str(exc))
     count = len(requests)
@@ -179,11 +186,13 @@ async def check_batching(
     except Exception as exc:
         return BatchCheck(spec, error=f"a sample request failed alone: {_said(exc)}")
     try:
-        outputs = await execute(layout.merge(requests))
-        batched = layout.split(outputs, [layout.rows(r) for r in requests])
+        outputs = await execute(await asyncio.to_thread(layout.merge, requests))
+        sizes = [layout.rows(r) for r in requests]
+        batched = await asyncio.to_thread(layout.split, outputs, sizes)
     except Exception as exc:
         return BatchCheck(spec, requests=count, failed=_said(exc), padded=padded)
-    return BatchCheck(spec, count, _differences(alone, batched, spec, padded), padded=padded)
+    found = await asyncio.to_thread(_differences, alone, batched, spec, padded)
+    return BatchCheck(spec, count, found, padded=padded)
 
 
 async def probe_outputs(

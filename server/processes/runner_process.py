@@ -405,6 +405,8 @@ class Serving(asyncio.Protocol):
             "stats": loaded.stats.executions_json() if loaded.stats is not None else None,
             "apart": scheduler.apart if scheduler else 0,
             "apart_why": scheduler.apart_why if scheduler else None,
+            "fallback_why": scheduler.fallback_why if scheduler else None,
+            "batching_check": loaded.describe().get("batching_check"),
             "sequences": loaded.sequences.describe() if loaded.sequences is not None else None,
         }
 

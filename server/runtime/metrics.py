@@ -361,6 +361,12 @@ class _RegistryCollector(Collector):
             "or timed out).",
             labels=[*labels, "outcome"],
         )
+        fallbacks = CounterMetricFamily(
+            "plugserve_batch_fallbacks",
+            "Batches that failed and were run again one request at a time (a model that "
+            "cannot batch what the server sends it: /admin/plugins says why).",
+            labels=labels,
+        )
         for record in self._registry.records.values():
             current = record.current
             if current is None:
@@ -374,6 +380,7 @@ class _RegistryCollector(Collector):
                 sizes = ran.batch_sizes
                 batch.add_metric(key, sizes.cumulative(), sum_value=sizes.total)
                 executions.add_metric(key, ran.execution_count)
+                fallbacks.add_metric(key, ran.batch_fallbacks)
             if remote is not None and ran is not None:
                 add_process_figures((queued, circuit), key, remote.figures)
             if stats is not None:
@@ -388,7 +395,7 @@ class _RegistryCollector(Collector):
                 queued.add_metric(key, waiting)
             if current.breaker is not None and current.breaker.enabled:
                 circuit.add_metric(key, 0 if current.breaker.state == "closed" else 1)
-        yield from (in_flight, queued, circuit, batch, stage, executions, outcomes)
+        yield from (in_flight, queued, circuit, batch, stage, executions, fallbacks, outcomes)
         registry = self._registry
         yield _by_reason(
             "plugserve_plugin_loads",

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 
 from tests.batching_models import dense_model, pair_model, quantized_model, write_model_runner
 from tests.helpers import ServerProcess
@@ -67,14 +69,15 @@ def test_a_fixed_batch_axis_is_refused_at_load_naming_the_fix(
     assert infer(srv, "fixed", {"x": np.ones((1, 16), np.float32)})["y"].shape == (1, 8)
 
 
+@pytest.mark.parametrize("isolation", ["", 'isolation = "process"\n'], ids=["worker", "isolated"])
 def test_a_batch_run_again_one_by_one_is_counted_and_said_once(
-    plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
+    isolation: str, plugins_dir: Path, models_dir: Path, server: Callable[..., ServerProcess]
 ) -> None:
     """``a [1, 1] @ b [1, 4]`` answers alone; any batch of two stacks ``b`` into the inner
     dimension and ONNX Runtime refuses it. Every batch then costs one execution more than
     its requests: ``executions`` is the requests answered plus the batches run again."""
     write_model_runner(
-        plugins_dir, "pair", pair_model, "max_batch_size = 8\nmax_queue_delay_ms = 5\n"
+        plugins_dir, "pair", pair_model, "max_batch_size = 8\nmax_queue_delay_ms = 5\n" + isolation
     )
     srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
     rng = np.random.default_rng(4)
@@ -94,8 +97,12 @@ def test_a_batch_run_again_one_by_one_is_counted_and_said_once(
     assert fallbacks["count"] >= 1 and fallbacks["requests"] >= 2 * fallbacks["count"]
     assert "MatMul" in fallbacks["why"]
     assert said["executions"] == sent + fallbacks["count"], said
-    (line,) = log_lines(srv, "batch_fallback")
+    (line,) = log_lines(srv, "batch_fallback")  # an isolated runner's process logs it
     assert "runner/pair@1.0.0" in line and "MatMul" in line
+    metrics = srv.request("GET", "/metrics")[2].decode()
+    counted = re.search(r'^plugserve_batch_fallbacks_total\{[^}]*name="pair"[^}]*\} (\S+)$',
+                        metrics, re.M)  # fmt: skip
+    assert counted is not None and float(counted.group(1)) == fallbacks["count"]
 
 
 def test_a_load_time_check_turns_batching_off_where_answers_change(

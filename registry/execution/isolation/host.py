@@ -470,7 +470,8 @@ class RunnerHost:
         """The group's processes' own figures, summed: ``queued``, ``executions``,
         ``batched_rows``, ``circuit`` (the worst of theirs), ``stats`` (a
         :class:`RunnerStats` of their executions and batch sizes), ``cannot_batch``
-        (batches cut apart, and a reason) and ``sequences`` (each figure summed over the
+        (batches cut apart, and a reason), ``batch_fallbacks`` (failed batches run again one
+        by one), ``batching_check`` and ``sequences`` (each figure summed over the
         processes, ``max_sequences`` included: each process keeps that many). A process that does
         not answer within ``within`` s (restarting, busy) is left out."""
         group = self.groups.get(key)
@@ -479,6 +480,7 @@ class RunnerHost:
             return total
         circuits = []
         answered = 0
+        fallback_why = None
         executions = RunnerStats()
         total["stats"] = executions
         for process in group.processes:
@@ -506,8 +508,18 @@ class RunnerHost:
                 said = total.setdefault("cannot_batch", {"count": 0, "why": None})
                 said["count"] += figures["apart"]
                 said["why"] = figures.get("apart_why")
+            if figures.get("fallback_why"):
+                fallback_why = figures["fallback_why"]
+            if figures.get("batching_check"):  # each process checks at its load: the same
+                total["batching_check"] = figures["batching_check"]
         if not answered:  # busy or restarting: unknown, not zero
             return {}
+        if executions.batch_fallbacks:
+            total["batch_fallbacks"] = {
+                "count": executions.batch_fallbacks,
+                "requests": executions.fallback_requests,
+                "why": fallback_why,
+            }
         if circuits:
             total["circuit"] = next(
                 (c for c in ("open", "half-open") if c in circuits), circuits[0]
