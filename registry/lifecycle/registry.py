@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -206,6 +207,10 @@ class Registry:
         """With several workers: the folder of the rate-limit state they share."""
         self.started = False
         self.unserved: dict[str, str] = {}
+        self.served = False
+        """Every route has served once since start (strict readiness holds until then)."""
+        self.served_marker: Path | None = None
+        """With several workers: the file that says so for the whole server."""
         self.closing = False
         """Each route that cannot serve, and why (:meth:`RouteTable.unserved`), once started."""
         # Watched folders that went missing (path: since, epoch s); the watcher keeps it.
@@ -310,7 +315,9 @@ class Registry:
         if failed:
             names = await asyncio.to_thread(lambda: [self._model_named(r.folder) for r in failed])
             for record, named in zip(failed, names, strict=True):
-                if named == name:
+                # One the watcher removed meanwhile stays gone (a load would make it again).
+                gone = self.records.get(self.key_of(record.folder)) is not record
+                if named == name and not gone:
                     log.info("retrying_failed_version", plugin=record.label, model=name,
                              last_error=record.last_error)  # fmt: skip
                     users.append(record)
@@ -900,6 +907,11 @@ class Registry:
             if route in self.routes.entries:
                 log.info("route_serves", route=route)
         self.unserved = unserved
+        if not unserved and not self.served:
+            self.served = True
+            if self.served_marker is not None:
+                with contextlib.suppress(OSError):  # readiness then stays this worker's own
+                    self.served_marker.touch()
 
     # -- views -------------------------------------------------------------------------
 

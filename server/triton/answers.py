@@ -53,8 +53,9 @@ class Readiness:
     ready (Triton's ``--strict-readiness``), and the answer names each route that cannot
     and why. From then on a route that fails is reported, never a reason to be taken out
     of service: a failed reload keeps its previous version serving, and one bad new drop
-    must not take every other route away. ``served`` marks that moment for the whole
-    server (a file its workers share, so that a replaced worker does not start over)."""
+    must not take every other route away. The registry marks that moment as its route
+    table changes, whoever asks; ``served`` is the file that marks it for the whole server
+    (its workers share it, so that a replaced worker does not start over)."""
 
     def __init__(
         self,
@@ -109,22 +110,18 @@ class Readiness:
                 + " (strict_readiness = false starts without them)",
                 unserved=unserved,
             )
-        self.mark_served()
         if unserved:
             answer["unserved"] = unserved
         return answer
 
     def served(self) -> bool:
-        """Whether the server has been ready with every route serving (or is not strict)."""
-        if not self._served and self.served_marker is not None:
-            self._served = self.served_marker.exists()
-        return self._served
-
-    def mark_served(self) -> None:
+        """Whether every route has served once since start (the registry marks it, for
+        the whole server where several workers share the marker), or it is not strict."""
         if not self._served:
-            self._served = True
-            if self.served_marker is not None:
-                self.served_marker.touch()
+            self._served = self.registry.served or (
+                self.served_marker is not None and self.served_marker.exists()
+            )
+        return self._served
 
     async def describe(self) -> dict[str, Any]:
         """The readiness answer, or why not (``/admin/status``)."""
