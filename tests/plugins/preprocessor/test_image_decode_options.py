@@ -275,6 +275,15 @@ class TestOpenCV:
                 component.process(images(data[:cut]), context())
         assert component.process(images(data), context())["image"].shape == (1, 3, 8, 8)
 
+    def test_a_format_pillow_knows_by_no_signature_never_reaches_opencv(self) -> None:
+        """A TGA file has no magic bytes: OpenCV could take its bytes for another format
+        whose size Pillow never read. Refused before OpenCV decodes anything."""
+        component = decoder(LATEST, library="opencv", size=[8, 8])
+        buffer = io.BytesIO()
+        Image.new("RGB", (4, 4), (1, 2, 3)).save(buffer, "TGA")
+        with pytest.raises(InvalidInput, match="OpenCV is not given TGA files"):
+            component.process(images(buffer.getvalue()), context())
+
     def test_a_file_only_pillow_reads_is_a_400(self) -> None:
         """Headers are read by Pillow (bounds are counted from them), the pixels by OpenCV:
         a file that OpenCV cannot decode is refused like a corrupt one."""

@@ -120,6 +120,12 @@ class OpenCVDecoder:
         error, and so is a JPEG cut short, which some OpenCV versions decode with its
         missing part grey (Pillow reads it through at an eighth of its size to see)."""
         header = image.width, image.height
+        signatures = OPENCV_SIGNATURES.get(image.format or "", ())
+        webp = image.format != "WEBP" or blob[8:12] == b"WEBP"
+        if not webp or not any(blob.startswith(signature) for signature in signatures):
+            # OpenCV picks its decoder by the file's first bytes too: only a file both read
+            # as one format has pixels max_pixels (counted from Pillow's header) bounds.
+            raise ValueError(f"OpenCV is not given {image.format or 'this format'} files here")
         if image.format == "JPEG":
             image.draft(None, (1, 1))  # decodes at 1/8 scale, reading every byte
             image.load()
@@ -149,6 +155,18 @@ class OpenCVDecoder:
         if self.conversion is None:
             return image
         return np.asarray(self.cv2.cvtColor(image, self.conversion))
+
+
+OPENCV_SIGNATURES: dict[str, tuple[bytes, ...]] = {
+    "PNG": (b"\x89PNG\r\n\x1a\n",),
+    "JPEG": (b"\xff\xd8\xff",),
+    "GIF": (b"GIF87a", b"GIF89a"),
+    "BMP": (b"BM",),
+    "TIFF": (b"II*\x00", b"MM\x00*"),
+    "WEBP": (b"RIFF",),
+}
+"""The formats decoded through OpenCV, by Pillow's name, and the first bytes by which both
+libraries know them (a WebP file's ``WEBP`` tag follows at byte 8)."""
 
 
 def opencv() -> ModuleType:
