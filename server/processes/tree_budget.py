@@ -302,8 +302,10 @@ class TreeBudget:
         if replies is None:
             replies = await self.pool.call_all("GET", "/_control/budget/usage")
         seen: dict[Entry, tuple[float, bool, set[int]]] = {}  # last use, busy, reported by
+        silent: set[int] = set()  # workers that did not say what they use
         for worker, reply in replies:
             if reply.status != 200:
+                silent.add(worker.pid)
                 continue
             for row in reply.json()["versions"]:
                 entry = Entry.of(_key(row["key"]), worker.index, bool(row["isolated"]))
@@ -315,7 +317,11 @@ class TreeBudget:
         idle = [
             (used, entry)
             for entry, (used, busy, _) in seen.items()
-            if not busy and entry != keep and entry not in loading
+            if not busy
+            and entry != keep
+            and entry not in loading
+            # held by a worker that did not answer: it may be in use there
+            and not self.holders.get(entry, set()) & silent
         ]
         for entry in self.ledger.victims(idle, room):
             await self._evict(entry, seen[entry][2], reason)
