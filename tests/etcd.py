@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, wait_until_ok
+from tests.helpers import free_ports, wait_until_ok
 
 REQUIRE_ENV = "PLUGSERVE_REQUIRE_ETCD"
 
@@ -33,7 +33,7 @@ class EtcdProcess:
     def __init__(self, data_dir: Path) -> None:
         self.binary = required_tool("etcd", "etcd-server")
         self.data_dir = data_dir
-        self.port, self.peer_port = free_port(), free_port()
+        self.port, self.peer_port = free_ports(2)
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"

@@ -21,7 +21,7 @@ from plugserve.server.runtime.stdio import SafeStream
 from tests.helpers import (
     ROOT,
     ServerProcess,
-    free_port,
+    free_ports,
     wait_until_ok,
     write_plugin,
 )
@@ -154,10 +154,10 @@ def test_a_reader_that_goes_away_neither_breaks_serving_nor_holds_sigterm(
     _write_runner(plugins_dir)
     config = tmp_path / "piped.toml"
     config.write_text("access_log = true\ndrain_timeout_s = 2\n")
-    port = free_port()
+    port, grpc_port = free_ports(2)
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "plugserve", "serve", "--port", str(port),
-               "--grpc-port", str(free_port()), "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+               "--grpc-port", str(grpc_port), "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                "--config", str(config), "--workers", "1"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     proc = subprocess.Popen(
@@ -194,10 +194,10 @@ def test_a_reader_that_stops_reading_does_not_stall_the_server(
     _write_runner(plugins_dir)
     config = tmp_path / "stalled.toml"
     config.write_text("access_log = true\ndrain_timeout_s = 2\n")
-    port = free_port()
+    port, grpc_port = free_ports(2)
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "plugserve", "serve", "--port", str(port),
-               "--grpc-port", str(free_port()), "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
+               "--grpc-port", str(grpc_port), "--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir),
                "--config", str(config), "--workers", "1"]  # fmt: skip
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
