@@ -250,10 +250,10 @@ def create_app(
     if settings.runners_on_loop and (worker is not None or settings.inline_runners == "on"):
         app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S  # auto: one of several workers only
     fleet = worker.fleet_health if worker is not None and worker.spec.fleet else None
-    served = None if worker is None else worker.spec.control_dir / SERVED_MARKER
-    app[REGISTRY].served_marker = served
+    if worker is not None:  # the moment every route has served is the server's
+        app[REGISTRY].served_marker = worker.spec.control_dir / SERVED_MARKER
     app[READINESS] = Readiness(app[REGISTRY], app[DRAIN], app[ROUTE_STORE], fleet,
-                               strict=settings.strict_readiness, served=served)  # fmt: skip
+                               strict=settings.strict_readiness)  # fmt: skip
     if worker is None:
         app[REPOSITORY] = LocalRepository(app[REGISTRY])
         app[STATISTICS] = LocalStatistics(app[REGISTRY])

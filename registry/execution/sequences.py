@@ -42,8 +42,8 @@ Ended = Callable[[SequenceId], None]
 MAX_ID_CHARS = 256
 SWEEP_SLACK_S = 0.01
 INLINE_JOIN_BYTES = 64 * 1024
-"""Chunks up to this many bytes are joined with their contexts on the event loop (a
-thread hop costs more); larger ones on a thread."""
+"""Chunks up to this many bytes are joined with their contexts on the event loop: as large
+as a batch that may run there (``components/inline.py``, which imports this module)."""
 """A sweep timer fires this long after the expiry it waits for (clocks and timers differ)."""
 
 
@@ -229,8 +229,8 @@ class Sequences:
     async def _contexts(
         self, inputs: Mapping[str, Any], contexts: Mapping[str, np.ndarray]
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """:meth:`contexts_of`, on a thread once the chunks are large enough for their
-        copies to cost the event loop (a join costs what the request sent)."""
+        """:meth:`contexts_of`, on a thread once the chunks are larger than
+        :data:`INLINE_JOIN_BYTES` (a join costs what the request sent)."""
         sent = sum(getattr(inputs.get(spec.source), "nbytes", 0) for spec in self.section.contexts)
         if sent <= INLINE_JOIN_BYTES:
             return self.contexts_of(inputs, contexts)

@@ -913,6 +913,13 @@ class Registry:
                 with contextlib.suppress(OSError):  # readiness then stays this worker's own
                     self.served_marker.touch()
 
+    def has_served(self) -> bool:
+        """Whether every route has served once since start: here, or (with several
+        workers) in another worker of this server, as :attr:`served_marker` says."""
+        if not self.served and self.served_marker is not None:
+            self.served = self.served_marker.exists()
+        return self.served
+
     # -- views -------------------------------------------------------------------------
 
     def plugins(self) -> list[VersionRecord]:

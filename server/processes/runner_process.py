@@ -406,7 +406,7 @@ class Serving(asyncio.Protocol):
             "apart": scheduler.apart if scheduler else 0,
             "apart_why": scheduler.apart_why if scheduler else None,
             "fallback_why": scheduler.fallback_why if scheduler else None,
-            "batching_check": loaded.describe().get("batching_check"),
+            "batching_check": loaded.batching_checked(),
             "sequences": loaded.sequences.describe() if loaded.sequences is not None else None,
         }
 

@@ -4,7 +4,6 @@ the server's metadata, its readiness, a route's model metadata, a result as name
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,8 +53,8 @@ class Readiness:
     and why. From then on a route that fails is reported, never a reason to be taken out
     of service: a failed reload keeps its previous version serving, and one bad new drop
     must not take every other route away. The registry marks that moment as its route
-    table changes, whoever asks; ``served`` is the file that marks it for the whole server
-    (its workers share it, so that a replaced worker does not start over)."""
+    table changes, for the whole server where several workers share its marker (a worker
+    started again does not start over: :meth:`Registry.has_served`)."""
 
     def __init__(
         self,
@@ -64,15 +63,12 @@ class Readiness:
         store: RouteStore,
         fleet: FleetHealth | None,
         strict: bool = True,
-        served: Path | None = None,
     ) -> None:
         self.registry = registry
         self.drain = drain
         self.store = store
         self.fleet = fleet
         self.strict = strict
-        self.served_marker = served
-        self._served = not strict
 
     async def check(self) -> dict[str, Any]:
         """The readiness answer; :class:`Unavailable` (with why) when not ready."""
@@ -103,7 +99,7 @@ class Readiness:
                 )
             answer["fleet"] = details
         unserved = registry.unserved
-        if unserved and not self.served():
+        if unserved and self.strict and not registry.has_served():
             raise Unavailable(
                 f"{len(unserved)} route(s) cannot serve: "
                 + "; ".join(f"{route}: {why}" for route, why in unserved.items())
@@ -113,15 +109,6 @@ class Readiness:
         if unserved:
             answer["unserved"] = unserved
         return answer
-
-    def served(self) -> bool:
-        """Whether every route has served once since start (the registry marks it, for
-        the whole server where several workers share the marker), or it is not strict."""
-        if not self._served:
-            self._served = self.registry.served or (
-                self.served_marker is not None and self.served_marker.exists()
-            )
-        return self._served
 
     async def describe(self) -> dict[str, Any]:
         """The readiness answer, or why not (``/admin/status``)."""

@@ -110,10 +110,17 @@ class BatchedRunner(Runner):
                 "requests": stats.fallback_requests,
                 "why": scheduler.fallback_why,
             }
-        if self.batch_check is not None:
-            batching = "on" if self.batch_check.exact else "off"
-            figures["batching_check"] = {"batching": batching, **self.batch_check.as_json()}
+        checked = self.batching_checked()
+        if checked is not None:
+            figures["batching_check"] = checked
         return figures
+
+    def batching_checked(self) -> dict[str, Any] | None:
+        """What ``[runner.batching] check`` found at load, and whether batching is on."""
+        if self.batch_check is None:
+            return None
+        batching = "on" if self.batch_check.exact else "off"
+        return {"batching": batching, **self.batch_check.as_json()}
 
     # -- what batching does to answers ---------------------------------------------------
 
