@@ -41,10 +41,11 @@ Ended = Callable[[SequenceId], None]
 
 MAX_ID_CHARS = 256
 SWEEP_SLACK_S = 0.01
+"""A sweep timer fires this long after the expiry it waits for (clocks and timers differ)."""
 INLINE_JOIN_BYTES = 64 * 1024
 """Chunks up to this many bytes are joined with their contexts on the event loop: as large
-as a batch that may run there (``components/inline.py``, which imports this module)."""
-"""A sweep timer fires this long after the expiry it waits for (clocks and timers differ)."""
+as a batch that may run there (``INLINE_MAX_BYTES`` of ``components/inline.py``, a package
+that imports this module)."""
 
 
 SEQUENCE_FIELDS = ("sequence_id", "sequence_start", "sequence_end")
