@@ -74,7 +74,11 @@ FLOOD_PER_S = 1000
 empty DATA, frames of unknown types), resets the server sends for a client's frames, and
 answers woken for a window the client took back, a connection may cause in a second before
 it is ended with ``ENHANCE_YOUR_CALM`` (a reset flood is the "rapid reset" attack; resets
-the client makes the server send, "MadeYouReset")."""
+the client makes the server send, "MadeYouReset"). A refused header block counts once per
+``REFUSED_HEAD_BYTES`` of its header list besides: decoding it was the work."""
+REFUSED_HEAD_BYTES = 512
+"""Header-list bytes (RFC 9113 §6.5.2's count, 32 a field) a refused block weighs as one
+more frame of the flood count: about sixteen decoded fields."""
 CLOSED_KEPT = 1024
 """Closed streams whose way of closing is remembered, to answer their late frames."""
 CLIENT_ENDED, CLIENT_RESET, SERVER_ENDED = 1, 2, 3
@@ -516,14 +520,13 @@ class Connection(asyncio.Protocol):
         else:  # other frame types are ignored, as HTTP/2 says, but not without end
             self._flooding()
 
-    def _flooding(self) -> None:
+    def _flooding(self, weight: int = 1) -> None:
         now = time.monotonic()
         since, count = self.flood
         if now - since > 1.0:
-            self.flood = (now, 1)
-            return
-        self.flood = (since, count + 1)
-        if count + 1 > FLOOD_PER_S:
+            since, count = now, 0
+        self.flood = (since, count + weight)
+        if count + weight > FLOOD_PER_S:
             raise wire.ConnectionError_(Error.ENHANCE_YOUR_CALM, "too many control frames")
 
     def _settings(self, flags: int, stream_id: int, payload: bytes) -> None:
@@ -723,9 +726,10 @@ class Connection(asyncio.Protocol):
             return
         if head.malformed is not None:
             log.debug("grpc_malformed_request", peer=self.peer, reason=head.malformed)
-            self._stream_error(stream_id, Error.PROTOCOL_ERROR)
+            self._stream_error(stream_id, Error.PROTOCOL_ERROR, head.size // REFUSED_HEAD_BYTES)
             return
         if head.size > MAX_HEADER_LIST:
+            self._flooding(1 + head.size // REFUSED_HEAD_BYTES)
             self._write_headers(
                 stream_id,
                 wire.RESPONSE_START
@@ -743,14 +747,15 @@ class Connection(asyncio.Protocol):
             return
         self._open(stream_id, flags, head)
 
-    def _stream_error(self, stream_id: int, code: Error) -> None:
+    def _stream_error(self, stream_id: int, code: Error, weight: int = 0) -> None:
         """A stream error (RFC 9113 §5.4.2): the stream reset with ``code``, the connection
-        and its other calls going on; counted as a reset the client made the server send."""
+        and its other calls going on; counted as a reset the client made the server send,
+        and ``weight`` more."""
         stream = self.streams.get(stream_id)
         if stream is not None:
             self._reset(stream, code)
             return
-        self._flooding()
+        self._flooding(1 + weight)
         self._write(wire.rst_stream(stream_id, code))
         self._closed(stream_id, SERVER_ENDED)
 
