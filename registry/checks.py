@@ -12,10 +12,16 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+import types
+import typing
 import unicodedata
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+import annotated_types
+import pydantic
+from pydantic.fields import FieldInfo
 
 from plugserve.registry.refs import NAME_PATTERN, is_valid_name
 
@@ -216,3 +222,140 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueProblem("", f"the number {text[:40]} is out of range")
     return value
+
+
+# -- a schema's errors, in these words -------------------------------------------------------
+
+KINDS: dict[type, str] = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    Path: "a path (a string)",
+    list: "a list",
+    dict: "a table",
+}
+"""A value's type in words, for "must be ..., not ..."."""
+_BOUND_ERRORS = frozenset(
+    {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+)
+
+
+def described(value: Any) -> str:
+    """A wrong value and what it is, for a message: ``a string ("abc")``."""
+    shown_value = json.dumps(value) if isinstance(value, str) else repr(value)
+    if len(shown_value) > 40:
+        shown_value = shown_value[:37] + "..."
+    return f"{KINDS.get(type(value), 'a ' + type(value).__name__)} ({shown_value})"
+
+
+def kind_of(annotation: Any, *, within: bool = False) -> str:
+    """What a field of ``annotation`` must be, in words: ``an integer``, ``a, b or c``
+    (a choice among others quoted: ``an integer or 'auto'``)."""
+    annotation = _bare(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        choices = [repr(c) if within else str(c) for c in typing.get_args(annotation)]
+        return _either(choices)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        words = [kind_of(a, within=len(members) > 1) for a in members]
+        return " or ".join(dict.fromkeys(words))
+    if isinstance(annotation, type):
+        return KINDS.get(annotation, annotation.__name__)
+    return str(annotation)
+
+
+def _bare(annotation: Any) -> Any:
+    """``Annotated[T, ...]`` as ``T``."""
+    return (
+        typing.get_args(annotation)[0]
+        if typing.get_origin(annotation) is typing.Annotated
+        else annotation
+    )
+
+
+def _either(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def schema_problems(error: pydantic.ValidationError, model: type[pydantic.BaseModel]) -> list[str]:
+    """Each field's first validation error in this module's words, naming the field as the
+    hand-written checks do: ``port must be an integer, not a string ("x")``, ``port: must be
+    an integer >= 0 and <= 65535, not 70000``; a validator's own ``ValueError`` as it says."""
+    found: dict[str, str] = {}
+    for item in error.errors(include_url=False):
+        name, field = _located(item["loc"], model)
+        if name in found:
+            continue
+        kind, value, context = item["type"], item.get("input"), item.get("ctx") or {}
+        if kind == "value_error" and "error" in context:
+            found[name] = str(context["error"])
+        elif kind == "extra_forbidden":
+            found[name] = f"{name}: unknown; known: {', '.join(model.model_fields)}"
+        elif kind == "missing":
+            found[name] = f"{name} is required"
+        elif kind in _BOUND_ERRORS and field is not None:
+            found[name] = f"{name}: {wanted(field)}, not {shown(value)}"
+        elif field is not None and (kind.endswith("_type") or kind in _CHOICE_ERRORS):
+            found[name] = f"{name} must be {kind_of(field.annotation)}, not {described(value)}"
+        else:
+            found[name] = f"{name}: {item['msg']}"
+    return list(found.values())
+
+
+_CHOICE_ERRORS = frozenset({"literal_error", "int_from_float", "enum"})
+
+
+def _located(
+    loc: tuple[int | str, ...], model: type[pydantic.BaseModel]
+) -> tuple[str, FieldInfo | None]:
+    """An error's field, as ``a.b[2].c``, and its declaration: the parts of ``loc`` that
+    name a field or an index (a union's member tags are left out)."""
+    name, field, fields = "", None, model.model_fields
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part in fields:
+            field = fields[part]
+            name = f"{name}.{part}" if name else str(part)
+            nested = _model_in(field.annotation)
+            fields = nested.model_fields if nested is not None else {}
+    return name, field
+
+
+def _model_in(annotation: Any) -> type[pydantic.BaseModel] | None:
+    """The model a field holds (itself, or in a list, dict or union), if any."""
+    stack = [annotation]
+    while stack:
+        item = _bare(stack.pop())
+        if isinstance(item, type) and issubclass(item, pydantic.BaseModel):
+            return item
+        stack.extend(typing.get_args(item))
+    return None
+
+
+def wanted(field: FieldInfo) -> str:
+    """A number field's bounds in words, as :func:`integer` and :func:`number` say them
+    (the bounds of a union's number member, for a field that may be a number)."""
+    numeric = (annotated_types.Ge, annotated_types.Gt, annotated_types.Le)
+    base, bounds = field.annotation, [b for b in field.metadata if isinstance(b, numeric)]
+    if not bounds:
+        for member in typing.get_args(field.annotation):
+            if typing.get_origin(member) is typing.Annotated:
+                base, *extra = typing.get_args(member)
+                for item in extra:
+                    bounds.extend(item.metadata if isinstance(item, FieldInfo) else [item])
+                break
+    low: float = -MAX_INTEGER
+    high: float = MAX_INTEGER
+    above = False
+    for bound in bounds:
+        if isinstance(bound, annotated_types.Ge):
+            low = bound.ge  # type: ignore[assignment]
+        elif isinstance(bound, annotated_types.Gt):
+            low, above = bound.gt, True  # type: ignore[assignment]
+        elif isinstance(bound, annotated_types.Le):
+            high = bound.le  # type: ignore[assignment]
+    if _bare(base) is int:
+        return f"must be an integer >= {int(low)} and <= {int(high)}"
+    return f"must be a finite number {'>' if above else '>='} {low:g} and <= {high:g}"

@@ -12,9 +12,10 @@ import socket
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -26,7 +27,7 @@ from plugserve.registry.manifest import BatchCheckSpec
 from plugserve.server import __version__
 from plugserve.server.app import create_app
 from plugserve.server.commands.validate import ERROR, OUTCOMES, VALID, Report, validate_all
-from plugserve.server.config import Settings, load_settings
+from plugserve.server.config import FLAGS, Settings, load_settings
 from plugserve.server.grpc_api.listener import grpc_lifetime
 from plugserve.server.http.connections import (
     KEEPALIVE_TIMEOUT_S,
@@ -64,67 +65,8 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve the plugins directory over HTTP")
     serve.add_argument("--config", type=Path, help="a TOML settings file")
-    serve.add_argument("--plugins-dir", type=Path, help="default: the bundled plugins/")
-    serve.add_argument("--models-dir", type=Path, help="default: the bundled models/")
-    serve.add_argument("--host", help="default: 127.0.0.1")
-    serve.add_argument("--port", type=int, help="default: 8000")
-    serve.add_argument(
-        "--grpc-port",
-        type=int,
-        help="the KServe v2 gRPC service's port; 0 turns it off; default: 8001",
-    )
-    serve.add_argument(
-        "--memory-budget",
-        help="what runner versions loaded on demand may hold resident: bytes, a size such as "
-        "4GiB, or a share of the machine or cgroup such as 60%% (default 0: none)",
-    )
-    serve.add_argument(
-        "--gpu-memory-budget",
-        help="what runner versions loaded on demand may hold on each GPU: bytes, a size such "
-        "as 20GiB, or a share of each GPU's memory such as 80%% (default 0: none)",
-    )
-    serve.add_argument(
-        "--default-load",
-        choices=["eager", "on_demand"],
-        help="when runner versions that do not say ([runner] load) load: eager (at start, "
-        "the default) or on_demand (on their first request)",
-    )
-    serve.add_argument(
-        "--strict-readiness",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="ready at start-up only once every route can serve (the default); "
-        "--no-strict-readiness: ready without the routes that failed",
-    )
-    serve.add_argument(
-        "--grpc-engine",
-        choices=["grpcio", "native"],
-        help="what serves gRPC: native (HTTP/2 on each worker's event loop, the default) or "
-        "grpcio (grpc.aio)",
-    )
-    serve.add_argument(
-        "--workers",
-        help="HTTP worker processes sharing the port: a number, or auto (one per usable core, "
-        "the default)",
-    )
-    serve.add_argument(
-        "--inline-runners",
-        choices=["auto", "on", "off"],
-        help="run runners' batches on each worker's event loop: auto (default) does where "
-        "every core has a worker",
-    )
-    serve.add_argument("--log-format", choices=["console", "json"])
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    serve.add_argument(
-        "--registry",
-        help="where runtime routes live: local (default) or etcd://host:port/prefix (a fleet)",
-    )
-    serve.add_argument("--replica-id", help="this replica's name in the fleet (<hostname>:<port>)")
-    serve.add_argument(
-        "--runtime-routes-file",
-        type=Path,
-        help="local mode: save runtime route changes here, to survive restarts",
-    )
+    for name in FLAGS:
+        _setting_flag(serve, name)
 
     validate = commands.add_parser(
         "validate",
@@ -196,6 +138,32 @@ async def _install_signal_handlers(app: web.Application) -> None:
     app[DRAIN].install()
 
 
+def _setting_flag(parser: argparse.ArgumentParser, name: str) -> None:
+    """The flag of setting ``name`` (``--grpc-port``), as the setting declares it: its type,
+    its choices, ``--no-`` for a switch, its description's first sentence and default."""
+    field = Settings.model_fields[name]
+    annotation = field.annotation
+    members = typing.get_args(annotation) or (annotation,)
+    options: dict[str, Any] = {}
+    if typing.get_origin(annotation) is typing.Literal:
+        options["choices"] = list(members)
+    elif annotation is bool:
+        options.update(action=argparse.BooleanOptionalAction, default=None)
+    elif annotation is int:
+        options["type"] = int
+    elif Path in members:
+        options["type"] = Path
+    about = " ".join((field.description or "").split()).replace("``", "").replace("%", "%%")
+    first = about.split(". ")[0].rstrip(".")
+    default = field.get_default(call_default_factory=False)
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    shown = f"; default: {default}" if default not in (None, "") and "default" not in first else ""
+    if first[1:2].islower():
+        first = first[:1].lower() + first[1:]
+    parser.add_argument(f"--{name.replace('_', '-')}", help=first + shown, **options)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -214,25 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    flags = {
-        "plugins_dir": args.plugins_dir,
-        "models_dir": args.models_dir,
-        "host": args.host,
-        "port": args.port,
-        "grpc_port": args.grpc_port,
-        "grpc_engine": args.grpc_engine,
-        "default_load": args.default_load,
-        "strict_readiness": args.strict_readiness,
-        "memory_budget": args.memory_budget,
-        "gpu_memory_budget": args.gpu_memory_budget,
-        "log_format": args.log_format,
-        "log_level": args.log_level,
-        "registry": args.registry,
-        "replica_id": args.replica_id,
-        "runtime_routes_file": args.runtime_routes_file,
-        "workers": args.workers,
-        "inline_runners": args.inline_runners,
-    }
+    flags = {name: getattr(args, name) for name in FLAGS}
     settings = load_settings(args.config, flags)
     protect_std_streams()
     configure_logging(settings.log_format, settings.log_level)

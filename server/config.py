@@ -1,15 +1,22 @@
-"""Server settings: defaults, then a TOML config file, then the environment, then flags."""
+"""Server settings: each declared once in :class:`Settings` (its type, default, bounds and
+what it does), read from the defaults, then a TOML config file, then the environment, then
+the command line's flags (``cli.py`` makes a flag of each setting :data:`FLAGS` names).
+``python -m plugserve.server.config`` prints the settings file's JSON Schema."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
+import sys
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from plugserve.registry import checks
 from plugserve.registry.errors import ConfigError
@@ -21,59 +28,29 @@ ADMIN_TOKEN_FILE_ENV = "PLUGSERVE_ADMIN_TOKEN_FILE"
 INFERENCE_TOKEN_ENV = "PLUGSERVE_INFERENCE_TOKEN"
 INFERENCE_TOKEN_FILE_ENV = "PLUGSERVE_INFERENCE_TOKEN_FILE"
 TOKENS = ("admin_token", "inference_token")
+"""Each token setting has a ``<name>_file`` twin and the env vars ``PLUGSERVE_<NAME>[_FILE]``."""
 MAX_TOKEN_FILE_BYTES = 64 * 1024
 """A token file larger than this is refused (it is a secret, not a document)."""
-"""Each token setting has a ``<name>_file`` twin and the env vars ``PLUGSERVE_<NAME>[_FILE]``."""
 ETCD_PASSWORD_ENV = "PLUGSERVE_ETCD_PASSWORD"
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# Every number setting is finite and inside these bounds; one not listed: |x| <= 2**53.
-_BOUNDS: dict[str, tuple[float, float]] = {
-    "port": (0, 65535),
-    "admin_port": (1, 65535),
-    "grpc_port": (0, 65535),
-    "drain_timeout_s": (0, 86_400),
-    "max_body_bytes": (1, 2**40),
-    "max_json_bytes": (1, 2**40),
-    "reload_debounce_ms": (0, 3_600_000),
-    "max_inputs": (1, 1_000_000),
-    "max_tensor_rank": (1, 64),
-    "max_tensor_elements": (1, 2**40),
-    "max_bytes_elements": (1, 2**40),
-    "fleet_lease_ttl_s": (2, 86_400),
-    "fleet_startup_wait_s": (0, 3600),
-    "rollout_interval_s": (0.05, 3600),
-    "load_timeout_s": (0, 1e6),
-    "close_timeout_s": (0, 1e6),
-    "header_timeout_s": (0, 86_400),
-    "body_timeout_s": (0, 86_400),
-    "grpc_idle_timeout_s": (0, 86_400),
-    "max_connections": (1, 1_000_000),
-    "body_threads": (1, 64),
-    "max_large_bodies": (1, 10_000),
-    "request_bytes_budget": (0, 2**44),
-    "workers": (1, 1024),
-    "worker_stall_timeout_s": (0, 86_400),
-    "runner_stall_timeout_s": (0, 86_400),
-    "response_cache_bytes": (0, 2**40),
-}
-"""Each number setting's bounds; any other number is finite and at most 2**53."""
 MIN_STALL_TIMEOUT_S = 1.0
 """The shortest stall check there is (0 turns it off): a loop busy with one large batch or a
 collection must not read as stuck."""
-_ABOVE_LOW = {
-    "load_timeout_s",
-    "close_timeout_s",
-    "header_timeout_s",
-    "body_timeout_s",
-    "grpc_idle_timeout_s",
-}
-"""Settings that must be more than their low bound (a zero timeout means nothing)."""
+DAY_S = 86_400
 
 
 def bundled_dir(name: str) -> Path:
     """The bundled ``plugins/`` or ``models/`` of a source checkout, else ``./<name>``."""
     bundled = _PROJECT_ROOT / name
     return bundled if bundled.is_dir() else Path.cwd() / name
+
+
+class SettingsError(ConfigError):
+    """Settings that are not valid, each problem naming its setting."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
 
 
 @dataclass(frozen=True)
@@ -86,43 +63,91 @@ class Limits:
     max_bytes_elements: int = 1 << 20
 
 
-@dataclass(frozen=True)
-class Settings:
+PathSetting = Annotated[Path, Field(strict=False)]
+"""A path: from a file, relative to it; made absolute, symlinks kept (the watcher follows a
+folder's symlink swap)."""
+Seconds = Annotated[float, Field(allow_inf_nan=False)]
+Timeout = Annotated[float, Field(gt=0, le=DAY_S, allow_inf_nan=False)]
+"""A timeout: more than 0 (a zero timeout means nothing), at most a day."""
+Port = Annotated[int, Field(ge=0, le=65535)]
+Count = Annotated[int, Field(ge=1, le=1_000_000)]
+Bytes = Annotated[int, Field(ge=1, le=2**40)]
+Budget = Annotated[
+    Annotated[int, Field(ge=0)]
+    | Annotated[
+        str,
+        Field(
+            json_schema_extra={"pattern": r"^\s*\d+(\.\d+)?\s*(%|[KMGTkmgt][iI]?[bB]?|[bB])?\s*$"}
+        ),
+    ],
+    Field(union_mode="left_to_right"),
+]
+"""Bytes (an integer), a size (``"4GiB"``) or a share (``"60%"``)."""
+Token = Annotated[str, Field(json_schema_extra={"minLength": 1})]
+"""A secret: never shown, never empty."""
+
+
+class Settings(BaseModel):
     """Everything the server is configured with. Paths are absolute."""
 
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        strict=True,
+        use_attribute_docstrings=True,
+        title="plugserve settings",
+    )
+
     host: str = "127.0.0.1"
-    port: int = 8000
-    plugins_dir: Path = dataclasses.field(default_factory=lambda: bundled_dir("plugins"))
-    models_dir: Path = dataclasses.field(default_factory=lambda: bundled_dir("models"))
-    admin_token: str | None = dataclasses.field(default=None, repr=False)
-    admin_token_file: Path | None = None
+    """The address the data plane listens on."""
+    port: Port = 8000
+    """The data plane's HTTP port."""
+    plugins_dir: PathSetting = Field(default_factory=lambda: bundled_dir("plugins"))
+    """The plugins folder (``<type>/<name>/<version>/``); default: the bundled ``plugins/``."""
+    models_dir: PathSetting = Field(default_factory=lambda: bundled_dir("models"))
+    """The models folder plugins name their model files in; default: the bundled ``models/``."""
+    admin_token: Token | None = Field(default=None, repr=False)
+    """The bearer token of ``/admin/`` (and of every data-plane call); unset: the admin
+    endpoints answer loopback clients only."""
+    admin_token_file: PathSetting | None = None
+    """A file holding ``admin_token`` (a mounted secret)."""
     admin_host: str | None = None
-    admin_port: int | None = None
-    grpc_port: int = 8001
-    """The KServe v2 gRPC service's port (on ``host``); 0 turns it off (server/grpc_api/)."""
-    log_format: str = "console"
-    log_level: str = "info"
-    drain_timeout_s: float = 30.0
-    load_timeout_s: float = 120.0
+    """With ``admin_port``: the address the admin endpoints listen on; default: ``host``."""
+    admin_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    """A port of their own for ``/admin/`` (then not served on the data port)."""
+    grpc_port: Port = 8001
+    """The KServe v2 gRPC service's port (on ``host``); 0 turns it off."""
+    log_format: Literal["console", "json"] = "console"
+    """Logs for a person (``console``) or one JSON object a line (``json``)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """The least severe log events written."""
+    drain_timeout_s: Annotated[Seconds, Field(ge=0, le=DAY_S)] = 30.0
+    """At shutdown, how long requests in flight may take to finish."""
+    load_timeout_s: Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)] = 120.0
     """The bound on a version's import, create and warmup, and on each startup hook."""
-    close_timeout_s: float = 10.0
+    close_timeout_s: Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)] = 10.0
     """The bound on a component's ``close()`` and on the shutdown hooks."""
-    max_body_bytes: int = 64 * 1024 * 1024
-    max_json_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: Bytes = 64 * 1024 * 1024
+    """A request body is at most this long, else 413."""
+    max_json_bytes: Bytes = 16 * 1024 * 1024
     """The JSON of a request (a JSON body, or the JSON header of a body with binary tensor
     data) is at most this long, else 413: a JSON parse holds the interpreter for its whole
     length, so other requests wait on it; large tensors travel as binary data."""
     watch: bool = True
-    reload_debounce_ms: int = 200
-    event_loop: str = "auto"
+    """Watch the plugins and models folders and reload what changes."""
+    reload_debounce_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 200
+    """How long changes to a folder must settle before it is reloaded."""
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+    """The event loop: ``uvloop`` where installed (``auto``) or asyncio's own."""
     access_log: bool = False
+    """Log every request."""
     fast_path: bool = True
     """Whether plain HTTP/1.1 v2 infer requests take the fast path (``server/http/fastpath.py``)
     on the data port; off (or with an inference token set), every request is aiohttp's."""
-    memory_budget: int | str = 0
+    memory_budget: Budget = 0
     """What the runner versions loaded on demand may hold resident, in bytes, a size
     (``"4GiB"``) or a share of the machine or cgroup (``"60%"``); 0: no budget."""
-    gpu_memory_budget: int | str = 0
+    gpu_memory_budget: Budget = 0
     """What the runner versions loaded on demand may hold on each GPU: bytes, a size
     (``"20GiB"``) or a share of each GPU's memory (``"80%"``); 0: no GPU budget."""
     strict_readiness: bool = True
@@ -130,82 +155,155 @@ class Settings:
     that cannot keeps the server unready and is named in the answer. Off, the server is
     ready without the routes that failed (a partial start). Once the server has been
     ready, a route that fails is reported there and never takes readiness away."""
-    default_load: str = "eager"
+    default_load: Literal["eager", "on_demand"] = "eager"
     """When a runner version that does not say (``[runner] load``) loads: ``eager`` (at
     start and on every change) or ``on_demand`` (on its first request)."""
-    grpc_engine: str = "native"
-    """What serves gRPC: ``native`` (HTTP/2 read on the event loop's thread,
-    ``server/grpc_api/front.py``) or ``grpcio`` (grpc.aio, gRPC's C core)."""
-    max_inputs: int = 64
-    max_tensor_rank: int = 16
-    max_tensor_elements: int = 1 << 26
-    max_bytes_elements: int = 1 << 20
+    grpc_engine: Literal["native", "grpcio"] = "native"
+    """What serves gRPC: ``native`` (HTTP/2 read on the event loop's thread) or ``grpcio``
+    (grpc.aio, gRPC's C core)."""
+    max_inputs: Count = 64
+    """Inputs (and requested outputs) one request may name."""
+    max_tensor_rank: Annotated[int, Field(ge=1, le=64)] = 16
+    """Dimensions one tensor may have."""
+    max_tensor_elements: Bytes = 1 << 26
+    """Elements one tensor may have."""
+    max_bytes_elements: Bytes = 1 << 20
     """Elements per BYTES tensor: each one is a Python object, built and checked one by one."""
-    registry: str = "local"
-    """Where runtime routes live: ``local`` (this process) or ``etcd://host:port/prefix``."""
-    etcd_password: str | None = dataclasses.field(default=None, repr=False)
+    registry: Annotated[str, Field(json_schema_extra={"pattern": "^(local|etcds?://.+)$"})] = (
+        "local"
+    )
+    """Where runtime routes live: ``local`` (this process) or ``etcd://host:port/prefix``
+    (``etcds://`` for TLS)."""
+    etcd_password: str | None = Field(default=None, repr=False)
     """Fleet mode with etcd authentication: the password of the URL's user."""
-    runtime_routes_file: Path | None = None
+    runtime_routes_file: PathSetting | None = None
     """Local mode: where runtime route changes are saved, to survive restarts."""
     replica_id: str | None = None
     """This replica's name in the fleet; default ``<hostname>:<port>``."""
-    fleet_lease_ttl_s: int = 10
-    fleet_startup_wait_s: float = 5.0
-    rollout_interval_s: float = 1.0
+    fleet_lease_ttl_s: Annotated[int, Field(ge=2, le=DAY_S)] = 10
+    """A fleet replica's etcd lease: a replica silent this long leaves the fleet."""
+    fleet_startup_wait_s: Annotated[Seconds, Field(ge=0, le=3600)] = 5.0
+    """How long a replica waits for etcd at start before serving its local routes."""
+    rollout_interval_s: Annotated[Seconds, Field(ge=0.05, le=3600)] = 1.0
     """How often a rollout's figures are looked at (and, in fleet mode, published)."""
-    # Connections and bodies (server/http/connections.py, server/http/bodies.py).
-    header_timeout_s: float = 10.0
+    header_timeout_s: Timeout = 10.0
     """A request's headers must be complete this long after the connection opened or the
     request's first byte arrived; else 408 and the connection is closed."""
-    body_timeout_s: float = 60.0
+    body_timeout_s: Timeout = 60.0
     """A request's whole body must arrive within this long of its headers (else 408), and a
     client that reads nothing of its answer for this long is dropped."""
-    max_connections: int | None = None
+    max_connections: Count | None = None
     """Open client connections per listener; more are answered 503 and closed. Default:
     the open-files limit less 256, at most 4096. It bounds gRPC's open calls too (health
     and readiness apart): more are refused ``RESOURCE_EXHAUSTED``."""
-    grpc_idle_timeout_s: float = 75.0
+    grpc_idle_timeout_s: Timeout = 75.0
     """A gRPC stream (``ModelStreamInfer``) with no request in flight that sends none for
     this long is ended, and a gRPC connection with no call open is closed."""
-    body_threads: int = 2
+    body_threads: Annotated[int, Field(ge=1, le=64)] = 2
     """Threads that parse large request bodies and encode large responses."""
-    max_large_bodies: int = 8
+    max_large_bodies: Annotated[int, Field(ge=1, le=10_000)] = 8
     """Large bodies (over 256 KiB, or compressed) parsed or waiting at once; more get 429.
     gRPC's large or compressed request messages have as many places of their own (more are
     refused ``RESOURCE_EXHAUSTED``)."""
-    request_bytes_budget: int = 0
+    request_bytes_budget: Annotated[int, Field(ge=0, le=2**44)] = 0
     """Bytes of requests a process holds while they arrive, and that compressed ones inflate
     to, HTTP's large bodies and gRPC's messages together (``server/http/budget.py``); each
     protocol at most three quarters of it. Past it a request is refused: HTTP 503, gRPC
     ``RESOURCE_EXHAUSTED``. 0: eight times ``max_body_bytes``."""
-    # -- data plane access (docs/security.md) --
-    inference_token: str | None = dataclasses.field(default=None, repr=False)
+    inference_token: Token | None = Field(default=None, repr=False)
     """With a value, every data-plane call but health and ``/metrics`` needs it (or the
     admin token) as ``Authorization: Bearer <token>``."""
-    inference_token_file: Path | None = None
-    response_cache_bytes: int = 64 * 1024 * 1024
+    inference_token_file: PathSetting | None = None
+    """A file holding ``inference_token`` (a mounted secret)."""
+    response_cache_bytes: Annotated[int, Field(ge=0, le=2**40)] = 64 * 1024 * 1024
     """The response cache's bound, per worker process: whole responses of the routes whose
-    runner sets ``[runner] response_cache = true`` (server/dataplane/cache.py); 0 turns it off."""
-    shared_memory: str = "loopback"
+    runner sets ``[runner] response_cache = true``; 0 turns it off."""
+    shared_memory: Literal["loopback", "any", "off"] = "loopback"
     """Who may use Triton's system shared memory extension: ``loopback`` (clients on this
     host), ``any`` (every caller the data plane admits) or ``off``."""
-    # -- processes (server/processes/) --
-    workers: int | str = "auto"
+    workers: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
+        default="auto", union_mode="left_to_right"
+    )
     """HTTP worker processes sharing the port: a number, or ``auto`` (the default: one per
-    usable core). With more than one, a supervisor process runs them (docs/operations.md)."""
-
-    worker_stall_timeout_s: float = 30.0
+    usable core). With more than one, a supervisor process runs them."""
+    worker_stall_timeout_s: Annotated[Seconds, Field(ge=0, le=DAY_S)] = 30.0
     """With several workers: one whose event loop has not answered the supervisor for this
-    long is killed and replaced (plugin code stuck on its loop); 0 turns the check off."""
-    runner_stall_timeout_s: float = 60.0
+    long is killed and replaced (plugin code stuck on its loop); 0 turns the check off, else
+    at least 1 s."""
+    runner_stall_timeout_s: Annotated[Seconds, Field(ge=0, le=DAY_S)] = 60.0
     """An isolated runner's process whose event loop has not answered for this long (a
     batch stuck in the plugin's code: its sync runner runs on that loop) is killed: its
-    requests are answered 500 saying so, and it is started again. 0 turns the check off."""
-    inline_runners: str = "auto"
+    requests are answered 500 saying so, and it is started again. 0 turns the check off,
+    else at least 1 s."""
+    inline_runners: Literal["auto", "on", "off"] = "auto"
     """Where a worker runs its in-worker runners' batches: ``on`` its event loop (within a
-    few ms a batch, ``registry/execution/components/inline.py``), ``off`` on a thread each,
-    or ``auto``: on the loop when every usable core has a worker of its own (``workers``
-    > 1 and at least one per core), where a thread only adds hand-offs."""
+    few ms a batch), ``off`` on a thread each, or ``auto``: on the loop when every usable
+    core has a worker of its own (``workers`` > 1 and at least one per core), where a thread
+    only adds hand-offs."""
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except pydantic.ValidationError as exc:
+            raise SettingsError(checks.schema_problems(exc, type(self))) from None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text(cls, value: Any, info: pydantic.ValidationInfo) -> Any:
+        """Every text setting short, printable and free of control characters; a token (or
+        token file) without surrounding whitespace, and never empty."""
+        name = info.field_name or ""
+        if not isinstance(value, str):
+            return value
+        if name in TOKENS or name.removesuffix("_file") in TOKENS:
+            value = _token_text(value, name)
+        checks.text(value, name)
+        hidden = next((c for c in value if not c.isprintable()), None)
+        if hidden is not None:  # a format, unassigned or private-use character
+            raise ValueError(f"{name} must be printable text, not hold {hidden!r}")
+        if name == "workers" and value != "auto":
+            if not (value.isascii() and value.isdigit() and len(value) <= 9):
+                raise ValueError(f"workers must be a number or 'auto', not {value!r}")
+            return int(value)  # from the command line: ASCII digits, as a number is written
+        return value
+
+    @field_validator("memory_budget", "gpu_memory_budget")
+    @classmethod
+    def _budget(cls, value: int | str, info: pydantic.ValidationInfo) -> int | str:
+        (parse_budget if info.field_name == "memory_budget" else parse_gpu_budget)(value)
+        return value
+
+    @field_validator("registry")
+    @classmethod
+    def _registry(cls, value: str) -> str:
+        if value != "local" and not value.startswith(("etcd://", "etcds://")):
+            raise ValueError(
+                "registry must be 'local' or etcd://[user@]host:port/prefix "
+                f"(etcds:// for TLS), not a {value.partition(':')[0]!r} URL"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _together(self) -> Settings:
+        """What no one setting says alone: distinct ports and tokens, stall checks long
+        enough to tell a busy loop from a stuck one."""
+        if self.grpc_port and self.grpc_port in (self.port, self.admin_port):
+            which = "port" if self.grpc_port == self.port else "admin_port"
+            raise ValueError(
+                f"grpc_port {self.grpc_port} is also {which}: give gRPC a port of its own "
+                "(or grpc_port = 0 to turn it off)"
+            )
+        for key, whose in (("worker", "workers"), ("runner", "runner processes")):
+            value = getattr(self, f"{key}_stall_timeout_s")
+            if 0 < value < MIN_STALL_TIMEOUT_S:
+                raise ValueError(
+                    f"{key}_stall_timeout_s must be 0 (off) or at least "
+                    f"{MIN_STALL_TIMEOUT_S:g} s, not {value!r}: a shorter one would kill busy "
+                    f"{whose}"
+                )
+        if self.inference_token is not None and self.inference_token == self.admin_token:
+            raise ValueError("inference_token must differ from admin_token")
+        return self
 
     @property
     def request_bytes(self) -> int:
@@ -229,10 +327,10 @@ class Settings:
     @functools.cached_property
     def limits(self) -> Limits:
         return Limits(
-            self.max_inputs,
-            self.max_tensor_rank,
-            self.max_tensor_elements,
-            self.max_bytes_elements,
+            max_inputs=self.max_inputs,
+            max_rank=self.max_tensor_rank,
+            max_elements=self.max_tensor_elements,
+            max_bytes_elements=self.max_bytes_elements,
         )
 
     @property
@@ -245,95 +343,46 @@ class Settings:
         """``gpu_memory_budget``: bytes, or a share of each GPU (a float); 0: none."""
         return parse_gpu_budget(self.gpu_memory_budget)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.workers, str) and self.workers != "auto":
-            text = self.workers  # from the command line: ASCII digits, as a number is written
-            if not (text.isascii() and text.isdigit() and len(text) <= 9):
-                raise ConfigError(f"workers must be a number or 'auto', not {text!r}")
-            object.__setattr__(self, "workers", int(text))
-        self._check_tokens()
-        _check_numbers(self)  # every number setting against its bounds in _BOUNDS
-        if self.log_format not in ("console", "json"):
-            raise ConfigError(f"log_format must be 'console' or 'json', not {self.log_format!r}")
-        try:
-            parse_budget(self.memory_budget)
-            parse_gpu_budget(self.gpu_memory_budget)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if self.default_load not in ("eager", "on_demand"):
-            raise ConfigError(f"default_load must be eager or on_demand, not {self.default_load!r}")
-        if self.grpc_engine not in ("grpcio", "native"):
-            raise ConfigError(f"grpc_engine must be grpcio or native, not {self.grpc_engine!r}")
-        if self.event_loop not in ("auto", "asyncio", "uvloop"):
-            raise ConfigError(f"event_loop must be auto, asyncio or uvloop: {self.event_loop!r}")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ConfigError(
-                f"log_level must be debug, info, warning or error: {self.log_level!r}"
-            )
-        if self.grpc_port and self.grpc_port in (self.port, self.admin_port):
-            which = "port" if self.grpc_port == self.port else "admin_port"
-            raise ConfigError(
-                f"grpc_port {self.grpc_port} is also {which}: give gRPC a port of its own "
-                "(or grpc_port = 0 to turn it off)"
-            )
-        for key, whose in (("worker", "workers"), ("runner", "runner processes")):
-            value = getattr(self, f"{key}_stall_timeout_s")
-            if 0 < value < MIN_STALL_TIMEOUT_S:
-                raise ConfigError(
-                    f"{key}_stall_timeout_s must be 0 (off) or at least "
-                    f"{MIN_STALL_TIMEOUT_S:g} s, not {value!r}: a shorter one would kill busy "
-                    f"{whose}"
-                )
-        if self.inline_runners not in ("auto", "on", "off"):
-            raise ConfigError(
-                f"inline_runners must be auto, on or off, not {self.inline_runners!r}"
-            )
-        if self.shared_memory not in ("loopback", "any", "off"):
-            raise ConfigError(
-                f"shared_memory must be loopback, any or off, not {self.shared_memory!r}"
-            )
-        if self.registry != "local" and not self.registry.startswith(("etcd://", "etcds://")):
-            raise ConfigError(
-                "registry must be 'local' or etcd://[user@]host:port/prefix "
-                f"(etcds:// for TLS), not a {self.registry.partition(':')[0]!r} URL"
-            )
 
-    def _check_tokens(self) -> None:
-        """A token that is set must be usable: never empty, never an open door."""
-        for name in TOKENS:
-            token = getattr(self, name)
-            if token is not None and not isinstance(token, str):
-                raise ConfigError(f"{name} must be a string, not {_described(token)}")
-            if token is not None and not token.strip():
-                raise ConfigError(f"{name} is set but empty: set a token or remove the setting")
-        if self.inference_token is not None and self.inference_token == self.admin_token:
-            raise ConfigError("inference_token must differ from admin_token")
-
-
-def _check_numbers(settings: Settings) -> None:
-    """Every number setting finite and in its bounds (``inf``, ``nan``, ``1e999`` refused)."""
-    for name in (f.name for f in dataclasses.fields(settings)):
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        low, high = _BOUNDS.get(name, (-checks.MAX_INTEGER, checks.MAX_INTEGER))
-        try:
-            if isinstance(value, int) and name not in _ABOVE_LOW:
-                checks.integer(value, name, low=int(low), high=int(high))
-            else:
-                checks.number(value, name, low=low, high=high, above=name in _ABOVE_LOW)
-        except checks.ValueProblem as exc:
-            raise ConfigError(str(exc)) from None
-
-
-_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
-_PATHS = {
+FLAGS = (
     "plugins_dir",
     "models_dir",
-    "admin_token_file",
+    "host",
+    "port",
+    "grpc_port",
+    "memory_budget",
+    "gpu_memory_budget",
+    "default_load",
+    "strict_readiness",
+    "grpc_engine",
+    "workers",
+    "inline_runners",
+    "log_format",
+    "log_level",
+    "registry",
+    "replica_id",
     "runtime_routes_file",
-    "inference_token_file",
-}
+)
+"""The settings ``plugserve serve`` takes as flags (``--plugins-dir`` ...); every setting
+is a key of the config file."""
+_PATHS = frozenset(
+    name
+    for name, field in Settings.model_fields.items()
+    if Path in (field.annotation, *typing.get_args(field.annotation))
+)
+"""The path settings: made absolute, a file's relative to the file."""
+
+
+def settings_schema() -> dict[str, Any]:
+    """The JSON Schema of the settings file (``plugserve.toml``)."""
+    schema = Settings.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["description"] = "plugserve's settings file (`plugserve serve --config plugserve.toml`)"
+    for field in schema["properties"].values():
+        if field.get("format") == "path":
+            field.pop("format")
+        field.pop("title", None)
+    return schema
 
 
 def load_settings(
@@ -343,11 +392,13 @@ def load_settings(
 ) -> Settings:
     """Merge the config file (relative paths are relative to it), the environment and flags.
 
-    ``overrides`` holds command-line values; ``None`` values are ignored.
+    ``overrides`` holds command-line values; ``None`` values are ignored. A problem with a
+    value the file gave is named with the file.
     """
     values: dict[str, Any] = {}
     if config_file is not None:
         values.update(_read_config(config_file))
+    from_file = set(values)
     env = os.environ if environ is None else environ
     from_env = _tokens_from_env(env)
     for name in TOKENS:  # the environment wins over the file, its token file included
@@ -357,19 +408,27 @@ def load_settings(
     if env.get(ETCD_PASSWORD_ENV):
         values["etcd_password"] = env[ETCD_PASSWORD_ENV]
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    from_file -= set(from_env) | {k for k, v in (overrides or {}).items() if v is not None}
     for key in _PATHS & values.keys():
         # Absolute, but symlinks kept: the watcher follows a folder's symlink swap.
-        try:
-            values[key] = Path(os.path.abspath(Path(values[key]).expanduser()))
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise ConfigError(f"{key}: {exc}") from None
+        if isinstance(values[key], str | Path):
+            try:
+                values[key] = Path(os.path.abspath(Path(values[key]).expanduser()))
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise ConfigError(f"{key}: {exc}") from None
     for name in TOKENS:
         if values.get(f"{name}_file") and values.get(name) is None:
             values[name] = _read_token(name, Path(values[f"{name}_file"]))
     try:
         return Settings(**values)
-    except TypeError as exc:
-        raise ConfigError(f"invalid settings: {exc}") from None
+    except SettingsError as exc:
+        named = [f"{config_file}: {p}" if _names(p, from_file) else p for p in exc.problems]
+        raise SettingsError(named) from None
+
+
+def _names(problem: str, keys: set[str]) -> bool:
+    """Whether ``problem`` is about one of ``keys`` (its message starts with the key)."""
+    return any(problem.startswith((f"{key} ", f"{key}:")) for key in keys)
 
 
 def _tokens_from_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -406,106 +465,31 @@ def _read_token(name: str, path: Path) -> str:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    """The settings of a TOML file, each of its setting's type; raises :class:`ConfigError`."""
+    """The settings of a TOML file, its relative paths made relative to it; raises
+    :class:`ConfigError` for a file that cannot be read or names an unknown setting (the
+    values are checked with the others, by :class:`Settings`)."""
     try:
         raw = checks.read_toml(path)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except checks.ValueProblem as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    unknown = sorted(set(raw) - set(_FIELDS))
+    unknown = sorted(set(raw) - set(Settings.model_fields))
     if unknown:
-        raise ConfigError(f"{path}: unknown setting(s) {unknown}; known: {', '.join(_FIELDS)}")
+        known = ", ".join(Settings.model_fields)
+        raise ConfigError(f"{path}: unknown setting(s) {unknown}; known: {known}")
     for key in TOKENS + tuple(f"{name}_file" for name in TOKENS):
         if isinstance(raw.get(key), str):
             raw[key] = _token_text(raw[key], f"{path}: {key}")
-    for key, value in raw.items():
-        if isinstance(value, str):
+    for key in _PATHS & raw.keys():
+        if isinstance(raw[key], str):
             try:
-                checks.text(value, key)
+                raw[key] = path.parent / checks.text(raw[key], key)
             except checks.ValueProblem as exc:
                 raise ConfigError(f"{path}: {exc}") from None
-            hidden = next((c for c in value if not c.isprintable()), None)
-            if hidden is not None:  # a format, unassigned or private-use character
-                raise ConfigError(f"{path}: {key} must be printable text, not hold {hidden!r}")
-        elif key in _PATHS:
-            raise ConfigError(f"{path}: {key} must be a path (a string), not {_described(value)}")
-    for key in _PATHS & raw.keys():
-        raw[key] = path.parent / raw[key]
-    for key, value in raw.items():
-        expected = _expected_type(key)
-        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise ConfigError(f"{path}: {key} must be {_kind(expected)}, not {_described(value)}")
     return raw
 
 
-_KINDS: dict[type, str] = {
-    bool: "true or false",
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    Path: "a path (a string)",
-    list: "a list",
-    dict: "a table",
-}
-
-
-def _kind(expected: type | tuple[type, ...]) -> str:
-    """What a setting must be, in words: ``an integer``, ``a number``, ``true or false``."""
-    if expected == (int, float):
-        return "a number"
-    if expected == (int, str):
-        return "a number or 'auto'"
-    kinds = expected if isinstance(expected, tuple) else (expected,)
-    return " or ".join(_KINDS.get(kind, kind.__name__) for kind in kinds)
-
-
-def _described(value: Any) -> str:
-    """A wrong value and what it is, for a message: ``a string ("abc")``."""
-    shown = json.dumps(value) if isinstance(value, str) else repr(value)
-    if len(shown) > 40:
-        shown = shown[:37] + "..."
-    return f"{_KINDS.get(type(value), 'a ' + type(value).__name__)} ({shown})"
-
-
-def _expected_type(key: str) -> type | tuple[type, ...]:
-    if key in _PATHS:
-        return Path
-    types: dict[str, type | tuple[type, ...]] = {
-        "port": int,
-        "max_body_bytes": int,
-        "reload_debounce_ms": int,
-        "admin_port": int,
-        "grpc_port": int,
-        "max_inputs": int,
-        "max_tensor_rank": int,
-        "max_tensor_elements": int,
-        "max_bytes_elements": int,
-        "watch": bool,
-        "access_log": bool,
-        "fast_path": bool,
-        "strict_readiness": bool,
-        "grpc_engine": str,
-        "drain_timeout_s": (int, float),
-        "load_timeout_s": (int, float),
-        "close_timeout_s": (int, float),
-        "fleet_lease_ttl_s": int,
-        "fleet_startup_wait_s": (int, float),
-        "rollout_interval_s": (int, float),
-        # connections and bodies
-        "header_timeout_s": (int, float),
-        "body_timeout_s": (int, float),
-        "grpc_idle_timeout_s": (int, float),
-        "max_connections": int,
-        "body_threads": int,
-        "max_large_bodies": int,
-        "request_bytes_budget": int,
-        "max_json_bytes": int,
-        "workers": (int, str),
-        "worker_stall_timeout_s": (int, float),
-        "runner_stall_timeout_s": (int, float),
-        "response_cache_bytes": int,
-        "memory_budget": (int, str),
-        "gpu_memory_budget": (int, str),
-    }
-    return types.get(key, str)
+if __name__ == "__main__":
+    json.dump(settings_schema(), sys.stdout, indent=2)
+    sys.stdout.write("\n")

@@ -42,7 +42,7 @@ async def client(
     """``await client()`` starts the app on the test folders (write plugins first)."""
 
     async def start(**overrides: object) -> TestClient:
-        app = create_app(Settings(**{**settings.__dict__, **overrides}))
+        app = create_app(Settings(**{**settings.model_dump(), **overrides}))
         return await aiohttp_client(app)  # type: ignore[no-any-return,operator]
 
     return start

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import os
 import pickle
@@ -114,8 +113,8 @@ class Supervisor:
         self.restarts = dict.fromkeys(range(workers), 0)
         self.pool.restarts = self.restarts
         # What the workers run with: the supervisor watches, and keeps the route state.
-        self.worker_settings = dataclasses.replace(
-            settings, watch=False, registry="local", runtime_routes_file=None
+        self.worker_settings = settings.model_copy(
+            update={"watch": False, "registry": "local", "runtime_routes_file": None}
         )
         self.regions = Regions(SharedTable(self.dir), access="any")
         """Every worker's shared memory regions, their objects held here: a worker opens

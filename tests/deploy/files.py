@@ -21,7 +21,7 @@ DOCKER = DEPLOY / "docker"
 KUBERNETES = DEPLOY / "kubernetes"
 SYSTEMD = DEPLOY / "systemd"
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
-_FIELDS = {f.name for f in dataclasses.fields(Settings)}
+_FIELDS = set(Settings.model_fields)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,7 +92,7 @@ def check_toml(block: Block, project: Project) -> None:
         (folder / "routes.toml").write_text(block.text)
         load_routes_file(folder / "routes.toml")
     elif all(not isinstance(value, dict) for value in raw.values()):
-        unknown = raw.keys() - Settings.__dataclass_fields__.keys()
+        unknown = raw.keys() - Settings.model_fields.keys()
         assert not unknown, f"{block.where}: not settings: {sorted(unknown)}"
         config = folder / "plugserve.toml"
         text = block.text

@@ -122,7 +122,7 @@ def test_security_md_limits_name_real_settings_with_their_defaults() -> None:
             assert set(names) <= RUNNER_KEYS, f"docs/security.md: {row}"
             continue
         names = [n for n in names if n != "rate_limit"]  # a [route] key
-        assert set(names) <= Settings.__dataclass_fields__.keys(), f"docs/security.md: {row}"
+        assert set(names) <= Settings.model_fields.keys(), f"docs/security.md: {row}"
         number = re.fullmatch(r"(\d+)(?: (s|ms|MiB|KiB))?|2\^(\d+) \([\d,]+\)", default)
         if names and number:
             value = (

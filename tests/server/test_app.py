@@ -100,7 +100,7 @@ async def test_shutdown_closes_within_its_budget_whatever_plugins_do(
     a shutdown hook that never return; the app's cleanup still ends within close_timeout_s."""
     write_hanging(plugins_dir, close)
     write_add_runner(plugins_dir, "good", "1.0.0")
-    app = create_app(Settings(**{**settings.__dict__, "close_timeout_s": 0.5}))
+    app = create_app(Settings(**{**settings.model_dump(), "close_timeout_s": 0.5}))
     from aiohttp.test_utils import TestServer
 
     server = TestServer(app)

@@ -1,9 +1,15 @@
+import json
+import tomllib
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from plugserve.registry.errors import ConfigError
-from plugserve.server.config import ADMIN_TOKEN_ENV, Settings, load_settings
+from plugserve.server.config import ADMIN_TOKEN_ENV, Settings, load_settings, settings_schema
+from tests.helpers import ROOT
+
+SCHEMA = ROOT / "docs" / "schemas" / "settings.schema.json"
 
 
 def test_defaults_serve_the_bundled_folders() -> None:
@@ -29,31 +35,45 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     assert settings.admin_token == "env"
 
 
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ("prot = 1\n", "unknown setting"),
-        ("port = 'x'\n", 'port must be an integer, not a string \\("x"\\)'),
-        ("watch = 1\n", "watch must be true or false, not an integer \\(1\\)"),
-        ("plugins_dir = 3\n", "plugins_dir must be a path \\(a string\\), not an integer"),
-        ("port = 70000\n", "port: must be an integer >= 0 and <= 65535"),
-        ("log_format = 'xml'\n", "log_format"),
-        ("port = \n", "plugserve.toml"),
-        ("registry = 'redis://x:1'\n", "registry must be 'local' or etcd://"),
-        ("fleet_lease_ttl_s = 1\n", "fleet_lease_ttl_s: must be an integer >= 2"),
-        ("fleet_lease_ttl_s = 2.5\n", "fleet_lease_ttl_s must be an integer, not a number"),
-        ("load_timeout_s = 0\n", "load_timeout_s: must be a finite number > 0"),
-        ("close_timeout_s = nan\n", "close_timeout_s: must be a finite number"),
-        ("close_timeout_s = inf\n", "close_timeout_s: must be a finite number"),
-        ("close_timeout_s = '10'\n", "close_timeout_s must be a number, not a string"),
-        ("grpc_port = 70000\n", "grpc_port: must be an integer >= 0 and <= 65535"),
-        ("grpc_port = 8000\n", "grpc_port 8000 is also port"),
-        ("admin_port = 8001\n", "grpc_port 8001 is also admin_port"),
-        ("grpc_idle_timeout_s = 0\n", "grpc_idle_timeout_s: must be a finite number > 0"),
-        ("grpc_idle_timeout_s = 1e6\n", "grpc_idle_timeout_s: must be a finite number"),
-        ("grpc_idle_timeout_s = '75'\n", "grpc_idle_timeout_s must be a number, not a string"),
-    ],
-)
+INVALID = [
+    ("prot = 1\n", "unknown setting"),
+    ("port = 'x'\n", 'port must be an integer, not a string \\("x"\\)'),
+    ("watch = 1\n", "watch must be true or false, not an integer \\(1\\)"),
+    ("plugins_dir = 3\n", "plugins_dir must be a path \\(a string\\), not an integer"),
+    ("port = 70000\n", "port: must be an integer >= 0 and <= 65535"),
+    ("log_format = 'xml'\n", "log_format"),
+    ("port = \n", "plugserve.toml"),
+    ("registry = 'redis://x:1'\n", "registry must be 'local' or etcd://"),
+    ("fleet_lease_ttl_s = 1\n", "fleet_lease_ttl_s: must be an integer >= 2"),
+    ("fleet_lease_ttl_s = 2.5\n", "fleet_lease_ttl_s must be an integer, not a number"),
+    ("load_timeout_s = 0\n", "load_timeout_s: must be a finite number > 0"),
+    ("close_timeout_s = nan\n", "close_timeout_s: must be a finite number"),
+    ("close_timeout_s = inf\n", "close_timeout_s: must be a finite number"),
+    ("close_timeout_s = '10'\n", "close_timeout_s must be a number, not a string"),
+    ("grpc_port = 70000\n", "grpc_port: must be an integer >= 0 and <= 65535"),
+    ("grpc_port = 8000\n", "grpc_port 8000 is also port"),
+    ("admin_port = 8001\n", "grpc_port 8001 is also admin_port"),
+    ("grpc_idle_timeout_s = 0\n", "grpc_idle_timeout_s: must be a finite number > 0"),
+    ("grpc_idle_timeout_s = 1e6\n", "grpc_idle_timeout_s: must be a finite number"),
+    ("grpc_idle_timeout_s = '75'\n", "grpc_idle_timeout_s must be a number, not a string"),
+    ("workers = 0\n", "workers: must be an integer >= 1 and <= 1024, not 0"),
+    ("workers = 2.5\n", "workers must be an integer or 'auto', not a number"),
+    ("max_connections = 0\n", "max_connections: must be an integer >= 1"),
+    ("memory_budget = 'lots'\n", "memory_budget 'lots' is not bytes"),
+    ("memory_budget = true\n", "memory_budget must be an integer or a string"),
+    ("admin_token = ''\n", "admin_token is set but empty"),
+]
+"""Config files the server refuses, and what it says."""
+BEYOND_SCHEMA = {
+    "port = \n",
+    "grpc_port = 8000\n",
+    "admin_port = 8001\n",
+    "close_timeout_s = nan\n",
+}
+"""What a JSON Schema cannot say: TOML syntax, two settings together, NaN (JSON has none)."""
+
+
+@pytest.mark.parametrize(("text", "message"), INVALID)
 def test_invalid_config_files(tmp_path: Path, text: str, message: str) -> None:
     config = tmp_path / "plugserve.toml"
     config.write_text(text)
@@ -180,3 +200,26 @@ def test_workers_from_the_command_line_are_ascii_digits(text: str) -> None:
     with pytest.raises(ConfigError, match="workers must be a number or 'auto'"):
         Settings(workers=text)
     assert Settings(workers="3").workers == 3
+
+
+def test_the_published_settings_schema_is_the_declared_one() -> None:
+    """docs/schemas/settings.schema.json is what ``python -m plugserve.server.config``
+    prints: regenerate it when a setting changes."""
+    assert json.loads(SCHEMA.read_text()) == settings_schema()
+
+
+def test_the_settings_schema_takes_the_bundled_settings_files() -> None:
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
+    bundled = [ROOT / "deploy" / "systemd" / "plugserve.toml"]
+    for path in bundled:
+        assert not list(validator.iter_errors(tomllib.loads(path.read_text()))), path
+    assert validator.is_valid(
+        {"workers": "auto", "memory_budget": "60%", "registry": "etcd://e:2379/p"}
+    )
+
+
+@pytest.mark.parametrize(("text", "message"), [c for c in INVALID if c[0] not in BEYOND_SCHEMA])
+def test_the_settings_schema_refuses_what_the_server_refuses(text: str, message: str) -> None:
+    """An editor validating against the published schema flags what the server refuses."""
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
+    assert not validator.is_valid(tomllib.loads(text)), text
