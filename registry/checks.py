@@ -260,6 +260,12 @@ def kind_of(annotation: Any, *, within: bool = False) -> str:
         members = [a for a in typing.get_args(annotation) if a is not type(None)]
         words = [kind_of(a, within=len(members) > 1) for a in members]
         return " or ".join(dict.fromkeys(words))
+    if typing.get_origin(annotation) in (list, tuple, set, frozenset):
+        return "a list"
+    if typing.get_origin(annotation) in (dict, Mapping):
+        return "a table"
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return "a table"
     if isinstance(annotation, type):
         return KINDS.get(annotation, annotation.__name__)
     return str(annotation)
@@ -283,7 +289,7 @@ def schema_problems(error: pydantic.ValidationError, model: type[pydantic.BaseMo
     hand-written checks do: ``port must be an integer, not a string ("x")``, ``port: must be
     an integer >= 0 and <= 65535, not 70000``; a validator's own ``ValueError`` as it says."""
     found: dict[str, str] = {}
-    for item in error.errors(include_url=False):
+    for item in _telling(error.errors(include_url=False), model):
         name, field = _located(item["loc"], model)
         if name in found:
             continue
@@ -294,6 +300,12 @@ def schema_problems(error: pydantic.ValidationError, model: type[pydantic.BaseMo
             found[name] = f"{name}: unknown; known: {', '.join(model.model_fields)}"
         elif kind == "missing":
             found[name] = f"{name} is required"
+        elif kind in _LENGTH_ERRORS:
+            least, most = context.get("min_length"), context.get("max_length")
+            items = "characters" if kind.startswith("string") else "items"
+            bound = f"at least {least}" if kind.endswith("short") else f"at most {most}"
+            said = "must not be empty" if least == 1 else f"must have {bound} {items}"
+            found[name] = f"{name}: {said}"
         elif kind in _BOUND_ERRORS and field is not None:
             found[name] = f"{name}: {wanted(field)}, not {shown(value)}"
         elif field is not None and (kind.endswith("_type") or kind in _CHOICE_ERRORS):
@@ -303,7 +315,22 @@ def schema_problems(error: pydantic.ValidationError, model: type[pydantic.BaseMo
     return list(found.values())
 
 
+_LENGTH_ERRORS = frozenset({"too_short", "too_long", "string_too_short", "string_too_long"})
 _CHOICE_ERRORS = frozenset({"literal_error", "int_from_float", "enum"})
+
+
+def _telling(errors: list[Any], model: type[pydantic.BaseModel]) -> list[Any]:
+    """The errors, those of a union's member whose type the value has first: for a field of
+    a text or a list, a list too long says more than "not a text"."""
+    typed = ("_type", "literal_error", "model_attributes_type", "dict_type", "list_type")
+
+    names = [_located(item["loc"], model)[0] for item in errors]
+    first = {name: names.index(name) for name in names}
+    order = sorted(
+        range(len(errors)),
+        key=lambda i: (first[names[i]], errors[i]["type"].endswith(typed)),
+    )
+    return [errors[i] for i in order]
 
 
 def _located(

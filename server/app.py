@@ -30,6 +30,7 @@ from plugserve.server.http.connections import KEEPALIVE_TIMEOUT_S
 from plugserve.server.http.fastpath import FAST_PATH, FastPath
 from plugserve.server.http.middleware import ERROR_SHAPES, request_middleware
 from plugserve.server.http_api import admin, generate, openapi, predict, shm_http, v2
+from plugserve.server.openai_api import requests as openai_requests
 from plugserve.server.openai_api import routes as openai_routes
 from plugserve.server.processes.link import WORKER
 from plugserve.server.processes.supervised import SupervisedRepository, SupervisedStatistics
@@ -267,7 +268,7 @@ def create_app(
     predict.add_routes(app)
     admin.add_routes(app, through)
     app.router.add_get("/metrics", through or metrics)
-    openapi.add_routes(app)
+    openapi.add_routes(app, openai_requests.openapi_schemas())
     if settings.fast_path and not auth.middlewares(settings):  # a token: every call checked
         fast = app[FAST_PATH] = FastPath(
             min(settings.max_body_bytes, LARGE_BODY_BYTES),

@@ -7,6 +7,7 @@ real server finds no 5xx.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from aiohttp import web
@@ -280,7 +281,9 @@ def _generate(versioned: bool, stream: bool) -> dict[str, Any]:
     }
 
 
-def _openai(summary: str, required: list[str], stream: bool) -> dict[str, Any]:
+def _openai(summary: str, body: str, stream: bool) -> dict[str, Any]:
+    """An OpenAI route: its body is the component ``body`` (the OpenAI front end's
+    declaration, handed to :func:`document`)."""
     content: dict[str, Any] = _json({"type": "object"})
     if stream:
         content["text/event-stream"] = {"schema": {"type": "string"}}
@@ -289,13 +292,7 @@ def _openai(summary: str, required: list[str], stream: bool) -> dict[str, Any]:
             "summary": summary,
             "requestBody": {
                 "required": True,
-                "content": _json(
-                    {
-                        "type": "object",
-                        "required": required,
-                        "properties": {"model": {"type": "string"}},
-                    }
-                ),
+                "content": _json({"$ref": f"#/components/schemas/{body}"}),
             },
             "responses": {
                 "200": {"description": summary, "content": content},
@@ -305,10 +302,12 @@ def _openai(summary: str, required: list[str], stream: bool) -> dict[str, Any]:
     }
 
 
-def document() -> dict[str, Any]:
+def document(schemas: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI document, with the components other front ends declare (``schemas``:
+    the OpenAI bodies)."""
     tensor_data = {"type": "array", "items": {}}
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "plugserve", "version": __version__},
         "paths": {
             "/v2": {
@@ -377,12 +376,12 @@ def document() -> dict[str, Any]:
                     "responses": {**_ok("the model", {"type": "object"}), **_errors(401, 404)},
                 }
             },
-            "/v1/embeddings": _openai("OpenAI: embeddings of texts", ["model", "input"], False),
+            "/v1/embeddings": _openai("OpenAI: embeddings of texts", "EmbeddingsBody", False),
             "/v1/chat/completions": _openai(
-                "OpenAI: a chat completion, streamed with stream: true", ["model", "messages"], True
+                "OpenAI: a chat completion, streamed with stream: true", "ChatBody", True
             ),
             "/v1/completions": _openai(
-                "OpenAI: a text completion, streamed with stream: true", ["model", "prompt"], True
+                "OpenAI: a text completion, streamed with stream: true", "CompletionsBody", True
             ),
             "/predict/{route}": {
                 "post": {
@@ -590,6 +589,7 @@ def document() -> dict[str, Any]:
                         },
                     },
                 },
+                **schemas,
                 "InferResponse": {
                     "type": "object",
                     "required": ["model_name", "outputs"],
@@ -605,12 +605,11 @@ def document() -> dict[str, Any]:
     }
 
 
-_DOCUMENT = document()
+def add_routes(app: web.Application, schemas: dict[str, Any]) -> None:
+    """``GET /openapi.json``, with the components other front ends declare."""
+    body = json.dumps(document(schemas)).encode()
 
+    async def openapi(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
 
-async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(_DOCUMENT)
-
-
-def add_routes(app: web.Application) -> None:
     app.router.add_get("/openapi.json", openapi)

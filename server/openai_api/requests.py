@@ -1,4 +1,6 @@
-"""OpenAI request bodies, checked, as what the chain gets: its data and its parameters.
+"""OpenAI request bodies, declared (:class:`ChatBody`, :class:`CompletionsBody`,
+:class:`EmbeddingsBody`, which the OpenAPI document publishes), checked, and made into what
+the chain gets: its data and its parameters.
 
 The chain of an ``openai`` route reads:
 
@@ -11,14 +13,20 @@ The chain of an ``openai`` route reads:
   and vLLM's ``ignore_eos``) are the request's parameters (``ctx.parameters``).
 
 Anything a route cannot honour is refused with a 400 that names the field,
-never ignored: tools, logprobs, a JSON response format, token prompts.
+never ignored: tools, logprobs, a JSON response format, token prompts. Fields OpenAI
+defines that change nothing here (``user``, ``metadata``, ...) are accepted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar
 
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.json_schema import models_json_schema
+
+from plugserve.registry import checks
 from plugserve.registry.errors import InvalidInput
 
 MAX_CHOICES = 16
@@ -40,6 +48,226 @@ class Refused(InvalidInput):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+# -- the bodies, declared -------------------------------------------------------------------
+
+Token = Annotated[int, Field(ge=0, lt=2**31)]
+Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Seed = Annotated[int, Field(ge=-INT64_SPAN // 2, le=INT64_SPAN // 2 - 1)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)
+
+    model: Annotated[str, Field(min_length=1)]
+    """The route that answers."""
+
+
+class EmbeddingsBody(_Body):
+    """``POST /v1/embeddings``."""
+
+    input: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[Token], Field(min_length=1)]
+        | Annotated[list[Annotated[list[Token], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(union_mode="left_to_right")
+    """A text, texts, one input's token ids, or several inputs' token ids."""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    """Keep the first ``dimensions`` of each embedding (renormalized)."""
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+            return value  # the tokens of one input
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not items:
+            raise ValueError("'input' must be a text, a list of texts or of token lists")
+        for i, item in enumerate(items):
+            tokens = isinstance(item, list) and item and all(_token(t) for t in item)
+            if not ((isinstance(item, str) and item) or tokens):
+                raise ValueError(f"input[{i}] must be a non-empty text or token list")
+        return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    include_usage: bool = False
+    """A last chunk with the request's token counts."""
+
+
+class _GenerationBody(_Body):
+    """What chat and completions share: how text is generated."""
+
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    ignore_eos: bool | None = None
+    """vLLM's extension: generate ``max_tokens``, always."""
+    seed: Seed | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = Field(
+        default=None, union_mode="left_to_right"
+    )
+    """A text, or up to four, that end the generation where they appear (not sent)."""
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    """Completions per prompt; with several prompts, at most 16 in all."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed(cls, value: Any, info: pydantic.ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("'stream_options' is for 'stream': true only")
+        return value
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text"]
+    """Text only: a JSON response format is not supported."""
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    """A text or text parts; only an assistant's may be absent."""
+    name: Any = None
+
+
+class ChatBody(_GenerationBody):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    """``max_tokens``'s newer name: it wins over ``max_tokens``."""
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    """Not supported: refused when true."""
+    top_logprobs: int | None = None
+    """Not supported: refused unless 0."""
+    tools: Any = None
+    """Not supported (nor ``functions``, ``tool_choice``, ``function_call``, ``logit_bias``,
+    ``audio``): refused unless empty."""
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+    audio: Any = None
+
+    @field_validator(*UNSUPPORTED, mode="before")
+    @classmethod
+    def _unsupported(cls, value: Any, info: pydantic.ValidationInfo) -> Any:
+        if value not in (None, [], {}):
+            raise ValueError(
+                f"'{info.field_name}' is not supported: plugserve routes generate text"
+            )
+        return None
+
+    @field_validator("logprobs", "top_logprobs", mode="before")
+    @classmethod
+    def _no_logprobs(cls, value: Any, info: pydantic.ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"'{info.field_name}' is not supported")
+        return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value is not None and (not isinstance(value, dict) or value.get("type") != "text"):
+            raise ValueError("'response_format' other than text is not supported")
+        return value
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _roles(cls, value: Any) -> Any:
+        for i, message in enumerate(value if isinstance(value, list) else []):
+            if not isinstance(message, dict) or message.get("role") not in ROLES:
+                raise ValueError(
+                    f"messages[{i}] must be an object with a 'role' of {', '.join(ROLES)}"
+                )
+            if message.get("content") is None and message["role"] != "assistant":
+                raise ValueError(f"messages[{i}]: 'content' must be a text or a list of text parts")
+        return value
+
+
+class CompletionsBody(_GenerationBody):
+    """``POST /v1/completions``."""
+
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] = Field(
+        union_mode="left_to_right"
+    )
+    """A text, or up to 16 texts (token prompts are not supported)."""
+    echo: bool = False
+    """The prompt before each completion."""
+    suffix: Any = None
+    """Not supported: refused unless empty."""
+    logprobs: Any = None
+    """Not supported: refused unless null."""
+    best_of: Any = None
+    """Not supported: refused unless 1."""
+
+    @field_validator("suffix", "logprobs", "best_of", mode="before")
+    @classmethod
+    def _unsupported(cls, value: Any, info: pydantic.ValidationInfo) -> Any:
+        allowed = {"suffix": (None, ""), "logprobs": (None,), "best_of": (None, 1)}
+        if value not in allowed[info.field_name or ""] or isinstance(value, bool):
+            raise ValueError(f"'{info.field_name}' is not supported")
+        return value
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _texts(cls, value: Any) -> Any:
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not texts or not all(isinstance(p, str) for p in texts):
+            raise ValueError("'prompt' must be a text or a list of texts (not tokens)")
+        return value
+
+
+def openapi_schemas() -> dict[str, Any]:
+    """The bodies' JSON Schemas, as OpenAPI components (``#/components/schemas/...``)."""
+    _, found = models_json_schema(
+        [(EmbeddingsBody, "validation"), (ChatBody, "validation"), (CompletionsBody, "validation")],
+        ref_template="#/components/schemas/{model}",
+    )
+    schemas: dict[str, Any] = found["$defs"]
+    return schemas
+
+
+B = TypeVar("B", bound=BaseModel)
+
+
+def _validated(model: type[B], body: Any) -> B:
+    """``body`` as ``model``, or :class:`Refused` naming the first field at fault."""
+    if not isinstance(body, dict):
+        raise Refused("the body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        loc = exc.errors(include_url=False)[0]["loc"]
+        param = str(loc[0]) if loc else None
+        raise Refused(checks.schema_problems(exc, model)[0], param) from None
+
+
+# -- what the chain gets --------------------------------------------------------------------
 
 
 @dataclass
@@ -77,184 +305,81 @@ class Embeddings:
     dimensions: int | None = None
 
 
-def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise Refused("the body must be a JSON object")
-    return body
-
-
 def model_of(body: Any) -> str:
-    model = _object(body).get("model")
+    model = body.get("model") if isinstance(body, dict) else None
     if not isinstance(model, str) or not model:
         raise Refused("'model' must be the name of a route", "model")
     return model
 
 
 def embeddings(body: Any) -> Embeddings:
-    body = _object(body)
-    model = model_of(body)
-    raw = body.get("input")
-    if isinstance(raw, str):
-        items: list[Any] = [raw]
-    elif isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
-        items = [raw]  # the tokens of one input
-    elif isinstance(raw, list) and raw:
-        items = raw
-    else:
-        raise Refused("'input' must be a text, a list of texts or of token lists", "input")
-    for i, item in enumerate(items):
-        text = isinstance(item, str) and item != ""
-        tokens = isinstance(item, list) and item and all(_token(t) for t in item)
-        if not (text or tokens):
-            raise Refused(f"input[{i}] must be a non-empty text or token list", "input")
-    encoding = body.get("encoding_format", "float")
-    if encoding not in ("float", "base64"):
-        raise Refused("'encoding_format' must be 'float' or 'base64'", "encoding_format")
-    dimensions = body.get("dimensions")
-    if dimensions is not None:
-        dimensions = _integer(dimensions, "dimensions", 1, 1_000_000)
-    return Embeddings(model, items, encoding == "base64", dimensions)
+    model_of(body)
+    asked = _validated(EmbeddingsBody, body)
+    raw = asked.input
+    one = isinstance(raw, str) or all(isinstance(t, int) for t in raw)
+    items: list[Any] = [raw] if one else list(raw)
+    return Embeddings(asked.model, items, asked.encoding_format == "base64", asked.dimensions)
 
 
 def chat(body: Any) -> Generation:
-    body = _object(body)
-    model = model_of(body)
-    for name in UNSUPPORTED:
-        if body.get(name) not in (None, [], {}):
-            raise Refused(f"'{name}' is not supported: plugserve routes generate text", name)
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise Refused("'logprobs' is not supported", "logprobs")
-    response_format = body.get("response_format")
-    if response_format is not None and (
-        not isinstance(response_format, dict) or response_format.get("type") != "text"
-    ):
-        raise Refused("'response_format' other than text is not supported", "response_format")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise Refused("'messages' must be a non-empty list", "messages")
-    checked = [_message(m, i) for i, m in enumerate(messages)]
-    tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return _generation(model, body, [{"messages": checked}], tokens)
+    model_of(body)
+    asked = _validated(ChatBody, body)
+    messages = [_message(m) for m in asked.messages]
+    tokens = asked.max_completion_tokens or asked.max_tokens
+    return _generation(asked, [{"messages": messages}], tokens)
 
 
 def completions(body: Any) -> Generation:
-    body = _object(body)
-    model = model_of(body)
-    if body.get("suffix") not in (None, ""):
-        raise Refused("'suffix' is not supported", "suffix")
-    if body.get("logprobs") is not None or body.get("best_of") not in (None, 1):
-        name = "logprobs" if body.get("logprobs") is not None else "best_of"
-        raise Refused(f"'{name}' is not supported", name)
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise Refused("'prompt' must be a text or a list of texts (not tokens)", "prompt")
-    if len(prompts) > MAX_CHOICES:
-        raise Refused(f"at most {MAX_CHOICES} prompts a request", "prompt")
-    generation = _generation(model, body, [{"prompt": p} for p in prompts], body.get("max_tokens"))
-    generation.echo = _boolean(body.get("echo", False), "echo")
+    model_of(body)
+    asked = _validated(CompletionsBody, body)
+    prompts = [asked.prompt] if isinstance(asked.prompt, str) else asked.prompt
+    generation = _generation(asked, [{"prompt": p} for p in prompts], asked.max_tokens)
+    generation.echo = asked.echo
     return generation
 
 
 def _generation(
-    model: str, body: dict[str, Any], inputs: list[dict[str, Any]], max_tokens: Any
+    asked: _GenerationBody, inputs: list[dict[str, Any]], max_tokens: int | None
 ) -> Generation:
     parameters: dict[str, Any] = {}
     if max_tokens is not None:
-        parameters["max_tokens"] = _integer(max_tokens, "max_tokens", 1, MAX_TOKENS_LIMIT)
-    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        if body.get(name) is not None:
-            parameters[name] = _number(body[name], name, low, high)
-    if parameters.get("top_p") == 0.0:
-        raise Refused("'top_p' must be above 0", "top_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) is not None:
-            parameters[name] = _number(body[name], name, -2.0, 2.0)
-    if body.get("ignore_eos") is not None:  # vLLM's extension: generate max_tokens, always
-        parameters["ignore_eos"] = _boolean(body["ignore_eos"], "ignore_eos")
-    seed = body.get("seed")
-    if seed is not None:
-        parameters["seed"] = _integer(seed, "seed", -INT64_SPAN // 2, INT64_SPAN // 2 - 1)
-    stop = _stops(body.get("stop"))
+        parameters["max_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        value = getattr(asked, name)
+        if value is not None:
+            parameters[name] = float(value)
+    if asked.ignore_eos is not None:
+        parameters["ignore_eos"] = asked.ignore_eos
+    if asked.seed is not None:
+        parameters["seed"] = asked.seed
+    stop = (asked.stop,) if isinstance(asked.stop, str) else tuple(asked.stop or ())
     if stop:
         parameters["stop"] = list(stop)
-    choices = _integer(body.get("n", 1) if body.get("n") is not None else 1, "n", 1, MAX_CHOICES)
+    choices = asked.n or 1
     if choices * len(inputs) > MAX_CHOICES:
         raise Refused(f"at most {MAX_CHOICES} choices a request (prompts x n)", "n")
-    stream = _boolean(body.get("stream", False), "stream")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not stream):
-        raise Refused("'stream_options' is an object, for 'stream': true only", "stream_options")
-    include_usage = _boolean((options or {}).get("include_usage", False), "stream_options")
     return Generation(
-        model,
+        asked.model,
         inputs,
         parameters,
         choices=choices,
-        stream=stream,
-        include_usage=include_usage,
+        stream=asked.stream,
+        include_usage=asked.stream_options is not None and asked.stream_options.include_usage,
         stop=stop,
-        max_tokens=parameters.get("max_tokens"),
-        seed=parameters.get("seed"),
+        max_tokens=max_tokens,
+        seed=asked.seed,
     )
 
 
-def _message(message: Any, index: int) -> dict[str, Any]:
-    where = f"messages[{index}]"
-    if not isinstance(message, dict) or message.get("role") not in ROLES:
-        raise Refused(f"{where} must be an object with a 'role' of {', '.join(ROLES)}", "messages")
-    content = message.get("content")
+def _message(message: Message) -> dict[str, Any]:
+    content = message.content
     if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise Refused(f"{where}: only text content parts are supported", "messages")
-            if not isinstance(part.get("text"), str):
-                raise Refused(f"{where}: a text part needs its 'text'", "messages")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if content is None and message["role"] == "assistant":
-        content = ""
-    if not isinstance(content, str):
-        raise Refused(f"{where}: 'content' must be a text or a list of text parts", "messages")
-    checked = {"role": message["role"], "content": content}
-    if isinstance(message.get("name"), str):
-        checked["name"] = message["name"]
+        content = "".join(part.text for part in content)
+    checked: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if isinstance(message.name, str):
+        checked["name"] = message.name
     return checked
-
-
-def _stops(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOPS
-        or not all(isinstance(s, str) and s for s in stops)
-    ):
-        raise Refused(f"'stop' must be a text or up to {MAX_STOPS} non-empty texts", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise Refused(f"a 'stop' sequence must be at most {MAX_STOP_CHARS} characters", "stop")
-    return tuple(stops)
 
 
 def _token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
-
-
-def _integer(value: Any, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise Refused(f"'{name}' must be an integer from {low} to {high}", name)
-    return value
-
-
-def _number(value: Any, name: str, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise Refused(f"'{name}' must be a number from {low:g} to {high:g}", name)
-    return float(value)
-
-
-def _boolean(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise Refused(f"'{name}' must be true or false", name)
-    return value
