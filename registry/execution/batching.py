@@ -43,47 +43,40 @@ Requests queue per runner instance and leave it in batches:
   statistics, ``/admin/plugins``), and the first one is logged with its reason: a runner
   that refuses every batch costs an execution more per batch, which must show.
 
+The queue and its order are :mod:`~plugserve.registry.execution.scheduling.request_queue`'s,
+cutting a batch :mod:`~plugserve.registry.execution.scheduling.batch_cutting`'s, and running
+one (its fallback one request at a time included)
+:mod:`~plugserve.registry.execution.scheduling.batch_execution`'s; the :class:`Scheduler` here
+admits requests, dispatches the batches due to free execution slots, and closes.
+
 The clock and the timer are injectable, so the policy is tested with a fake clock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-import numpy as np
 import structlog
 
-from plugserve.registry.errors import (
-    DeadlineExceeded,
-    InvalidInput,
-    PluginError,
-    PlugserveError,
-    TooManyRequests,
-    Unavailable,
+from plugserve.registry.errors import DeadlineExceeded, TooManyRequests, Unavailable
+from plugserve.registry.execution.layout import BatchLayout, TensorBounds, why_apart
+from plugserve.registry.execution.scheduling.batch_cutting import cut, signature
+from plugserve.registry.execution.scheduling.batch_execution import (
+    Arrays,
+    BatchExecution,
+    Execute,
+    runs_again,
 )
-from plugserve.registry.execution import tracing
-from plugserve.registry.execution.layout import (
-    BatchLayout,
-    Footprint,
-    TensorBounds,
-    footprint,
-    why_apart,
-)
+from plugserve.registry.execution.scheduling.policy import BatchPolicy, priority_level
+from plugserve.registry.execution.scheduling.request_queue import Pending, RequestQueue
 
 log = structlog.get_logger("plugserve.batching")
 
-Arrays = Mapping[str, np.ndarray]
-Execute = Callable[[Arrays], Awaitable[Arrays]]
 Timer = Callable[[float, Callable[[], None]], Any]
 RETRY_AFTER_S = 1
-MAX_TENANTS_KEPT = 1024
-"""Past this many tenants' finish tags, only those of tenants still queued are kept."""
 MAX_REASONS_SAID = 16
 """Distinct reasons a runner's requests could not batch, each logged once, at most."""
 INLINE_HOLD_S = 0.05
@@ -92,75 +85,13 @@ before it lets the event loop turn, and goes on in a later step: a backlog of sl
 batches must not hold the loop for all of them (answers unsent, cancellations and
 deadlines unseen, a stall check unanswered)."""
 
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    """A runner's scheduling settings, from its manifest's ``[runner]`` table."""
-
-    max_batch_size: int = 0
-    max_queue_delay_s: float = 0.0
-    preferred_batch_sizes: tuple[int, ...] = ()
-    instances: int = 1
-    max_queue_size: int = 0
-    priority_levels: int = 1
-    default_priority: int | None = None
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)
-
-    @property
-    def default_level(self) -> int:
-        return self.default_priority or self.priority_levels
+__all__ = ["BatchPolicy", "Pending", "Scheduler", "priority_level", "signature"]
 
 
-def priority_level(priority: int | None, policy: BatchPolicy, label: str) -> int:
-    """The queue level of a v2 ``priority`` (0 or none: the runner's default); a 400 for
-    one outside the runner's levels."""
-    level = priority or policy.default_level
-    if not 1 <= level <= policy.priority_levels:
-        levels = policy.priority_levels
-        raise InvalidInput(f"priority {priority} is outside 1..{levels} for {label}")
-    return level
-
-
-@dataclass(eq=False, slots=True)
-class Pending:
-    """One queued request."""
-
-    inputs: Arrays
-    rows: int
-    signature: tuple[Any, ...] | None
-    arrival: float
-    deadline: float | None
-    level: int
-    tag: float
-    seq: int
-    future: asyncio.Future[Arrays]
-    timings: dict[str, float] | None = None
-    span: Any = None  # the "queue" span, while tracing
-    tenant: str = ""
-
-    def key(self) -> tuple[int, float, int]:
-        return (self.level, self.tag, self.seq)
-
-
-def signature(inputs: Arrays) -> tuple[int, tuple[Any, ...] | None]:
-    """Rows and batching signature of ``inputs``; ``None``: it cannot join a batch."""
-    if len(inputs) == 1:  # the usual request: no sort, no generator
-        for name, array in inputs.items():
-            shape = array.shape
-            if not shape:
-                return 1, None
-            return shape[0], ((name, array.dtype.str, shape[1:]),)
-    arrays = list(inputs.values())
-    if not arrays or any(a.ndim == 0 for a in arrays):
-        return 1, None
-    rows = arrays[0].shape[0]
-    if any(a.shape[0] != rows for a in arrays):
-        return rows, None
-    return rows, tuple(sorted((n, a.dtype.str, a.shape[1:]) for n, a in inputs.items()))
-
-
-class Scheduler:
-    """Queues, batches and executes the requests of one runner instance."""
+class Scheduler(BatchExecution):
+    """Queues the requests of one runner instance, cuts them into batches and dispatches
+    each batch that is due to a free execution slot (running it is
+    :class:`~plugserve.registry.execution.scheduling.batch_execution.BatchExecution`'s)."""
 
     def __init__(
         self,
@@ -175,17 +106,7 @@ class Scheduler:
         stop: Callable[[], Exception | None] = lambda: None,
         on_fallback: Callable[[int], None] | None = None,
     ) -> None:
-        self.execute = execute
-        self.on_failure = on_failure
-        """Hears every failed execution of one request (alone, or retried alone)."""
-        self.on_fallback = on_fallback
-        """Hears every failed batch that runs again one request at a time (its requests)."""
-        self.fallback_why: str | None = None
-        """Why the latest such batch failed."""
-        self._fallback_said = False
-        self.stop = stop
-        """Why the rest of a failed batch must not run again (the runner's circuit opened
-        during its retries), or ``None``."""
+        super().__init__(execute, label, clock, on_execution, on_failure, stop, on_fallback)
         self.inline: Callable[[Arrays], Arrays] | None = None
         """A sync twin of ``execute`` that never leaves the caller's thread (a runner
         process's runner): a batch then runs in the step of the loop that cut it, with
@@ -194,32 +115,21 @@ class Scheduler:
         self._resume_at: asyncio.Handle | None = None
         self.busy = busy
         """Executions still running on a thread after their request was cancelled."""
-        self.on_execution = on_execution
         self.policy = policy
-        self.label = label
-        self.clock = clock
         self._timer = timer
         self._bound: asyncio.AbstractEventLoop | None = None
-        self._queue: list[Pending] = []
+        self._queue = RequestQueue(label)
         self._running = 0
         self._armed: Any = None
         self._armed_at: float | None = None
-        self._seq = itertools.count()
-        self._vtime = 0.0
-        self._tenant_finish: dict[str, float] = {}
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self.executions = 0
-        self.rows = 0
         self.gather = False
         """Cut an idle runner's batch at the end of the loop's turn rather than at once, so
         that the requests decoded in the turn join it, while requests come in company: set
         for synchronous runners (``BatchedRunner``), whose batches may run on the event loop,
         where no batch can form while one runs. Company is two requests in one turn; it
         ends at a cut that gathered one request, and a lone request then runs at once again."""
-        self.layout: BatchLayout | None = None
-        """The runner's declared batching (``[runner.batching]``); ``None``: every row on
-        axis 0 (:func:`signature`)."""
         self._signature = signature
         self.bounds = TensorBounds()
         """What each tensor a batch merges into may hold: those of one request's tensor."""
@@ -254,11 +164,6 @@ class Scheduler:
         self.layout = layout
         self._signature = layout.signature
 
-    def _fed(self, inputs: Arrays) -> Arrays:
-        """What the runner gets for one request alone."""
-        layout = self.layout
-        return inputs if layout is None or not layout.reshapes else layout.merge([inputs])
-
     # -- submitting ------------------------------------------------------------------
 
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -286,7 +191,8 @@ class Scheduler:
         of its own; requests arriving meanwhile queue and batch as usual. Not
         taken by a :attr:`gather`-ing scheduler while requests come in company.
         """
-        level = self._level(priority)  # a bad priority: 400 before anything else
+        # A bad priority: 400 before anything else.
+        level = priority_level(priority, self.policy, self.label)
         if (
             not self._queue
             and self._running == 0
@@ -324,7 +230,7 @@ class Scheduler:
         try:
             return await future
         except asyncio.CancelledError:
-            self._abandon(future)
+            self._queue.remove(future)
             raise
 
     def enqueue(
@@ -341,24 +247,15 @@ class Scheduler:
         ``pump=False`` leaves dispatching to the caller's next :meth:`pump`: requests
         that arrived together are then queued together before any batch is cut.
         """
-        policy = self.policy
         if self._closed:
             raise Unavailable(f"runner {self.label} is shutting down")
         self.check_room()
-        level = self._level(priority)
+        level = priority_level(priority, self.policy, self.label)
         rows, sig = self._signature(inputs)
         now = self.clock()
-        name = tenant or ""
-        start = max(self._vtime, self._tenant_finish.get(name, 0.0))
-        self._tenant_finish[name] = start + max(rows, 1) / policy.tenant_weights.get(name, 1.0)
         future: asyncio.Future[Arrays] = self._loop().create_future()
-        request = Pending(
-            inputs, rows, sig, now, deadline, level, start, next(self._seq), future, timings
-        )
-        request.tenant = name
-        if tracing.TRACER is not None:
-            request.span = tracing.TRACER.start_span("queue", attributes={"plugserve.rows": rows})
-        self._queue.append(request)
+        weights = self.policy.tenant_weights
+        self._queue.add(inputs, rows, sig, now, deadline, level, tenant, weights, future, timings)
         if pump and not self._gathering:  # gathering: cut with the rest of this turn
             if self.gather and self._company and self._running == 0:
                 self._gathering = True
@@ -376,19 +273,6 @@ class Scheduler:
 
     def _turn_over(self) -> None:
         self._this_turn = False
-
-    def _abandon(self, future: asyncio.Future[Arrays]) -> None:
-        """A queued request's caller gave up (its client hung up): it leaves the queue now,
-        freeing its place, and never runs. One already in a batch runs with the batch."""
-        for index, request in enumerate(self._queue):
-            if request.future is future:
-                del self._queue[index]
-                if request.span is not None:
-                    request.span.end()
-                return
-
-    def _level(self, priority: int | None) -> int:
-        return priority_level(priority, self.policy, self.label)
 
     # -- forming and dispatching batches ---------------------------------------------
 
@@ -426,41 +310,16 @@ class Scheduler:
 
     def next_batch(self, now: float) -> tuple[list[Pending] | None, float | None]:
         """The batch to send now, or ``(None, when to look again)``."""
-        self._drop_finished(now)
+        self._queue.drop_finished(now)
         if not self._queue:
             return None, None
-        policy = self.policy
-        ordered = sorted(self._queue, key=Pending.key)
-        head = ordered[0]
-        batch, rows = [head], head.rows
-        limit = policy.max_batch_size
-        apart = None
-        closed = False  # the next request would take a merged tensor past self.bounds
-        if limit and head.signature is not None and head.rows < limit:
-            kept: Footprint | None = None
-            for request in ordered[1:]:
-                if request.signature == head.signature:
-                    if rows + request.rows <= limit:
-                        kept = kept or footprint(self.layout, head.inputs, self.bounds)
-                        if not kept.admits(request.inputs):
-                            closed = True
-                            break
-                        batch.append(request)
-                        rows += request.rows
-                        if rows == limit:
-                            break
-                elif apart is None:
-                    apart = request
-        elif limit > 1 and head.signature is None and len(ordered) > 1:
-            apart = ordered[1]
-        oldest = min(r.arrival for r in self._queue)
-        due = oldest + policy.max_queue_delay_s
-        ready = not limit or rows >= limit or closed or self._running == 0 or now >= due
-        if not ready:
-            return None, due
-        if apart is not None and rows < limit:
-            self._ran_apart(head, apart)
-        return self._preferred(batch, rows), None
+        ordered = self._queue.ordered()
+        batch, due, apart = cut(
+            ordered, self.policy, self.layout, self.bounds, self._running == 0, now
+        )
+        if batch is not None and apart is not None:
+            self._ran_apart(ordered[0], apart)
+        return batch, due
 
     def _ran_apart(self, head: Pending, other: Pending) -> None:
         """A batch is cut without a queued request that could not join it: counted, and
@@ -471,32 +330,6 @@ class Scheduler:
         if why not in self._reasons and len(self._reasons) < MAX_REASONS_SAID:
             self._reasons.add(why)
             log.warning("cannot_batch", runner=self.label, why=why)
-
-    def _preferred(self, batch: list[Pending], rows: int) -> list[Pending]:
-        fitting = [p for p in self.policy.preferred_batch_sizes if p <= rows]
-        if not fitting or len(batch) == 1:
-            return batch
-        cut, total = max(fitting), 0
-        kept = []
-        for request in batch:
-            if total + request.rows > cut:
-                break
-            kept.append(request)
-            total += request.rows
-        return kept or batch[:1]
-
-    def _drop_finished(self, now: float) -> None:
-        keep = []
-        for request in self._queue:
-            if request.future.done():  # cancelled by its client (disconnect, deadline)
-                continue
-            if request.deadline is not None and now >= request.deadline:
-                request.future.set_exception(
-                    DeadlineExceeded(f"the request's deadline passed while queued for {self.label}")
-                )
-                continue
-            keep.append(request)
-        self._queue = keep
 
     def _arm(self, wake_at: float) -> None:
         if self._armed is not None and self._armed_at is not None and self._armed_at <= wake_at:
@@ -513,23 +346,7 @@ class Scheduler:
         self.pump()
 
     def _dispatch(self, batch: list[Pending]) -> None:
-        taken = set(map(id, batch))
-        self._queue = [r for r in self._queue if id(r) not in taken]
-        now = self.clock()
-        for request in batch:
-            if request.timings is not None:
-                request.timings["queue"] = now - request.arrival
-            if request.span is not None:
-                request.span.end()
-        self._vtime = max(self._vtime, max(r.tag for r in batch))
-        if len(self._tenant_finish) > MAX_TENANTS_KEPT:
-            # Keep the tags that still order something: those of tenants with requests queued.
-            # (Every request naming a new tenant starts at the virtual time, which then never
-            # moves past their finish tags: without this the table grows with each name.)
-            queued = {r.tenant for r in self._queue}
-            self._tenant_finish = {
-                t: f for t, f in self._tenant_finish.items() if f > self._vtime and t in queued
-            }
+        self._queue.take(batch, self.clock())
         self._running += 1
         if self.inline is not None:
             self._run_inline(batch)
@@ -548,7 +365,7 @@ class Scheduler:
             with self._span(batch, rows):
                 outputs = await self.execute(merged)
         except Exception as exc:
-            if _retried(batch, exc):
+            if runs_again(batch, exc):
                 self._fell_back(batch, exc)
                 await self._one_by_one(batch)
             else:
@@ -570,7 +387,7 @@ class Scheduler:
             with self._span(batch, rows):
                 outputs = self.inline(merged)
         except Exception as exc:
-            if _retried(batch, exc):
+            if runs_again(batch, exc):
                 self._fell_back(batch, exc)
                 self._spawn(self._alone(batch))
                 handed_off = True  # still running: the task ends it
@@ -589,151 +406,11 @@ class Scheduler:
             self._end(batch)
             self.pump()
 
-    def _merge(self, batch: list[Pending]) -> tuple[Arrays, int]:
-        """The batch's inputs as one (rows concatenated), counted as an execution."""
-        rows = sum(r.rows for r in batch)
-        merged: Arrays
-        if self.layout is not None:
-            merged = self.layout.merge([r.inputs for r in batch])
-        elif len(batch) == 1:
-            merged = batch[0].inputs
-        else:
-            merged = {
-                name: np.concatenate([r.inputs[name] for r in batch], axis=0)
-                for name in batch[0].inputs
-            }
-        self.executions += 1
-        self.rows += rows
-        return merged, rows
-
-    def _span(self, batch: list[Pending], rows: int) -> Any:
-        """The "batch" span, linked to its requests' queue spans, while tracing."""
-        if tracing.TRACER is None:
-            return contextlib.nullcontext()
-        links = [tracing.link(r.span.get_span_context()) for r in batch if r.span is not None]
-        return tracing.TRACER.start_as_current_span(
-            "batch",
-            context=tracing.ROOT,
-            links=links,
-            attributes={"plugserve.rows": rows, "plugserve.requests": len(batch)},
-        )
-
-    def _executed(self, batch: list[Pending], rows: int, started: float, outputs: Arrays) -> None:
-        """A batch ran: each request gets its slice. Outputs that cannot be split (not a
-        row per input row) fail every request of the batch: the runner's answer is wrong,
-        whoever's rows it had."""
-        if self.on_execution is not None:
-            self.on_execution(rows, self.clock() - started)
-        try:
-            self._split(batch, rows, outputs)
-        except PluginError as exc:
-            for request in batch:
-                if not request.future.done():
-                    request.future.set_exception(_fresh(exc))
-
-    def _report(self, exc: Exception) -> None:
-        if self.on_failure is not None:
-            self.on_failure(exc)
-
-    def _fail_all(self, batch: list[Pending], exc: Exception) -> None:
-        """A batch that is not run again failed: each request gets ``exc``; one request
-        alone is reported (:attr:`on_failure`), a batch of several is not."""
-        if len(batch) == 1:
-            self._fail(batch[0], exc)
-            return
-        for request in batch:
-            if not request.future.done():
-                request.future.set_exception(_fresh(exc))
-
-    def _fail(self, request: Pending, exc: Exception) -> None:
-        """An execution of ``request`` alone failed: reported, and its answer."""
-        self._report(exc)
-        if not request.future.done():
-            request.future.set_exception(_fresh(exc))  # a runner may raise one object again
-
     def _end(self, batch: list[Pending]) -> None:
         for request in batch:  # cancelled mid-execution (shutdown): nobody may hang
             if not request.future.done():
                 request.future.cancel()
         self._running -= 1
-
-    def _fell_back(self, batch: list[Pending], exc: Exception) -> None:
-        """``batch`` failed and runs again one request at a time: counted (:attr:`on_fallback`),
-        its reason kept (:attr:`fallback_why`), and the first such batch logged."""
-        why = exc.message if isinstance(exc, PlugserveError) else f"{type(exc).__name__}: {exc}"
-        self.fallback_why = why
-        if self.on_fallback is not None:
-            self.on_fallback(len(batch))
-        if not self._fallback_said:
-            self._fallback_said = True
-            log.warning(
-                "batch_fallback",
-                runner=self.label,
-                requests=len(batch),
-                rows=sum(r.rows for r in batch),
-                why=why,
-                counted="/admin/plugins batch_fallbacks",
-                check="plugserve validate --batching",
-            )
-
-    async def _one_by_one(self, batch: list[Pending]) -> None:
-        """Run each request of a failed batch alone: only the ones at fault fail."""
-        for request in batch:
-            if request.future.done():
-                continue
-            refusal = self._not_again(request)
-            if refusal is not None:
-                request.future.set_exception(refusal)
-                continue
-            self.executions += 1
-            self.rows += request.rows
-            started = self.clock()
-            try:
-                outputs = await self.execute(self._fed(request.inputs))
-            except Exception as exc:
-                self._fail(request, exc)
-                continue
-            if self.on_execution is not None:
-                self.on_execution(request.rows, self.clock() - started)
-            if not request.future.done():
-                request.future.set_result(outputs)
-
-    def _not_again(self, request: Pending) -> Exception | None:
-        """Why a request of a failed batch does not run again: its deadline passed, or the
-        runner's circuit opened; ``None``: it runs."""
-        if request.deadline is not None and self.clock() >= request.deadline:
-            return DeadlineExceeded(
-                f"the request's deadline passed while {self.label} retried its batch"
-            )
-        return self.stop()
-
-    def _split(self, batch: list[Pending], rows: int, outputs: Arrays) -> None:
-        if len(batch) == 1:
-            if not batch[0].future.done():
-                batch[0].future.set_result(outputs)
-            return
-        if self.layout is not None:
-            try:
-                answers = self.layout.split(outputs, [r.rows for r in batch])
-            except ValueError as exc:
-                raise PluginError(self.label, exc) from None
-            for request, answer in zip(batch, answers, strict=True):
-                if not request.future.done():
-                    request.future.set_result(answer)
-            return
-        for name, value in outputs.items():
-            if not isinstance(value, np.ndarray) or value.ndim == 0 or value.shape[0] != rows:
-                shape = getattr(value, "shape", type(value).__name__)
-                problem = (
-                    f"output {name!r} has shape {shape}; a batch of {rows} rows needs {rows} first"
-                )
-                raise PluginError(self.label, ValueError(problem))
-        offset = 0
-        for request in batch:
-            end = offset + request.rows
-            if not request.future.done():
-                request.future.set_result({n: v[offset:end] for n, v in outputs.items()})
-            offset = end
 
     # -- closing -----------------------------------------------------------------------
 
@@ -744,22 +421,4 @@ class Scheduler:
             self._armed.cancel()
         if self._resume_at is not None:
             self._resume_at.cancel()
-        for request in self._queue:
-            if not request.future.done():
-                request.future.set_exception(Unavailable(f"runner {self.label} was unloaded"))
-        self._queue = []
-
-
-def _fresh(exc: Exception) -> Exception:
-    """A separate exception per request, so tracebacks do not pile onto one object."""
-    clone = exc.__class__.__new__(exc.__class__)
-    clone.args = exc.args
-    clone.__dict__.update(getattr(exc, "__dict__", {}))
-    clone.__cause__ = exc.__cause__
-    return clone
-
-
-def _retried(batch: list[Pending], exc: Exception) -> bool:
-    """Whether a failed batch runs again one request at a time: one of several requests,
-    failing otherwise than with the runner's own 503 or 504."""
-    return len(batch) > 1 and getattr(exc, "status", 500) not in (503, 504)
+        self._queue.close()

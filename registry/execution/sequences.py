@@ -9,7 +9,8 @@ the runner as an input with each request, and is replaced by the runner's matchi
 output, which the client never sees: it sends only its data. A state declared with
 ``from_input`` is a context instead: the last samples of a request input, kept for the
 sequence's next request and fed in front of its samples or as an input of its own
-(:meth:`Sequences.contexts_of`), as a streaming model's own wrapper keeps them.
+(``SequenceTensors.contexts_of``, ``scheduling/sequence_tensors.py``), as a streaming
+model's own wrapper keeps them.
 
 A sequence's requests run one at a time, in the order they arrive; requests of
 different sequences batch together (each state is one row of its batch). A request
@@ -29,10 +30,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from plugserve.registry.errors import InvalidInput, PluginError, PluginLoadError, TooManyRequests
+from plugserve.registry.errors import InvalidInput, PluginLoadError, TooManyRequests
 from plugserve.registry.execution.layout import BatchLayout, TensorBounds
-from plugserve.registry.manifest import BatchingSection, ContextSpec, SequenceSection, StateSpec
-from plugserve.registry.tensors.datatypes import V2_TO_NUMPY, v2_datatype
+from plugserve.registry.execution.scheduling.sequence_tensors import SequenceTensors
+from plugserve.registry.manifest import BatchingSection, ContextSpec, SequenceSection
 
 Arrays = Mapping[str, np.ndarray]
 SequenceId = int | str
@@ -42,10 +43,6 @@ Ended = Callable[[SequenceId], None]
 MAX_ID_CHARS = 256
 SWEEP_SLACK_S = 0.01
 """A sweep timer fires this long after the expiry it waits for (clocks and timers differ)."""
-INLINE_JOIN_BYTES = 64 * 1024
-"""Chunks up to this many bytes are joined with their contexts on the event loop: as large
-as a batch that may run there (``INLINE_MAX_BYTES`` of ``components/inline.py``, a package
-that imports this module)."""
 
 
 SEQUENCE_FIELDS = ("sequence_id", "sequence_start", "sequence_end")
@@ -125,10 +122,10 @@ class Sequences:
         self.label = label
         self.clock = clock
         self.queue = queue
-        self.bounds = TensorBounds()
-        """What one tensor may hold (the server's): a chunk joined with its context too."""
         """The runner's queue, whose ``max_queue_size`` bounds the requests waiting for
         their turn too."""
+        self.tensors = SequenceTensors(section, label, layout)
+        """Its sequences' state, context and control tensors."""
         self.waiting = 0
         """Requests waiting for their sequence's turn (its requests before them run)."""
         self._live: dict[SequenceId, Sequence] = {}
@@ -141,6 +138,15 @@ class Sequences:
     @property
     def live(self) -> int:
         return len(self._live)
+
+    @property
+    def bounds(self) -> TensorBounds:
+        """What one tensor may hold (the server's): a chunk joined with its context too."""
+        return self.tensors.bounds
+
+    @bounds.setter
+    def bounds(self, bounds: TensorBounds) -> None:
+        self.tensors.bounds = bounds
 
     def holds(self, sequence_id: Any) -> bool:
         """Whether ``sequence_id`` is running here (an unhashable id never is)."""
@@ -176,126 +182,6 @@ class Sequences:
             "expired": self.expired,
         }
 
-    def initial(self) -> dict[str, np.ndarray]:
-        """Each state at a sequence's start: one row of its declared shape."""
-        return {spec.input: self._initial(spec) for spec in self.section.states}
-
-    def _initial(self, spec: StateSpec) -> np.ndarray:
-        shape = _with_row(spec.shape, self._axis(spec.input, output=False))
-        return np.full(shape, spec.initial, dtype=V2_TO_NUMPY[spec.datatype])
-
-    def initial_contexts(self) -> dict[str, np.ndarray]:
-        """Each context at a sequence's start (silence, by default): one row of its shape."""
-        return {
-            spec.input: np.full(
-                _with_row(spec.shape, self._axis(spec.source, output=False)),
-                spec.initial,
-                dtype=V2_TO_NUMPY[spec.datatype],
-            )
-            for spec in self.section.contexts
-        }
-
-    def contexts_of(
-        self, inputs: Arrays, contexts: Mapping[str, np.ndarray]
-    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """A request's context inputs, and the contexts its sequence keeps after it.
-
-        Each context joins the request's samples, ``[context, chunk]`` along its axis: that
-        is the model's input for a prepended context (else the context is an input of its
-        own), and its last samples, as many as the context holds, are the next context.
-        A chunk shorter than the context keeps part of the context before it. A 400 when the
-        chunk is missing or does not fit its context (datatype, rank, other dimensions).
-        """
-        fed: dict[str, np.ndarray] = {}
-        after: dict[str, np.ndarray] = {}
-        for spec in self.section.contexts:
-            before = contexts[spec.input]
-            chunk = inputs.get(spec.source)
-            self._check_chunk(spec, chunk, before)
-            assert chunk is not None  # _check_chunk refused it
-            kept = before.shape[spec.axis]
-            tail: list[slice] = [slice(None)] * chunk.ndim
-            if not spec.prepended and chunk.shape[spec.axis] >= kept:
-                # Its own input: the context is the chunk's last samples, nothing joined.
-                tail[spec.axis] = slice(chunk.shape[spec.axis] - kept, None)
-                fed[spec.input], after[spec.input] = before, chunk[tuple(tail)].copy()
-                continue
-            joined = np.concatenate((before, chunk), axis=spec.axis)
-            fed[spec.input] = joined if spec.prepended else before
-            tail[spec.axis] = slice(joined.shape[spec.axis] - kept, None)
-            # A copy: a view would keep the whole joined tensor alive with the sequence.
-            after[spec.input] = joined[tuple(tail)].copy()
-        return fed, after
-
-    async def _contexts(
-        self, inputs: Mapping[str, Any], contexts: Mapping[str, np.ndarray]
-    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """:meth:`contexts_of`, on a thread once the chunks are larger than
-        :data:`INLINE_JOIN_BYTES` (a join costs what the request sent)."""
-        sent = sum(getattr(inputs.get(spec.source), "nbytes", 0) for spec in self.section.contexts)
-        if sent <= INLINE_JOIN_BYTES:
-            return self.contexts_of(inputs, contexts)
-        return await asyncio.to_thread(self.contexts_of, inputs, contexts)
-
-    def _check_chunk(self, spec: ContextSpec, chunk: Any, before: np.ndarray) -> None:
-        if not isinstance(chunk, np.ndarray):
-            raise InvalidInput(
-                f"runner {self.label} keeps a context of input {spec.source!r}: each request "
-                "of a sequence sends it"
-            )
-        if chunk.dtype != before.dtype:
-            raise InvalidInput(
-                f"input {spec.source!r} is {_datatype(chunk)}; runner {self.label} keeps its "
-                f"context as {spec.datatype}"
-            )
-        fits = chunk.ndim == before.ndim and all(
-            got == want
-            for axis, (got, want) in enumerate(zip(chunk.shape, before.shape, strict=True))
-            if axis != spec.axis
-        )
-        if not fits:
-            want = [-1 if axis == spec.axis else size for axis, size in enumerate(before.shape)]
-            raise InvalidInput(
-                f"input {spec.source!r} has shape {list(chunk.shape)}; runner {self.label} "
-                f"keeps its context along axis {spec.axis}: a request sends {want} (-1: any)"
-            )
-        most = self.bounds.elements(chunk.dtype)
-        if spec.prepended and chunk.size + before.size > most:
-            raise InvalidInput(
-                f"input {spec.source!r} has {chunk.size} elements and its context "
-                f"{before.size}: joined, more than max_tensor_elements ({most})"
-            )
-
-    def _control_inputs(
-        self, sequence_id: SequenceId, start: bool, end: bool
-    ) -> dict[str, np.ndarray]:
-        """The request's control tensors (``[runner.sequence.controls]``), one row each."""
-        controls = self.section.controls
-        fed = {}
-        for name, value in ((controls.start, start), (controls.end, end), (controls.ready, True)):
-            if name:
-                fed[name] = np.full((1, 1), int(value), np.int32)
-        if controls.corrid:
-            if controls.corrid_datatype == "BYTES":
-                fed[controls.corrid] = np.full((1, 1), str(sequence_id).encode(), dtype=object)
-            elif isinstance(sequence_id, str) or (
-                controls.corrid_datatype == "INT64" and sequence_id >= 2**63
-            ):
-                raise InvalidInput(
-                    f"runner {self.label} takes {controls.corrid_datatype} sequence ids, "
-                    f"not {sequence_id!r}"
-                )
-            else:
-                dtype = np.uint64 if controls.corrid_datatype == "UINT64" else np.int64
-                fed[controls.corrid] = np.full((1, 1), sequence_id, dtype)
-        return fed
-
-    def _axis(self, name: str, output: bool) -> int:
-        layout = self.layout
-        if layout is None:
-            return 0
-        return layout.output_axis(name) if output else layout.input_axis(name)
-
     async def run(
         self,
         inputs: Arrays,
@@ -328,16 +214,17 @@ class Sequences:
                     # Started again, as Triton does: from the initial state; kept only once
                     # the request succeeds (a failed request leaves the state as it was).
                     restart = start and not fresh
-                    state = self.initial() if restart else sequence.state
-                    context = after = self.initial_contexts() if restart else sequence.context
+                    tensors = self.tensors
+                    state = tensors.initial() if restart else sequence.state
+                    context = after = tensors.initial_contexts() if restart else sequence.context
                     try:
                         fed = {**inputs, **state}
                         if context:
-                            joined, after = await self._contexts(inputs, context)
+                            joined, after = await tensors.contexts(inputs, context)
                             fed.update(joined)
                         if self._controls:
-                            fed.update(self._control_inputs(sequence_id, start, end))
-                        kept, answer = self._kept(await execute(fed))
+                            fed.update(tensors.controls(sequence_id, start, end))
+                        kept, answer = tensors.kept(await execute(fed))
                     except BaseException:
                         if fresh:  # a start that failed started nothing
                             self._end(sequence_id, sequence)
@@ -394,7 +281,7 @@ class Sequences:
                 "max_sequences: end one first",
                 retry_after_s=1,
             )
-        sequence = Sequence(self.initial(), self.initial_contexts(), self.clock())
+        sequence = Sequence(self.tensors.initial(), self.tensors.initial_contexts(), self.clock())
         self._live[sequence_id] = sequence
         self.started += 1
         return sequence, True
@@ -412,22 +299,6 @@ class Sequences:
         soonest = self.sweep()
         if soonest is not None:  # the next sequence to expire, when it does (a tick late)
             self._arm(max(soonest - self.clock(), 0.0) + SWEEP_SLACK_S)
-
-    def _kept(self, outputs: Arrays) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """The runner's outputs split into the next state and the answer."""
-        state, answer = {}, dict(outputs)
-        for spec in self.section.states:
-            value = answer.pop(spec.output, None)
-            want = _with_row(spec.shape, self._axis(spec.output, output=True))
-            if not isinstance(value, np.ndarray) or value.shape != want:
-                shape = getattr(value, "shape", type(value).__name__)
-                raise PluginError(
-                    self.label,
-                    ValueError(f"state output {spec.output!r} is {shape}; the state is {want}"),
-                )
-            # A copy: the output is a view of its whole batch's, which it would keep alive.
-            state[spec.input] = np.array(value, dtype=V2_TO_NUMPY[spec.datatype], copy=True)
-        return state, answer
 
     def _end(self, sequence_id: SequenceId, sequence: Sequence, told: bool = True) -> None:
         """``sequence`` no longer runs; its watchers are told unless ``told`` is false."""
@@ -471,18 +342,6 @@ class Sequences:
 def _tell(watchers: list[Ended], sequence_id: SequenceId) -> None:
     for ended in watchers:
         ended(sequence_id)
-
-
-def _with_row(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
-    """One sequence's state shape with its one row on ``axis``."""
-    return (*shape[:axis], 1, *shape[axis:])
-
-
-def _datatype(array: np.ndarray) -> str:
-    try:
-        return v2_datatype(array.dtype)
-    except KeyError:
-        return str(array.dtype)
 
 
 def inputs_as_sent(

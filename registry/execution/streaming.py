@@ -136,6 +136,180 @@ class Stream:
         self._items.put_nowait(_END if error is None else error)
 
 
+class StepBatches:
+    """A step runner's streams in progress, and its step loop (continuous batching): between
+    steps the states of streams that left are stopped (``stop``) and new streams start
+    (``start``); each ``step`` then advances up to ``batch_size`` of those in progress,
+    round robin. A stream whose consumer is behind is parked out of the batches until it
+    reads. Steps run one at a time; the loop runs while a stream is left to step.
+
+    ``left(stream, error)`` is told of each stream that is over (ended, failed or closed),
+    and ``failed(exc)`` turns a runner's exception into its answer."""
+
+    def __init__(
+        self,
+        component: Any,
+        label: str,
+        batch_size: int,
+        executor: Executor | None,
+        breaker: CircuitBreaker,
+        left: Callable[[Stream, BaseException | None], None],
+        failed: Callable[[BaseException], PlugserveError],
+        on_execution: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self.label = label
+        self.batch_size = batch_size
+        self.executor = executor
+        self.breaker = breaker
+        self._left = left
+        self._failed = failed
+        self.on_execution = on_execution
+        self._start = getattr(component, "start", None)
+        self._step = getattr(component, "step", None)
+        stop = getattr(component, "stop", None)
+        self._stop = stop if callable(stop) else None
+        self._starting: deque[Stream] = deque()
+        self._active: deque[Stream] = deque()
+        self._stepping: list[Stream] = []
+        self._parked: set[Stream] = set()
+        self._stops: list[Any] = []
+        """States of streams that left, for ``stop``: called by the step loop between steps."""
+        self._task: asyncio.Task[None] | None = None
+        self._stopping: set[asyncio.Future[Any]] = set()
+        self._closing = False
+        self.steps = 0
+        """Step calls made, each advancing one or more streams."""
+
+    def start(self, stream: Stream) -> None:
+        """``stream`` took a place: it starts before the next step."""
+        self._starting.append(stream)
+        self._wake()
+
+    def resume(self, stream: Stream) -> None:
+        """``stream``'s consumer took a response: it joins the batches again."""
+        self.unpark(stream)
+        if self._closing or stream.place != "running":
+            return
+        self._active.append(stream)
+        self._wake()
+
+    def unpark(self, stream: Stream) -> None:
+        """``stream`` is no longer parked out of the batches."""
+        self._parked.discard(stream)
+        stream.parked = False
+
+    def stop_later(self, state: Any) -> None:
+        """The state of a stream that left, stopped (``stop``) before the next step."""
+        if self._stop is not None:
+            self._stops.append(state)
+            if not self._closing:
+                self._wake()
+
+    def _wake(self) -> None:
+        """Start the step loop unless it runs (it ends when no stream is left to step)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"steps {self.label}")
+
+    async def _run(self) -> None:
+        """Stop the streams that left, start new ones, then step up to ``batch_size`` of
+        those in progress; repeat."""
+        while self._stops or self._starting or self._active:
+            while self._stops:
+                await self._stop_state(self._stops.pop(0))
+            while self._starting:
+                stream = self._starting.popleft()
+                if stream.closed:
+                    self._left(stream, None)
+                    continue
+                try:
+                    stream.state = await self._call(self._start, stream.inputs)
+                except Exception as exc:
+                    self._left(stream, self._failed(exc))
+                    continue
+                self._active.append(stream)
+            batch: list[Stream] = []
+            while self._active and len(batch) < self.batch_size:
+                stream = self._active.popleft()
+                if stream.closed:
+                    self._left(stream, None)
+                elif stream.full:  # its consumer is behind: no step for it until it reads
+                    stream.parked = True
+                    self._parked.add(stream)
+                else:
+                    batch.append(stream)
+            if batch:
+                self._stepping = batch
+                await self._advance(batch)
+                self._stepping = []
+
+    async def _advance(self, batch: list[Stream]) -> None:
+        started = time.perf_counter()
+        try:
+            results = await self._call(self._step, [s.state for s in batch])
+            if not isinstance(results, list | tuple) or len(results) != len(batch):
+                got = len(results) if isinstance(results, list | tuple) else type(results).__name__
+                raise TypeError(f"step() of {len(batch)} states returned {got}, not one per state")
+        except Exception as exc:
+            error = self._failed(exc)
+            for stream in batch:
+                self._left(stream, error)
+            return
+        self.steps += 1
+        if self.on_execution is not None:
+            self.on_execution(len(batch), time.perf_counter() - started)
+        self.breaker.success()
+        for stream, result in zip(batch, results, strict=True):
+            if result is None or stream.closed:
+                self._left(stream, None)
+            elif isinstance(result, Exception):  # the step refused this stream alone
+                self._left(stream, self._failed(result))
+            elif not isinstance(result, Mapping):
+                problem = TypeError(f"step() gave {type(result).__name__}, not a dict of arrays")
+                self._left(stream, self._failed(problem))
+            else:
+                stream.put(result)
+                self._active.append(stream)
+
+    async def _stop_state(self, state: Any) -> None:
+        try:
+            if self.executor is None and not inspect.iscoroutinefunction(self._stop):
+                self._stop(state)  # type: ignore[misc]  # async start and step: no thread
+            else:
+                await self._call(self._stop, state)
+        except Exception as exc:  # its state is gone either way
+            log.warning("stream_stop_failed", plugin=self.label, error=repr(exc))
+
+    async def _call(self, method: Any, argument: Any) -> Any:
+        if inspect.iscoroutinefunction(method):
+            return await method(argument)
+        assert self.executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self.executor, method, argument)
+
+    def close(self, gone: BaseException) -> None:
+        """The runner is going: every stream here ends with ``gone``, the loop stops, and
+        the states left are stopped now (the runner's close() follows at once, as these
+        may while a last step finishes on its thread)."""
+        self._closing = True
+        for stream in [*self._starting, *self._active, *self._stepping, *self._parked]:
+            stream.parked = False
+            self._left(stream, gone)
+        self._starting.clear()
+        self._active.clear()
+        self._parked.clear()
+        if self._task is not None:
+            self._task.cancel()
+        stops, self._stops = self._stops, []
+        for state in stops:
+            try:
+                stopping = self._stop(state)  # type: ignore[misc]
+                if inspect.isawaitable(stopping):
+                    task = asyncio.ensure_future(stopping)
+                    self._stopping.add(task)
+                    task.add_done_callback(self._stopping.discard)
+            except Exception as exc:
+                log.warning("stream_stop_failed", plugin=self.label, error=repr(exc))
+
+
 class StreamScheduler:
     """Admits, orders and runs the streams of one streaming runner."""
 
@@ -154,37 +328,38 @@ class StreamScheduler:
         self.kind = kind
         self.policy = policy
         self.max_streams = max_streams
-        self.batch_size = max(policy.max_batch_size, 1)
         self.label = label
         self.executor = executor
         self.breaker = breaker
         self.fault = fault
         self.on_execution = on_execution
         self._generate = getattr(component, "infer", None)
-        self._start = getattr(component, "start", None)
-        self._step = getattr(component, "step", None)
-        stop = getattr(component, "stop", None)
-        self._stop = stop if callable(stop) else None
+        self._steps = StepBatches(
+            component,
+            label,
+            max(policy.max_batch_size, 1),
+            executor,
+            breaker,
+            self._left,
+            self._failed,
+            on_execution,
+        )
         self._waiting: list[tuple[int, int, Stream]] = []
         self.waiting = 0
         self.running = 0
-        self._starting: deque[Stream] = deque()
-        self._active: deque[Stream] = deque()
-        self._stepping: list[Stream] = []
-        self._parked: set[Stream] = set()
         self._unread: dict[Stream, float] = {}
         """Streams in progress holding READ_AHEAD untaken responses, since when (oldest first)."""
         self._evictions: asyncio.TimerHandle | None = None
         self._evicted: set[Stream] = set()
         """Streams that gave their place up and have not left yet (a step runs for them)."""
-        self._stops: list[Any] = []
-        """States of streams that left, for ``stop``: called by the step loop between steps."""
         self._seq = itertools.count()
-        self._steps_task: asyncio.Task[None] | None = None
         self._pumps: set[asyncio.Task[None]] = set()
         self._closing = False
-        self.steps = 0
+
+    @property
+    def steps(self) -> int:
         """Step calls made (a step runner), each advancing one or more streams."""
+        return self._steps.steps
 
     # -- admission -------------------------------------------------------------------
 
@@ -219,8 +394,7 @@ class StreamScheduler:
             self.waiting -= 1
             self.breaker.release()
         elif stream.parked:  # a step runner's stream out of the batches: it leaves now
-            self._parked.discard(stream)
-            stream.parked = False
+            self._steps.unpark(stream)
             self._left(stream)
         elif stream.task is not None:  # a generator: stopped now (a sync one: after its step)
             stream.task.cancel()
@@ -237,7 +411,7 @@ class StreamScheduler:
         """``stream``'s consumer took a response after holding :data:`READ_AHEAD`."""
         self._unread.pop(stream, None)
         if stream.parked:
-            self.resume(stream)
+            self._steps.resume(stream)
 
     def _make_room(self) -> None:
         """Streams wait for a place: those whose consumers have read nothing of their
@@ -283,15 +457,6 @@ class StreamScheduler:
         self._evicted.add(stream)
         self.closed(stream)
 
-    def resume(self, stream: Stream) -> None:
-        """``stream``'s consumer took a response: it joins the batches again."""
-        self._parked.discard(stream)
-        stream.parked = False
-        if self._closing or stream.place != "running":
-            return
-        self._active.append(stream)
-        self._wake_steps()
-
     def _admit(self) -> None:
         while self._waiting and self.running < self.max_streams:
             _, _, stream = heapq.heappop(self._waiting)
@@ -305,14 +470,7 @@ class StreamScheduler:
                 self._pumps.add(stream.task)
                 stream.task.add_done_callback(self._pumps.discard)
             else:
-                self._starting.append(stream)
-        if self._starting:
-            self._wake_steps()
-
-    def _wake_steps(self) -> None:
-        """Start the step loop unless it runs (it ends when no stream is left to step)."""
-        if self._steps_task is None or self._steps_task.done():
-            self._steps_task = asyncio.create_task(self._run_steps(), name=f"steps {self.label}")
+                self._steps.start(stream)
 
     def _left(self, stream: Stream, error: BaseException | None = None) -> None:
         """``stream`` is over (ended, failed or closed): free its place and its state."""
@@ -326,10 +484,8 @@ class StreamScheduler:
         stream.end(error)
         if error is None or not isinstance(error, PlugserveError) or error.status != 500:
             self.breaker.release()
-        if self._stop is not None and stream.state is not None:
-            self._stops.append(stream.state)
-            if not self._closing:
-                self._wake_steps()
+        if stream.state is not None:
+            self._steps.stop_later(stream.state)
         stream.state = None
         if not self._closing:
             self._admit()
@@ -339,83 +495,6 @@ class StreamScheduler:
         if error.status == 500:
             self.breaker.failure()
         return error
-
-    # -- step runners: continuous batching ---------------------------------------------
-
-    async def _run_steps(self) -> None:
-        """Stop the streams that left, start new ones, then step up to ``batch_size`` of
-        those in progress; repeat."""
-        while self._stops or self._starting or self._active:
-            while self._stops:
-                await self._stop_state(self._stops.pop(0))
-            while self._starting:
-                stream = self._starting.popleft()
-                if stream.closed:
-                    self._left(stream)
-                    continue
-                try:
-                    stream.state = await self._call(self._start, stream.inputs)
-                except Exception as exc:
-                    self._left(stream, self._failed(exc))
-                    continue
-                self._active.append(stream)
-            batch: list[Stream] = []
-            while self._active and len(batch) < self.batch_size:
-                stream = self._active.popleft()
-                if stream.closed:
-                    self._left(stream)
-                elif stream.full:  # its consumer is behind: no step for it until it reads
-                    stream.parked = True
-                    self._parked.add(stream)
-                else:
-                    batch.append(stream)
-            if batch:
-                self._stepping = batch
-                await self._advance(batch)
-                self._stepping = []
-
-    async def _advance(self, batch: list[Stream]) -> None:
-        started = time.perf_counter()
-        try:
-            results = await self._call(self._step, [s.state for s in batch])
-            if not isinstance(results, list | tuple) or len(results) != len(batch):
-                got = len(results) if isinstance(results, list | tuple) else type(results).__name__
-                raise TypeError(f"step() of {len(batch)} states returned {got}, not one per state")
-        except Exception as exc:
-            error = self._failed(exc)
-            for stream in batch:
-                self._left(stream, error)
-            return
-        self.steps += 1
-        if self.on_execution is not None:
-            self.on_execution(len(batch), time.perf_counter() - started)
-        self.breaker.success()
-        for stream, result in zip(batch, results, strict=True):
-            if result is None or stream.closed:
-                self._left(stream)
-            elif isinstance(result, Exception):  # the step refused this stream alone
-                self._left(stream, self._failed(result))
-            elif not isinstance(result, Mapping):
-                problem = TypeError(f"step() gave {type(result).__name__}, not a dict of arrays")
-                self._left(stream, self._failed(problem))
-            else:
-                stream.put(result)
-                self._active.append(stream)
-
-    async def _stop_state(self, state: Any) -> None:
-        try:
-            if self.executor is None and not inspect.iscoroutinefunction(self._stop):
-                self._stop(state)  # type: ignore[misc]  # async start and step: no thread
-            else:
-                await self._call(self._stop, state)
-        except Exception as exc:  # its state is gone either way
-            log.warning("stream_stop_failed", plugin=self.label, error=repr(exc))
-
-    async def _call(self, method: Any, argument: Any) -> Any:
-        if inspect.iscoroutinefunction(method):
-            return await method(argument)
-        assert self.executor is not None
-        return await asyncio.get_running_loop().run_in_executor(self.executor, method, argument)
 
     # -- generator runners -----------------------------------------------------------------
 
@@ -484,29 +563,10 @@ class StreamScheduler:
                 stream.end(gone)
         self._waiting.clear()
         self.waiting = 0
-        for stream in [*self._starting, *self._active, *self._stepping, *self._parked]:
-            stream.parked = False
-            self._left(stream, gone)
-        self._starting.clear()
-        self._active.clear()
-        self._parked.clear()
+        self._steps.close(gone)
         self._unread.clear()
-        if self._steps_task is not None:
-            self._steps_task.cancel()
         for task in list(self._pumps):
             task.cancel()
-        # The runner is going: its close() follows at once, as these may while a last step
-        # finishes on its thread.
-        stops, self._stops = self._stops, []
-        for state in stops:
-            try:
-                stopping = self._stop(state)  # type: ignore[misc]
-                if inspect.isawaitable(stopping):
-                    task = asyncio.ensure_future(stopping)
-                    self._pumps.add(task)
-                    task.add_done_callback(self._pumps.discard)
-            except Exception as exc:
-                log.warning("stream_stop_failed", plugin=self.label, error=repr(exc))
 
 
 def _close_quietly(generator: Any) -> None:

@@ -15,7 +15,6 @@ import onnxruntime as ort
 import pytest
 
 from plugserve.registry.errors import ManifestError, PluginError
-from plugserve.registry.execution import batching
 from plugserve.registry.execution.batch_check import (
     Execute,
     check_batching,
@@ -24,6 +23,7 @@ from plugserve.registry.execution.batch_check import (
 )
 from plugserve.registry.execution.batching import BatchPolicy, Scheduler
 from plugserve.registry.execution.layout import BatchLayout
+from plugserve.registry.execution.scheduling import batch_execution
 from plugserve.registry.execution.stats import RunnerStats
 from plugserve.registry.manifest import (
     BatchCheckSpec,
@@ -216,7 +216,7 @@ async def test_a_batch_run_again_one_by_one_is_counted_and_said_once(
     """A runner that refuses every batch of several rows: each batch is one execution more
     than its requests, counted in the statistics, and the first said in the log."""
     said = Said()
-    monkeypatch.setattr(batching, "log", said)
+    monkeypatch.setattr(batch_execution, "log", said)
     gate = asyncio.Event()
 
     async def execute(inputs: Arrays) -> Arrays:

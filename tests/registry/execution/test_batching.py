@@ -327,7 +327,7 @@ async def test_tenants_that_left_the_queue_are_forgotten() -> None:
         while not all(f.done() for f in futures):
             runner.release()
             await settle()
-    assert len(scheduler._tenant_finish) <= 1024  # MAX_TENANTS_KEPT
+    assert len(scheduler._queue._tenant_finish) <= 1024  # MAX_TENANTS_KEPT
     runner.release()
 
 
