@@ -20,6 +20,7 @@ from typing import Any
 import onnx
 import pytest
 from onnx import TensorProto, helper
+from prometheus_client.parser import text_string_to_metric_families
 
 from plugserve.server.config import Settings
 
@@ -230,7 +231,7 @@ def add_model(path: Path, amount: float = 1.0, features: int = 4) -> Path:
 def accumulator_model(path: Path, features: int = 4) -> Path:
     """An ONNX model with a recurrent state: ``y = state_out = state_in + x``, FP32
     ``[N, features]``: over a sequence, ``y`` is the running sum of its ``x``."""
-    dims = ["N", features]
+    dims: list[str | int] = ["N", features]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)
     state_in = helper.make_tensor_value_info("state_in", TensorProto.FLOAT, dims)
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)
@@ -361,7 +362,7 @@ ONNX_TYPES = {
 
 def identity_model(path: Path, types: dict[str, int], shape: list[Any] | None = None) -> Path:
     """An ONNX model passing each input ``in_<name>`` through to ``out_<name>``."""
-    dims = shape if shape is not None else ["N", 2]
+    dims: Sequence[str | int | None] = shape if shape is not None else ["N", 2]
     inputs = [helper.make_tensor_value_info(f"in_{n}", t, dims) for n, t in types.items()]
     outputs = [helper.make_tensor_value_info(f"out_{n}", t, dims) for n, t in types.items()]
     nodes = [helper.make_node("Identity", [f"in_{n}"], [f"out_{n}"]) for n in types]
@@ -456,6 +457,39 @@ def wait_until_ok(
     raise TimeoutError(f"{url} not answering 200 within {timeout}s:\n{log()}")
 
 
+def until(
+    check: Callable[[], Any],
+    timeout: float = 10.0,
+    what: str = "",
+    *,
+    interval: float = 0.05,
+    ignoring: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """Call ``check()`` every ``interval`` seconds until it returns a truthy value, and return it.
+
+    ``check`` runs at least once, and once more after ``timeout`` seconds have passed;
+    still falsy then, an ``AssertionError`` names ``what`` (else ``check``) and its last
+    value. An exception of a type in ``ignoring`` raised by ``check`` counts as "not yet"
+    (a connection a restarting worker reset; an assertion a replica does not meet yet) and
+    is named as the last value; any other exception propagates at once. (``Any``: a check
+    such as ``row is not None and row["ok"] and row`` returns its row once truthy.)
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        last: object
+        try:
+            value = check()
+        except ignoring as error:
+            last = error
+        else:
+            if value:
+                return value
+            last = value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what or repr(check)} (last: {last!r})")
+        time.sleep(interval)
+
+
 def chooses_workers(args: Sequence[str]) -> bool:
     """Whether a ``serve`` command line sets ``workers``: by flag, or in its config file.
 
@@ -542,6 +576,32 @@ class ServerProcess:
             code = self.proc.wait()
         self._log.close()
         return code
+
+
+def metric(source: ServerProcess | str | bytes, name: str, /, **labels: str) -> float:
+    """The sum of the samples named ``name`` whose labels include ``labels``; 0.0 if none.
+
+    ``source`` is a server (its ``/metrics`` is read, and must answer 200) or the exposition
+    text itself. ``name`` is a sample's name as exposed: ``plugserve_requests_total``,
+    ``..._count``, ``..._bucket`` (with ``le="0.5"`` among ``labels``). The text is read by
+    ``prometheus_client``'s own parser; every label not in ``labels`` may have any value
+    (so, say, every worker's or every status's samples add up). ``source`` and ``name`` are
+    positional only: ``name="add"`` is a label, as in ``plugserve_executions_total``.
+    """
+    if isinstance(source, ServerProcess):
+        status, _, body = source.request("GET", "/metrics")
+        assert status == 200, body
+        source = body
+    text = source.decode() if isinstance(source, bytes) else source
+    wanted = labels.items()
+    return float(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and wanted <= sample.labels.items()
+        )
+    )
 
 
 def descendants(pid: int) -> set[int]:
