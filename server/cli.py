@@ -34,13 +34,15 @@ from plugserve.server.http.connections import (
     MIN_REFUSING,
     ConnectionLimits,
     Listener,
+)
+from plugserve.server.http.fastpath import FAST_PATH
+from plugserve.server.http.startup import (
     bind,
     default_max_connections,
     raise_open_files_limit,
     refusing_budget,
     run_app,
 )
-from plugserve.server.http.fastpath import FAST_PATH
 from plugserve.server.runtime.cores import usable_cores
 from plugserve.server.runtime.logs import configure_logging, protocol_logger
 from plugserve.server.runtime.stdio import flush_std_streams, protect_std_streams

@@ -1,8 +1,8 @@
 """An HTTP/2 peer built from independent implementations: frames by ``hyperframe``, header
 blocks by ``hpack`` (the packages the ``h2`` library is made of), never the server's own
-``plugserve.server.grpc_api.wire``. The conformance and attack tests, and the hostile soak
-(``tests/benchmarks/hostile_h2.py``), speak to real servers through it, frame by frame, as a
-hostile or careless client would; :class:`Attacker` reads in a thread while its owner
+``plugserve.server.transport.h2frames``. The conformance and attack tests, and the hostile
+soak (``tests/benchmarks/hostile_h2.py``), speak to real servers through it, frame by frame,
+as a hostile or careless client would; :class:`Attacker` reads in a thread while its owner
 writes."""
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class CallLimits:
 
 
 class Cancellable(Protocol):
-    """What ends a call: its task, or the native server's stream (``front.py``)."""
+    """What ends a call: its task, or the native server's stream (``stream.py``)."""
 
     def cancel(self, msg: Any = None) -> Any: ...
 

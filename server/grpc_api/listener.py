@@ -26,7 +26,7 @@ from plugserve.server.config import Settings
 from plugserve.server.grpc_api.admission import Admission, CallLimits
 from plugserve.server.grpc_api.front import NativeServer
 from plugserve.server.grpc_api.service import add_to_server, reader, served_methods
-from plugserve.server.http.connections import DEFAULT_MAX_CONNECTIONS
+from plugserve.server.http.startup import DEFAULT_MAX_CONNECTIONS
 from plugserve.server.state import SETTINGS
 
 log = structlog.get_logger("plugserve.grpc")

@@ -33,14 +33,6 @@ from dataclasses import dataclass, field
 import structlog
 from aiohttp import web
 
-from plugserve.server.http.framing import (
-    FastAnswer,
-    FastHandler,
-    FastRequest,
-    Route,
-    Taken,
-    take,
-)
 from plugserve.server.http.middleware import VARIANT_HEADER, ErrorShapes, error_payload, failure
 from plugserve.server.runtime.logs import (
     REQUEST_CHAIN,
@@ -48,6 +40,14 @@ from plugserve.server.runtime.logs import (
     REQUEST_ID_HEADER,
     client_request_id,
     new_request_id,
+)
+from plugserve.server.transport.h1framing import (
+    FastAnswer,
+    FastHandler,
+    FastRequest,
+    Route,
+    Taken,
+    take,
 )
 
 log = structlog.get_logger("plugserve.server")
@@ -78,9 +78,9 @@ class FastPath:
         self.routes.append(Route(prefix.encode(), suffix.encode(), handler, known))
 
     def take(self, head: bytes) -> Taken | None:
-        """What :func:`~plugserve.server.http.framing.take` makes of a request head, within
-        this app's routes and body limit; a head seen before (clients send the same head
-        with every request) is looked up, not parsed again. Its headers are shared by
+        """What :func:`~plugserve.server.transport.h1framing.take` makes of a request head,
+        within this app's routes and body limit; a head seen before (clients send the same
+        head with every request) is looked up, not parsed again. Its headers are shared by
         the requests that sent it: handlers see them read-only."""
         heads = self._heads
         taken = heads.get(head)

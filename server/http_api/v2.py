@@ -16,7 +16,6 @@ from plugserve.server.http.auth import admin_only
 from plugserve.server.http.bodies import BODIES, LARGE_BODY_BYTES, Bodies
 from plugserve.server.http.connections import cancel_on_hangup
 from plugserve.server.http.fastpath import FastPath
-from plugserve.server.http.framing import FastAnswer, FastRequest
 from plugserve.server.http_api import shm_http
 from plugserve.server.http_api.codec import (
     HEADER_LENGTH,
@@ -25,6 +24,7 @@ from plugserve.server.http_api.codec import (
     json_header_size,
 )
 from plugserve.server.state import REGISTRY, SETTINGS
+from plugserve.server.transport.h1framing import FastAnswer, FastRequest
 from plugserve.server.triton import answers, classification, config, repository
 from plugserve.server.triton.answers import READINESS
 from plugserve.server.triton.repository import REPOSITORY

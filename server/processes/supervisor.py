@@ -60,12 +60,8 @@ from plugserve.registry.execution.isolation.supervision import Restarts, keep_ru
 from plugserve.registry.lifecycle.watcher import Watcher
 from plugserve.server.app import process_settings, route_store
 from plugserve.server.config import Settings
-from plugserve.server.http.connections import (
-    ConnectionLimits,
-    Starting,
-    bind,
-    raise_open_files_limit,
-)
+from plugserve.server.http.connections import ConnectionLimits
+from plugserve.server.http.startup import Starting, bind, raise_open_files_limit
 from plugserve.server.processes import shared_runners
 from plugserve.server.processes.control import (
     BUDGET,

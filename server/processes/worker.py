@@ -32,7 +32,7 @@ def main() -> int:
     ):
         os.set_inheritable(fd, False)
     from plugserve.server.cli import serve_sockets
-    from plugserve.server.http.connections import bind
+    from plugserve.server.http.startup import bind
     from plugserve.server.runtime.logs import configure_logging
     from plugserve.server.runtime.stdio import protect_std_streams
 

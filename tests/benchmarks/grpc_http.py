@@ -108,7 +108,7 @@ from tests.benchmarks.serving import (
     write_mlp_runner,
     wrk,
 )
-from tests.helpers import free_port
+from tests.helpers import free_port, metric
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -276,16 +276,7 @@ class Counter:
 
     def read(self) -> float:
         with urllib.request.urlopen(self.url, timeout=10) as r:
-            text = r.read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            name, _, rest = line.partition("{")
-            if name != self.name:
-                continue
-            labels, _, value = rest.rpartition("} ")
-            if set(self.labels) <= set(re.findall(r'(\w+)="([^"]*)"', labels)):
-                total += float(value)
-        return total
+            return metric(r.read(), self.name, **dict(self.labels))
 
     def settled(self, timeout: float = 5.0) -> float:
         """The count once two reads 0.2 s apart agree (calls cut off at the end of a run may

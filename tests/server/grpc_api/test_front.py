@@ -19,7 +19,8 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from plugserve.server.grpc_api import wire
-from plugserve.server.grpc_api.wire import END_HEADERS, END_STREAM, Frame
+from plugserve.server.transport import h2frames
+from plugserve.server.transport.h2frames import END_HEADERS, END_STREAM, Frame
 from tests.helpers import ServerProcess, write_add_runner
 
 pytestmark = pytest.mark.slow
@@ -53,8 +54,8 @@ class Client:
         self.decoder = hpack.Decoder()
         self.buffer = b""
         self.next_stream = 1
-        settings = {} if window is None else {wire.Setting.INITIAL_WINDOW_SIZE: window}
-        self.sock.sendall(wire.PREFACE + wire.settings(settings))
+        settings = {} if window is None else {h2frames.Setting.INITIAL_WINDOW_SIZE: window}
+        self.sock.sendall(h2frames.PREFACE + h2frames.settings(settings))
 
     def headers(self, path: str = MODEL_INFER, extra: tuple[tuple[str, str], ...] = ()) -> bytes:
         return self.encoder.encode(
@@ -72,8 +73,8 @@ class Client:
     def call(self, message: bytes, extra: tuple[tuple[str, str], ...] = ()) -> int:
         """A unary call in one HEADERS and one DATA frame; its stream id."""
         stream = self.open()
-        self.send(wire.frame(Frame.HEADERS, END_HEADERS, stream, self.headers(extra=extra)))
-        self.send(wire.frame(Frame.DATA, END_STREAM, stream, wire.message_frame(message)))
+        self.send(h2frames.frame(Frame.HEADERS, END_HEADERS, stream, self.headers(extra=extra)))
+        self.send(h2frames.frame(Frame.DATA, END_STREAM, stream, wire.message_frame(message)))
         return stream
 
     def data(self, stream: int, payload: bytes, end: bool = True) -> None:
@@ -81,7 +82,7 @@ class Client:
         pieces = [payload[i : i + 16_384] for i in range(0, len(payload), 16_384)] or [b""]
         for i, piece in enumerate(pieces):
             last = end and i == len(pieces) - 1
-            self.send(wire.frame(Frame.DATA, END_STREAM if last else 0, stream, piece))
+            self.send(h2frames.frame(Frame.DATA, END_STREAM if last else 0, stream, piece))
 
     def open(self) -> int:
         stream, self.next_stream = self.next_stream, self.next_stream + 2
@@ -111,8 +112,8 @@ class Client:
         blocks: list[dict[str, str]] = []
         body = b""
         for kind, flags, sid, payload in self.frames():
-            if kind == Frame.SETTINGS and not flags & wire.ACK:
-                self.send(wire.frame(Frame.SETTINGS, wire.ACK, 0))
+            if kind == Frame.SETTINGS and not flags & h2frames.ACK:
+                self.send(h2frames.frame(Frame.SETTINGS, h2frames.ACK, 0))
             if sid != stream:
                 continue
             if kind == Frame.HEADERS:
@@ -120,7 +121,8 @@ class Client:
             elif kind == Frame.DATA:
                 body += payload
                 self.send(
-                    wire.window_update(0, len(payload)) + wire.window_update(sid, len(payload))
+                    h2frames.window_update(0, len(payload))
+                    + h2frames.window_update(sid, len(payload))
                 )
             if flags & END_STREAM:
                 break
@@ -149,14 +151,16 @@ def test_split_padded_frames_answer_as_one(native: ServerProcess) -> None:
     client = Client(native.grpc_port)
     stream = client.open()
     block = client.headers(extra=(("x-request-id", "split-1"),))
-    client.send(wire.frame(Frame.HEADERS, 0, stream, block[:5]))
-    client.send(wire.frame(Frame.CONTINUATION, 0, stream, block[5:9]))
-    client.send(wire.frame(Frame.CONTINUATION, END_HEADERS, stream, block[9:]))
+    client.send(h2frames.frame(Frame.HEADERS, 0, stream, block[:5]))
+    client.send(h2frames.frame(Frame.CONTINUATION, 0, stream, block[5:9]))
+    client.send(h2frames.frame(Frame.CONTINUATION, END_HEADERS, stream, block[9:]))
     data = wire.message_frame(add_message())
     for i in range(0, len(data), 7):
         end = END_STREAM if i + 7 >= len(data) else 0
         client.send(
-            wire.frame(Frame.DATA, wire.PADDED | end, stream, b"\x03" + data[i : i + 7] + b"pad")
+            h2frames.frame(
+                Frame.DATA, h2frames.PADDED | end, stream, b"\x03" + data[i : i + 7] + b"pad"
+            )
         )
     headers, body, trailers = client.answer(stream)
     assert headers[":status"] == "200" and headers["content-type"] == "application/grpc"
@@ -169,10 +173,10 @@ def test_split_padded_frames_answer_as_one(native: ServerProcess) -> None:
 def test_a_gzip_message_is_read(native: ServerProcess) -> None:
     client = Client(native.grpc_port)
     stream = client.open()
-    client.send(wire.frame(Frame.HEADERS, END_HEADERS, stream,
+    client.send(h2frames.frame(Frame.HEADERS, END_HEADERS, stream,
                            client.headers(extra=(("grpc-encoding", "gzip"),))))  # fmt: skip
     packed = gzip.compress(add_message())
-    client.send(wire.frame(Frame.DATA, END_STREAM, stream,
+    client.send(h2frames.frame(Frame.DATA, END_STREAM, stream,
                            b"\x01" + len(packed).to_bytes(4, "big") + packed))  # fmt: skip
     _, body, trailers = client.answer(stream)
     assert trailers["grpc-status"] == "0" and body
@@ -199,18 +203,20 @@ def test_errors_are_statuses(native: ServerProcess) -> None:
     _, _, trailers = client.answer(garbage)
     assert trailers["grpc-status"] == "3" and "ModelInferRequest" in trailers["grpc-message"]
     missing = client.open()
-    client.send(wire.frame(Frame.HEADERS, END_HEADERS, missing, client.headers("/no.Such/Method")))
-    client.send(wire.frame(Frame.DATA, END_STREAM, missing, wire.message_frame(b"")))
+    client.send(
+        h2frames.frame(Frame.HEADERS, END_HEADERS, missing, client.headers("/no.Such/Method"))
+    )
+    client.send(h2frames.frame(Frame.DATA, END_STREAM, missing, wire.message_frame(b"")))
     assert client.answer(missing)[2]["grpc-status"] == "12"  # UNIMPLEMENTED
     client.close()
 
 
 def test_ping_is_answered(native: ServerProcess) -> None:
     client = Client(native.grpc_port)
-    client.send(wire.frame(Frame.PING, 0, 0, b"plugserv"))
+    client.send(h2frames.frame(Frame.PING, 0, 0, b"plugserv"))
     for kind, flags, _, payload in client.frames():
         if kind == Frame.PING:
-            assert flags & wire.ACK and payload == b"plugserv"
+            assert flags & h2frames.ACK and payload == b"plugserv"
             break
     client.close()
 
@@ -220,7 +226,7 @@ def test_a_wrong_preface_is_refused(native: ServerProcess) -> None:
     sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     client = Client.__new__(Client)
     client.sock, client.buffer = sock, b""
-    assert goaway_of(client) == wire.Error.PROTOCOL_ERROR
+    assert goaway_of(client) == h2frames.Error.PROTOCOL_ERROR
 
 
 def test_silence_and_idleness_close_the_connection(native: ServerProcess) -> None:
@@ -234,7 +240,7 @@ def test_silence_and_idleness_close_the_connection(native: ServerProcess) -> Non
     client = Client(native.grpc_port)
     assert client.answer(client.call(add_message()))[2]["grpc-status"] == "0"
     started = time.monotonic()
-    assert goaway_of(client) == wire.Error.NO_ERROR
+    assert goaway_of(client) == h2frames.Error.NO_ERROR
     assert 2 < time.monotonic() - started < 8
 
 
@@ -243,13 +249,13 @@ def test_a_reset_flood_ends_the_connection_not_the_server(native: ServerProcess)
     ENHANCE_YOUR_CALM, and other clients are served."""
     client = Client(native.grpc_port)
     burst = b"".join(
-        wire.frame(Frame.HEADERS, END_HEADERS, s, client.headers())
-        + wire.rst_stream(s, wire.Error.CANCEL)
+        h2frames.frame(Frame.HEADERS, END_HEADERS, s, client.headers())
+        + h2frames.rst_stream(s, h2frames.Error.CANCEL)
         for s in range(1, 2 * 1500, 2)
     )
     with contextlib.suppress(OSError):  # closed while the burst was written
         client.send(burst)
-    assert goaway_of(client) == wire.Error.ENHANCE_YOUR_CALM
+    assert goaway_of(client) == h2frames.Error.ENHANCE_YOUR_CALM
     other = Client(native.grpc_port)
     assert other.answer(other.call(add_message()))[2]["grpc-status"] == "0"
     other.close()
@@ -287,15 +293,15 @@ def test_a_streamed_message_larger_than_the_stream_window_arrives(native: Server
     client = Client(native.grpc_port)
     stream = client.open()
     path = "/inference.GRPCInferenceService/ModelStreamInfer"
-    client.send(wire.frame(Frame.HEADERS, END_HEADERS, stream, client.headers(path)))
+    client.send(h2frames.frame(Frame.HEADERS, END_HEADERS, stream, client.headers(path)))
     data = wire.message_frame(add_message(rows=1 << 18))
     frames = client.frames()
-    window = wire.DEFAULT_WINDOW  # until the server's settings say otherwise
+    window = h2frames.DEFAULT_WINDOW  # until the server's settings say otherwise
     for kind, _, _, payload in frames:
         if kind == Frame.SETTINGS:
             settings = {payload[i + 1]: int.from_bytes(payload[i + 2 : i + 6], "big")
                         for i in range(0, len(payload), 6)}  # fmt: skip
-            window = settings.get(wire.Setting.INITIAL_WINDOW_SIZE, window)
+            window = settings.get(h2frames.Setting.INITIAL_WINDOW_SIZE, window)
             break
     sent = 0
     while sent < len(data):
@@ -304,17 +310,19 @@ def test_a_streamed_message_larger_than_the_stream_window_arrives(native: Server
             if kind == Frame.WINDOW_UPDATE and sid == stream:
                 window += int.from_bytes(payload, "big")
         piece = data[sent : sent + min(16_384, window)]
-        client.send(wire.frame(Frame.DATA, 0, stream, piece))
+        client.send(h2frames.frame(Frame.DATA, 0, stream, piece))
         sent += len(piece)
         window -= len(piece)
-    client.send(wire.frame(Frame.DATA, END_STREAM, stream, b""))
+    client.send(h2frames.frame(Frame.DATA, END_STREAM, stream, b""))
     body = b""
     for kind, flags, sid, payload in frames:
         if sid != stream:
             continue
         if kind == Frame.DATA:
             body += payload
-            client.send(wire.window_update(0, len(payload)) + wire.window_update(sid, len(payload)))
+            client.send(
+                h2frames.window_update(0, len(payload)) + h2frames.window_update(sid, len(payload))
+            )
         if flags & END_STREAM:
             break
     answer = service_pb2.ModelStreamInferResponse.FromString(body[5:])
@@ -328,7 +336,7 @@ def test_a_client_without_a_dynamic_table_reads_every_answer(native: ServerProce
     """A client that sets HEADER_TABLE_SIZE to 0 (as h2load --header-table-size=0): the
     first header block after it starts with a table size update, as RFC 7541 §4.2 asks."""
     client = Client(native.grpc_port)
-    client.send(wire.settings({wire.Setting.HEADER_TABLE_SIZE: 0}))
+    client.send(h2frames.settings({h2frames.Setting.HEADER_TABLE_SIZE: 0}))
     stream = client.call(add_message())
     for kind, _, sid, payload in client.frames():
         if kind == Frame.HEADERS and sid == stream:
@@ -345,22 +353,22 @@ def test_compressed_messages_that_cannot_be_read(native: ServerProcess) -> None:
     bomb = gzip.compress(bytes(80 << 20))  # 80 MiB inflated, 80 KiB sent
     for body, code in ((bomb, "8"), (gzip.compress(add_message())[:-6], "13")):
         stream = client.open()
-        client.send(wire.frame(Frame.HEADERS, END_HEADERS, stream, client.headers(extra=gz)))
+        client.send(h2frames.frame(Frame.HEADERS, END_HEADERS, stream, client.headers(extra=gz)))
         client.data(stream, b"\x01" + len(body).to_bytes(4, "big") + body)
         assert client.answer(stream)[2]["grpc-status"] == code
     stream = client.open()
-    client.send(wire.frame(Frame.HEADERS, END_HEADERS, stream, client.headers()))
-    client.send(wire.frame(Frame.DATA, 0, stream, b"\x00" + (2**31).to_bytes(4, "big")))
+    client.send(h2frames.frame(Frame.HEADERS, END_HEADERS, stream, client.headers()))
+    client.send(h2frames.frame(Frame.DATA, 0, stream, b"\x00" + (2**31).to_bytes(4, "big")))
     assert client.answer(stream)[2]["grpc-status"] == "8"
     client.close()
 
 
 def test_an_empty_continuation_flood_ends_the_connection(native: ServerProcess) -> None:
     client = Client(native.grpc_port)
-    client.send(wire.frame(Frame.HEADERS, 0, 1, client.headers()[:3]))
+    client.send(h2frames.frame(Frame.HEADERS, 0, 1, client.headers()[:3]))
     with contextlib.suppress(OSError):
-        client.send(wire.frame(Frame.CONTINUATION, 0, 1) * 5000)
-    assert goaway_of(client) == wire.Error.ENHANCE_YOUR_CALM
+        client.send(h2frames.frame(Frame.CONTINUATION, 0, 1) * 5000)
+    assert goaway_of(client) == h2frames.Error.ENHANCE_YOUR_CALM
 
 
 def test_late_frames_of_an_ended_call_are_ignored(native: ServerProcess) -> None:
@@ -369,10 +377,12 @@ def test_late_frames_of_an_ended_call_are_ignored(native: ServerProcess) -> None
     connection serves the next call."""
     client = Client(native.grpc_port)
     stream = client.open()
-    client.send(wire.frame(Frame.HEADERS, END_HEADERS, stream, client.headers("/no.Such/Method")))
+    client.send(
+        h2frames.frame(Frame.HEADERS, END_HEADERS, stream, client.headers("/no.Such/Method"))
+    )
     assert client.answer(stream)[2]["grpc-status"] == "12"
     client.data(stream, wire.message_frame(add_message()), end=False)
     trailers = client.encoder.encode([("x-trailer", "1")])
-    client.send(wire.frame(Frame.HEADERS, END_HEADERS | END_STREAM, stream, trailers))
+    client.send(h2frames.frame(Frame.HEADERS, END_HEADERS | END_STREAM, stream, trailers))
     assert client.answer(client.call(add_message()))[2]["grpc-status"] == "0"
     client.close()

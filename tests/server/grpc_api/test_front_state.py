@@ -22,9 +22,11 @@ from hyperframe.frame import (
 )
 
 from plugserve.server.grpc_api.admission import Admission, CallLimits
-from plugserve.server.grpc_api.front import Connection, NativeServer, Stream
+from plugserve.server.grpc_api.front import NativeServer
 from plugserve.server.grpc_api.handlers import Method, Reader
+from plugserve.server.grpc_api.stream import Stream
 from plugserve.server.http.budget import ByteBudget
+from plugserve.server.transport.h2connection import H2Connection as Connection
 from tests import h2peer
 
 PATH = "/test.Echo/Call"

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from plugserve.registry.errors import DeadlineExceeded
 from plugserve.server.grpc_api.service import InferenceService
-from tests.helpers import ServerProcess, identity_model, write_add_runner, write_plugin
+from tests.helpers import ServerProcess, identity_model, metric, write_add_runner, write_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -448,12 +448,7 @@ def test_statistics_and_metrics_count_grpc_requests(
     every = triton.get_inference_statistics(as_json=True)
     assert {(r["name"], r["version"]) for r in every["model_stats"]} >= {("add", "2.0.0")}
     _, _, body = grpc_server.request("GET", "/metrics")
-    line = next(
-        line for line in body.decode().splitlines()
-        if line.startswith("plugserve_requests_total{") and 'protocol="grpc"' in line
-        and 'route="add"' in line and 'status="200"' in line
-    )  # fmt: skip
-    assert float(line.rsplit(" ", 1)[1]) == 6
+    assert metric(body, "plugserve_requests_total", protocol="grpc", route="add", status="200") == 6
 
 
 def test_the_inference_token_guards_grpc(

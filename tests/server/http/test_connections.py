@@ -17,8 +17,8 @@ import pytest
 
 from plugserve.registry.errors import ConfigError
 from plugserve.server.config import Settings
-from plugserve.server.http.connections import default_max_connections, refusing_budget
-from tests.helpers import ServerProcess, write_add_runner, write_plugin
+from plugserve.server.http.startup import default_max_connections, refusing_budget
+from tests.helpers import ServerProcess, metric, until, write_add_runner, write_plugin
 
 Server = Callable[..., ServerProcess]
 
@@ -54,13 +54,6 @@ def read_all(sock: socket.socket) -> bytes:
     while chunk := sock.recv(65536):
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def metric(srv: ServerProcess, name: str) -> float:
-    status, _, body = srv.request("GET", "/metrics")
-    assert status == 200, body  # not a 503 at the cap, read as zeros
-    text = body.decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 # -- finding 11: the body is read and parsed after the route is known, large ones off the loop
@@ -182,7 +175,8 @@ def test_connections_that_never_finish_their_headers_are_closed_after_the_timeou
         sock.close()
     assert time.monotonic() - started < 6.0
     assert (
-        metric(srv, 'plugserve_connections_timed_out_total{listener="data",phase="headers"}') >= 200
+        metric(srv, "plugserve_connections_timed_out_total", listener="data", phase="headers")
+        >= 200
     )
     assert live_seconds(srv) < 1.0
 
@@ -245,11 +239,9 @@ def test_a_client_that_stops_reading_its_answer_is_dropped(
         b"Content-Type: application/octet-stream\r\nContent-Length: %d\r\n%s\r\n%s"
         % (len(body), extra, body)
     )
-    deadline = time.monotonic() + 15
-    name = 'plugserve_connections_timed_out_total{listener="data",phase="send"}'
-    while metric(srv, name) < 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert metric(srv, name) == 1
+    name, send = "plugserve_connections_timed_out_total", {"listener": "data", "phase": "send"}
+    until(lambda: metric(srv, name, **send) >= 1, 15, "the send timeout counted", interval=0.2)
+    assert metric(srv, name, **send) == 1
     assert metric(srv, "plugserve_connections_open") <= 1  # the /metrics call itself
     sock.close()
 
@@ -276,7 +268,7 @@ def test_connections_over_the_cap_get_a_clear_503_and_room_comes_back(
         read_all(sock)  # closed by the header timeout
         sock.close()
     assert live_seconds(srv) < 1.0
-    assert metric(srv, 'plugserve_connections_refused_total{listener="data"}') >= 1
+    assert metric(srv, "plugserve_connections_refused_total", listener="data") >= 1
     assert metric(srv, "plugserve_connections_open") <= 2
 
 
@@ -331,8 +323,8 @@ def test_idle_keep_alive_connections_make_room_at_the_cap(
     assert closed == 3
     for sock in newcomers:
         sock.close()
-    assert metric(srv, 'plugserve_connections_evicted_total{listener="data"}') == 3
-    assert metric(srv, 'plugserve_connections_refused_total{listener="data"}') == 0
+    assert metric(srv, "plugserve_connections_evicted_total", listener="data") == 3
+    assert metric(srv, "plugserve_connections_refused_total", listener="data") == 0
 
 
 def test_clients_still_uploading_never_hold_a_shutdown_up(
@@ -398,13 +390,6 @@ def infer_body(value: float) -> bytes:
     return json.dumps(doc).encode()
 
 
-def wait_until(check: Callable[[], bool], what: str, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, f"not within {within} s: {what}"
-        time.sleep(0.02)
-
-
 def queued(srv: ServerProcess) -> int:
     plugins = json.loads(srv.request("GET", "/admin/plugins")[2])["plugins"]
     return int(next(p["queued"] for p in plugins if p["name"] == "counting"))
@@ -456,7 +441,8 @@ def test_clients_that_hang_up_leave_the_queue_and_never_run(
     time.sleep(0.3)
     assert calls.read_text().split() == ["1.0", "5.0"]  # the abandoned three never ran
     # Counted as 499 (client closed request), as nginx does.
-    assert metric(srv, 'plugserve_requests_total{protocol="v2",route="counting",status="499"') == 3
+    cancelled = {"protocol": "v2", "route": "counting", "status": "499"}
+    assert metric(srv, "plugserve_requests_total", **cancelled) == 3
 
 
 def test_clients_that_hang_up_mid_request_leave_no_connection_behind(
@@ -479,16 +465,20 @@ def test_clients_that_hang_up_mid_request_leave_no_connection_behind(
         b"POST %s HTTP/1.1\r\nHost: plugserve\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
     )
-    gone = 'plugserve_requests_total{protocol="v2",route="counting",status="499"'
+    cancelled = {"protocol": "v2", "route": "counting", "status": "499"}
     for round_ in range(1, 6):  # 40 hang-ups, 8 at a time: under the cap
         leaving = [connect(srv) for _ in range(8)]
         for sock in leaving:
             sock.sendall(request)
-        wait_until(lambda: queued(srv) == 7, "one request running, seven queued")
+        until(lambda: queued(srv) == 7, 10, "one request running, seven queued")
         for sock in leaving:
             sock.close()
-        wait_until(lambda n=round_: metric(srv, gone) == 8 * n, "the eight requests cancelled")
-    assert metric(srv, 'plugserve_connections_idle{listener="data"}') == 0
+        until(
+            lambda n=round_: metric(srv, "plugserve_requests_total", **cancelled) == 8 * n,
+            10,
+            "the eight requests cancelled",
+        )
+    assert metric(srv, "plugserve_connections_idle", listener="data") == 0
 
     # The cap still makes room: 11 idle keep-alive clients, then newcomers that need
     # two of their places.
@@ -497,7 +487,7 @@ def test_clients_that_hang_up_mid_request_leave_no_connection_behind(
     for sock in idle:
         sock.sendall(health)
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
-    assert metric(srv, 'plugserve_connections_idle{listener="data"}') == 11
+    assert metric(srv, "plugserve_connections_idle", listener="data") == 11
     time.sleep(1.5)
     newcomers = [connect(srv) for _ in range(3)]
     for sock in newcomers:

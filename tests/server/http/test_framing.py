@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from plugserve.server.http import fastpath
 from plugserve.server.http.fastpath import FastPath
-from plugserve.server.http.framing import FastAnswer, FastRequest
+from plugserve.server.transport.h1framing import FastAnswer, FastRequest
 
 
 async def _handler(request: FastRequest) -> FastAnswer | None:
@@ -79,13 +78,3 @@ def test_a_head_seen_before_is_looked_up_and_the_kept_heads_are_bounded(
         assert fast.take(head(f"Content-Length: {length}")) is not None
     assert len(fast._heads) == 4  # the oldest went first
     assert fast.take(head("Content-Length: 12")) is not first  # parsed anew
-
-
-def test_the_content_type_is_read_as_aiohttp_reads_it() -> None:
-    def request(*value: str) -> FastRequest:
-        headers = CIMultiDict({"Content-Type": value[0]} if value else {})
-        return FastRequest("/v2/models/a/infer", "a", CIMultiDictProxy(headers), b"")
-
-    assert request("Application/JSON; charset=utf-8").content_type == "application/json"
-    assert request("json").content_type == "application/octet-stream"
-    assert request().content_type == "application/octet-stream"

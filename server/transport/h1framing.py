@@ -1,5 +1,6 @@
-"""HTTP/1.1 framing for the fast path: which request heads it takes, and what it hands a
-handler (``server/http/fastpath.py`` says what the fast path is).
+"""HTTP/1.1 framing for the fast path: which request heads it takes, what it hands a
+handler, and the raw answers a connection writes itself (``server/http/fastpath.py`` says
+what the fast path is).
 
 A head is taken only when nothing in it could be read two ways: a request line of exactly
 three parts, ``POST``, ``HTTP/1.1``, a target that is a registered prefix, one plain path
@@ -13,8 +14,8 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
+import orjson
 from aiohttp.helpers import parse_content_type
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -86,16 +87,6 @@ class Route:
     known: Callable[[str], bool]
 
 
-class FastFront(Protocol):
-    """What a connection needs of the fast path (:class:`~.fastpath.FastPath`)."""
-
-    keepalive_timeout_s: float
-
-    def take(self, head: bytes) -> Taken | None: ...
-
-    async def serve(self, route: Route, request: FastRequest) -> tuple[bytes, bool] | None: ...
-
-
 def could_be_taken(start: bytes | bytearray) -> bool:
     """Whether the first bytes of a head whose end has not come could still be one the fast
     path takes: aiohttp answers some heads before their end (bytes that are no request
@@ -147,3 +138,18 @@ def take(routes: list[Route], head: bytes, max_body_bytes: int) -> Taken | None:
     if length is None or length > max_body_bytes or "host" not in headers:
         return None  # HTTP/1.1 without Host: aiohttp's 400
     return route, target.decode("ascii"), segment.decode("ascii"), CIMultiDictProxy(headers), length
+
+
+def raw_error(status: str, message: str, extra: str = "") -> bytes:
+    """A closing answer (:func:`raw_answer`) whose JSON body is ``{"error": message}``."""
+    return raw_answer(status, orjson.dumps({"error": message}), extra)
+
+
+def raw_answer(status: str, body: bytes, extra: str = "") -> bytes:
+    """An HTTP/1.1 answer written as bytes: ``status``, a JSON ``body``, the header lines
+    ``extra`` (each ending ``\\r\\n``), and ``Connection: close``."""
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body

@@ -1,5 +1,6 @@
-"""A call's head: the header list of an HTTP/2 request read into what a gRPC call needs, with
-RFC 9113's rules for a well-formed request.
+"""A call's head: the header list of an HTTP/2 request read into what a call needs (gRPC's
+headers among them), with RFC 9113's rules for a well-formed request; and the HPACK decoder
+of a connection, which reads each header block into its head (:class:`HeadDecoder`).
 
 A request that breaks them is malformed (§8.1.1): its stream is reset ``PROTOCOL_ERROR``, and
 the connection and its other calls go on. Malformed are a field name with an upper-case
@@ -17,6 +18,20 @@ from __future__ import annotations
 import base64
 import re
 from dataclasses import dataclass
+
+import hpack
+
+from plugserve.server.transport.h2frames import ConnectionError_, Error
+
+MAX_HEADER_LIST = 16 << 10
+"""``MAX_HEADER_LIST_SIZE``, as gRPC's core: larger metadata is refused."""
+HPACK_BOMB_BYTES = 4 * MAX_HEADER_LIST
+"""A header block that decodes to more than this ends its connection ``ENHANCE_YOUR_CALM`` (an
+HPACK bomb: its decoding stops there, so the connection's table is lost); one over
+``MAX_HEADER_LIST`` and within this refuses its call alone."""
+BLOCKS_KEPT = 64
+BLOCK_KEPT_BYTES = 1024
+"""Header blocks remembered per connection, and the largest remembered."""
 
 REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":path", b":authority"})
 CONNECTION_SPECIFIC = frozenset(
@@ -131,3 +146,37 @@ def _field_problem(name: bytes, value: bytes) -> str | None:
     if _BAD_VALUE.search(value):
         return f"the value of {name.decode('latin-1')!r} has NUL, CR, LF or edge whitespace"
     return None
+
+
+class HeadDecoder:
+    """A connection's HPACK decoder (the ``hpack`` package's, its dynamic table following the
+    client's), and the heads of the last header blocks it read: a block seen before under the
+    same table is looked up, not decoded again."""
+
+    __slots__ = ("blocks", "decoder")
+
+    def __init__(self) -> None:
+        self.decoder = hpack.Decoder(max_header_list_size=HPACK_BOMB_BYTES)
+        self.blocks: dict[bytes, Head] = {}
+
+    def decode(self, block: bytes) -> Head:
+        """The block's head: looked up when the same bytes came under the same table."""
+        known = self.blocks.get(block)
+        if known is not None:
+            return known
+        table = self.decoder.header_table
+        before = (table.maxsize, tuple(table.dynamic_entries))
+        try:
+            headers = [(bytes(n), bytes(v)) for n, v in self.decoder.decode(block, raw=True)]
+        except hpack.OversizedHeaderListError:
+            raise ConnectionError_(Error.ENHANCE_YOUR_CALM, "header list too large") from None
+        except hpack.HPACKError as exc:
+            raise ConnectionError_(Error.COMPRESSION_ERROR, type(exc).__name__) from None
+        head = read(headers)
+        if (table.maxsize, tuple(table.dynamic_entries)) != before:
+            self.blocks.clear()  # entries kept meant what they meant under the old table
+        elif len(block) <= BLOCK_KEPT_BYTES:
+            if len(self.blocks) >= BLOCKS_KEPT:
+                del self.blocks[next(iter(self.blocks))]
+            self.blocks[block] = head
+        return head
