@@ -17,7 +17,7 @@ import typing
 import unicodedata
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, cast
 
 import annotated_types
 import pydantic
@@ -252,7 +252,7 @@ def described(value: Any) -> str:
 def kind_of(annotation: Any, *, within: bool = False) -> str:
     """What a field of ``annotation`` must be, in words: ``an integer``, ``a, b or c``
     (a choice among others quoted: ``an integer or 'auto'``)."""
-    annotation = _bare(annotation)
+    annotation = bare(annotation)
     if typing.get_origin(annotation) is typing.Literal:
         choices = [repr(c) if within else str(c) for c in typing.get_args(annotation)]
         return _either(choices)
@@ -271,7 +271,7 @@ def kind_of(annotation: Any, *, within: bool = False) -> str:
     return str(annotation)
 
 
-def _bare(annotation: Any) -> Any:
+def bare(annotation: Any) -> Any:
     """``Annotated[T, ...]`` as ``T``."""
     return (
         typing.get_args(annotation)[0]
@@ -294,12 +294,20 @@ def schema_problems(error: pydantic.ValidationError, model: type[pydantic.BaseMo
         if name in found:
             continue
         kind, value, context = item["type"], item.get("input"), item.get("ctx") or {}
-        if kind == "value_error" and "error" in context:
+        if kind == "value_error" and isinstance(context.get("error"), ValueProblem):
+            problem = context["error"]  # said of the value: named here, where it is
+            where = f"{name}.{problem.field}" if problem.field else name
+            found[name] = f"{where}: {problem.reason}"
+        elif kind == "value_error" and "error" in context:
             found[name] = str(context["error"])
         elif kind == "extra_forbidden":
-            found[name] = f"{name}: unknown; known: {', '.join(model.model_fields)}"
+            key, known = item["loc"][-1], _fields_at(item["loc"][:-1], model)
+            where = f"{name}: " if name != key else ""
+            found[name] = f"{where}unknown key(s) {[key]}; known: {', '.join(known)}"
         elif kind == "missing":
-            found[name] = f"{name} is required"
+            found[name] = f"{name}: is required"
+        elif kind == "string_pattern_mismatch":
+            found[name] = f"{name}: must match {context.get('pattern')}, not {shown(value)}"
         elif kind in _LENGTH_ERRORS:
             least, most = context.get("min_length"), context.get("max_length")
             items = "characters" if kind.startswith("string") else "items"
@@ -350,11 +358,21 @@ def _located(
     return name, field
 
 
+def _fields_at(loc: tuple[int | str, ...], model: type[pydantic.BaseModel]) -> list[str]:
+    """The field names of the table ``loc`` leads to."""
+    fields = model.model_fields
+    for part in loc:
+        if isinstance(part, str) and part in fields:
+            nested = _model_in(fields[part].annotation)
+            fields = nested.model_fields if nested is not None else {}
+    return list(fields)
+
+
 def _model_in(annotation: Any) -> type[pydantic.BaseModel] | None:
     """The model a field holds (itself, or in a list, dict or union), if any."""
     stack = [annotation]
     while stack:
-        item = _bare(stack.pop())
+        item = bare(stack.pop())
         if isinstance(item, type) and issubclass(item, pydantic.BaseModel):
             return item
         stack.extend(typing.get_args(item))
@@ -373,6 +391,11 @@ def wanted(field: FieldInfo) -> str:
                 for item in extra:
                     bounds.extend(item.metadata if isinstance(item, FieldInfo) else [item])
                 break
+    return _bounds_wanted(base, bounds)
+
+
+def _bounds_wanted(base: Any, bounds: Iterable[Any]) -> str:
+    """The words of :func:`wanted` for a number of type ``base`` within ``bounds``."""
     low: float = -MAX_INTEGER
     high: float = MAX_INTEGER
     above = False
@@ -383,6 +406,133 @@ def wanted(field: FieldInfo) -> str:
             low, above = bound.gt, True  # type: ignore[assignment]
         elif isinstance(bound, annotated_types.Le):
             high = bound.le  # type: ignore[assignment]
-    if _bare(base) is int:
+    if bare(base) is int:
         return f"must be an integer >= {int(low)} and <= {int(high)}"
     return f"must be a finite number {'>' if above else '>='} {low:g} and <= {high:g}"
+
+
+def field_problems(
+    error: pydantic.ValidationError, model: type[pydantic.BaseModel]
+) -> list[ValueProblem]:
+    """Each field's first validation error as a :class:`ValueProblem` in this module's
+    words (``must be an integer >= 0 and <= 8, not -1``, ``must be one of a, b``), its
+    field dotted (``a.b[2].c``): an item of a list of values is named by its list, a bad
+    key by its table. A table's unknown keys make one problem, worded as
+    :func:`known_keys` words it; a validator's :class:`ValueProblem` keeps its reason,
+    its field named under the one that failed."""
+    found: dict[str, str] = {}
+    unknown: dict[str, tuple[list[str], tuple[str, ...]]] = {}
+    for item in error.errors(include_url=False):
+        field, annotation, known = _placed(item["loc"], model)
+        kind, value, context = item["type"], item.get("input"), item.get("ctx") or {}
+        if kind == "extra_forbidden":
+            unknown.setdefault(field, ([], known))[0].append(str(item["loc"][-1]))
+            found.setdefault(field, "")
+            continue
+        reason = _reason(kind, annotation, value, context) or item["msg"]
+        cause = context.get("error")
+        if kind == "value_error" and isinstance(cause, ValueProblem):
+            field, reason = dotted(field, cause.field), cause.reason
+        elif kind == "value_error" and cause is not None:
+            reason = str(cause)
+        found.setdefault(field, reason)
+    for field, (keys, known) in unknown.items():
+        found[field] = f"unknown key(s) {sorted(keys)}; known: {', '.join(sorted(known))}"
+    return [ValueProblem(field, reason) for field, reason in found.items()]
+
+
+def dotted(field: str, inner: str) -> str:
+    """``inner`` (``x``, ``[2]``, ``x.y``: a validator's field) named under ``field``."""
+    if not inner or not field:
+        return field or inner
+    return field + inner if inner.startswith("[") else f"{field}.{inner}"
+
+
+def _placed(
+    loc: tuple[int | str, ...], model: type[pydantic.BaseModel]
+) -> tuple[str, Any, tuple[str, ...]]:
+    """An error's field, its declared type (``Annotated`` with its bounds) and the keys of
+    the table it names (for an unknown key)."""
+    name, annotation = "", cast(Any, None)
+    holder: type[pydantic.BaseModel] | None = model
+    for index, part in enumerate(loc):
+        bare = _core(annotation)
+        origin = typing.get_origin(bare)
+        if isinstance(part, int) and origin in (list, tuple):
+            annotation = typing.get_args(bare)[0]
+            scalar = _model_in(annotation) is None
+            name = name if scalar and index == len(loc) - 1 else f"{name}[{part}]"
+        elif origin in (dict, Mapping) and isinstance(part, str):
+            key, annotation = typing.get_args(bare)
+            if loc[index + 1 : index + 2] == ("[key]",):
+                return name, key, ()
+            name = dotted(name, part)
+        elif holder is not None and isinstance(part, str) and part in holder.model_fields:
+            field = holder.model_fields[part]
+            name = dotted(name, part)
+            annotation = (
+                Annotated[(field.annotation, *field.metadata)]
+                if field.metadata
+                else field.annotation
+            )
+        else:  # a union's member tag, or an unknown key
+            continue
+        holder = _model_in(annotation)
+    return name, annotation, tuple(holder.model_fields) if holder is not None else ()
+
+
+def _core(annotation: Any) -> Any:
+    """``Annotated[T | None, ...]`` as ``T``."""
+    while True:
+        inner = bare(annotation)
+        if typing.get_origin(inner) in (typing.Union, types.UnionType):
+            members = [a for a in typing.get_args(inner) if a is not type(None)]
+            inner = members[0] if len(members) == 1 else inner
+        if inner is annotation:
+            return inner
+        annotation = inner
+
+
+def _bounds(annotation: Any) -> list[Any]:
+    """The constraints of ``Annotated`` types in ``annotation`` (``T | None`` too), those of
+    a ``Field(...)`` among them included."""
+    found: list[Any] = []
+    while True:
+        if typing.get_origin(annotation) is typing.Annotated:
+            for item in typing.get_args(annotation)[1:]:
+                found.extend(item.metadata if isinstance(item, FieldInfo) else [item])
+            annotation = typing.get_args(annotation)[0]
+        elif _core(annotation) is not annotation:
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        else:
+            return found
+
+
+_KINDS_WANTED = {
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "dict_type": "a table",
+    "model_type": "a table",
+    "model_attributes_type": "a table",
+}
+"""What a value must be, by the type of the error a value of another type gets."""
+
+
+def _reason(kind: str, annotation: Any, value: Any, context: Mapping[str, Any]) -> str | None:
+    """What a value of ``annotation`` must be, for a pydantic error of type ``kind``."""
+    if kind == "missing":
+        return "is required"
+    if kind == "string_too_long":
+        return f"must be at most {context['max_length']} characters, not {len(value)}"
+    if kind == "string_unicode":
+        return "must not hold unpaired surrogates"
+    if kind == "too_long":
+        return f"must hold at most {context['max_length']} items, not {context['actual_length']}"
+    if kind == "literal_error":
+        return f"must be one of {', '.join(str(c) for c in typing.get_args(_core(annotation)))}"
+    if kind in _BOUND_ERRORS or kind in ("int_type", "float_type"):
+        return f"{_bounds_wanted(_core(annotation), _bounds(annotation))}, not {shown(value)}"
+    wanted_kind = _KINDS_WANTED.get(kind)
+    return None if wanted_kind is None else f"must be {wanted_kind}, not {shown(value)}"

@@ -255,12 +255,11 @@ class Settings(BaseModel):
         name = info.field_name or ""
         if not isinstance(value, str):
             return value
-        if name in TOKENS or name.removesuffix("_file") in TOKENS:
+        if name in TOKENS:  # a secret, compared byte for byte: any bytes the environment holds
+            return _token_text(value, name)
+        if name.removesuffix("_file") in TOKENS:
             value = _token_text(value, name)
-        checks.text(value, name)
-        hidden = next((c for c in value if not c.isprintable()), None)
-        if hidden is not None:  # a format, unassigned or private-use character
-            raise ValueError(f"{name} must be printable text, not hold {hidden!r}")
+        _printable(value, name)
         if name == "workers" and value != "auto":
             if not (value.isascii() and value.isdigit() and len(value) <= 9):
                 raise ValueError(f"workers must be a number or 'auto', not {value!r}")
@@ -368,7 +367,7 @@ is a key of the config file."""
 _PATHS = frozenset(
     name
     for name, field in Settings.model_fields.items()
-    if Path in (field.annotation, *typing.get_args(field.annotation))
+    if Path in (field.annotation, *(checks.bare(a) for a in typing.get_args(field.annotation)))
 )
 """The path settings: made absolute, a file's relative to the file."""
 
@@ -431,6 +430,17 @@ def _names(problem: str, keys: set[str]) -> bool:
     return any(problem.startswith((f"{key} ", f"{key}:")) for key in keys)
 
 
+def _printable(value: str, name: str) -> None:
+    """Short text without control, format, unassigned or private-use characters."""
+    try:
+        checks.text(value, name)
+    except checks.ValueProblem as exc:
+        raise ConfigError(str(exc)) from None
+    hidden = next((c for c in value if not c.isprintable()), None)
+    if hidden is not None:
+        raise ConfigError(f"{name} must be printable text, not hold {hidden!r}")
+
+
 def _tokens_from_env(env: Mapping[str, str]) -> dict[str, str]:
     """``PLUGSERVE_<TOKEN>`` and ``PLUGSERVE_<TOKEN>_FILE``: set but empty is an error."""
     found = {}
@@ -481,6 +491,9 @@ def _read_config(path: Path) -> dict[str, Any]:
     for key in TOKENS + tuple(f"{name}_file" for name in TOKENS):
         if isinstance(raw.get(key), str):
             raw[key] = _token_text(raw[key], f"{path}: {key}")
+    for key in TOKENS:  # in a file, printable text as every other value
+        if isinstance(raw.get(key), str):
+            _printable(raw[key], f"{path}: {key}")
     for key in _PATHS & raw.keys():
         if isinstance(raw[key], str):
             try:
