@@ -12,12 +12,13 @@ from aiohttp import web
 
 from plugserve.registry.execution import tracing
 from plugserve.registry.execution.components import LOOP_BUDGET_S
-from plugserve.registry.execution.isolation.groups import ProcessSettings
+from plugserve.registry.execution.isolation.groups import ProcessSettings, Runners
 from plugserve.registry.execution.isolation.host import RunnerHost
 from plugserve.registry.execution.layout import TensorBounds
 from plugserve.registry.fleet.etcd_store import EtcdLocation, EtcdRouteStore
 from plugserve.registry.fleet.route_store import Replica, RouteStore, RouteTarget
-from plugserve.registry.lifecycle.registry import Registry
+from plugserve.registry.lifecycle.budget import map_large_allocations
+from plugserve.registry.lifecycle.registry import BudgetFactory, Registry
 from plugserve.registry.lifecycle.watcher import Watcher
 from plugserve.registry.routing.figures import WindowFigures
 from plugserve.server.config import Settings
@@ -120,19 +121,52 @@ async def _close_bodies(app: web.Application) -> None:
     app[BODIES].close()
 
 
-def _isolated_runners(registry: Registry, settings: Settings, worker: WorkerLink | None) -> None:
+def build_registry(settings: Settings, worker: WorkerLink | None = None) -> Registry:
+    """This server's registry, complete. One of several workers shares its supervisor's
+    rate limits, memory budget, runner processes and readiness with the other workers."""
+    control = None if worker is None else worker.spec.control_dir
+    on_loop = settings.runners_on_loop and (worker is not None or settings.inline_runners == "on")
+    return Registry(
+        settings.plugins_dir,
+        settings.models_dir,
+        drain_timeout=settings.drain_timeout_s,
+        load_timeout=settings.load_timeout_s,
+        close_timeout=settings.close_timeout_s,
+        default_load=settings.default_load,
+        memory_budget=settings.memory_budget_bytes,
+        gpu_memory_budget=settings.gpu_memory_budget_value,
+        budget=_supervised_budget(settings, worker),
+        runners=_isolated_runners(settings, worker),
+        workers=1 if worker is None else settings.worker_count,
+        loop_budget=LOOP_BUDGET_S if on_loop else 0.0,  # auto: one of several workers only
+        tensor_bounds=tensor_bounds(settings),
+        shared_buckets=control,  # one rate limit per server
+        served_marker=None if control is None else control / SERVED_MARKER,
+    )
+
+
+def _supervised_budget(settings: Settings, worker: WorkerLink | None) -> BudgetFactory | None:
+    """A worker's memory budget: its supervisor's, one for the whole tree (``None``: the
+    registry's own, if the settings give one)."""
+    if worker is None or not (settings.memory_budget_bytes or settings.gpu_memory_budget_value):
+        return None
+    from plugserve.server.processes.tree_budget import SupervisedBudget
+
+    if settings.memory_budget_bytes:
+        map_large_allocations()  # as a budget of this process's own would
+    supervisor, index, pid = worker.supervisor, worker.index, worker.pid
+    gpus = bool(settings.gpu_memory_budget_value)
+    return lambda _: SupervisedBudget(supervisor, index, pid, gpus)
+
+
+def _isolated_runners(settings: Settings, worker: WorkerLink | None) -> Runners:
     """Where isolated runners run: this process's own host, or the supervisor's for all."""
-    if registry.loader.runners is not None:
-        return
     if worker is None:
-        registry.loader.runners = RunnerHost(process_settings(settings))
-        return
+        return RunnerHost(process_settings(settings))
     from plugserve.server.processes.shared_runners import SupervisedRunners
 
     holder = str(os.getpid())
-    registry.loader.runners = SupervisedRunners(
-        worker.supervisor, holder, process_settings(settings)
-    )
+    return SupervisedRunners(worker.supervisor, holder, process_settings(settings))
 
 
 def route_store(settings: Settings, registry: RouteTarget) -> RouteStore:
@@ -188,23 +222,15 @@ def create_app(
 
     With ``worker`` it is one of several worker processes: the admin API,
     ``/metrics`` and the statistics go through its supervisor, which answers
-    them for the whole server (server/processes/).
+    them for the whole server (server/processes/). ``registry``: one built already,
+    complete (:func:`build_registry` builds this server's).
     """
     app = web.Application(
         middlewares=[request_middleware, *auth.middlewares(settings)],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
-    app[REGISTRY] = registry or Registry(
-        settings.plugins_dir,
-        settings.models_dir,
-        drain_timeout=settings.drain_timeout_s,
-        load_timeout=settings.load_timeout_s,
-        close_timeout=settings.close_timeout_s,
-        default_load=settings.default_load,
-        memory_budget=settings.memory_budget_bytes,  # a worker's: its supervisor's (below)
-        gpu_memory_budget=settings.gpu_memory_budget_value,
-    )
+    app[REGISTRY] = registry or build_registry(settings, worker)
     app[METRICS] = Metrics()
     app[DRAIN] = Drain(settings.drain_timeout_s)
     app[DRAIN].at_timeout = lambda: app[REGISTRY].end_streams("the server is shutting down")
@@ -237,22 +263,7 @@ def create_app(
         app[WORKER] = worker
         app[DRAIN].before_stop = worker.drained
         through = worker.forward
-        app[REGISTRY].shared_buckets = worker.spec.control_dir  # one rate limit per server
-        app[REGISTRY].loader.workers = settings.worker_count
-        own = app[REGISTRY].budget
-        if own is not None:  # one budget for the whole tree, the supervisor's
-            from plugserve.server.processes.tree_budget import SupervisedBudget
-
-            app[REGISTRY].budget = SupervisedBudget(
-                worker.supervisor, worker.index, worker.pid, own.gpus
-            )
-    _isolated_runners(app[REGISTRY], settings, worker)
-    app[REGISTRY].loader.tensor_bounds = tensor_bounds(settings)
-    if settings.runners_on_loop and (worker is not None or settings.inline_runners == "on"):
-        app[REGISTRY].loader.loop_budget = LOOP_BUDGET_S  # auto: one of several workers only
     fleet = worker.fleet_health if worker is not None and worker.spec.fleet else None
-    if worker is not None:  # the moment every route has served is the server's
-        app[REGISTRY].served_marker = worker.spec.control_dir / SERVED_MARKER
     app[READINESS] = Readiness(app[REGISTRY], app[DRAIN], app[ROUTE_STORE], fleet,
                                strict=settings.strict_readiness)  # fmt: skip
     if worker is None:

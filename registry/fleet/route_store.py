@@ -24,9 +24,9 @@ import structlog
 
 from plugserve.registry import checks
 from plugserve.registry.errors import ConfigError, Conflict, NotFound, Unavailable
-from plugserve.registry.lifecycle.registry import Key, LifecycleEvent
+from plugserve.registry.lifecycle.lifecycle_events import Key, LifecycleEvent
 from plugserve.registry.routing.records import VersionRecord
-from plugserve.registry.routing.routes import RouteSpec, RouteSpecError, parse_route
+from plugserve.registry.routing.route_specs import RouteSpec, RouteSpecError, parse_route
 
 log = structlog.get_logger("plugserve.routes")
 _T = TypeVar("_T")

@@ -25,9 +25,9 @@ from typing import Any, Protocol
 import structlog
 from watchfiles import Change, DefaultFilter, awatch
 
-from plugserve.registry.lifecycle.registry import Key, Outcome
+from plugserve.registry.lifecycle.lifecycle_events import Key, Outcome
 from plugserve.registry.refs import PLUGIN_TYPES, is_ignored_name
-from plugserve.registry.routing.routes import ROUTES_FILE
+from plugserve.registry.routing.route_specs import ROUTES_FILE
 
 log = structlog.get_logger("plugserve.watcher")
 

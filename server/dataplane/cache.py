@@ -27,7 +27,8 @@ import orjson
 from aiohttp import web
 
 from plugserve.registry.execution.chain import Chain
-from plugserve.registry.lifecycle.registry import LifecycleEvent, Registry
+from plugserve.registry.lifecycle.lifecycle_events import LifecycleEvent
+from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.types import RequestContext
 
 IGNORED_PARAMETERS = frozenset({"timeout", "priority", "binary_data_output"})

@@ -47,7 +47,8 @@ from plugserve.registry.execution.chain import Chain
 from plugserve.registry.execution.components import batch_policy
 from plugserve.registry.execution.graph import TIMER_SLACK_S, RouteCaller
 from plugserve.registry.execution.sequences import is_sequence_id
-from plugserve.registry.lifecycle.registry import Key, Registry
+from plugserve.registry.lifecycle.lifecycle_events import Key
+from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.refs import Ref
 from plugserve.registry.routing.figures import Windows
 from plugserve.registry.routing.variants import sticky_key

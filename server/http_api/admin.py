@@ -15,7 +15,7 @@ from plugserve.registry import checks
 from plugserve.registry.errors import InvalidInput, NotFound, PluginLoadError, TooManyRequests
 from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES, is_valid_name
-from plugserve.registry.routing.routes import RouteSpec, RouteSpecError, parse_route
+from plugserve.registry.routing.route_specs import RouteSpec, RouteSpecError, parse_route
 from plugserve.registry.versions import Version
 from plugserve.server import __version__
 from plugserve.server.http.auth import ADMIN_PREFIX, check_page_address

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES
+from plugserve.registry.routing.route_specs import RouteEntryBody
 from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
 from plugserve.server import __version__
 
@@ -51,52 +52,40 @@ IF_MATCH = {
     "description": "the entry's revision this change expects; 0: the entry must not exist",
     "schema": {"type": "string"},
 }
-ROUTE_ENTRY = {
+ROLLOUT = {
     "type": "object",
-    "required": ["runner"],
-    "additionalProperties": False,
+    "description": "a canary that moves itself through steps of weight, gated by its "
+    "error rate and latency against the stable version's (docs/operations.md)",
+    "required": ["canary", "steps"],
     "properties": {
-        "runner": {
-            "oneOf": [
-                {"type": "string", "description": "name or name@version"},
-                {
-                    "type": "object",
-                    "description": "weights over versions of one runner: {name@version: weight}",
-                    "additionalProperties": {"type": "integer", "minimum": 0},
-                },
-            ]
-        },
-        "preprocess": {"type": "array", "items": {"type": "string"}},
-        "postprocess": {"type": "array", "items": {"type": "string"}},
-        "sticky": {"type": "string", "description": "a header whose value keeps its variant"},
-        "rate_limit": {
-            "type": "object",
-            "properties": {"rps": {"type": "number"}, "burst": {"type": "integer"}},
-        },
-        "rollout": {
-            "type": "object",
-            "description": "a canary that moves itself through steps of weight, gated by its "
-            "error rate and latency against the stable version's (docs/operations.md)",
-            "required": ["canary", "steps"],
-            "properties": {
-                "canary": {"type": "string", "description": "name@version"},
-                "stable": {"type": "string", "description": "name@version (default: runner)"},
-                "steps": {"type": "array", "items": {"type": "integer", "minimum": 0,
-                                                     "maximum": 100}},
-                "min_requests": {"type": "integer", "minimum": 1},
-                "min_seconds": {"type": "number", "minimum": 0},
-                "max_error_rate": {"type": "number", "minimum": 0, "maximum": 1},
-                "max_latency_ratio": {"type": "number", "minimum": 1},
-                "latency_floor_ms": {"type": "number", "minimum": 0},
-                "shadow": {"type": "number", "minimum": 0, "maximum": 1},
-                "min_agreement": {"type": "number", "minimum": 0, "maximum": 1},
-                "atol": {"type": "number", "minimum": 0},
-                "rtol": {"type": "number", "minimum": 0},
-                "status": {"type": "object", "description": "written by the server"},
-            },
-        },
+        "canary": {"type": "string", "description": "name@version"},
+        "stable": {"type": "string", "description": "name@version (default: runner)"},
+        "steps": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                             "maximum": 100}},
+        "min_requests": {"type": "integer", "minimum": 1},
+        "min_seconds": {"type": "number", "minimum": 0},
+        "max_error_rate": {"type": "number", "minimum": 0, "maximum": 1},
+        "max_latency_ratio": {"type": "number", "minimum": 1},
+        "latency_floor_ms": {"type": "number", "minimum": 0},
+        "shadow": {"type": "number", "minimum": 0, "maximum": 1},
+        "min_agreement": {"type": "number", "minimum": 0, "maximum": 1},
+        "atol": {"type": "number", "minimum": 0},
+        "rtol": {"type": "number", "minimum": 0},
+        "status": {"type": "object", "description": "written by the server"},
     },
 }  # fmt: skip
+"""A route entry's ``rollout`` table (``registry/routing/rollout.py``)."""
+
+
+def _route_entry() -> dict[str, Any]:
+    """The route entry's schema (declared in ``route_specs.py``) and the tables it holds,
+    as components: ``RouteEntry``, ``StepEntry``, ``RateLimitEntry``."""
+    entry = RouteEntryBody.model_json_schema(ref_template="#/components/schemas/{model}")
+    tables: dict[str, Any] = entry.pop("$defs", {})
+    entry["properties"]["rollout"] = ROLLOUT
+    return {"RouteEntry": entry, **tables}
+
+
 ADMIN: list[dict[str, list[str]]] = [{"bearerAuth": []}, {}]  # token, or loopback without
 
 
@@ -438,7 +427,10 @@ def document(schemas: dict[str, Any]) -> dict[str, Any]:
                     "in fleet mode written to etcd and applied by every replica",
                     "security": ADMIN,
                     "parameters": [ROUTE, IF_MATCH],
-                    "requestBody": {"required": True, "content": _json(ROUTE_ENTRY)},
+                    "requestBody": {
+                        "required": True,
+                        "content": _json({"$ref": "#/components/schemas/RouteEntry"}),
+                    },
                     "responses": {
                         **_ok(
                             "the route as now served, its entry and revision", {"type": "object"}
@@ -590,6 +582,7 @@ def document(schemas: dict[str, Any]) -> dict[str, Any]:
                     },
                 },
                 **schemas,
+                **_route_entry(),
                 "InferResponse": {
                     "type": "object",
                     "required": ["model_name", "outputs"],

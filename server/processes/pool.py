@@ -20,9 +20,9 @@ from typing import Any
 import aiohttp
 import structlog
 
-from plugserve.registry.lifecycle.registry import Key, LifecycleEvent, Outcome
+from plugserve.registry.lifecycle.lifecycle_events import Key, LifecycleEvent, Outcome
 from plugserve.registry.routing.records import VersionRecord
-from plugserve.registry.routing.routes import RouteSpec, parse_route
+from plugserve.registry.routing.route_specs import RouteSpec, parse_route
 from plugserve.server.processes import merge
 from plugserve.server.processes.unix import CONTROL_TIMEOUT_S, READ_TIMEOUT_S, Reply, UnixClient
 

@@ -39,17 +39,12 @@ from prometheus_client.registry import Collector
 
 from plugserve.registry.errors import Conflict, InvalidInput, PluginLoadError, Unavailable
 from plugserve.registry.lifecycle.budget import (
-    ALONE,
-    HOST,
     RESERVATION_SLACK_S,
     SAMPLE_S,
     Admission,
-    Cost,
-    Key,
-    Ledger,
-    label,
     resident,
 )
+from plugserve.registry.lifecycle.ledger import ALONE, HOST, Cost, Key, Ledger, label
 from plugserve.registry.lifecycle.registry import Registry
 from plugserve.server.processes.pool import Worker, WorkerPool
 from plugserve.server.processes.unix import READ_TIMEOUT_S, Reply, UnixClient

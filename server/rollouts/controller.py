@@ -32,7 +32,7 @@ from plugserve.registry.fleet.route_store import RouteStore
 from plugserve.registry.routing.figures import WindowFigures
 from plugserve.registry.routing.gates import decide
 from plugserve.registry.routing.rollout import Rollout
-from plugserve.registry.routing.routes import RouteSpec, with_rollout
+from plugserve.registry.routing.route_specs import RouteSpec, with_rollout
 
 log = structlog.get_logger("plugserve.rollouts")
 

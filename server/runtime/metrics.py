@@ -24,11 +24,13 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from plugserve.registry.execution.stats import LATENCY_BUCKETS
 from plugserve.registry.fleet.etcd_store import EtcdRouteStore
 from plugserve.registry.fleet.route_store import RouteStore, RouteTarget
-from plugserve.registry.lifecycle.registry import LifecycleEvent, Registry
+from plugserve.registry.lifecycle.lifecycle_events import LifecycleEvent
+from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.refs import PLUGIN_TYPES
-from plugserve.registry.routing.routes import RouteSpec
+from plugserve.registry.routing.route_specs import RouteSpec
 
 
 class CacheFigures(Protocol):
@@ -65,12 +67,6 @@ class ListenerFigures(Protocol):
 
 
 STATES = ("loading", "ready", "failed", "draining", "unloaded", "available")
-
-# Inference latencies from tens of microseconds to tens of seconds.
-LATENCY_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-)  # fmt: skip
 
 
 class Metrics:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from plugserve.registry.manifest import parse_manifest
-from plugserve.registry.routing.routes import load_routes_file
+from plugserve.registry.routing.route_specs import load_routes_file
 from plugserve.server.config import Settings, load_settings
 from tests.docs.blocks import HOW_TO_MARK, Block, all_blocks, printed, session
 from tests.docs.checks import CHECKS

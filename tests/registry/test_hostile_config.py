@@ -23,7 +23,7 @@ from plugserve.registry.errors import ManifestError, PluginLoadError, RoutesFile
 from plugserve.registry.manifest import RUNNER_KEYS, Manifest, check_runner_keys, load_manifest
 from plugserve.registry.ratelimit import MAX_BURST, MAX_RPS, MIN_RPS, RateLimit
 from plugserve.registry.refs import is_valid_name
-from plugserve.registry.routing.routes import RouteSpecError, load_routes_file, parse_route
+from plugserve.registry.routing.route_specs import RouteSpecError, load_routes_file, parse_route
 from tests.hostile import names, nested, rate_limits, toml_document, values
 
 FAST = settings(

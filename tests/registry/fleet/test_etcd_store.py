@@ -12,7 +12,7 @@ from plugserve.registry.fleet.etcd import EtcdClient
 from plugserve.registry.fleet.etcd_store import EtcdLocation, EtcdRouteStore
 from plugserve.registry.fleet.route_store import Replica
 from plugserve.registry.lifecycle.registry import Registry
-from plugserve.registry.routing.routes import parse_route
+from plugserve.registry.routing.route_specs import parse_route
 from tests.etcd import EtcdProcess
 from tests.helpers import write_add_runner
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from plugserve.registry.errors import ConfigError, Conflict, NotFound, Unavailable
 from plugserve.registry.fleet.route_store import Replica, RouteStore
 from plugserve.registry.lifecycle.registry import Registry
-from plugserve.registry.routing.routes import parse_route
+from plugserve.registry.routing.route_specs import parse_route
 from tests.helpers import write_add_runner
 
 

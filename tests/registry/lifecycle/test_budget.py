@@ -7,14 +7,13 @@ import pytest
 from plugserve.registry.errors import PluginLoadError
 from plugserve.registry.lifecycle import budget as budget_module
 from plugserve.registry.lifecycle.budget import (
-    HOST,
     IN_PROCESS,
     Held,
-    Ledger,
     LocalBudget,
     parse_budget,
     parse_gpu_budget,
 )
+from plugserve.registry.lifecycle.ledger import HOST, Ledger
 
 MIB = 2**20
 

@@ -15,14 +15,12 @@ import pytest
 
 from plugserve.registry.errors import PluginLoadError, Unavailable
 from plugserve.registry.lifecycle.budget import (
-    HOST,
     Admission,
-    Cost,
-    Key,
     LocalBudget,
     release_memory,
     resident,
 )
+from plugserve.registry.lifecycle.ledger import HOST, Cost, Key
 from plugserve.registry.lifecycle.registry import Registry
 from plugserve.registry.types import RequestContext
 from tests.helpers import write_plugin
@@ -211,9 +209,9 @@ async def test_every_admission_is_settled_once_whatever_becomes_of_the_load(
     config: str, outcome: str, state: str, settled: tuple[str, ...],
 ) -> None:  # fmt: skip
     key = write(plugins_dir, "a", config.format(never=tmp_path / "never"))
-    registry = budgeted(plugins_dir, models_dir, 512 * MIB, load_timeout=0.5)
     budget = Recording(outcome)
-    registry.budget = budget
+    registry = budgeted(plugins_dir, models_dir, 512 * MIB, load_timeout=0.5,
+                        budget=lambda _: budget)  # fmt: skip
     try:
         await registry.sync()
         await registry.load(registry.folder_of(key), demanded=True)

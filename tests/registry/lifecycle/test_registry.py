@@ -183,7 +183,7 @@ async def test_routes_file_adds_and_overrides_routes(plugins_dir: Path, registry
         ('[routes.x]\nrunner = { "a@1.0.0" = -1 }\n', "integer from 0"),
         ('[routes.x]\nrunner = { "a@1.0.0" = 1.5 }\n', "integer from 0"),
         ('[routes.x]\nrunner = {}\n', "at least one name@version"),
-        ('[routes.x]\nrunner = "a"\nsticky = "bad header"\n', "sticky: must be an HTTP header"),
+        ('[routes.x]\nrunner = "a"\nsticky = "bad header"\n', "sticky: must match"),
         ("[routes.x]\npreprocess = []\n", "runner: is required"),
         ('[routes.x]\nrunner = "a"\nextra = 1\n', "unknown key"),
         ('[routes.X]\nrunner = "a"\n', "route name must match"),

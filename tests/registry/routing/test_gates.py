@@ -11,7 +11,7 @@ import pytest
 
 from plugserve.registry.routing.figures import COHORTS, WindowFigures
 from plugserve.registry.routing.gates import decide, tail_samples
-from plugserve.registry.routing.routes import parse_route
+from plugserve.registry.routing.route_specs import parse_route
 
 STABLE, CANARY = "m@1.0.0", "m@2.0.0"
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from plugserve.registry.routing.rollout import MAX_HISTORY, parse_rollout
-from plugserve.registry.routing.routes import RouteSpecError, parse_route, with_rollout
+from plugserve.registry.routing.route_specs import RouteSpecError, parse_route, with_rollout
 
 
 def spec(**policy: Any) -> Any:
@@ -106,7 +106,7 @@ def test_the_stable_version_is_the_runner_or_the_other_variant() -> None:
 
 def test_a_rollout_in_the_routes_file_is_refused(tmp_path: Any) -> None:
     from plugserve.registry.errors import RoutesFileError
-    from plugserve.registry.routing.routes import load_routes_file
+    from plugserve.registry.routing.route_specs import load_routes_file
 
     path = tmp_path / "routes.toml"
     path.write_text(
