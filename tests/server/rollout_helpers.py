@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests import helpers
 from tests.helpers import ServerProcess, write_plugin
 
 MODEL = """
@@ -198,16 +199,7 @@ def key_on(server: ServerProcess, variant: str, header: str = "x-user") -> dict[
     raise AssertionError(f"no key lands on {variant}")
 
 
-def until(check: Callable[[], bool], within: float, what: str = "") -> None:
-    """Wait for ``check`` (an assertion failing in it counts as not yet: a replica that has
-    not applied the fleet's change)."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            if check():
-                return
-        except AssertionError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {within} s: {what}")
-        time.sleep(0.05)
+def until(check: Callable[[], object], within: float, what: str = "") -> None:
+    """``tests.helpers.until``, an assertion failing in ``check`` counting as not yet (a
+    replica that has not applied the fleet's change)."""
+    helpers.until(check, within, what, ignoring=(AssertionError,))

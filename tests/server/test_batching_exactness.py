@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from tests.batching_models import dense_model, pair_model, quantized_model, write_model_runner
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, metric
 
 ROUNDS = 20
 CALLS = 48
@@ -100,9 +99,7 @@ def test_a_batch_run_again_one_by_one_is_counted_and_said_once(
     (line,) = log_lines(srv, "batch_fallback")  # an isolated runner's process logs it
     assert "runner/pair@1.0.0" in line and "MatMul" in line
     metrics = srv.request("GET", "/metrics")[2].decode()
-    counted = re.search(r'^plugserve_batch_fallbacks_total\{[^}]*name="pair"[^}]*\} (\S+)$',
-                        metrics, re.M)  # fmt: skip
-    assert counted is not None and float(counted.group(1)) == fallbacks["count"]
+    assert metric(metrics, "plugserve_batch_fallbacks_total", name="pair") == fallbacks["count"]
 
 
 def test_a_load_time_check_turns_batching_off_where_answers_change(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import tritonclient.grpc as grpcclient
 from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import ServerProcess, _save, write_plugin
+from tests.helpers import ServerProcess, _save, until, write_plugin
 
 BAD_REQUESTS = 6
 """More than the runner's ``breaker_failures`` (4): each one counted would open the circuit."""
@@ -228,11 +227,11 @@ def test_a_batch_with_one_refused_request_answers_its_batch_mates(
 
     holder = threading.Thread(target=post, args=(5,))
     holder.start()
-    poll(lambda: runner_row(srv, "lookup")["executions"] == 1, "the holding request runs")
+    until(lambda: runner_row(srv, "lookup")["executions"] == 1, 20, "the holding request runs")
     batch = [threading.Thread(target=post, args=(i,)) for i in (1, 99, 2)]
     for thread in batch:
         thread.start()
-    poll(lambda: runner_row(srv, "lookup")["queued"] == 3, "three requests queued together")
+    until(lambda: runner_row(srv, "lookup")["queued"] == 3, 20, "three requests queued together")
     gate.touch()
     for thread in [holder, *batch]:
         thread.join(30)
@@ -246,11 +245,3 @@ def test_a_batch_with_one_refused_request_answers_its_batch_mates(
     # the holder alone, the batch of three refused, then each of the three alone
     assert (row["executions"], row["batched_rows"]) == (5, 7)
     assert (row["circuit"], row["circuit_trips"]) == ("closed", 0)
-
-
-def poll(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.02)

@@ -2,13 +2,12 @@
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.etcd import EtcdProcess
-from tests.helpers import ServerProcess, wait_until_ok, write_add_runner
+from tests.helpers import ServerProcess, metric, until, wait_until_ok, write_add_runner
 
 pytestmark = pytest.mark.workers(1, 2)
 
@@ -42,15 +41,6 @@ def infer(replica: ServerProcess, user: str | None = None) -> str:
 def put(replica: ServerProcess, entry: dict[str, object]) -> tuple[int, dict[str, object]]:
     status, _, body = replica.request("PUT", "/admin/routes/add", entry)
     return status, json.loads(body)
-
-
-def until(check: Callable[[], bool], within: float) -> float:
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > within:
-            raise AssertionError(f"not true within {within}s")
-        time.sleep(0.005)
-    return time.monotonic() - started
 
 
 def all_switch(fleet: list[ServerProcess], variant: str) -> list[float]:
@@ -98,6 +88,7 @@ def test_a_weight_change_through_one_replica_is_served_by_all_within_a_second(
             r.request("GET", "/admin/routes")[2].count(b'"weight": 50') == 2 for r in fleet
         ),
         1.0,
+        interval=0.005,  # a second to apply a change: polled often
     )
     users = [f"user-{i}" for i in range(200)]
     on_r0 = [infer(fleet[0], u) for u in users]
@@ -136,7 +127,7 @@ def test_losing_etcd_leaves_every_replica_serving_and_sync_resumes_when_it_retur
     assert status == 200, body
     assert max(all_switch(fleet[:2], "add@2.0.0")) < 1.0
     # r2 applied the same revision; lacking 2.0.0, it stays on 1.0.0.
-    until(lambda: len({ready_details(r)["revision"] for r in fleet}) == 1, 1.0)
+    until(lambda: len({ready_details(r)["revision"] for r in fleet}) == 1, 1.0, interval=0.005)
     assert {infer(fleet[2]) for _ in range(20)} == {"add@1.0.0"}
     for replica in fleet:
         assert ready_details(replica)["disconnects"] == 1
@@ -231,7 +222,7 @@ def test_bad_values_in_etcd_leave_every_replica_connected_and_listed(
         _, _, routes = replica.request("GET", "/admin/routes")
         assert sorted(json.loads(routes)["runtime"]["invalid"]) == ["\\xff", "inf"]
         _, _, metrics = replica.request("GET", "/metrics")
-        assert b"plugserve_fleet_invalid_entries 4.0" in metrics
+        assert metric(metrics, "plugserve_fleet_invalid_entries") == 4
     assert infer(second) == "add@1.0.0"
     status, body = put(second, {"runner": "add@2.0.0"})
     assert status == 200, body

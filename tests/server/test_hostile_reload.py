@@ -9,28 +9,18 @@ the version stuck in ``loading``, ``POST /admin/reload`` answered 500, and a bad
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess, write_add_runner
+from tests.helpers import ServerProcess, until, write_add_runner
 
 pytestmark = [pytest.mark.slow, pytest.mark.workers(1, 2)]
 
 INF_LIMIT = "[route]\nrate_limit = { rps = inf }\n"
 X = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0, 0, 0, 0]}]}
-
-
-def until(check: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met in {timeout}s")
-        time.sleep(0.05)
-    return value
 
 
 def get(srv: ServerProcess, path: str) -> Any:
@@ -87,7 +77,8 @@ def test_bad_files_dropped_in_while_running_fail_cleanly_and_are_reported(
     (staging / "plugin.toml").write_text(text)
     staging.rename(staging.with_name("2.0.0"))
     failed = until(
-        lambda: (p := plugin_state(srv, "runner/good@2.0.0")) and p["state"] == "failed" and p
+        lambda: (p := plugin_state(srv, "runner/good@2.0.0")) and p["state"] == "failed" and p,
+        15,
     )
     assert "route.rate_limit.rps" in failed["last_error"]
 
@@ -95,12 +86,13 @@ def test_bad_files_dropped_in_while_running_fail_cleanly_and_are_reported(
     with (deep / "plugin.toml").open("a") as f:
         f.write("[config]\nx = " + "[" * 500 + "]" * 500 + "\n")
     failed = until(
-        lambda: (p := plugin_state(srv, "runner/deep@1.0.0")) and p["state"] == "failed" and p
+        lambda: (p := plugin_state(srv, "runner/deep@1.0.0")) and p["state"] == "failed" and p,
+        15,
     )
     assert "deeper than" in failed["last_error"]
 
     routes.write_text('[routes.alias]\nrunner = "good"\nrate_limit = { rps = inf }\n')
-    error = until(lambda: get(srv, "/admin/routes")["routes_file"]["error"])
+    error = until(lambda: get(srv, "/admin/routes")["routes_file"]["error"], 15)
     assert "rate_limit.rps: must be a finite number" in error
     assert infer(srv, "alias") == 200  # the previous table keeps serving
     status, _, body = srv.request("POST", "/admin/reload")
@@ -114,5 +106,5 @@ def test_bad_files_dropped_in_while_running_fail_cleanly_and_are_reported(
     assert "Traceback" not in srv.log()
 
     routes.write_text('[routes.alias]\nrunner = "good"\nrate_limit = { rps = 100 }\n')
-    until(lambda: get(srv, "/admin/routes")["routes_file"]["error"] is None)
+    until(lambda: get(srv, "/admin/routes")["routes_file"]["error"] is None, 15)
     assert infer(srv, "alias") == 200

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess, add_model, rss_mib, write_plugin
+from tests.helpers import ServerProcess, add_model, metric, rss_mib, until, write_plugin
 
 pytestmark = [pytest.mark.slow, pytest.mark.workers(1, 2)]
 
@@ -78,17 +78,6 @@ def tag(srv: ServerProcess, delay: float = 0, route: str = "tagger") -> tuple[in
     status, _, body = srv.request("POST", f"/predict/{route}", {"delay": [delay]})
     doc = json.loads(body)
     return status, doc["tag"][0] if status == 200 else doc["error"]
-
-
-def until(check: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met in {timeout}s")
-        time.sleep(0.02)
 
 
 def plugins(srv: ServerProcess) -> dict[str, dict[str, Any]]:
@@ -159,11 +148,9 @@ def test_broken_new_version_keeps_the_old_serving_and_is_reported(
     assert "broken on purpose" in row["last_error"]
     assert tag(srv) == (200, "good")
     _, _, metrics = srv.request("GET", "/metrics")
-    assert (
-        b'plugserve_plugin_lifecycle_total{name="tagger",outcome="failed",type="runner"} 1.0'
-        in metrics
-    )
-    assert b'plugserve_plugin_versions{state="failed",type="runner"} 1.0' in metrics
+    failed = {"outcome": "failed", "type": "runner"}
+    assert metric(metrics, "plugserve_plugin_lifecycle_total", name="tagger", **failed) == 1
+    assert metric(metrics, "plugserve_plugin_versions", state="failed", type="runner") == 1
     # The next change is tried again.
     (plugins_dir / "runner/tagger/2.0.0/plugin.py").write_text(TAGGER_SOURCE())
     until(lambda: tag(srv) == (200, "bad"))

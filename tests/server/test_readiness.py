@@ -10,14 +10,13 @@ import json
 import os
 import signal
 import textwrap
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess, write_plugin, write_sequence_runner
+from tests.helpers import ServerProcess, until, write_plugin, write_sequence_runner
 
 ECHO = """
     import numpy as np
@@ -63,14 +62,6 @@ def readiness(srv: ServerProcess) -> dict[str, Any]:
     return json.loads(body)["readiness"]  # type: ignore[no-any-return]
 
 
-def until(check: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"not in {timeout} s: {what}"
-        time.sleep(0.05)
-    return value
-
-
 def predict(srv: ServerProcess, route: str) -> int:
     return srv.request("POST", f"/predict/{route}", {"x": [1.0]})[0]
 
@@ -83,7 +74,7 @@ def test_a_route_that_fails_at_start_keeps_the_server_unready_until_it_serves(
     folder = runner(plugins_dir, "bad", BROKEN)
     srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir), ready=False)
     _, body = until(lambda: (answer := ready(srv))[0] == 503 and "unserved" in answer[1]
-                       and answer, what="the unready answer naming the route")  # fmt: skip
+                       and answer, 20, what="the unready answer naming the route")  # fmt: skip
     assert set(body["unserved"]) == {"bad"}, body
     assert "the weights are missing" in body["unserved"]["bad"]
     assert "strict_readiness" in body["error"]  # the way to a partial start
@@ -92,7 +83,7 @@ def test_a_route_that_fails_at_start_keeps_the_server_unready_until_it_serves(
     assert predict(srv, "good") == 200  # what can serve does
     assert "route_cannot_serve" in srv.log()
     (folder / "plugin.py").write_text(textwrap.dedent(ECHO))
-    until(lambda: ready(srv)[0] == 200, what="ready once the route serves")
+    until(lambda: ready(srv)[0] == 200, 20, what="ready once the route serves")
     assert ready(srv)[1] == {"ready": True}
     assert predict(srv, "bad") == 200
 
@@ -105,11 +96,11 @@ def test_once_ready_a_failed_reload_or_a_bad_drop_never_takes_readiness_away(
     runner(plugins_dir, "other", ECHO)
     srv = server("--plugins-dir", str(plugins_dir), "--models-dir", str(models_dir))
     runner(plugins_dir, "dropped", BROKEN)  # a new route that cannot serve
-    until(lambda: "dropped" in ready(srv)[1].get("unserved", {}), what="the drop reported")
+    until(lambda: "dropped" in ready(srv)[1].get("unserved", {}), 20, what="the drop reported")
     (folder / "plugin.py").write_text(
         textwrap.dedent(BROKEN)
     )  # a reload that fails: 1.0.0 keeps serving
-    until(lambda: "the weights are missing" in json.dumps(plugin(srv, "good")), what="failed")
+    until(lambda: "the weights are missing" in json.dumps(plugin(srv, "good")), 20, what="failed")
     code, body = ready(srv)
     assert code == 200 and set(body["unserved"]) == {"dropped"}, body
     assert predict(srv, "good") == 200 and predict(srv, "other") == 200

@@ -4,8 +4,6 @@ counts its executions into a file."""
 from __future__ import annotations
 
 import json
-import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.helpers import ServerProcess, write_plugin, write_processor
+from tests.helpers import ServerProcess, metric, until, write_plugin, write_processor
 
 pytestmark = pytest.mark.slow
 
@@ -105,26 +103,11 @@ def cache_stats(triton: httpclient.InferenceServerClient, route: str = "count") 
     return entry  # type: ignore[no-any-return]
 
 
-def metric(srv: ServerProcess, series: str) -> float:
-    _, _, body = srv.request("GET", "/metrics")
-    match = re.search(rf"^{re.escape(series)} (\S+)$", body.decode(), re.MULTILINE)
-    assert match is not None, f"no {series} in /metrics"
-    return float(match.group(1))
-
-
 def loaded_at(srv: ServerProcess, label: str) -> str:
     _, _, body = srv.request("GET", "/admin/plugins")
     rows = json.loads(body)["plugins"]
     (row,) = [r for r in rows if f"{r['type']}/{r['name']}@{r['version']}" == label]
     return str(row["loaded_at"])
-
-
-def until(check: Callable[[], Any], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met in {timeout}s")
-        time.sleep(0.05)
 
 
 @pytest.mark.workers(1, 2)
@@ -142,8 +125,8 @@ def test_a_repeated_request_is_a_hit_counted_in_statistics_and_metrics(
     assert stats["cache_hit"]["ns"] > 0
     assert stats["success"]["count"] == 6 and entry["inference_count"] == 6
     assert entry["execution_count"] == misses  # a hit executes nothing
-    assert metric(srv, 'plugserve_response_cache_hits_total{route="count"}') == 6 - misses
-    assert metric(srv, 'plugserve_response_cache_misses_total{route="count"}') == misses
+    assert metric(srv, "plugserve_response_cache_hits_total", route="count") == 6 - misses
+    assert metric(srv, "plugserve_response_cache_misses_total", route="count") == misses
     assert metric(srv, "plugserve_response_cache_entries") == misses
     assert metric(srv, "plugserve_response_cache_bytes") > 0
     # A different input is a miss: computed, then kept.
@@ -171,14 +154,14 @@ def test_a_reload_of_the_runner_invalidates_even_at_the_same_version(
     before = loaded_at(srv, label)
     source = plugins_dir / "runner" / "count" / "1.0.0" / "plugin.py"
     source.write_text(source.read_text() + "\n# edited: the same answer, a new load\n")
-    until(lambda: loaded_at(srv, label) != before)
+    until(lambda: loaded_at(srv, label) != before, 15)
     np.testing.assert_array_equal(infer(srv, [1, 2]), [[2, 4]])
     assert calls(tmp_path) == 2  # computed again by the new load
     infer(srv, [1, 2])
     assert calls(tmp_path) == 2  # and kept
     before = loaded_at(srv, label)
     write_counter(plugins_dir, "count", tmp_path / "count.calls", scale=3)
-    until(lambda: loaded_at(srv, label) != before)
+    until(lambda: loaded_at(srv, label) != before, 15)
     np.testing.assert_array_equal(infer(srv, [1, 2]), [[3, 6]])
 
 
@@ -191,7 +174,7 @@ def test_a_reload_of_a_preprocessor_in_the_chain_invalidates(
     assert calls(tmp_path) == 1
     before = loaded_at(srv, label)
     write_processor(plugins_dir, "preprocessor", "shift", "1.0.0", amount=10)
-    until(lambda: loaded_at(srv, label) != before)
+    until(lambda: loaded_at(srv, label) != before, 15)
     np.testing.assert_array_equal(infer(srv, [1, 2]), [[22, 24]])
     assert calls(tmp_path) == 2
 

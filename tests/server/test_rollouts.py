@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, metric
 from tests.server.rollout_helpers import (
     CRASHING,
     REFUSED,
@@ -84,8 +84,8 @@ def test_a_canary_failing_one_request_in_20_is_rolled_back_within_its_first_step
     assert set(after.served()) == {STABLE} and not after.failures()
     _, _, metrics = srv.request("GET", "/metrics")
     text = metrics.decode()
-    assert 'plugserve_rollout_decisions_total{decision="roll_back",route="m"} 1.0' in text
-    assert 'plugserve_rollout_state{route="m",state="rolled_back"} 1.0' in text
+    assert metric(text, "plugserve_rollout_decisions_total", decision="roll_back", route="m") == 1
+    assert metric(text, "plugserve_rollout_state", route="m", state="rolled_back") == 1
     assert "rollout_roll_back" in srv.log()
 
 
@@ -218,7 +218,7 @@ def test_an_operator_pauses_resumes_and_aborts_a_rollout(
     assert srv.request("POST", "/admin/routes/m/rollout/pause", escape)[0] == 400
     metrics = srv.request("GET", "/metrics")[2].decode()
     for action in ("pause", "resume", "abort"):
-        assert f'plugserve_rollout_decisions_total{{decision="{action}",route="m"}} 1.0' in metrics
+        assert metric(metrics, "plugserve_rollout_decisions_total", decision=action, route="m") == 1
     assert metrics.count("# TYPE plugserve_rollout_decisions_total counter") == 1
 
 

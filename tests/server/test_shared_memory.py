@@ -26,6 +26,7 @@ from tests.helpers import (
     PID_RUNNER,
     ServerProcess,
     identity_model,
+    until,
     write_add_runner,
     write_plugin,
 )
@@ -491,16 +492,6 @@ def _holds(fds: Path, key: str) -> bool:
     return False
 
 
-def _wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):  # a connection a killed worker reset
-            if check():
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout} s: {what}")
-
-
 @pytest.mark.workers(2)
 def test_workers_started_after_the_owner_unlinked_use_the_object_registered(
     server: Callable[..., ServerProcess],
@@ -513,7 +504,8 @@ def test_workers_started_after_the_owner_unlinked_use_the_object_registered(
     (which never saw the objects registered) read and write the objects registered."""
     write_plugin(plugins_dir, "runner", "addpid", "1.0.0", "", {"plugin.py": PID_RUNNER})
     srv = _start(server, plugins_dir, models_dir)
-    _wait_for(lambda: len(_worker_pids(srv)) == 2, 30, "both workers registered")
+    # (an OSError: a connection a starting or killed worker reset, is "not yet")
+    until(lambda: len(_worker_pids(srv)) == 2, 30, "both workers registered", ignoring=(OSError,))
     key_in, key_out = _fresh_keys()
     fd_in, fd_out = owner(key_in, X.tobytes()), owner(key_out, bytes(X.nbytes))
     control = _client(srv)
@@ -524,7 +516,12 @@ def test_workers_started_after_the_owner_unlinked_use_the_object_registered(
     killed = _worker_pids(srv)
     for pid in killed:
         os.kill(pid, signal.SIGKILL)
-    _wait_for(lambda: len(_worker_pids(srv) - killed) == 2, 60, "two new workers serving")
+    until(
+        lambda: len(_worker_pids(srv) - killed) == 2,
+        60,
+        "two new workers serving",
+        ignoring=(OSError,),
+    )
     served: set[int] = set()
     for round in range(6):  # every worker now is one started after the kill
         os.pwrite(fd_in, (X + round).tobytes(), 0)

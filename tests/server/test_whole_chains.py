@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import ServerProcess, processor_source, write_add_runner, write_plugin
+from tests.helpers import ServerProcess, processor_source, until, write_add_runner, write_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +36,6 @@ FAILING_PROCESSOR = """
     def plugserve_create_component(plugin, config):
         raise RuntimeError("no accelerator for this stage")
 """
-
-
-def until(check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met in {timeout}s")
-        time.sleep(0.05)
-    return value
 
 
 def get(srv: ServerProcess, path: str) -> Any:
@@ -110,7 +100,7 @@ class Traffic:
     def more(self, count: int) -> None:
         """Wait until ``count`` more requests have been answered."""
         target = len(self.answers) + count
-        until(lambda: len(self.answers) >= target)
+        until(lambda: len(self.answers) >= target, 20)
 
     def stop(self) -> list[tuple[int, str, float | str]]:
         self._stop.set()
@@ -144,14 +134,16 @@ def test_a_version_pinning_a_missing_processor_waits_and_the_route_moves_when_it
     try:
         traffic.more(5)
         drop(staging, plugins_dir, write_add_runner(staging, "ocr", "2.0.0", 2, ADDONE_PINNED))
-        until(lambda: (plugin_row(srv, "runner/ocr@2.0.0") or {}).get("state") == "ready")
+        until(lambda: (plugin_row(srv, "runner/ocr@2.0.0") or {}).get("state") == "ready", 20)
         traffic.more(20)
         waiting = route(srv, "ocr").get("waiting")
         row = plugin_row(srv, "runner/ocr@2.0.0")
         drop(staging, plugins_dir, write_processor(staging, "addone", "1.0.0"))
         # Ready in every worker: each has rebuilt its table with it, in the same step.
-        until(lambda: (plugin_row(srv, "preprocessor/addone@1.0.0") or {}).get("state") == "ready")
-        until(lambda: traffic.answers[-10:] == [(200, "2.0.0", 3.0)] * 10)
+        until(
+            lambda: (plugin_row(srv, "preprocessor/addone@1.0.0") or {}).get("state") == "ready", 20
+        )
+        until(lambda: traffic.answers[-10:] == [(200, "2.0.0", 3.0)] * 10, 20)
     finally:
         answers = traffic.stop()
     failed = [a for a in answers if a[0] != 200]
@@ -185,7 +177,7 @@ def test_a_floating_stage_whose_only_version_fails_keeps_the_route_on_the_old_ch
     assert (plugin_row(srv, "preprocessor/flaky@1.0.0") or {}).get("state") == "failed"
     floating = '[route]\npreprocess = ["flaky"]\n'
     drop(staging, plugins_dir, write_add_runner(staging, "ocr", "2.0.0", 2, floating))
-    until(lambda: (plugin_row(srv, "runner/ocr@2.0.0") or {}).get("state") == "ready")
+    until(lambda: (plugin_row(srv, "runner/ocr@2.0.0") or {}).get("state") == "ready", 20)
 
     client = grpcclient.InferenceServerClient(srv.grpc_url)
     x = grpcclient.InferInput("x", [1, 4], "FP32")
@@ -212,7 +204,7 @@ def test_a_floating_stage_whose_only_version_fails_keeps_the_route_on_the_old_ch
     assert row["state"] == "UNAVAILABLE" and "ocr@2.0.0 waits for its chain" in row["reason"]
 
     drop(staging, plugins_dir, write_processor(staging, "flaky", "1.1.0"))
-    until(lambda: grpc_infer() == ("2.0.0", 3.0))
+    until(lambda: grpc_infer() == ("2.0.0", 3.0), 20)
     assert route(srv, "ocr")["waiting"] == []
     client.close()
 
@@ -238,5 +230,5 @@ def test_a_first_route_whose_stage_is_missing_says_what_it_waits_for(
         {"runner": "fresh@1.0.0", "waiting_for": ["preprocessor addone@1.0.0 is not installed"]}
     ]
     drop(staging, plugins_dir, write_processor(staging, "addone", "1.0.0"))
-    until(lambda: infer(srv, "fresh") == (200, "1.0.0", 3.0))
+    until(lambda: infer(srv, "fresh") == (200, "1.0.0", 3.0), 20)
     assert route(srv, "fresh")["ready"] is True

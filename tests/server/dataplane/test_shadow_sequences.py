@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 import tritonclient.grpc as grpcclient
 
-from tests.helpers import ServerProcess, write_sequence_runner
+from tests.helpers import ServerProcess, metric, write_sequence_runner
 from tests.server.rollout_helpers import put_rollout, rollout, until, write_config
 
 STABLE, CANARY = "acc@1.0.0", "acc@2.0.0"
@@ -72,10 +71,7 @@ class Sequences:
 
 def shadowed(srv: ServerProcess, outcome: str) -> float:
     """The copies counted with ``outcome`` (``plugserve_shadow_requests_total``)."""
-    _, _, body = srv.request("GET", "/metrics")
-    pattern = rf'plugserve_shadow_requests_total{{outcome="{outcome}",route="acc"}} (\S+)'
-    found = re.search(pattern, body.decode())
-    return float(found.group(1)) if found else 0.0
+    return metric(srv, "plugserve_shadow_requests_total", outcome=outcome, route="acc")
 
 
 def test_a_canary_identical_to_the_stable_version_agrees_on_every_copied_sequence(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess, write_add_runner, write_streaming_runner
+from tests.helpers import ServerProcess, metric, until, write_add_runner, write_streaming_runner
 
 pytestmark = pytest.mark.slow
 
@@ -215,17 +215,7 @@ def test_streams_waiting_for_a_place_are_queued_in_the_metrics(
         _read_events(first, 1)
         with socket.create_connection(("127.0.0.1", proc.port)) as second:
             second.sendall(request)
-            series = 'plugserve_queued{name="one",type="runner",version="1.0.0"}'
-
-            def queued() -> str:
-                lines = proc.request("GET", "/metrics")[2].decode().splitlines()
-                return next((line for line in lines if line.startswith(series)), "")
-
-            deadline = time.monotonic() + 5
-            while queued() != f"{series} 1.0" and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert queued() == f"{series} 1.0"
-    deadline = time.monotonic() + 5
-    while queued() != f"{series} 0.0" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert queued() == f"{series} 0.0"  # both gone: the waiting one left the queue
+            one = {"name": "one", "type": "runner", "version": "1.0.0"}
+            until(lambda: metric(proc, "plugserve_queued", **one) == 1, 5, "the second queued")
+    # both gone: the waiting one left the queue
+    until(lambda: metric(proc, "plugserve_queued", **one) == 0, 5, "the queue empty again")

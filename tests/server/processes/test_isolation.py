@@ -35,7 +35,9 @@ from tests.helpers import (
     ServerProcess,
     alive,
     descendants,
+    metric,
     tree_rss_mib,
+    until,
     write_add_runner,
     write_plugin,
 )
@@ -254,14 +256,6 @@ def plugin_row(srv: ServerProcess, name: str) -> dict[str, Any]:
     return next(p for p in json.loads(raw)["plugins"] if p["name"] == name)
 
 
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.05)
-
-
 @pytest.mark.workers(1, 2)
 def test_a_runner_process_that_dies_fails_its_request_alone_and_comes_back(
     server: Callable[..., ServerProcess], tmp_path: Path
@@ -295,7 +289,7 @@ def test_a_runner_process_that_dies_fails_its_request_alone_and_comes_back(
         assert answer["exit"] == f"killed by {signal_name}"
 
         # Started again (with backoff): the same route answers, from a new process.
-        wait_for(lambda: infer(srv, "crashy", [1.0])[0] == 200, 20, "restarted")
+        until(lambda: infer(srv, "crashy", [1.0])[0] == 200, 20, "restarted")
         again = outputs(infer(srv, "crashy", [1.0])[1])["pid"][0]
         assert again != first
         first = again
@@ -354,12 +348,9 @@ def test_statistics_and_metrics_count_the_processes_executions_once(
     assert sum(size * count for size, count in sizes.items()) == 120
 
     _, _, text = srv.request("GET", "/metrics")
-    series = 'plugserve_executions_total{name="mixer",type="runner",version="1.0.0"}'
-    line = next(li for li in text.decode().splitlines() if li.startswith(series))
-    assert float(line.split()[-1]) == executions
-    count = 'plugserve_batch_size_count{name="mixer",type="runner",version="1.0.0"}'
-    line = next(li for li in text.decode().splitlines() if li.startswith(count))
-    assert float(line.split()[-1]) == executions
+    mixer = {"name": "mixer", "type": "runner", "version": "1.0.0"}
+    assert metric(text, "plugserve_executions_total", **mixer) == executions
+    assert metric(text, "plugserve_batch_size_count", **mixer) == executions
 
 
 def test_each_instance_sees_the_gpu_its_device_names(
@@ -444,9 +435,7 @@ def test_a_runner_that_cannot_start_again_after_a_crash_ends_failed_with_the_rea
     assert code == 500
     assert "killed by SIGKILL" in answer["error"]
     # Started again after 0.5, 1 and 2 s, each start dying: then no more restarts.
-    wait_for(
-        lambda: "failed to start" in infer(srv, "once", [1.0])[1].get("error", ""), 40, "gave up"
-    )
+    until(lambda: "failed to start" in infer(srv, "once", [1.0])[1].get("error", ""), 40, "gave up")
     code, answer = infer(srv, "once", [1.0])
     assert code == 503
     assert "failed to start 3 times in a row" in answer["error"]
@@ -512,7 +501,7 @@ def test_spans_cross_into_the_runner_process(
         lines = spans_file.read_text().splitlines() if spans_file.exists() else []
         return [json.loads(line) for line in lines]
 
-    wait_for(lambda: any(s["name"] == "batch" for s in spans()), 10, "the batch span")
+    until(lambda: any(s["name"] == "batch" for s in spans()), 10, "the batch span")
     by_name = {s["name"]: s for s in spans() if s["trace"] == "4bf92f3577b34da6a3ce929d0e0e4736"}
     stage, queue = by_name["runner add"], by_name["queue"]
     assert stage["pid"] == srv.proc.pid
@@ -567,7 +556,7 @@ def test_a_runner_blocked_in_its_code_ends_with_the_server(
     time.sleep(1.0)
     srv.proc.send_signal(how)
     srv.proc.wait(timeout=30)
-    wait_for(lambda: not any(alive(pid) for pid in started), 10, "every runner process ended")
+    until(lambda: not any(alive(pid) for pid in started), 10, "every runner process ended")
 
 
 @pytest.mark.workers(1, 2)
@@ -604,16 +593,16 @@ def test_a_runner_process_stuck_in_its_code_is_killed_and_started_again(
     assert answer["exit"] == stalled
     assert "runner_process_stalled" in srv.log()
     # Its requests fail as its sockets close, while the kernel may still be tearing it down.
-    wait_for(lambda: not alive(first), 5, "the stuck process ended")
+    until(lambda: not alive(first), 5, "the stuck process ended")
 
-    wait_for(lambda: infer(srv, "stuck", [1.0])[0] == 200, 30, "started again")
+    until(lambda: infer(srv, "stuck", [1.0])[0] == 200, 30, "started again")
     second = plugin_row(srv, "stuck")["pids"][0]
     assert second != first
     code, answer = infer(srv, "stuck", [7.0])  # the new process is watched as well
     assert code == 500, answer
     assert answer["exit"] == stalled
 
-    wait_for(lambda: infer(srv, "stuck", [1.0])[0] == 200, 30, "started again")
+    until(lambda: infer(srv, "stuck", [1.0])[0] == 200, 30, "started again")
     row = plugin_row(srv, "stuck")
     assert row["state"] == "ready"
     assert row["restarts"] == 2
@@ -648,7 +637,7 @@ def test_a_runner_process_stopped_before_the_first_stall_check_is_killed(
     # depended on its phase (every 2 s), and whether that look's ask then counted on the
     # timer's last millisecond: two new processes, each stopped once it is up.
     for _ in range(2):
-        wait_for(lambda: new_pid() is not None, 30, "started again")
+        until(lambda: new_pid() is not None, 30, "started again")
         pid = new_pid()
         assert pid is not None
         seen.add(pid)
@@ -656,13 +645,13 @@ def test_a_runner_process_stopped_before_the_first_stall_check_is_killed(
         stopped = time.monotonic()
         try:
             # A first look within 2 s, its ask unanswered for 2 s: about 4 s (6 to 8 before).
-            wait_for(functools.partial(dead, pid), 5.5, "killed by the stall check")
+            until(functools.partial(dead, pid), 5.5, "killed by the stall check")
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         print(f"killed {time.monotonic() - stopped:.2f} s after the stop")
     assert srv.log().count("runner_process_stalled") == 2
-    wait_for(lambda: infer(srv, "plain", [1.0] * 4)[0] == 200, 30, "started again")
+    until(lambda: infer(srv, "plain", [1.0] * 4)[0] == 200, 30, "started again")
     assert plugin_row(srv, "plain")["restarts"] == 3
 
 
@@ -684,7 +673,7 @@ def test_a_runner_process_stuck_on_its_first_batch_is_killed(
     assert code == 500, answer
     assert answer["exit"] == "killed by SIGKILL: stalled, its event loop did not answer for 6 s"
     assert time.monotonic() - started < 20
-    wait_for(lambda: infer(srv, "stuck", [1.0])[0] == 200, 30, "started again")
+    until(lambda: infer(srv, "stuck", [1.0])[0] == 200, 30, "started again")
 
 
 RECORDER = """
@@ -922,7 +911,7 @@ def test_a_killed_supervisor_answers_its_isolated_runners_requests_503(
     answers: list[tuple[str, str]] = []
     request = threading.Thread(target=lambda: answers.append(ask(srv, front, "slow", 20.0)))
     request.start()
-    wait_for(marker.exists, 15, "the request's batch running in the runner process")
+    until(marker.exists, 15, "the request's batch running in the runner process")
     workers = descendants(srv.proc.pid)
     srv.proc.kill()
     srv.proc.wait()
@@ -931,6 +920,6 @@ def test_a_killed_supervisor_answers_its_isolated_runners_requests_503(
     status, error = answers[0]
     assert status == ("503" if front == "http" else "UNAVAILABLE"), error
     assert "the server is shutting down: its supervisor is not answering" in error
-    wait_for(lambda: not any(alive(pid) for pid in workers), 15, "every worker gone")
+    until(lambda: not any(alive(pid) for pid in workers), 15, "every worker gone")
     assert "Traceback" not in srv.log(), srv.log()
     assert "ClientOSError" not in srv.log()

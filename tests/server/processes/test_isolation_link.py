@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import ServerProcess, write_plugin
+from tests.helpers import ServerProcess, until, write_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -100,10 +100,7 @@ def http(srv: ServerProcess, seconds: float, action: float = 0, **extra: Any) ->
 
 def wait_in_flight(srv: ServerProcess, count: int, timeout: float = 30.0) -> None:
     """Until ``count`` requests are in the runner's stage (sent on the connection)."""
-    deadline = time.monotonic() + timeout
-    while slow_row(srv)["in_flight"] < count:
-        assert time.monotonic() < deadline, f"not {count} requests in flight within {timeout} s"
-        time.sleep(0.05)
+    until(lambda: slow_row(srv)["in_flight"] >= count, timeout, f"{count} requests in flight")
 
 
 def beside_three(srv: ServerProcess, odd: Callable[[], Any], first: bool = False) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, ServerProcess, alive, write_plugin
+from tests.helpers import ROOT, ServerProcess, alive, metric, until, write_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -90,16 +90,9 @@ def children(pid: int) -> set[int]:
     return found
 
 
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except OSError:  # a connection a killed or starting worker reset: ask again
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout}s: {what}")
+def wait_for(check: Callable[[], object], timeout: float, what: str) -> None:
+    """``until``, a connection a killed or starting worker reset counting as not yet."""
+    until(check, timeout, what, ignoring=(OSError,))
 
 
 def two_workers(server: Callable[..., ServerProcess], plugins_dir: Path, models_dir: Path,
@@ -129,11 +122,8 @@ def test_every_worker_serves_and_admin_answers_for_the_whole_server(
     # Counters are summed over the workers, whichever worker is scraped.
     for _ in range(4):
         text = srv.request("GET", "/metrics")[2].decode()
-        counted = re.findall(
-            r'^plugserve_requests_total\{[^}]*route="tagger"[^}]*\} (\S+)$', text, re.M
-        )
-        assert sum(float(v) for v in counted) == 40
-        assert "plugserve_workers 2.0" in text
+        assert metric(text, "plugserve_requests_total", route="tagger") == 40
+        assert metric(text, "plugserve_workers") == 2
     stats = json.loads(srv.request("GET", "/v2/models/tagger/stats")[2])["model_stats"]
     assert [s["inference_count"] for s in stats] == [40]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from plugserve.server.processes.control import errors
 from plugserve.server.processes.pool import Worker, WorkerPool
 from plugserve.server.processes.tree_budget import Entry, TreeBudget
 from plugserve.server.processes.unix import UnixClient
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, metric, until
 from tests.server.test_on_demand import infer, record, write_big
 
 MIB = 2**20
@@ -39,12 +38,6 @@ def memory(srv: ServerProcess) -> dict[str, Any]:
     state = json.loads(body)["memory"]
     assert state is not None
     return state
-
-
-def metric(text: str, name: str) -> float:
-    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    assert found is not None, f"{name} not in /metrics"
-    return float(found.group(1))
 
 
 @pytest.mark.workers(2)
@@ -67,7 +60,7 @@ def test_the_supervisor_keeps_one_budget_for_every_worker(
             assert state["resident_bytes"] <= state["budget_bytes"], state
             assert 1 <= len(state["resident"]) <= 2, state
             # what was held for its first use is given back at the next report
-            assert _until(lambda: memory(srv)["reserved_bytes"] == 0, 5), memory(srv)
+            until(lambda: memory(srv)["reserved_bytes"] == 0, 5, "reserved_bytes back to 0")
     for row in state["resident"]:
         assert 64 * MIB < row["bytes"] < (200 if isolated else 80) * MIB, row
         if isolated:  # the processes every worker shares
@@ -78,11 +71,8 @@ def test_the_supervisor_keeps_one_budget_for_every_worker(
     text = body.decode()
     assert metric(text, "plugserve_memory_budget_bytes") == state["budget_bytes"]
     assert metric(text, "plugserve_memory_resident_versions") == len(state["resident"])
-    assert metric(text, 'plugserve_plugin_loads_total{reason="demand"}') >= 3
-    evictions = sum(
-        float(value)
-        for value in re.findall(r"^plugserve_plugin_evictions_total\{[^}]*\} (\S+)$", text, re.M)
-    )
+    assert metric(text, "plugserve_plugin_loads_total", reason="demand") >= 3
+    evictions = metric(text, "plugserve_plugin_evictions_total")
     assert srv.log().count("plugin_evicted") == evictions >= 1
 
 
@@ -105,7 +95,7 @@ def test_a_version_in_use_is_never_evicted_even_when_least_recently_used(
     )
     thread.start()
     try:
-        assert _until(lambda: record(srv, "a")["in_flight"] >= 1)
+        until(lambda: record(srv, "a")["in_flight"] >= 1, 10, "a's request in flight")
         assert infer(srv, "b")[0] == 200  # a and b fit
         assert infer(srv, "c")[0] == 200  # room: a is older but busy, so b goes
         states = {name: record(srv, name)["state"] for name in "abc"}
@@ -113,15 +103,6 @@ def test_a_version_in_use_is_never_evicted_even_when_least_recently_used(
     finally:
         thread.join(30)
     assert slow == [200]
-
-
-def _until(check: Callable[[], bool], within: float = 10.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # -- the supervisor's accounts, called as workers call them -------------------------------
