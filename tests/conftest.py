@@ -95,3 +95,22 @@ def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
     member = EtcdProcess(tmp_path / "etcd").start()
     yield member
     member.stop()
+
+
+SUBPROCESS_MARKS = ("ServerProcess(", "subprocess.", "EtcdProcess(", "start_server(")
+"""What a test module that starts processes of its own holds."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` every test that starts a process: one that uses the ``server`` or
+    ``etcd`` fixture, or whose module starts processes itself. ``pytest -m "not slow"``
+    is then the fast loop (CONTRIBUTING.md): units and in-process apps only."""
+    started: dict[Path, bool] = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in started:
+            text = path.read_text(encoding="utf-8") if path.suffix == ".py" else ""
+            started[path] = any(mark in text for mark in SUBPROCESS_MARKS)
+        uses = getattr(item, "fixturenames", ())
+        if started[path] or "server" in uses or "etcd" in uses:
+            item.add_marker(pytest.mark.slow)
