@@ -9,6 +9,7 @@ error at start), so nothing read from outside escapes as a stray exception.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import tomllib
@@ -536,3 +537,70 @@ def _reason(kind: str, annotation: Any, value: Any, context: Mapping[str, Any]) 
         return f"{_bounds_wanted(_core(annotation), _bounds(annotation))}, not {shown(value)}"
     wanted_kind = _KINDS_WANTED.get(kind)
     return None if wanted_kind is None else f"must be {wanted_kind}, not {shown(value)}"
+
+
+def with_docstrings(*models: type[pydantic.BaseModel]) -> None:
+    """Give the fields of ``models``, and of the models their fields hold, their attribute
+    docstrings (the string under each field) as descriptions, and rebuild them, for what
+    reads descriptions: a JSON Schema, ``--help``. Each module's source is parsed once, here
+    and not when the models are defined: a process that never shows a schema never
+    parses it."""
+    found: list[type[pydantic.BaseModel]] = []
+    stack = list(models)
+    while stack:
+        model = stack.pop()
+        if model in found:
+            continue
+        found.append(model)
+        for field in model.model_fields.values():
+            for item in _models_in(field.annotation):
+                stack.append(item)
+    by_module: dict[str, dict[str, dict[str, str]]] = {}
+    for model in found:
+        docs = by_module.get(model.__module__)
+        if docs is None:
+            docs = by_module[model.__module__] = _attribute_docs(model.__module__)
+        for klass in model.__mro__:
+            for name, doc in docs.get(klass.__qualname__, {}).items():
+                declared = model.model_fields.get(name)
+                if declared is not None and declared.description is None:
+                    declared.description = doc
+    for model in reversed(found):  # what a model holds first
+        model.model_rebuild(force=True)
+
+
+def _models_in(annotation: Any) -> list[type[pydantic.BaseModel]]:
+    found, stack = [], [annotation]
+    while stack:
+        item = bare(stack.pop())
+        if isinstance(item, type) and issubclass(item, pydantic.BaseModel):
+            found.append(item)
+        else:
+            stack.extend(typing.get_args(item))
+    return found
+
+
+@functools.cache
+def _attribute_docs(module: str) -> dict[str, dict[str, str]]:
+    """``{class name: {field: its docstring}}`` of a module's classes."""
+    import ast
+    import inspect
+    import sys
+
+    tree = ast.parse(inspect.getsource(sys.modules[module]))
+    docs: dict[str, dict[str, str]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        fields = docs.setdefault(node.name, {})
+        for this, after in zip(node.body, node.body[1:], strict=False):
+            documented = (
+                isinstance(this, ast.AnnAssign)
+                and isinstance(this.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            )
+            if documented:
+                fields[this.target.id] = inspect.cleandoc(after.value.value)  # type: ignore[attr-defined]
+    return docs

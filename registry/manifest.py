@@ -198,7 +198,11 @@ Seconds = Annotated[float, Field(ge=0, le=86_400)]
 
 class _Table(BaseModel):
     model_config = ConfigDict(
-        use_attribute_docstrings=True, extra="forbid", strict=True, frozen=True, allow_inf_nan=False
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        allow_inf_nan=False,
+        defer_build=True,  # built on first use: a process that reads no manifest never pays
     )
 
 
@@ -1103,6 +1107,7 @@ def manifest_schema() -> dict[str, Any]:
     """The JSON Schema of ``plugin.toml`` (``docs/schemas/plugin.schema.json``), for editors:
     what no one key says alone (paths inside the folder, axes against shapes) is the
     server's to check."""
+    checks.with_docstrings(_File)
     schema = _File.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     for table in (schema, *schema["$defs"].values()):

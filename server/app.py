@@ -279,7 +279,7 @@ def create_app(
     predict.add_routes(app)
     admin.add_routes(app, through)
     app.router.add_get("/metrics", through or metrics)
-    openapi.add_routes(app, openai_requests.openapi_schemas())
+    openapi.add_routes(app, openai_requests.openapi_schemas)
     if settings.fast_path and not auth.middlewares(settings):  # a token: every call checked
         fast = app[FAST_PATH] = FastPath(
             min(settings.max_body_bytes, LARGE_BODY_BYTES),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from plugserve.registry import checks
 from plugserve.registry.backends import cpu_share
 from plugserve.registry.backends.cpu_share import CpuShare
 from plugserve.registry.errors import ConfigError, PlugserveError
@@ -67,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve the plugins directory over HTTP")
     serve.add_argument("--config", type=Path, help="a TOML settings file")
+    checks.with_docstrings(Settings)  # the flags' help
     for name in FLAGS:
         _setting_flag(serve, name)
 

@@ -94,7 +94,6 @@ class Settings(BaseModel):
         frozen=True,
         extra="forbid",
         strict=True,
-        use_attribute_docstrings=True,
         title="plugserve settings",
     )
 
@@ -374,6 +373,7 @@ _PATHS = frozenset(
 
 def settings_schema() -> dict[str, Any]:
     """The JSON Schema of the settings file (``plugserve.toml``)."""
+    checks.with_docstrings(Settings)
     schema = Settings.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["description"] = "plugserve's settings file (`plugserve serve --config plugserve.toml`)"

@@ -172,7 +172,7 @@ Weights = Annotated[dict[str, Weight], Field(max_length=MAX_CHAIN)]
 
 
 class _Table(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -245,9 +245,10 @@ def _texts(value: Any) -> list[tuple[str, str]]:
     return []
 
 
-def route_entry_schema() -> dict[str, Any]:
+def route_entry_schema(ref_template: str = "#/$defs/{model}") -> dict[str, Any]:
     """The JSON Schema of a route entry (``PUT /admin/routes/{route}``'s body)."""
-    return RouteEntryBody.model_json_schema(ref_template="#/$defs/{model}")
+    checks.with_docstrings(RouteEntryBody)
+    return RouteEntryBody.model_json_schema(ref_template=ref_template)
 
 
 def routes_file_schema() -> dict[str, Any]:

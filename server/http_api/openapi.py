@@ -7,13 +7,15 @@ real server finds no 5xx.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from plugserve.registry.refs import NAME_PATTERN, PLUGIN_TYPES
-from plugserve.registry.routing.route_specs import RouteEntryBody
+from plugserve.registry.routing.route_specs import route_entry_schema
 from plugserve.registry.tensors.datatypes import V2_TO_NUMPY
 from plugserve.server import __version__
 
@@ -80,7 +82,7 @@ ROLLOUT = {
 def _route_entry() -> dict[str, Any]:
     """The route entry's schema (declared in ``route_specs.py``) and the tables it holds,
     as components: ``RouteEntry``, ``StepEntry``, ``RateLimitEntry``."""
-    entry = RouteEntryBody.model_json_schema(ref_template="#/components/schemas/{model}")
+    entry = route_entry_schema("#/components/schemas/{model}")
     tables: dict[str, Any] = entry.pop("$defs", {})
     entry["properties"]["rollout"] = ROLLOUT
     return {"RouteEntry": entry, **tables}
@@ -598,11 +600,15 @@ def document(schemas: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def add_routes(app: web.Application, schemas: dict[str, Any]) -> None:
-    """``GET /openapi.json``, with the components other front ends declare."""
-    body = json.dumps(document(schemas)).encode()
+def add_routes(app: web.Application, schemas: Callable[[], dict[str, Any]]) -> None:
+    """``GET /openapi.json``, with the components other front ends declare (``schemas``,
+    asked on the first request: a server that is never asked builds no schema)."""
+
+    @functools.cache
+    def body() -> bytes:
+        return json.dumps(document(schemas())).encode()
 
     async def openapi(request: web.Request) -> web.Response:
-        return web.Response(body=body, content_type="application/json")
+        return web.Response(body=body(), content_type="application/json")
 
     app.router.add_get("/openapi.json", openapi)

@@ -60,7 +60,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="allow", strict=True, defer_build=True)
 
     model: Annotated[str, Field(min_length=1)]
     """The route that answers."""
@@ -96,7 +96,7 @@ class EmbeddingsBody(_Body):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, defer_build=True)
 
     include_usage: bool = False
     """A last chunk with the request's token counts."""
@@ -131,21 +131,21 @@ class _GenerationBody(_Body):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, defer_build=True)
 
     type: Literal["text"]
     """Text only: a JSON response format is not supported."""
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, defer_build=True)
 
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, defer_build=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -244,6 +244,7 @@ class CompletionsBody(_GenerationBody):
 
 def openapi_schemas() -> dict[str, Any]:
     """The bodies' JSON Schemas, as OpenAPI components (``#/components/schemas/...``)."""
+    checks.with_docstrings(EmbeddingsBody, ChatBody, CompletionsBody)
     _, found = models_json_schema(
         [(EmbeddingsBody, "validation"), (ChatBody, "validation"), (CompletionsBody, "validation")],
         ref_template="#/components/schemas/{model}",
